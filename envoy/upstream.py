@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Demo upstream for redis-guard: answers every request with a small JSON
+document and counts what it executed, so the demo and the tests can see what
+reached the upstream.
+
+  GET /__stats            -> {"requests": N, "byPath": {...}} (not counted)
+  header x-upstream-status -> answer with that status
+  header x-upstream-delay-ms -> wait that long first (bounded to 10 s)
+"""
+import argparse
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+LOCK = threading.Lock()
+STATS = {"requests": 0, "byPath": {}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _serve(self):
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else b""
+        if self.path == "/__stats":
+            with LOCK:
+                out = json.dumps(STATS).encode()
+            return self._reply(200, out)
+        with LOCK:
+            STATS["requests"] += 1
+            STATS["byPath"][self.path] = STATS["byPath"].get(self.path, 0) + 1
+            n = STATS["requests"]
+        delay = min(int(self.headers.get("x-upstream-delay-ms") or 0), 10_000)
+        if delay:
+            time.sleep(delay / 1000)
+        status = int(self.headers.get("x-upstream-status") or 200)
+        out = json.dumps({
+            "method": self.command,
+            "path": self.path,
+            "execution": n,
+            "bodyBytes": len(body),
+        }).encode()
+        self._reply(status, out)
+
+    def _reply(self, status, out):
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    args = p.parse_args()
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    print(f"upstream listening on {args.host}:{args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,635 @@
+//! Plugin configuration: the JSON users write, and the compiled form the
+//! filter uses on every request. Parsing happens once, in `on_configure`;
+//! every rejection names the field it is about.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Largest integer a Lua (double) number holds exactly. The token bucket keeps
+/// `capacity * period_ms` credits, so that product must stay below it.
+const LUA_EXACT_MAX: u64 = 1 << 53;
+
+/// A rejected configuration: which field, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl ConfigError {
+    fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "invalid configuration: {}", self.reason)
+        } else {
+            write!(f, "invalid configuration at `{}`: {}", self.field, self.reason)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+// ---------------------------------------------------------------------------
+// The JSON as written. Unknown fields are errors everywhere: a misspelled key
+// must not silently turn a limit off.
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawConfig {
+    redis: RawRedis,
+    #[serde(default)]
+    key_prefix: Option<String>,
+    #[serde(default)]
+    hash_tag: Vec<RawPart>,
+    #[serde(default)]
+    failure_mode: Option<FailureMode>,
+    #[serde(default)]
+    rate_limit_headers: Option<Vec<HeaderSet>>,
+    #[serde(default)]
+    limits: Vec<RawLimit>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawRedis {
+    cluster: String,
+    #[serde(default)]
+    authority: Option<String>,
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawLimit {
+    name: String,
+    #[serde(default, rename = "match")]
+    matcher: RawMatch,
+    #[serde(default)]
+    descriptor: Vec<RawPart>,
+    #[serde(default)]
+    token_bucket: Option<RawTokenBucket>,
+    #[serde(default)]
+    sliding_window: Option<RawSlidingWindow>,
+    #[serde(default)]
+    cost: Option<u64>,
+    #[serde(default)]
+    cost_header: Option<RawCostHeader>,
+    #[serde(default)]
+    shadow: bool,
+    #[serde(default)]
+    failure_mode: Option<FailureMode>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawMatch {
+    #[serde(default)]
+    path_prefix: Option<String>,
+    #[serde(default)]
+    path_exact: Option<String>,
+    #[serde(default)]
+    methods: Vec<String>,
+    #[serde(default)]
+    host: Option<String>,
+    #[serde(default)]
+    headers: Vec<RawHeaderMatch>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawHeaderMatch {
+    name: String,
+    #[serde(default)]
+    present: Option<bool>,
+    #[serde(default)]
+    exact: Option<String>,
+}
+
+/// One piece of a descriptor: `{"header": "x-user"}`, `{"literal": "free"}`,
+/// `"clientAddress"`, `"path"` or `"method"`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+enum RawPart {
+    Header(String),
+    Literal(String),
+    ClientAddress,
+    Path,
+    Method,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawTokenBucket {
+    capacity: u64,
+    refill: u64,
+    period_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawSlidingWindow {
+    limit: u64,
+    window_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawCostHeader {
+    name: String,
+    max: u64,
+}
+
+// ---------------------------------------------------------------------------
+// The compiled form.
+
+/// What to do with a request when Redis cannot decide it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum FailureMode {
+    /// Fail open: forward the request without the guarantee.
+    #[default]
+    Allow,
+    /// Fail closed: answer 503.
+    Deny,
+}
+
+/// Which families of rate-limit response headers are emitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum HeaderSet {
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers).
+    #[serde(rename = "ietf")]
+    Ietf,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`.
+    #[serde(rename = "x-ratelimit")]
+    XRateLimit,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisTarget {
+    pub cluster: String,
+    pub authority: String,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    Header(String),
+    Literal(String),
+    ClientAddress,
+    Path,
+    Method,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    TokenBucket {
+        capacity: u64,
+        refill: u64,
+        period_ms: u64,
+    },
+    SlidingWindow {
+        limit: u64,
+        window_ms: u64,
+    },
+}
+
+impl Algorithm {
+    /// The most units one request may spend.
+    pub fn quota(&self) -> u64 {
+        match *self {
+            Algorithm::TokenBucket { capacity, .. } => capacity,
+            Algorithm::SlidingWindow { limit, .. } => limit,
+        }
+    }
+
+    /// The policy window in ms: for a token bucket, the time to refill it from
+    /// empty; for a sliding window, the window.
+    pub fn window_ms(&self) -> u64 {
+        match *self {
+            Algorithm::TokenBucket {
+                capacity,
+                refill,
+                period_ms,
+            } => (capacity * period_ms).div_ceil(refill),
+            Algorithm::SlidingWindow { window_ms, .. } => window_ms,
+        }
+    }
+
+    /// The key segment naming the algorithm and every parameter that shapes
+    /// its stored state, so a changed limit starts from a fresh key instead of
+    /// reading a state written under other parameters.
+    pub fn signature(&self) -> String {
+        match *self {
+            Algorithm::TokenBucket {
+                capacity,
+                refill,
+                period_ms,
+            } => format!("tb.{capacity}.{refill}.{period_ms}"),
+            Algorithm::SlidingWindow { limit, window_ms } => format!("sw.{limit}.{window_ms}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u64),
+    /// Read from a request header; `default` when the header is absent.
+    Header {
+        name: String,
+        default: u64,
+        max: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    Any,
+    Prefix(String),
+    Exact(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderCondition {
+    Present(bool),
+    Exact(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matcher {
+    pub path: PathMatch,
+    /// Upper-case; empty means every method.
+    pub methods: Vec<String>,
+    /// Lower-case, without port.
+    pub host: Option<String>,
+    pub headers: Vec<(String, HeaderCondition)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limit {
+    pub name: String,
+    pub matcher: Matcher,
+    pub descriptor: Vec<Part>,
+    pub algorithm: Algorithm,
+    pub cost: Cost,
+    pub shadow: bool,
+    pub failure_mode: FailureMode,
+    /// `:<name>:<signature>:`, precomputed for key building.
+    pub key_infix: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub redis: RedisTarget,
+    pub key_prefix: String,
+    pub hash_tag: Vec<Part>,
+    pub headers_ietf: bool,
+    pub headers_x: bool,
+    pub limits: Vec<Limit>,
+}
+
+pub const DEFAULT_TIMEOUT_MS: u64 = 50;
+pub const DEFAULT_KEY_PREFIX: &str = "rg";
+const MAX_TIMEOUT_MS: u64 = 60_000;
+
+impl Config {
+    /// Parses and validates the plugin configuration.
+    pub fn parse(json: &[u8]) -> Result<Config, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_slice(json);
+        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." { String::new() } else { path };
+            ConfigError::new(field, e.into_inner().to_string())
+        })?;
+        compile(raw)
+    }
+}
+
+fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
+    let redis = compile_redis(raw.redis)?;
+
+    let key_prefix = raw
+        .key_prefix
+        .unwrap_or_else(|| DEFAULT_KEY_PREFIX.to_string());
+    if key_prefix.is_empty() || key_prefix.len() > 64 {
+        return Err(ConfigError::new(
+            "keyPrefix",
+            "must be 1 to 64 characters",
+        ));
+    }
+    // A brace in the prefix would become the Redis Cluster hash tag and put
+    // every key of every tenant into one slot.
+    if key_prefix
+        .bytes()
+        .any(|b| b == b'{' || b == b'}' || !(b.is_ascii_graphic()))
+    {
+        return Err(ConfigError::new(
+            "keyPrefix",
+            "must be printable ASCII without spaces, '{' or '}'",
+        ));
+    }
+
+    let hash_tag = compile_parts(raw.hash_tag, "hashTag")?;
+    let default_failure = raw.failure_mode.unwrap_or_default();
+
+    let (headers_ietf, headers_x) = match raw.rate_limit_headers {
+        None => (true, true),
+        Some(sets) => (
+            sets.contains(&HeaderSet::Ietf),
+            sets.contains(&HeaderSet::XRateLimit),
+        ),
+    };
+
+    let mut limits: Vec<Limit> = Vec::with_capacity(raw.limits.len());
+    for (i, raw_limit) in raw.limits.into_iter().enumerate() {
+        let at = format!("limits[{i}]");
+        let limit = compile_limit(raw_limit, &at, default_failure)?;
+        if limits.iter().any(|l| l.name == limit.name) {
+            return Err(ConfigError::new(
+                format!("{at}.name"),
+                format!("duplicate limit name `{}`", limit.name),
+            ));
+        }
+        limits.push(limit);
+    }
+
+    Ok(Config {
+        redis,
+        key_prefix,
+        hash_tag,
+        headers_ietf,
+        headers_x,
+        limits,
+    })
+}
+
+fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {
+    if raw.cluster.trim().is_empty() {
+        return Err(ConfigError::new(
+            "redis.cluster",
+            "must name the Envoy cluster that fronts Webdis",
+        ));
+    }
+    let timeout_ms = raw.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS);
+    if timeout_ms == 0 || timeout_ms > MAX_TIMEOUT_MS {
+        return Err(ConfigError::new(
+            "redis.timeoutMs",
+            format!("must be between 1 and {MAX_TIMEOUT_MS}"),
+        ));
+    }
+    let authority = raw.authority.unwrap_or_else(|| raw.cluster.clone());
+    if authority.is_empty() {
+        return Err(ConfigError::new("redis.authority", "must not be empty"));
+    }
+    Ok(RedisTarget {
+        cluster: raw.cluster,
+        authority,
+        timeout: Duration::from_millis(timeout_ms),
+    })
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+fn valid_header_name(name: &str) -> bool {
+    // RFC 9110 token characters; pseudo-headers (":authority") are allowed.
+    let body = name.strip_prefix(':').unwrap_or(name);
+    !body.is_empty()
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+fn header_name(name: &str, field: &str) -> Result<String, ConfigError> {
+    if !valid_header_name(name) {
+        return Err(ConfigError::new(
+            field,
+            format!("`{name}` is not a valid header name"),
+        ));
+    }
+    // Envoy keeps header names lower-case.
+    Ok(name.to_ascii_lowercase())
+}
+
+fn compile_parts(raw: Vec<RawPart>, at: &str) -> Result<Vec<Part>, ConfigError> {
+    raw.into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            Ok(match p {
+                RawPart::Header(name) => {
+                    Part::Header(header_name(&name, &format!("{at}[{i}].header"))?)
+                }
+                RawPart::Literal(v) => Part::Literal(v),
+                RawPart::ClientAddress => Part::ClientAddress,
+                RawPart::Path => Part::Path,
+                RawPart::Method => Part::Method,
+            })
+        })
+        .collect()
+}
+
+fn positive(value: u64, field: String) -> Result<u64, ConfigError> {
+    if value == 0 {
+        Err(ConfigError::new(field, "must be at least 1"))
+    } else {
+        Ok(value)
+    }
+}
+
+fn compile_limit(
+    raw: RawLimit,
+    at: &str,
+    default_failure: FailureMode,
+) -> Result<Limit, ConfigError> {
+    if !valid_name(&raw.name) {
+        return Err(ConfigError::new(
+            format!("{at}.name"),
+            "must be 1 to 64 characters of A-Z a-z 0-9 - _ .",
+        ));
+    }
+    let matcher = compile_match(raw.matcher, &format!("{at}.match"))?;
+    let descriptor = compile_parts(raw.descriptor, &format!("{at}.descriptor"))?;
+
+    let algorithm = match (raw.token_bucket, raw.sliding_window) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::new(
+                at,
+                "set exactly one of `tokenBucket` and `slidingWindow`, not both",
+            ))
+        }
+        (None, None) => {
+            return Err(ConfigError::new(
+                at,
+                "set exactly one of `tokenBucket` and `slidingWindow`",
+            ))
+        }
+        (Some(tb), None) => {
+            let capacity = positive(tb.capacity, format!("{at}.tokenBucket.capacity"))?;
+            let refill = positive(tb.refill, format!("{at}.tokenBucket.refill"))?;
+            let period_ms = positive(tb.period_ms, format!("{at}.tokenBucket.periodMs"))?;
+            if capacity.checked_mul(period_ms).is_none_or(|p| p >= LUA_EXACT_MAX) {
+                return Err(ConfigError::new(
+                    format!("{at}.tokenBucket"),
+                    "capacity * periodMs must stay below 2^53 (Lua numbers are doubles)",
+                ));
+            }
+            if refill.checked_mul(period_ms).is_none_or(|p| p >= LUA_EXACT_MAX) {
+                return Err(ConfigError::new(
+                    format!("{at}.tokenBucket"),
+                    "refill * periodMs must stay below 2^53 (Lua numbers are doubles)",
+                ));
+            }
+            Algorithm::TokenBucket {
+                capacity,
+                refill,
+                period_ms,
+            }
+        }
+        (None, Some(sw)) => {
+            let limit = positive(sw.limit, format!("{at}.slidingWindow.limit"))?;
+            let window_ms = positive(sw.window_ms, format!("{at}.slidingWindow.windowMs"))?;
+            // One sorted-set member per admitted unit: bound the memory a key can take.
+            if limit > 1_000_000 {
+                return Err(ConfigError::new(
+                    format!("{at}.slidingWindow.limit"),
+                    "must be at most 1000000 (one sorted-set member per request); use tokenBucket for larger budgets",
+                ));
+            }
+            if window_ms >= LUA_EXACT_MAX {
+                return Err(ConfigError::new(
+                    format!("{at}.slidingWindow.windowMs"),
+                    "is too large",
+                ));
+            }
+            Algorithm::SlidingWindow { limit, window_ms }
+        }
+    };
+
+    let quota = algorithm.quota();
+    let fixed = raw.cost.unwrap_or(1);
+    if fixed == 0 || fixed > quota {
+        return Err(ConfigError::new(
+            format!("{at}.cost"),
+            format!("must be between 1 and the limit's quota ({quota})"),
+        ));
+    }
+    let cost = match raw.cost_header {
+        None => Cost::Fixed(fixed),
+        Some(h) => {
+            let name = header_name(&h.name, &format!("{at}.costHeader.name"))?;
+            if h.max == 0 || h.max > quota {
+                return Err(ConfigError::new(
+                    format!("{at}.costHeader.max"),
+                    format!("must be between 1 and the limit's quota ({quota})"),
+                ));
+            }
+            if fixed > h.max {
+                return Err(ConfigError::new(
+                    format!("{at}.cost"),
+                    "the default cost must not exceed costHeader.max",
+                ));
+            }
+            Cost::Header {
+                name,
+                default: fixed,
+                max: h.max,
+            }
+        }
+    };
+
+    let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
+    Ok(Limit {
+        name: raw.name,
+        matcher,
+        descriptor,
+        algorithm,
+        cost,
+        shadow: raw.shadow,
+        failure_mode: raw.failure_mode.unwrap_or(default_failure),
+        key_infix,
+    })
+}
+
+fn compile_match(raw: RawMatch, at: &str) -> Result<Matcher, ConfigError> {
+    let path = match (raw.path_prefix, raw.path_exact) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::new(
+                at,
+                "set at most one of `pathPrefix` and `pathExact`",
+            ))
+        }
+        (Some(p), None) => {
+            if !p.starts_with('/') {
+                return Err(ConfigError::new(
+                    format!("{at}.pathPrefix"),
+                    "must start with '/'",
+                ));
+            }
+            PathMatch::Prefix(p)
+        }
+        (None, Some(p)) => {
+            if !p.starts_with('/') {
+                return Err(ConfigError::new(
+                    format!("{at}.pathExact"),
+                    "must start with '/'",
+                ));
+            }
+            PathMatch::Exact(p)
+        }
+        (None, None) => PathMatch::Any,
+    };
+    let mut methods = Vec::with_capacity(raw.methods.len());
+    for (i, m) in raw.methods.iter().enumerate() {
+        if m.is_empty() || !m.bytes().all(|b| b.is_ascii_alphabetic()) {
+            return Err(ConfigError::new(
+                format!("{at}.methods[{i}]"),
+                format!("`{m}` is not an HTTP method"),
+            ));
+        }
+        methods.push(m.to_ascii_uppercase());
+    }
+    let host = match raw.host {
+        Some(h) if h.is_empty() => {
+            return Err(ConfigError::new(format!("{at}.host"), "must not be empty"))
+        }
+        Some(h) => Some(h.to_ascii_lowercase()),
+        None => None,
+    };
+    let mut headers = Vec::with_capacity(raw.headers.len());
+    for (i, h) in raw.headers.into_iter().enumerate() {
+        let hat = format!("{at}.headers[{i}]");
+        let name = header_name(&h.name, &format!("{hat}.name"))?;
+        let cond = match (h.present, h.exact) {
+            (Some(p), None) => HeaderCondition::Present(p),
+            (None, Some(v)) => HeaderCondition::Exact(v),
+            _ => {
+                return Err(ConfigError::new(
+                    hat,
+                    "set exactly one of `present` and `exact`",
+                ))
+            }
+        };
+        headers.push((name, cond));
+    }
+    Ok(Matcher {
+        path,
+        methods,
+        host,
+        headers,
+    })
+}

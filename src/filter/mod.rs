@@ -1,0 +1,38 @@
+//! The host-facing layer. [`flow`] drives one request through the rate-limit
+//! decision over the small [`Host`] trait; [`proxy`] (wasm only) implements
+//! that trait with proxy-wasm calls, so everything above it is tested natively.
+
+pub mod flow;
+#[cfg(target_arch = "wasm32")]
+pub mod proxy;
+
+use crate::config::RedisTarget;
+use crate::request::RequestView;
+use crate::response::LocalReply;
+
+/// Counters the filter reports; the host maps them to Envoy stats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Counter {
+    /// Requests a limit applied to (index into `Config::limits`).
+    Checked(usize),
+    Allowed(usize),
+    Rejected(usize),
+    /// A shadow limit that would have rejected.
+    ShadowRejected(usize),
+    RedisCalls,
+    /// EVALSHA found no script and the filter fell back to EVAL.
+    ScriptReloads,
+    RedisErrors,
+    FailureAllowed,
+    FailureDenied,
+}
+
+/// What the filter needs from the proxy for one request.
+pub trait Host: RequestView {
+    /// Sends one Webdis command body to the Redis cluster; returns the callout token.
+    fn dispatch_redis(&mut self, target: &RedisTarget, body: &[u8]) -> Result<u32, String>;
+    fn send_local(&mut self, reply: &LocalReply);
+    fn resume_request(&mut self);
+    fn add_response_header(&mut self, name: &str, value: &str);
+    fn count(&mut self, counter: Counter);
+}

