@@ -46,8 +46,7 @@ $(ENVOY_STAMP):
 deps: rust-deps apt-deps envoy-dep
 
 test: deps build
-	cargo test --lib
-	cargo test --tests -- --test-threads=$(TEST_THREADS)
+	cargo test -- --test-threads=$(TEST_THREADS)
 
 unit:
 	cargo test --lib
@@ -59,6 +58,9 @@ lint: rust-deps
 
 demo: deps build
 	bash envoy/demo.sh
+
+demo-down:
+	bash envoy/demo-down.sh
 
 clean:
 	cargo clean

@@ -56,13 +56,19 @@ class Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # The default listen backlog (5) drops connections under a burst, which
+    # Envoy reports as 503s that have nothing to do with the filter.
+    request_queue_size = 1024
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     args = p.parse_args()
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
-    server.daemon_threads = True
+    server = Server((args.host, args.port), Handler)
     print(f"upstream listening on {args.host}:{args.port}", flush=True)
     server.serve_forever()
 

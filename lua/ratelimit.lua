@@ -17,7 +17,9 @@ Returns a flat array (Webdis' raw output cannot carry nested arrays):
     allowed    1 if this limit alone would admit the request
     remaining  units left after this request (after the charge, if charged)
     retry_ms   0 when allowed; otherwise ms until this limit could admit it
-    reset_ms   allowed: ms until the limit is fully restored;
+    reset_ms   allowed: ms until the limit is fully restored (for the token
+               bucket: full again; for the window: its newest member gone),
+               which is also the key's TTL after a charge;
                rejected: equal to retry_ms, so Retry-After and the reset agree
 
 All-or-nothing: nothing is written unless every enforced limit admits the
@@ -49,6 +51,9 @@ local function tb_check(key, capacity, refill, period, cost)
     credits = full
   elseif now > last then
     credits = math.min(full, credits + (now - last) * refill)
+  else
+    -- Same millisecond, or Redis' clock stepped back (failover): no refill.
+    credits = math.min(full, credits)
   end
   local need = cost * period
   local r = { key = key, credits = credits, need = need, full = full,
@@ -80,16 +85,17 @@ local function sw_check(key, limit, window, cost)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
   local count = redis.call('ZCARD', key)
   local r = { key = key, count = count, cost = cost, window = window }
+  -- The newest member's stamp: members are numbered after it, and the window
+  -- is fully restored once it leaves.
+  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  r.newest_member = newest[1]
+  r.newest = tonumber(newest[2])
   if count + cost <= limit then
     r.allowed = 1
     r.remaining = limit - count - cost
     r.retry = 0
-    local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-    if oldest[2] then
-      r.reset = tonumber(oldest[2]) + window - now
-    else
-      r.reset = window
-    end
+    -- After the charge the newest member is this request's.
+    r.reset = window + math.max(0, (r.newest or now) - now)
   else
     r.allowed = 0
     r.remaining = math.max(0, limit - count)
@@ -110,20 +116,18 @@ local function sw_charge(r)
   -- Members must be unique or same-millisecond requests would collapse into
   -- one. Number them after the newest member; a clock that stepped back keeps
   -- the newest stamp so the log stays ordered.
+  -- The sequence is zero-padded: members of one score sort as strings, so
+  -- the newest member must also be the highest-numbered one.
   local stamp = now
   local seq = 0
-  local newest = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
-  if newest[2] then
-    local score = tonumber(newest[2])
-    if score >= stamp then
-      stamp = score
-      seq = (tonumber(string.match(newest[1], ':(%d+)$')) or 0) + 1
-    end
+  if r.newest and r.newest >= stamp then
+    stamp = r.newest
+    seq = (tonumber(string.match(r.newest_member, ':(%d+)$')) or 0) + 1
   end
   local args = {}
   for i = 0, r.cost - 1 do
     args[#args + 1] = stamp
-    args[#args + 1] = string.format('%d:%d', stamp, seq + i)
+    args[#args + 1] = string.format('%d:%012d', stamp, seq + i)
   end
   redis.call('ZADD', r.key, unpack(args))
   redis.call('PEXPIRE', r.key, r.window + (stamp - now))
@@ -166,7 +170,11 @@ for i = 1, n do
       r.reset = math.ceil((r.full - r.credits) / r.refill)
     else
       r.remaining = r.remaining + r.cost
-      if r.count == 0 then r.reset = 0 end
+      if r.newest then
+        r.reset = math.max(0, r.newest + r.window - now)
+      else
+        r.reset = 0
+      end
     end
   end
   out[#out + 1] = r.allowed

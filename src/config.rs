@@ -32,7 +32,11 @@ impl fmt::Display for ConfigError {
         if self.field.is_empty() {
             write!(f, "invalid configuration: {}", self.reason)
         } else {
-            write!(f, "invalid configuration at `{}`: {}", self.field, self.reason)
+            write!(
+                f,
+                "invalid configuration at `{}`: {}",
+                self.field, self.reason
+            )
         }
     }
 }
@@ -306,13 +310,59 @@ impl Config {
     /// Parses and validates the plugin configuration.
     pub fn parse(json: &[u8]) -> Result<Config, ConfigError> {
         let de = &mut serde_json::Deserializer::from_slice(json);
-        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+        let raw: RawConfig = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
             let path = e.path().to_string();
             let field = if path == "." { String::new() } else { path };
             ConfigError::new(field, e.into_inner().to_string())
         })?;
+        de.end()
+            .map_err(|e| ConfigError::new("", format!("trailing characters: {e}")))?;
+        // serde accepts `[a, b]` for a struct (fields by position); in a config
+        // that silently binds values to whatever field comes first. Only the
+        // list-valued fields may hold arrays.
+        let shape: serde_json::Value = serde_json::from_slice(json)
+            .map_err(|e| ConfigError::new("", format!("not valid JSON: {e}")))?;
+        only_listed_arrays(&shape, "", false)?;
         compile(raw)
     }
+}
+
+/// Fields whose value is a list.
+const LIST_FIELDS: &[&str] = &[
+    "hashTag",
+    "limits",
+    "descriptor",
+    "methods",
+    "headers",
+    "rateLimitHeaders",
+];
+
+fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<(), ConfigError> {
+    match v {
+        serde_json::Value::Array(items) => {
+            if !list_ok {
+                return Err(ConfigError::new(
+                    at,
+                    "expected an object or a value, found an array",
+                ));
+            }
+            for (i, item) in items.iter().enumerate() {
+                only_listed_arrays(item, &format!("{at}[{i}]"), false)?;
+            }
+        }
+        serde_json::Value::Object(map) => {
+            for (k, item) in map {
+                let path = if at.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{at}.{k}")
+                };
+                only_listed_arrays(item, &path, LIST_FIELDS.contains(&k.as_str()))?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
@@ -322,10 +372,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         .key_prefix
         .unwrap_or_else(|| DEFAULT_KEY_PREFIX.to_string());
     if key_prefix.is_empty() || key_prefix.len() > 64 {
-        return Err(ConfigError::new(
-            "keyPrefix",
-            "must be 1 to 64 characters",
-        ));
+        return Err(ConfigError::new("keyPrefix", "must be 1 to 64 characters"));
     }
     // A brace in the prefix would become the Redis Cluster hash tag and put
     // every key of every tenant into one slot.
@@ -378,6 +425,12 @@ fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {
         return Err(ConfigError::new(
             "redis.cluster",
             "must name the Envoy cluster that fronts Webdis",
+        ));
+    }
+    if raw.cluster.trim() != raw.cluster {
+        return Err(ConfigError::new(
+            "redis.cluster",
+            "must not start or end with white space (it names an Envoy cluster)",
         ));
     }
     let timeout_ms = raw.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS);
@@ -482,13 +535,19 @@ fn compile_limit(
             let capacity = positive(tb.capacity, format!("{at}.tokenBucket.capacity"))?;
             let refill = positive(tb.refill, format!("{at}.tokenBucket.refill"))?;
             let period_ms = positive(tb.period_ms, format!("{at}.tokenBucket.periodMs"))?;
-            if capacity.checked_mul(period_ms).is_none_or(|p| p >= LUA_EXACT_MAX) {
+            if capacity
+                .checked_mul(period_ms)
+                .is_none_or(|p| p >= LUA_EXACT_MAX)
+            {
                 return Err(ConfigError::new(
                     format!("{at}.tokenBucket"),
                     "capacity * periodMs must stay below 2^53 (Lua numbers are doubles)",
                 ));
             }
-            if refill.checked_mul(period_ms).is_none_or(|p| p >= LUA_EXACT_MAX) {
+            if refill
+                .checked_mul(period_ms)
+                .is_none_or(|p| p >= LUA_EXACT_MAX)
+            {
                 return Err(ConfigError::new(
                     format!("{at}.tokenBucket"),
                     "refill * periodMs must stay below 2^53 (Lua numbers are doubles)",
@@ -513,7 +572,7 @@ fn compile_limit(
             if window_ms >= LUA_EXACT_MAX {
                 return Err(ConfigError::new(
                     format!("{at}.slidingWindow.windowMs"),
-                    "is too large",
+                    "must stay below 2^53 ms (Lua numbers are doubles)",
                 ));
             }
             Algorithm::SlidingWindow { limit, window_ms }
@@ -573,29 +632,13 @@ fn compile_match(raw: RawMatch, at: &str) -> Result<Matcher, ConfigError> {
                 "set at most one of `pathPrefix` and `pathExact`",
             ))
         }
-        (Some(p), None) => {
-            if !p.starts_with('/') {
-                return Err(ConfigError::new(
-                    format!("{at}.pathPrefix"),
-                    "must start with '/'",
-                ));
-            }
-            PathMatch::Prefix(p)
-        }
-        (None, Some(p)) => {
-            if !p.starts_with('/') {
-                return Err(ConfigError::new(
-                    format!("{at}.pathExact"),
-                    "must start with '/'",
-                ));
-            }
-            PathMatch::Exact(p)
-        }
+        (Some(p), None) => PathMatch::Prefix(match_path(p, &format!("{at}.pathPrefix"))?),
+        (None, Some(p)) => PathMatch::Exact(match_path(p, &format!("{at}.pathExact"))?),
         (None, None) => PathMatch::Any,
     };
     let mut methods = Vec::with_capacity(raw.methods.len());
     for (i, m) in raw.methods.iter().enumerate() {
-        if m.is_empty() || !m.bytes().all(|b| b.is_ascii_alphabetic()) {
+        if m.starts_with(':') || !valid_header_name(m) {
             return Err(ConfigError::new(
                 format!("{at}.methods[{i}]"),
                 format!("`{m}` is not an HTTP method"),
@@ -607,7 +650,19 @@ fn compile_match(raw: RawMatch, at: &str) -> Result<Matcher, ConfigError> {
         Some(h) if h.is_empty() => {
             return Err(ConfigError::new(format!("{at}.host"), "must not be empty"))
         }
-        Some(h) => Some(h.to_ascii_lowercase()),
+        Some(h) => {
+            // Requests are matched on their host without the port.
+            let bare = h.strip_prefix('[').map_or(!h.contains(':'), |v6| {
+                v6.ends_with(']') && !v6.contains('[')
+            });
+            if !bare || h.contains('/') || h.bytes().any(|b| !b.is_ascii_graphic()) {
+                return Err(ConfigError::new(
+                    format!("{at}.host"),
+                    "must be a host name without port, path or spaces (it is compared with the request's host, port removed)",
+                ));
+            }
+            Some(h.to_ascii_lowercase())
+        }
         None => None,
     };
     let mut headers = Vec::with_capacity(raw.headers.len());
@@ -632,4 +687,17 @@ fn compile_match(raw: RawMatch, at: &str) -> Result<Matcher, ConfigError> {
         host,
         headers,
     })
+}
+
+fn match_path(p: String, field: &str) -> Result<String, ConfigError> {
+    if !p.starts_with('/') {
+        return Err(ConfigError::new(field, "must start with '/'"));
+    }
+    if p.contains('?') {
+        return Err(ConfigError::new(
+            field,
+            "must not contain '?': requests are matched on their path without the query string",
+        ));
+    }
+    Ok(p)
 }

@@ -4,6 +4,8 @@
 //! Everything outside [`filter`] is pure logic with no proxy-wasm import, unit
 //! tested natively; [`filter::proxy`] is the only code that talks to the host.
 
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
 pub mod config;
 pub mod filter;
 pub mod keys;

@@ -89,7 +89,11 @@ impl Plan {
             argv.push(b.to_string().into_bytes());
             argv.push(c.to_string().into_bytes());
             argv.push(check.cost.to_string().into_bytes());
-            argv.push(if limit.shadow { b"0".to_vec() } else { b"1".to_vec() });
+            argv.push(if limit.shadow {
+                b"0".to_vec()
+            } else {
+                b"1".to_vec()
+            });
         }
         (keys, argv)
     }
@@ -178,10 +182,8 @@ mod tests {
     use crate::request::fake::FakeRequest;
 
     fn config(limits: &str) -> Config {
-        Config::parse(
-            format!(r#"{{"redis":{{"cluster":"webdis"}},"limits":{limits}}}"#).as_bytes(),
-        )
-        .unwrap()
+        Config::parse(format!(r#"{{"redis":{{"cluster":"webdis"}},"limits":{limits}}}"#).as_bytes())
+            .unwrap()
     }
 
     fn plan(cfg: &Config, req: &FakeRequest) -> Result<Plan, BadRequest> {
@@ -199,9 +201,17 @@ mod tests {
         let p = plan(&cfg, &FakeRequest::new("GET", "/api/x")).unwrap();
         assert_eq!(p.checks.len(), 1, "api limit skipped without x-user");
         assert_eq!(p.checks[0].limit, 1);
-        let p = plan(&cfg, &FakeRequest::new("GET", "/api/x").with("x-user", b"bob")).unwrap();
+        let p = plan(
+            &cfg,
+            &FakeRequest::new("GET", "/api/x").with("x-user", b"bob"),
+        )
+        .unwrap();
         assert_eq!(p.checks.len(), 2);
-        let p = plan(&cfg, &FakeRequest::new("GET", "/other").with("x-user", b"bob")).unwrap();
+        let p = plan(
+            &cfg,
+            &FakeRequest::new("GET", "/other").with("x-user", b"bob"),
+        )
+        .unwrap();
         assert_eq!(p.checks.len(), 1);
     }
 
@@ -231,8 +241,22 @@ mod tests {
         );
         let base = FakeRequest::new("GET", "/");
         assert_eq!(plan(&cfg, &base).unwrap().checks[0].cost, 2);
-        assert_eq!(plan(&cfg, &base.clone().with("x-cost", b"5")).unwrap().checks[0].cost, 5);
-        for bad in [&b"6"[..], b"0", b"-1", b"1.5", b"", b"99999999999999999999999", b"\xff"] {
+        assert_eq!(
+            plan(&cfg, &base.clone().with("x-cost", b"5"))
+                .unwrap()
+                .checks[0]
+                .cost,
+            5
+        );
+        for bad in [
+            &b"6"[..],
+            b"0",
+            b"-1",
+            b"1.5",
+            b"",
+            b"99999999999999999999999",
+            b"\xff",
+        ] {
             let err = plan(&cfg, &base.clone().with("x-cost", bad)).unwrap_err();
             assert!(err.detail.contains("x-cost"), "{}", err.detail);
         }
@@ -247,7 +271,10 @@ mod tests {
         let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
         let (keys, argv) = p.script_args(&cfg);
         assert_eq!(keys.len(), 2);
-        let argv: Vec<String> = argv.into_iter().map(|a| String::from_utf8(a).unwrap()).collect();
+        let argv: Vec<String> = argv
+            .into_iter()
+            .map(|a| String::from_utf8(a).unwrap())
+            .collect();
         assert_eq!(
             argv,
             ["2", "tb", "10", "2", "1000", "1", "1", "sw", "5", "60000", "0", "1", "0"]
@@ -287,13 +314,24 @@ mod tests {
         assert!(!o.admitted);
         assert_eq!(
             o.results[1],
-            LimitResult { allowed: false, remaining: 0, retry_ms: 1500, reset_ms: 1500 }
+            LimitResult {
+                allowed: false,
+                remaining: 0,
+                retry_ms: 1500,
+                reset_ms: 1500
+            }
         );
         assert!(parse_outcome(&reply, 1).is_err());
         assert!(parse_outcome(&Reply::Int(1), 0).is_err());
         let bad = Reply::Array(Some(vec![bulk("2")]));
         assert!(parse_outcome(&bad, 0).is_err());
-        let neg = Reply::Array(Some(vec![bulk("1"), bulk("1"), bulk("-1"), bulk("0"), bulk("0")]));
+        let neg = Reply::Array(Some(vec![
+            bulk("1"),
+            bulk("1"),
+            bulk("-1"),
+            bulk("0"),
+            bulk("0"),
+        ]));
         assert!(parse_outcome(&neg, 1).is_err());
     }
 }

@@ -80,7 +80,7 @@ impl Matcher {
                 }
             }
         }
-        if !self.methods.is_empty() && !self.methods.iter().any(|m| *m == line.method) {
+        if !self.methods.is_empty() && !self.methods.contains(&line.method) {
             return false;
         }
         if let Some(host) = &self.host {

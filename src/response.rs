@@ -25,7 +25,8 @@ fn seconds_up(ms: u64) -> u64 {
 
 /// An RFC 9457 problem document with extra members.
 pub fn problem(status: u32, title: &str, detail: &str, extra: serde_json::Value) -> Vec<u8> {
-    let mut doc = json!({ "type": "about:blank", "title": title, "status": status, "detail": detail });
+    let mut doc =
+        json!({ "type": "about:blank", "title": title, "status": status, "detail": detail });
     if let (Some(doc), serde_json::Value::Object(extra)) = (doc.as_object_mut(), extra) {
         doc.extend(extra);
     }
@@ -73,7 +74,11 @@ fn headline(config: &Config, plan: &Plan, outcome: &Outcome) -> Option<usize> {
 }
 
 /// The rate-limit header fields for this outcome (admitted or rejected).
-pub fn rate_limit_headers(config: &Config, plan: &Plan, outcome: &Outcome) -> Vec<(String, String)> {
+pub fn rate_limit_headers(
+    config: &Config,
+    plan: &Plan,
+    outcome: &Outcome,
+) -> Vec<(String, String)> {
     let mut headers = Vec::new();
     if config.headers_ietf {
         let mut policy = Vec::new();
@@ -105,9 +110,15 @@ pub fn rate_limit_headers(config: &Config, plan: &Plan, outcome: &Outcome) -> Ve
         if let Some(i) = headline(config, plan, outcome) {
             let limit = &config.limits[plan.checks[i].limit];
             let r = &outcome.results[i];
-            headers.push(("x-ratelimit-limit".to_string(), limit.algorithm.quota().to_string()));
+            headers.push((
+                "x-ratelimit-limit".to_string(),
+                limit.algorithm.quota().to_string(),
+            ));
             headers.push(("x-ratelimit-remaining".to_string(), r.remaining.to_string()));
-            headers.push(("x-ratelimit-reset".to_string(), seconds_up(r.reset_ms).to_string()));
+            headers.push((
+                "x-ratelimit-reset".to_string(),
+                seconds_up(r.reset_ms).to_string(),
+            ));
         }
     }
     headers
@@ -143,7 +154,9 @@ pub fn too_many_requests(config: &Config, plan: &Plan, outcome: &Outcome) -> Loc
     reply
         .headers
         .push(("retry-after".to_string(), retry_after.to_string()));
-    reply.headers.extend(rate_limit_headers(config, plan, outcome));
+    reply
+        .headers
+        .extend(rate_limit_headers(config, plan, outcome));
     reply
 }
 
@@ -164,13 +177,22 @@ mod tests {
         )
         .unwrap();
         let checks = (0..3)
-            .map(|i| Check { limit: i, key: vec![], cost: 1 })
+            .map(|i| Check {
+                limit: i,
+                key: vec![],
+                cost: 1,
+            })
             .collect();
         (cfg, Plan { checks })
     }
 
     fn res(allowed: bool, remaining: u64, retry_ms: u64, reset_ms: u64) -> LimitResult {
-        LimitResult { allowed, remaining, retry_ms, reset_ms }
+        LimitResult {
+            allowed,
+            remaining,
+            retry_ms,
+            reset_ms,
+        }
     }
 
     fn get<'a>(h: &'a [(String, String)], name: &str) -> Option<&'a str> {
@@ -182,11 +204,21 @@ mod tests {
         let (cfg, plan) = setup("");
         let outcome = Outcome {
             admitted: true,
-            results: vec![res(true, 3, 0, 7000), res(true, 50, 0, 59_001), res(false, 0, 200, 200)],
+            results: vec![
+                res(true, 3, 0, 7000),
+                res(true, 50, 0, 59_001),
+                res(false, 0, 200, 200),
+            ],
         };
         let h = rate_limit_headers(&cfg, &plan, &outcome);
-        assert_eq!(get(&h, "ratelimit-policy"), Some("\"burst\";q=10;w=10, \"minute\";q=100;w=60"));
-        assert_eq!(get(&h, "ratelimit"), Some("\"burst\";r=3;t=7, \"minute\";r=50;t=60"));
+        assert_eq!(
+            get(&h, "ratelimit-policy"),
+            Some("\"burst\";q=10;w=10, \"minute\";q=100;w=60")
+        );
+        assert_eq!(
+            get(&h, "ratelimit"),
+            Some("\"burst\";r=3;t=7, \"minute\";r=50;t=60")
+        );
         assert_eq!(get(&h, "x-ratelimit-limit"), Some("10"));
         assert_eq!(get(&h, "x-ratelimit-remaining"), Some("3"));
         assert_eq!(get(&h, "x-ratelimit-reset"), Some("7"));
@@ -197,7 +229,11 @@ mod tests {
         let (cfg, plan) = setup("");
         let outcome = Outcome {
             admitted: false,
-            results: vec![res(true, 3, 0, 7000), res(false, 0, 1200, 1200), res(true, 0, 0, 0)],
+            results: vec![
+                res(true, 3, 0, 7000),
+                res(false, 0, 1200, 1200),
+                res(true, 0, 0, 0),
+            ],
         };
         let r = too_many_requests(&cfg, &plan, &outcome);
         assert_eq!(r.status, 429);
@@ -205,7 +241,10 @@ mod tests {
         assert_eq!(get(&r.headers, "x-ratelimit-reset"), Some("2"));
         assert_eq!(get(&r.headers, "x-ratelimit-limit"), Some("100"));
         assert_eq!(get(&r.headers, "x-ratelimit-remaining"), Some("0"));
-        assert_eq!(get(&r.headers, "content-type"), Some("application/problem+json"));
+        assert_eq!(
+            get(&r.headers, "content-type"),
+            Some("application/problem+json")
+        );
         let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
         assert_eq!(body["status"], 429);
         assert_eq!(body["limits"], json!(["minute"]));
@@ -216,7 +255,11 @@ mod tests {
     fn header_sets_are_configurable() {
         let outcome = Outcome {
             admitted: true,
-            results: vec![res(true, 3, 0, 7000), res(true, 50, 0, 59_001), res(true, 0, 0, 0)],
+            results: vec![
+                res(true, 3, 0, 7000),
+                res(true, 50, 0, 59_001),
+                res(true, 0, 0, 0),
+            ],
         };
         let (cfg, plan) = setup(r#""rateLimitHeaders":["x-ratelimit"],"#);
         let h = rate_limit_headers(&cfg, &plan, &outcome);

@@ -34,6 +34,9 @@ mod tests {
         assert_eq!(RATELIMIT.sha1.len(), 40);
         assert!(RATELIMIT.source.starts_with("--[[ redis-guard"));
         // The well-known SHA-1 of the empty script, as Redis computes it.
-        assert_eq!(Script::new("").sha1, "da39a3ee5e6b4b0d3255bfef95601890afd80709");
+        assert_eq!(
+            Script::new("").sha1,
+            "da39a3ee5e6b4b0d3255bfef95601890afd80709"
+        );
     }
 }

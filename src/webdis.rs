@@ -13,7 +13,8 @@ const ARG: &AsciiSet = NON_ALPHANUMERIC;
 
 /// The POST body that runs `command args…` through Webdis, asking for RESP.
 pub fn command_body(command: &str, args: &[&[u8]]) -> Vec<u8> {
-    let mut body = Vec::with_capacity(command.len() + 8 + args.iter().map(|a| a.len() * 3 + 1).sum::<usize>());
+    let mut body =
+        Vec::with_capacity(command.len() + 8 + args.iter().map(|a| a.len() * 3 + 1).sum::<usize>());
     body.extend_from_slice(command.as_bytes());
     for arg in args {
         body.push(b'/');
@@ -108,8 +109,14 @@ fn parse_at(input: &[u8], depth: usize) -> Result<(Reply, usize), ReplyError> {
     let (head, head_len) = line(rest)?;
     let consumed = 1 + head_len;
     match tag {
-        b'+' => Ok((Reply::Status(String::from_utf8_lossy(head).into_owned()), consumed)),
-        b'-' => Ok((Reply::Error(String::from_utf8_lossy(head).into_owned()), consumed)),
+        b'+' => Ok((
+            Reply::Status(String::from_utf8_lossy(head).into_owned()),
+            consumed,
+        )),
+        b'-' => Ok((
+            Reply::Error(String::from_utf8_lossy(head).into_owned()),
+            consumed,
+        )),
         b':' => Ok((Reply::Int(int(head)?), consumed)),
         b'$' => {
             let n = int(head)?;
@@ -156,7 +163,10 @@ mod tests {
 
     #[test]
     fn encodes_every_special_byte() {
-        let body = command_body("EVALSHA", &[b"ab", b"a/b.c%d+e?f g", &[0, 0xff], "é".as_bytes()]);
+        let body = command_body(
+            "EVALSHA",
+            &[b"ab", b"a/b.c%d+e?f g", &[0, 0xff], "é".as_bytes()],
+        );
         assert_eq!(
             String::from_utf8(body).unwrap(),
             "EVALSHA/ab/a%2Fb%2Ec%25d%2Be%3Ff%20g/%00%FF/%C3%A9.raw"
@@ -171,7 +181,9 @@ mod tests {
     #[test]
     fn parses_webdis_array_of_bulk_integers() {
         let r = parse_reply(b"*3\r\n$1\r\n1\r\n$2\r\n-5\r\n:7\r\n").unwrap();
-        let Reply::Array(Some(items)) = r else { panic!("not an array") };
+        let Reply::Array(Some(items)) = r else {
+            panic!("not an array")
+        };
         let ints: Vec<_> = items.iter().map(|i| i.as_int().unwrap()).collect();
         assert_eq!(ints, vec![1, -5, 7]);
     }

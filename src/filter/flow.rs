@@ -20,8 +20,13 @@ pub enum Verdict {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Idle,
-    /// Waiting for Webdis; `eval` is true once the EVALSHA fallback was taken.
-    AwaitingRedis { token: u32, eval: bool },
+    /// Waiting for Webdis; `eval` is true once the EVALSHA fallback was taken,
+    /// `retried` once the single retry after a Webdis 503 was spent.
+    AwaitingRedis {
+        token: u32,
+        eval: bool,
+        retried: bool,
+    },
     Done,
 }
 
@@ -68,13 +73,13 @@ impl Flow {
         for check in &self.plan.checks {
             host.count(Counter::Checked(check.limit));
         }
-        match self.call(host, false) {
+        match self.call(host, false, false) {
             Ok(()) => Verdict::Pause,
             Err(why) => self.fail(host, &why, false),
         }
     }
 
-    fn call<H: Host>(&mut self, host: &mut H, eval: bool) -> Result<(), String> {
+    fn call<H: Host>(&mut self, host: &mut H, eval: bool, retried: bool) -> Result<(), String> {
         let (keys, argv) = self.plan.script_args(&self.config);
         let nkeys = keys.len().to_string();
         let mut args: Vec<&[u8]> = Vec::with_capacity(2 + keys.len() + argv.len());
@@ -91,7 +96,11 @@ impl Flow {
         let body = command_body(command, &args);
         host.count(Counter::RedisCalls);
         let token = host.dispatch_redis(&self.config.redis, &body)?;
-        self.phase = Phase::AwaitingRedis { token, eval };
+        self.phase = Phase::AwaitingRedis {
+            token,
+            eval,
+            retried,
+        };
         Ok(())
     }
 
@@ -119,7 +128,12 @@ impl Flow {
     }
 
     pub fn on_callout_reply<H: Host>(&mut self, host: &mut H, token: u32, reply: CalloutReply) {
-        let Phase::AwaitingRedis { token: want, eval } = self.phase else {
+        let Phase::AwaitingRedis {
+            token: want,
+            eval,
+            retried,
+        } = self.phase
+        else {
             return;
         };
         if token != want {
@@ -127,6 +141,16 @@ impl Flow {
         }
         match reply.status {
             Some(200) => {}
+            // 503 is Webdis (or Envoy) saying the command never reached Redis,
+            // e.g. the first call on a pooled connection to a restarted Redis:
+            // running it again cannot double-charge, so retry once.
+            Some(503) if !retried => {
+                host.count(Counter::RedisRetries);
+                if let Err(e) = self.call(host, eval, true) {
+                    self.fail(host, &e, true);
+                }
+                return;
+            }
             Some(s) => {
                 self.fail(host, &format!("webdis answered HTTP {s}"), true);
                 return;
@@ -148,7 +172,7 @@ impl Flow {
             // both runs and caches the script, so this costs one extra trip once.
             if parsed.error_kind() == Some("NOSCRIPT") && !eval {
                 host.count(Counter::ScriptReloads);
-                if let Err(e) = self.call(host, true) {
+                if let Err(e) = self.call(host, true, retried) {
                     self.fail(host, &e, true);
                 }
                 return;
@@ -217,7 +241,8 @@ mod tests {
             let mut h = FakeHost::default();
             h.headers.insert(":method".into(), b"GET".to_vec());
             h.headers.insert(":path".into(), path.as_bytes().to_vec());
-            h.headers.insert(":authority".into(), b"example.com".to_vec());
+            h.headers
+                .insert(":authority".into(), b"example.com".to_vec());
             h
         }
     }
@@ -236,7 +261,8 @@ mod tests {
             if self.dispatch_fails {
                 return Err("no cluster".into());
             }
-            self.dispatched.push(String::from_utf8_lossy(body).into_owned());
+            self.dispatched
+                .push(String::from_utf8_lossy(body).into_owned());
             Ok(self.dispatched.len() as u32)
         }
         fn send_local(&mut self, reply: &LocalReply) {
@@ -266,7 +292,10 @@ mod tests {
     }
 
     fn ok(body: &[u8]) -> CalloutReply {
-        CalloutReply { status: Some(200), body: body.to_vec() }
+        CalloutReply {
+            status: Some(200),
+            body: body.to_vec(),
+        }
     }
 
     const ADMIT: &[u8] = b"*5\r\n$1\r\n1\r\n$1\r\n1\r\n$1\r\n1\r\n$1\r\n0\r\n$4\r\n1000\r\n";
@@ -291,7 +320,10 @@ mod tests {
         assert_eq!(h.resumed, 1);
         assert!(h.sent.is_empty());
         f.on_response_headers(&mut h);
-        assert!(h.added.iter().any(|(n, v)| n == "x-ratelimit-remaining" && v == "1"));
+        assert!(h
+            .added
+            .iter()
+            .any(|(n, v)| n == "x-ratelimit-remaining" && v == "1"));
         assert!(h.counters.contains(&Counter::Allowed(0)));
     }
 
@@ -304,7 +336,10 @@ mod tests {
         assert_eq!(h.resumed, 0);
         assert_eq!(h.sent.len(), 1);
         assert_eq!(h.sent[0].status, 429);
-        assert!(h.sent[0].headers.iter().any(|(n, v)| n == "retry-after" && v == "1"));
+        assert!(h.sent[0]
+            .headers
+            .iter()
+            .any(|(n, v)| n == "retry-after" && v == "1"));
         assert!(h.counters.contains(&Counter::Rejected(0)));
     }
 
@@ -339,9 +374,18 @@ mod tests {
     #[test]
     fn failures_follow_the_failure_mode() {
         let bad_replies = [
-            CalloutReply { status: None, body: vec![] },
-            CalloutReply { status: Some(503), body: vec![] },
-            CalloutReply { status: Some(403), body: b"forbidden".to_vec() },
+            CalloutReply {
+                status: None,
+                body: vec![],
+            },
+            CalloutReply {
+                status: Some(502),
+                body: vec![],
+            },
+            CalloutReply {
+                status: Some(403),
+                body: b"forbidden".to_vec(),
+            },
             ok(b"-BUSY Redis is busy running a script\r\n"),
             ok(b"{\"EVALSHA\":[1]}"),
             ok(b"*1\r\n$1\r\n1\r\n"),
@@ -363,6 +407,30 @@ mod tests {
             assert_eq!(h.sent.len(), 1);
             assert_eq!(h.sent[0].status, 503);
         }
+    }
+
+    #[test]
+    fn a_webdis_503_is_retried_once_then_fails() {
+        let unavailable = || CalloutReply {
+            status: Some(503),
+            body: vec![],
+        };
+        let mut f = flow("deny");
+        let mut h = FakeHost::get("/api/x");
+        f.on_request_headers(&mut h);
+        f.on_callout_reply(&mut h, 1, unavailable());
+        assert_eq!(h.dispatched.len(), 2);
+        assert_eq!(h.dispatched[0], h.dispatched[1], "the same command again");
+        f.on_callout_reply(&mut h, 2, ok(ADMIT));
+        assert_eq!((h.resumed, h.sent.len()), (1, 0));
+
+        let mut f = flow("deny");
+        let mut h = FakeHost::get("/api/x");
+        f.on_request_headers(&mut h);
+        f.on_callout_reply(&mut h, 1, unavailable());
+        f.on_callout_reply(&mut h, 2, unavailable());
+        assert_eq!(h.dispatched.len(), 2, "one retry only");
+        assert_eq!(h.sent[0].status, 503);
     }
 
     #[test]

@@ -22,6 +22,8 @@ pub enum Counter {
     RedisCalls,
     /// EVALSHA found no script and the filter fell back to EVAL.
     ScriptReloads,
+    /// A call repeated after Webdis answered 503 (command not executed).
+    RedisRetries,
     RedisErrors,
     FailureAllowed,
     FailureDenied,

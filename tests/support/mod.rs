@@ -16,13 +16,28 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// A port the kernel just handed out on 127.0.0.1 (released for the caller).
+/// A free port on 127.0.0.1 for a server to bind. Ports come from below the
+/// kernel's ephemeral range (so no client socket takes one meanwhile), and a
+/// per-process counter hands each out once, so parallel tests never race for
+/// the same port the way two `bind(0)`-then-release calls can.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::AtomicU32;
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        (std::process::id().wrapping_mul(97)) % SPAN,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port on 127.0.0.1");
 }
 
 pub fn wait_for_port(port: u16, what: &str, deadline: Duration) {
@@ -67,11 +82,13 @@ pub struct Proc {
 
 impl Proc {
     pub fn spawn(name: &str, cmd: &mut Command) -> Proc {
-        let child = cmd
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}; run `make test`, which installs it"));
-        Proc { name: name.to_string(), child: Some(child) }
+        let child = cmd.stdin(Stdio::null()).spawn().unwrap_or_else(|e| {
+            panic!("cannot start {name} ({cmd:?}): {e}; run `make test`, which installs it")
+        });
+        Proc {
+            name: name.to_string(),
+            child: Some(child),
+        }
     }
 
     pub fn kill(&mut self) {
@@ -240,10 +257,35 @@ impl Webdis {
         std::fs::write(&path, conf).unwrap();
         let proc = Proc::spawn(
             "webdis",
-            Command::new(on_path("webdis")).arg(&path).stdout(Stdio::null()),
+            Command::new(on_path("webdis"))
+                .arg(&path)
+                .stdout(Stdio::null()),
         );
         wait_for_port(port, "webdis", Duration::from_secs(10));
-        Webdis { port, proc, _dir: dir }
+        Webdis {
+            port,
+            proc,
+            _dir: dir,
+        }
+    }
+}
+
+impl Webdis {
+    /// Polls Webdis until a command reaches Redis (bounded to 10 s).
+    pub fn wait_until_redis_answers(&self) {
+        let start = Instant::now();
+        let url = format!("http://127.0.0.1:{}/", self.port);
+        while start.elapsed() < Duration::from_secs(10) {
+            if http("POST", &url, &[], Some(b"EVAL/return%201/0.raw")).status == 200 {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("webdis did not reach redis within 10s");
+    }
+
+    pub fn stop(&mut self) {
+        self.proc.kill();
     }
 }
 
@@ -296,7 +338,10 @@ impl Envoy {
                 ("UPSTREAM_PORT", upstream_port.to_string()),
                 ("WEBDIS_PORT", webdis_port.to_string()),
                 ("WASM_PATH", wasm_path().display().to_string()),
-                ("FILTER_CONFIG", serde_json::to_string(filter_config).unwrap()),
+                (
+                    "FILTER_CONFIG",
+                    serde_json::to_string(filter_config).unwrap(),
+                ),
             ],
         );
         let conf = dir.0.join("envoy.yaml");
@@ -307,7 +352,13 @@ impl Envoy {
             Command::new(envoy_bin())
                 .arg("-c")
                 .arg(&conf)
-                .args(["--concurrency", "2", "--disable-hot-restart", "--log-level", "warn"])
+                .args([
+                    "--concurrency",
+                    "2",
+                    "--disable-hot-restart",
+                    "--log-level",
+                    "warn",
+                ])
                 .stdout(log.try_clone().unwrap())
                 .stderr(log),
         );
@@ -320,15 +371,30 @@ impl Envoy {
                 );
             }
             let ready = TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
-                && http("GET", &format!("http://127.0.0.1:{admin_port}/ready"), &[], None).status == 200
+                && http(
+                    "GET",
+                    &format!("http://127.0.0.1:{admin_port}/ready"),
+                    &[],
+                    None,
+                )
+                .status
+                    == 200
                 && TcpStream::connect(("127.0.0.1", port)).is_ok();
             if ready {
                 break;
             }
-            assert!(start.elapsed() < Duration::from_secs(30), "envoy not ready within 30s");
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "envoy not ready within 30s"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Envoy { port, admin_port, proc, dir }
+        Envoy {
+            port,
+            admin_port,
+            proc,
+            dir,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -343,7 +409,11 @@ impl Envoy {
     pub fn counter(&self, name: &str) -> u64 {
         let r = http(
             "GET",
-            &format!("http://127.0.0.1:{}/stats?filter=^wasmcustom\\.{}$", self.admin_port, name.replace('.', "\\.")),
+            &format!(
+                "http://127.0.0.1:{}/stats?filter=^wasmcustom\\.{}$",
+                self.admin_port,
+                name.replace('.', "\\.")
+            ),
             &[],
             None,
         );
@@ -375,7 +445,12 @@ impl Stack {
         let envoys = (0..envoys)
             .map(|_| Envoy::start(filter_config, webdis.port, upstream.port))
             .collect();
-        Stack { envoys, upstream, webdis, redis }
+        Stack {
+            envoys,
+            upstream,
+            webdis,
+            redis,
+        }
     }
 
     pub fn envoy(&self) -> &Envoy {
@@ -413,7 +488,13 @@ pub fn agent() -> ureq::Agent {
         .build()
 }
 
-pub fn http_with(agent: &ureq::Agent, method: &str, url: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Resp {
+pub fn http_with(
+    agent: &ureq::Agent,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> Resp {
     let mut req = agent.request(method, url);
     for (n, v) in headers {
         req = req.set(n, v);
@@ -440,7 +521,11 @@ pub fn http_with(agent: &ureq::Agent, method: &str, url: &str, headers: &[(&str,
         .collect();
     let mut body = Vec::new();
     resp.into_reader().read_to_end(&mut body).unwrap();
-    Resp { status, headers, body }
+    Resp {
+        status,
+        headers,
+        body,
+    }
 }
 
 pub fn http(method: &str, url: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Resp {
@@ -456,7 +541,8 @@ pub fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
 pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    let mut req = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n").into_bytes();
+    let mut req =
+        format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n").into_bytes();
     for (n, v) in headers {
         req.extend_from_slice(n.as_bytes());
         req.extend_from_slice(b": ");

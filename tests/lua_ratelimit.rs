@@ -1,0 +1,1163 @@
+//! `lua/ratelimit.lua` against a real redis-server: the KEYS/ARGV/reply
+//! contract documented in the script's header, exact arithmetic for both
+//! algorithms, all-or-nothing charging, TTLs, and atomicity under concurrency.
+//!
+//! Redis TIME cannot be mocked. Exact assertions therefore use state written
+//! beforehand: a token bucket whose `t` lies in the future gets no refill; one
+//! whose `t` lies far in the past is full; a slow refill (one token per minute)
+//! keeps `floor()` results stable against a few ms of slop. Where the reply
+//! depends on the script's own clock, it is bounded by TIME read before and
+//! after the call.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use redis::Connection;
+
+const SCRIPT: &str = include_str!("../lua/ratelimit.lua");
+
+/// One minute: the window of most sliding-window tests, and the period of the
+/// slow token buckets.
+const MINUTE: i64 = 60_000;
+
+// ---------------------------------------------------------------------------
+// Calling the script
+
+/// One limit as the script takes it: six ARGV values.
+#[derive(Debug, Clone)]
+struct Limit {
+    key: String,
+    alg: &'static str,
+    a: i64,
+    b: i64,
+    c: i64,
+    cost: i64,
+    enforce: bool,
+}
+
+/// Token bucket: `capacity` tokens, `refill` tokens every `period_ms`.
+fn tb(key: &str, capacity: i64, refill: i64, period_ms: i64) -> Limit {
+    Limit {
+        key: key.to_string(),
+        alg: "tb",
+        a: capacity,
+        b: refill,
+        c: period_ms,
+        cost: 1,
+        enforce: true,
+    }
+}
+
+/// Sliding-window log: `limit` requests per `window_ms`.
+fn sw(key: &str, limit: i64, window_ms: i64) -> Limit {
+    Limit {
+        key: key.to_string(),
+        alg: "sw",
+        a: limit,
+        b: window_ms,
+        c: 0,
+        cost: 1,
+        enforce: true,
+    }
+}
+
+impl Limit {
+    fn cost(mut self, cost: i64) -> Limit {
+        self.cost = cost;
+        self
+    }
+
+    fn shadow(mut self) -> Limit {
+        self.enforce = false;
+        self
+    }
+}
+
+/// One limit's verdict: four integers of the reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Verdict {
+    allowed: bool,
+    remaining: i64,
+    retry_ms: i64,
+    reset_ms: i64,
+}
+
+/// An admitting verdict (retry is always 0).
+fn admits(remaining: i64, reset_ms: i64) -> Verdict {
+    Verdict {
+        allowed: true,
+        remaining,
+        retry_ms: 0,
+        reset_ms,
+    }
+}
+
+/// A rejecting verdict (reset always equals retry).
+fn rejects(remaining: i64, retry_ms: i64) -> Verdict {
+    Verdict {
+        allowed: false,
+        remaining,
+        retry_ms,
+        reset_ms: retry_ms,
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Reply {
+    admitted: bool,
+    limits: Vec<Verdict>,
+}
+
+fn eval_cmd(limits: &[Limit]) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(SCRIPT);
+    with_args(cmd, limits)
+}
+
+/// EVALSHA of the script loaded by `load_script` (as the filter calls it):
+/// far less to send and hash per call than EVAL.
+fn evalsha_cmd(sha: &str, limits: &[Limit]) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha);
+    with_args(cmd, limits)
+}
+
+fn load_script(con: &mut Connection) -> String {
+    redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(SCRIPT)
+        .query(con)
+        .unwrap()
+}
+
+/// Appends numkeys, KEYS and ARGV in the script's documented order.
+fn with_args(mut cmd: redis::Cmd, limits: &[Limit]) -> redis::Cmd {
+    cmd.arg(limits.len());
+    for l in limits {
+        cmd.arg(&l.key);
+    }
+    cmd.arg(limits.len());
+    for l in limits {
+        cmd.arg(l.alg)
+            .arg(l.a)
+            .arg(l.b)
+            .arg(l.c)
+            .arg(l.cost)
+            .arg(if l.enforce { "1" } else { "0" });
+    }
+    cmd
+}
+
+fn parse(raw: &[i64], n: usize) -> Reply {
+    assert_eq!(raw.len(), 1 + 4 * n, "reply length for {n} limits: {raw:?}");
+    let flag = |v: i64| match v {
+        0 => false,
+        1 => true,
+        _ => panic!("expected 0 or 1, got {v} in {raw:?}"),
+    };
+    Reply {
+        admitted: flag(raw[0]),
+        limits: raw[1..]
+            .chunks_exact(4)
+            .map(|c| Verdict {
+                allowed: flag(c[0]),
+                remaining: c[1],
+                retry_ms: c[2],
+                reset_ms: c[3],
+            })
+            .collect(),
+    }
+}
+
+fn eval(con: &mut Connection, limits: &[Limit]) -> Reply {
+    let raw: Vec<i64> = eval_cmd(limits)
+        .query(con)
+        .unwrap_or_else(|e| panic!("EVAL failed for {limits:?}: {e}"));
+    parse(&raw, limits.len())
+}
+
+/// EVAL with hand-made KEYS and ARGV, for the contract errors.
+fn eval_raw(
+    con: &mut Connection,
+    keys: &[&str],
+    argv: &[&str],
+) -> redis::RedisResult<redis::Value> {
+    redis::cmd("EVAL")
+        .arg(SCRIPT)
+        .arg(keys.len())
+        .arg(keys)
+        .arg(argv)
+        .query(con)
+}
+
+// ---------------------------------------------------------------------------
+// Reading and writing state directly
+
+/// Redis TIME in ms, computed exactly as the script does.
+fn now_ms(con: &mut Connection) -> i64 {
+    let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
+    s * 1000 + us / 1000
+}
+
+/// Writes a token bucket's state: `credits` (one token = period credits) as of `t_ms`.
+fn set_bucket(con: &mut Connection, key: &str, credits: i64, t_ms: i64) {
+    redis::cmd("HSET")
+        .arg(key)
+        .arg("c")
+        .arg(credits)
+        .arg("t")
+        .arg(t_ms)
+        .query::<()>(con)
+        .unwrap();
+}
+
+/// A token bucket's stored `(credits, t)`, or `None` if the key is absent.
+fn bucket(con: &mut Connection, key: &str) -> Option<(i64, i64)> {
+    let v: Vec<Option<i64>> = redis::cmd("HMGET")
+        .arg(key)
+        .arg("c")
+        .arg("t")
+        .query(con)
+        .unwrap();
+    match (v[0], v[1]) {
+        (Some(c), Some(t)) => Some((c, t)),
+        (None, None) => None,
+        other => panic!("half-written bucket {key}: {other:?}"),
+    }
+}
+
+fn hgetall(con: &mut Connection, key: &str) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = redis::cmd("HGETALL").arg(key).query(con).unwrap();
+    v.sort();
+    v
+}
+
+fn zadd(con: &mut Connection, key: &str, score: i64, member: &str) {
+    redis::cmd("ZADD")
+        .arg(key)
+        .arg(score)
+        .arg(member)
+        .query::<()>(con)
+        .unwrap();
+}
+
+/// A sorted set's `(member, score)` pairs, oldest first.
+fn members(con: &mut Connection, key: &str) -> Vec<(String, i64)> {
+    let v: Vec<(String, f64)> = redis::cmd("ZRANGE")
+        .arg(key)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(con)
+        .unwrap();
+    v.into_iter().map(|(m, s)| (m, s as i64)).collect()
+}
+
+fn zcard(con: &mut Connection, key: &str) -> i64 {
+    redis::cmd("ZCARD").arg(key).query(con).unwrap()
+}
+
+fn exists(con: &mut Connection, key: &str) -> bool {
+    redis::cmd("EXISTS").arg(key).query::<i64>(con).unwrap() == 1
+}
+
+fn pttl(con: &mut Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(con).unwrap()
+}
+
+/// Asserts `lo <= v <= hi`.
+#[track_caller]
+fn assert_within(what: &str, v: i64, lo: i64, hi: i64) {
+    assert!(
+        lo <= v && v <= hi,
+        "{what} = {v}, expected within [{lo}, {hi}]"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Token bucket
+
+#[test]
+fn token_bucket_fresh_key_admits_capacity_then_rejects() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:tb:fresh";
+    // One token per minute: the few ms this test takes refill far less than a token.
+    let limit = tb(key, 5, 1, MINUTE);
+
+    let before = now_ms(&mut con);
+    // A missing key is a full bucket, independent of the clock: exact.
+    assert_eq!(
+        eval(&mut con, std::slice::from_ref(&limit)).limits,
+        vec![admits(4, MINUTE)]
+    );
+    for spent in 2..=5 {
+        let r = eval(&mut con, std::slice::from_ref(&limit));
+        let slop = now_ms(&mut con) - before;
+        assert!(
+            r.admitted,
+            "call {spent} of capacity 5 must be admitted: {r:?}"
+        );
+        let v = r.limits[0];
+        assert_eq!((v.allowed, v.remaining, v.retry_ms), (true, 5 - spent, 0));
+        // Time to full: `spent` tokens, less whatever refilled since the first call.
+        assert_within(
+            "reset_ms",
+            v.reset_ms,
+            spent * MINUTE - slop,
+            spent * MINUTE,
+        );
+    }
+    for _ in 0..3 {
+        let r = eval(&mut con, std::slice::from_ref(&limit));
+        let slop = now_ms(&mut con) - before;
+        assert!(!r.admitted, "bucket is empty: {r:?}");
+        let v = r.limits[0];
+        assert_eq!((v.allowed, v.remaining), (false, 0));
+        assert_within("retry_ms", v.retry_ms, MINUTE - slop, MINUTE);
+        assert_eq!(
+            v.reset_ms, v.retry_ms,
+            "a rejection's reset equals its retry"
+        );
+    }
+    // Rejections did not touch the stored state: 5 tokens spent, a few ms of refill.
+    let (c, _) = bucket(&mut con, key).unwrap();
+    let slop = now_ms(&mut con) - before;
+    assert_within("stored credits", c, 0, slop);
+}
+
+#[test]
+fn token_bucket_rejection_reports_exact_retry_and_writes_nothing() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:tb:short";
+    // `t` in the future: the script adds no refill, so every number is exact.
+    let future = now_ms(&mut con) + 3_600_000;
+    set_bucket(&mut con, key, 2500, future);
+    let before = hgetall(&mut con, key);
+
+    // capacity 10, 1 credit/ms, 1 token = 1000 credits: 2.5 tokens held, 3 needed.
+    let r = eval(&mut con, &[tb(key, 10, 1, 1000).cost(3)]);
+    assert_eq!(
+        r,
+        Reply {
+            admitted: false,
+            limits: vec![rejects(2, 500)]
+        }
+    );
+    // 3 credits/ms: 500 missing credits take ceil(500 / 3) = 167 ms.
+    let r = eval(&mut con, &[tb(key, 10, 3, 1000).cost(3)]);
+    assert_eq!(r.limits, vec![rejects(2, 167)]);
+    // Exactly one credit short: 1 ms.
+    set_bucket(&mut con, key, 2999, future);
+    let r = eval(&mut con, &[tb(key, 10, 1, 1000).cost(3)]);
+    assert_eq!(r.limits, vec![rejects(2, 1)]);
+    set_bucket(&mut con, key, 2500, future);
+
+    assert_eq!(hgetall(&mut con, key), before, "a rejection must not write");
+    assert_eq!(bucket(&mut con, key), Some((2500, future)));
+}
+
+#[test]
+fn token_bucket_admission_reports_exact_remaining_and_time_to_full() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:tb:admit";
+    let future = now_ms(&mut con) + 3_600_000;
+    set_bucket(&mut con, key, 7500, future);
+
+    // capacity 10, 7 credits/ms, 1 token = 1000 credits; 7.5 tokens held, 2 spent.
+    let t0 = now_ms(&mut con);
+    let r = eval(&mut con, &[tb(key, 10, 7, 1000).cost(2)]);
+    let t1 = now_ms(&mut con);
+    // 5500 credits left: floor(5.5) = 5 tokens; (10000 - 5500) / 7 = 642.9 -> 643 ms to full.
+    assert_eq!(
+        r,
+        Reply {
+            admitted: true,
+            limits: vec![admits(5, 643)]
+        }
+    );
+    let (c, t) = bucket(&mut con, key).unwrap();
+    assert_eq!(c, 5500, "exactly 2 tokens charged");
+    assert_within("stored t (the script's now)", t, t0, t1);
+    let ttl = pttl(&mut con, key);
+    assert_within("PTTL", ttl, 1, 643);
+}
+
+#[test]
+fn token_bucket_partial_refill_floors_to_whole_tokens() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:tb:partial";
+    // 1 token per minute; 2 tokens held as of 2.5 minutes ago: 4.5 tokens now
+    // (plus the few ms between our TIME and the script's, far below a token).
+    let t0 = now_ms(&mut con);
+    set_bucket(&mut con, key, 2 * MINUTE, t0 - 150_000);
+
+    let r = eval(&mut con, &[tb(key, 10, 1, MINUTE)]);
+    let t1 = now_ms(&mut con);
+    let slop = t1 - t0;
+    assert!(r.admitted);
+    let v = r.limits[0];
+    // 4.5 tokens - 1 = 3.5 -> 3 remaining.
+    assert_eq!((v.allowed, v.remaining, v.retry_ms), (true, 3, 0));
+    // 3.5 tokens left, 6.5 to go at 1 credit/ms: 390000 ms, less the slop.
+    assert_within("reset_ms", v.reset_ms, 390_000 - slop, 390_000);
+    let (c, t) = bucket(&mut con, key).unwrap();
+    assert_within("stored credits", c, 210_000, 210_000 + slop);
+    assert_within("stored t", t, t0, t1);
+
+    // Half a token is not a token: 0.5 held, 1 needed -> rejected with 0 remaining.
+    let future = now_ms(&mut con) + 3_600_000;
+    set_bucket(&mut con, key, MINUTE / 2, future);
+    let r = eval(&mut con, &[tb(key, 10, 1, MINUTE)]);
+    assert_eq!(r.limits, vec![rejects(0, MINUTE / 2)]);
+}
+
+#[test]
+fn token_bucket_refill_never_exceeds_capacity() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:tb:cap";
+    // Empty, but last touched ~11.6 days ago: refill would be a million tokens.
+    let now = now_ms(&mut con);
+    set_bucket(&mut con, key, 0, now - 1_000_000_000);
+
+    // Capped at 10 tokens: 9 remain, 1000 credits missing at 1/ms -> exactly 1000 ms.
+    let r = eval(&mut con, &[tb(key, 10, 1, 1000)]);
+    assert_eq!(
+        r,
+        Reply {
+            admitted: true,
+            limits: vec![admits(9, 1000)]
+        }
+    );
+    assert_eq!(bucket(&mut con, key).unwrap().0, 9000);
+
+    // Same with a large refill rate and cost: full bucket, 10 - 4 = 6 left,
+    // 4000 credits at 3/ms -> ceil(1333.3) = 1334 ms.
+    set_bucket(&mut con, key, 0, now - 1_000_000_000);
+    let r = eval(&mut con, &[tb(key, 10, 3, 1000).cost(4)]);
+    assert_eq!(r.limits, vec![admits(6, 1334)]);
+    assert_eq!(bucket(&mut con, key).unwrap().0, 6000);
+}
+
+#[test]
+fn token_bucket_cost_spends_that_many_tokens() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:tb:cost";
+    let limit = tb(key, 10, 1, MINUTE).cost(4);
+
+    // Fresh key: exact.
+    let t0 = now_ms(&mut con);
+    assert_eq!(
+        eval(&mut con, std::slice::from_ref(&limit)).limits,
+        vec![admits(6, 4 * MINUTE)]
+    );
+    assert_eq!(bucket(&mut con, key).unwrap().0, 6 * MINUTE);
+
+    let r = eval(&mut con, std::slice::from_ref(&limit));
+    let slop = now_ms(&mut con) - t0;
+    let v = r.limits[0];
+    assert_eq!(
+        (r.admitted, v.allowed, v.remaining, v.retry_ms),
+        (true, true, 2, 0)
+    );
+    assert_within("reset_ms", v.reset_ms, 8 * MINUTE - slop, 8 * MINUTE);
+
+    // 2 tokens left, 4 needed: rejected though tokens remain, 2 tokens of wait.
+    let r = eval(&mut con, std::slice::from_ref(&limit));
+    let slop = now_ms(&mut con) - t0;
+    let v = r.limits[0];
+    assert_eq!((r.admitted, v.allowed, v.remaining), (false, false, 2));
+    assert_within("retry_ms", v.retry_ms, 2 * MINUTE - slop, 2 * MINUTE);
+    assert_eq!(v.reset_ms, v.retry_ms);
+
+    // Cost equal to what is left empties the bucket.
+    let r = eval(&mut con, &[limit.cost(2)]);
+    let slop = now_ms(&mut con) - t0;
+    let v = r.limits[0];
+    assert_eq!(
+        (r.admitted, v.allowed, v.remaining, v.retry_ms),
+        (true, true, 0, 0)
+    );
+    assert_within("reset_ms", v.reset_ms, 10 * MINUTE - slop, 10 * MINUTE);
+    let (c, _) = bucket(&mut con, key).unwrap();
+    assert_within("stored credits", c, 0, slop);
+}
+
+// ---------------------------------------------------------------------------
+// Sliding window
+
+#[test]
+fn sliding_window_admits_exactly_limit_then_rejects() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:fresh";
+    let limit = sw(key, 5, MINUTE);
+
+    let before = now_ms(&mut con);
+    // An empty window is fully restored one window after this admission.
+    assert_eq!(
+        eval(&mut con, std::slice::from_ref(&limit)).limits,
+        vec![admits(4, MINUTE)]
+    );
+    for n in 2..=5 {
+        let r = eval(&mut con, std::slice::from_ref(&limit));
+        let slop = now_ms(&mut con) - before;
+        let v = r.limits[0];
+        assert_eq!(
+            (r.admitted, v.allowed, v.remaining, v.retry_ms),
+            (true, true, 5 - n, 0)
+        );
+        assert_within("reset_ms", v.reset_ms, MINUTE - slop, MINUTE);
+    }
+    assert_eq!(zcard(&mut con, key), 5);
+    let first = members(&mut con, key)[0].1;
+    assert_within("first member's score", first, before, now_ms(&mut con));
+
+    for _ in 0..3 {
+        let t0 = now_ms(&mut con);
+        let r = eval(&mut con, std::slice::from_ref(&limit));
+        let t1 = now_ms(&mut con);
+        assert!(!r.admitted, "window is full: {r:?}");
+        let v = r.limits[0];
+        assert_eq!((v.allowed, v.remaining), (false, 0));
+        // The oldest member must leave: at its score + window.
+        assert_within(
+            "retry_ms",
+            v.retry_ms,
+            first + MINUTE - t1,
+            first + MINUTE - t0,
+        );
+        assert_eq!(v.reset_ms, v.retry_ms);
+    }
+    assert_eq!(zcard(&mut con, key), 5, "rejections add nothing");
+}
+
+#[test]
+fn sliding_window_prunes_a_member_exactly_one_window_old() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:edge-out";
+    // The window is (now - W, now]: a member scored now_read - W is out, since
+    // the script's now >= now_read.
+    let now = now_ms(&mut con);
+    let old = format!("{}:0", now - MINUTE);
+    zadd(&mut con, key, now - MINUTE, &old);
+
+    let r = eval(&mut con, &[sw(key, 1, MINUTE)]);
+    assert_eq!(
+        r,
+        Reply {
+            admitted: true,
+            limits: vec![admits(0, MINUTE)]
+        }
+    );
+    let m = members(&mut con, key);
+    assert_eq!(
+        m.len(),
+        1,
+        "the old member is pruned, the new one added: {m:?}"
+    );
+    assert_ne!(m[0].0, old);
+    assert!(m[0].1 >= now);
+}
+
+#[test]
+fn sliding_window_counts_a_member_inside_the_window() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:edge-in";
+    let t0 = now_ms(&mut con);
+    let score = t0 - MINUTE + 5000;
+    zadd(&mut con, key, score, &format!("{score}:0"));
+
+    let r = eval(&mut con, &[sw(key, 1, MINUTE)]);
+    let t1 = now_ms(&mut con);
+    assert!(!r.admitted, "the member 55 s old still counts: {r:?}");
+    let v = r.limits[0];
+    assert_eq!((v.allowed, v.remaining), (false, 0));
+    // It leaves the window 5 s after t0.
+    assert_within("retry_ms", v.retry_ms, score + MINUTE - t1, 5000);
+    assert_eq!(v.reset_ms, v.retry_ms);
+    assert_eq!(members(&mut con, key), vec![(format!("{score}:0"), score)]);
+}
+
+#[test]
+fn sliding_window_retry_is_when_the_kth_oldest_member_leaves() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:retry";
+    let t0 = now_ms(&mut con);
+    // Five members, 50 s .. 10 s old; limit 5, window 60 s.
+    let scores: Vec<i64> = [50_000, 40_000, 30_000, 20_000, 10_000]
+        .iter()
+        .map(|age| t0 - age)
+        .collect();
+    for s in &scores {
+        zadd(&mut con, key, *s, &format!("{s}:0"));
+    }
+    let before = members(&mut con, key);
+
+    for cost in 1..=5 {
+        let r = eval(&mut con, &[sw(key, 5, MINUTE).cost(cost)]);
+        let t1 = now_ms(&mut con);
+        // count 5 + cost - limit 5 = cost: the cost-th oldest must leave first.
+        let kth = scores[(cost - 1) as usize];
+        let v = r.limits[0];
+        assert_eq!(
+            (r.admitted, v.allowed, v.remaining),
+            (false, false, 0),
+            "cost {cost}"
+        );
+        assert_within(
+            &format!("retry_ms for cost {cost}"),
+            v.retry_ms,
+            kth + MINUTE - t1,
+            kth + MINUTE - t0,
+        );
+        assert_eq!(v.reset_ms, v.retry_ms);
+    }
+
+    // With 2 of 5 used, cost 5 needs the 2nd oldest gone; remaining reports 3.
+    redis::cmd("ZREMRANGEBYRANK")
+        .arg(key)
+        .arg(2)
+        .arg(-1)
+        .query::<()>(&mut con)
+        .unwrap();
+    let r = eval(&mut con, &[sw(key, 5, MINUTE).cost(5)]);
+    let t1 = now_ms(&mut con);
+    let v = r.limits[0];
+    assert_eq!((r.admitted, v.allowed, v.remaining), (false, false, 3));
+    assert_within(
+        "retry_ms",
+        v.retry_ms,
+        scores[1] + MINUTE - t1,
+        scores[1] + MINUTE - t0,
+    );
+    assert_eq!(
+        members(&mut con, key),
+        before[..2].to_vec(),
+        "rejections write nothing"
+    );
+}
+
+#[test]
+fn sliding_window_cost_adds_that_many_members() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:cost";
+    let t0 = now_ms(&mut con);
+
+    assert_eq!(
+        eval(&mut con, &[sw(key, 10, MINUTE).cost(4)]).limits,
+        vec![admits(6, MINUTE)]
+    );
+    let m = members(&mut con, key);
+    assert_eq!(m.len(), 4, "{m:?}");
+
+    // 7 more would make 11 > 10: rejected, remaining still 6, nothing added.
+    let r = eval(&mut con, &[sw(key, 10, MINUTE).cost(7)]);
+    let t1 = now_ms(&mut con);
+    let v = r.limits[0];
+    assert_eq!((r.admitted, v.allowed, v.remaining), (false, false, 6));
+    assert_within("retry_ms", v.retry_ms, m[0].1 + MINUTE - t1, MINUTE);
+    assert_eq!(zcard(&mut con, key), 4);
+
+    // Exactly the rest fits.
+    let r = eval(&mut con, &[sw(key, 10, MINUTE).cost(6)]);
+    let v = r.limits[0];
+    assert_eq!(
+        (r.admitted, v.allowed, v.remaining, v.retry_ms),
+        (true, true, 0, 0)
+    );
+    let m = members(&mut con, key);
+    assert_eq!(m.len(), 10, "{m:?}");
+    let t2 = now_ms(&mut con);
+    for (member, score) in &m {
+        assert_within(&format!("score of {member}"), *score, t0, t2);
+    }
+}
+
+#[test]
+fn sliding_window_same_millisecond_requests_all_count() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:burst";
+    let limit = sw(key, 100, MINUTE);
+
+    // One pipeline: the server runs the 50 calls back to back, many per ms.
+    let sha = load_script(&mut con);
+    let mut pipe = redis::pipe();
+    for _ in 0..50 {
+        pipe.add_command(evalsha_cmd(&sha, std::slice::from_ref(&limit)));
+    }
+    let replies: Vec<Vec<i64>> = pipe.query(&mut con).unwrap();
+    let m = members(&mut con, key);
+    let mut scores: Vec<i64> = m.iter().map(|(_, s)| *s).collect();
+    scores.dedup();
+    assert_eq!(
+        m.len(),
+        50,
+        "every admitted request must be one member; got {} over {} distinct ms: {m:?}",
+        m.len(),
+        scores.len()
+    );
+    for (i, raw) in replies.iter().enumerate() {
+        let r = parse(raw, 1);
+        let v = r.limits[0];
+        assert_eq!(
+            (r.admitted, v.allowed, v.remaining, v.retry_ms),
+            (true, true, 99 - i as i64, 0),
+            "call {}",
+            i + 1
+        );
+    }
+    // 50 admitted, 50 left: the 51st..100th are admitted too, the 101st is not.
+    for i in 0..50 {
+        let v = eval(&mut con, std::slice::from_ref(&limit)).limits[0];
+        assert_eq!((v.allowed, v.remaining), (true, 49 - i), "call {}", 51 + i);
+    }
+    assert!(!eval(&mut con, &[limit]).admitted, "call 101 of limit 100");
+    assert_eq!(zcard(&mut con, key), 100);
+}
+
+#[test]
+fn sliding_window_counts_every_request_while_the_newest_stamp_is_ahead_of_the_clock() {
+    // After Redis' clock steps back (e.g. a failover to a replica whose clock
+    // is behind), the script keeps stamping new members with the newest
+    // member's score, so every call is effectively in one millisecond. This
+    // makes the same-millisecond numbering deterministic to test.
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:ahead";
+    let now = now_ms(&mut con);
+    let ahead = now + 3000;
+    zadd(&mut con, key, ahead, &format!("{ahead}:0"));
+
+    let limit = sw(key, 25, MINUTE);
+    for i in 1..25 {
+        let r = eval(&mut con, std::slice::from_ref(&limit));
+        let v = r.limits[0];
+        assert_eq!(
+            (r.admitted, v.allowed, v.remaining),
+            (true, true, 24 - i),
+            "call {i}"
+        );
+        assert_eq!(zcard(&mut con, key), 1 + i, "call {i} must add one member");
+    }
+    let m = members(&mut con, key);
+    assert!(m.iter().all(|(_, s)| *s == ahead), "{m:?}");
+    assert!(!eval(&mut con, &[limit]).admitted, "limit 25 reached");
+    let ttl = pttl(&mut con, key);
+    assert_within("PTTL", ttl, 1, MINUTE + 3000);
+}
+
+#[test]
+fn sliding_window_reset_is_the_time_until_fully_restored() {
+    // The header: "reset_ms  allowed: ms until the limit is fully restored".
+    // After an admission, the limit is fully restored when the member just
+    // added leaves the window: one window from now (and the key's PEXPIRE,
+    // "the time after which its state is indistinguishable from a fresh key",
+    // is that same instant).
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:reset";
+    let t0 = now_ms(&mut con);
+    let score = t0 - 30_000;
+    zadd(&mut con, key, score, &format!("{score}:0"));
+
+    let r = eval(&mut con, &[sw(key, 5, MINUTE)]);
+    let v = r.limits[0];
+    assert_eq!(
+        (r.admitted, v.allowed, v.remaining, v.retry_ms),
+        (true, true, 3, 0)
+    );
+    let ttl = pttl(&mut con, key);
+    assert_within("PTTL", ttl, 1, MINUTE);
+    assert_eq!(
+        v.reset_ms, MINUTE,
+        "reset_ms must be the time until fully restored (the new member leaves in one window, \
+         PTTL {ttl}), not until the oldest member leaves (~30000 ms)"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// All or nothing, shadow limits
+
+#[test]
+fn rejection_by_one_limit_writes_nothing_to_the_others() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let tb_fresh = "t:{x}:aon:tb-fresh";
+    let tb_held = "t:{x}:aon:tb-held";
+    let sw_fresh = "t:{x}:aon:sw-fresh";
+    let sw_held = "t:{x}:aon:sw-held";
+    let full = "t:{x}:aon:full";
+
+    let t0 = now_ms(&mut con);
+    let future = t0 + 3_600_000;
+    set_bucket(&mut con, tb_held, 4000, future);
+    let s = t0 - 1000;
+    zadd(&mut con, sw_held, s, &format!("{s}:0"));
+    zadd(&mut con, full, s, &format!("{s}:0"));
+    let tb_held_before = hgetall(&mut con, tb_held);
+    let sw_held_before = members(&mut con, sw_held);
+    let full_before = members(&mut con, full);
+
+    let r = eval(
+        &mut con,
+        &[
+            tb(tb_fresh, 10, 1, 1000).cost(2),
+            tb(tb_held, 10, 1, 1000).cost(2),
+            sw(sw_fresh, 10, MINUTE).cost(2),
+            sw(sw_held, 10, MINUTE).cost(2),
+            sw(full, 1, MINUTE),
+        ],
+    );
+    let t1 = now_ms(&mut con);
+    assert!(!r.admitted, "the full window rejects the request: {r:?}");
+    // Each would admit; not charged, each reports its budget as it stands.
+    assert_eq!(
+        r.limits[0],
+        admits(10, 0),
+        "fresh bucket: full, nothing to restore"
+    );
+    assert_eq!(
+        r.limits[1],
+        admits(4, 6000),
+        "4 tokens held, 6000 credits to full"
+    );
+    assert_eq!(
+        r.limits[2],
+        admits(10, 0),
+        "fresh window: nothing to restore"
+    );
+    let v = r.limits[3];
+    assert_eq!((v.allowed, v.remaining, v.retry_ms), (true, 9, 0));
+    assert_within("held window reset_ms", v.reset_ms, 1, s + MINUTE - t0);
+    let v = r.limits[4];
+    assert_eq!((v.allowed, v.remaining), (false, 0));
+    assert_within("retry_ms", v.retry_ms, s + MINUTE - t1, s + MINUTE - t0);
+    assert_eq!(v.reset_ms, v.retry_ms);
+
+    assert!(
+        !exists(&mut con, tb_fresh),
+        "uncharged bucket must not be created"
+    );
+    assert!(
+        !exists(&mut con, sw_fresh),
+        "uncharged window must not be created"
+    );
+    assert_eq!(hgetall(&mut con, tb_held), tb_held_before);
+    assert_eq!(members(&mut con, sw_held), sw_held_before);
+    assert_eq!(members(&mut con, full), full_before);
+
+    // An empty bucket rejecting blocks a window too, whichever comes first.
+    let empty = "t:{x}:aon:empty";
+    set_bucket(&mut con, empty, 0, future);
+    let r = eval(
+        &mut con,
+        &[sw(sw_fresh, 10, MINUTE), tb(empty, 10, 1, 1000)],
+    );
+    assert_eq!(
+        r,
+        Reply {
+            admitted: false,
+            limits: vec![admits(10, 0), rejects(0, 1000)]
+        }
+    );
+    assert!(!exists(&mut con, sw_fresh));
+    assert_eq!(bucket(&mut con, empty), Some((0, future)));
+}
+
+#[test]
+fn shadow_limit_that_would_reject_neither_blocks_nor_is_charged() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let enforced_tb = "t:{x}:shadow:enforced-tb";
+    let enforced_sw = "t:{x}:shadow:enforced-sw";
+    let shadow_sw = "t:{x}:shadow:sw";
+    let shadow_tb = "t:{x}:shadow:tb";
+
+    let t0 = now_ms(&mut con);
+    let s = t0 - 1000;
+    zadd(&mut con, shadow_sw, s, &format!("{s}:0"));
+    let future = t0 + 3_600_000;
+    set_bucket(&mut con, shadow_tb, 500, future);
+    let shadow_sw_before = members(&mut con, shadow_sw);
+    let shadow_tb_before = hgetall(&mut con, shadow_tb);
+
+    let r = eval(
+        &mut con,
+        &[
+            tb(enforced_tb, 10, 1, 1000).cost(3),
+            sw(shadow_sw, 1, MINUTE).shadow(),
+            sw(enforced_sw, 10, MINUTE).cost(2),
+            tb(shadow_tb, 10, 1, 1000).shadow(),
+        ],
+    );
+    let t1 = now_ms(&mut con);
+    assert!(r.admitted, "shadow rejections do not block: {r:?}");
+    assert_eq!(r.limits[0], admits(7, 3000));
+    let v = r.limits[1];
+    assert_eq!(
+        (v.allowed, v.remaining),
+        (false, 0),
+        "the shadow window reports its rejection"
+    );
+    assert_within(
+        "shadow retry_ms",
+        v.retry_ms,
+        s + MINUTE - t1,
+        s + MINUTE - t0,
+    );
+    assert_eq!(v.reset_ms, v.retry_ms);
+    assert_eq!(r.limits[2], admits(8, MINUTE));
+    assert_eq!(
+        r.limits[3],
+        rejects(0, 500),
+        "the shadow bucket reports its rejection"
+    );
+
+    // The enforced limits are charged...
+    assert_eq!(bucket(&mut con, enforced_tb).unwrap().0, 7000);
+    assert_eq!(zcard(&mut con, enforced_sw), 2);
+    // ...the rejecting shadow limits are not.
+    assert_eq!(members(&mut con, shadow_sw), shadow_sw_before);
+    assert_eq!(hgetall(&mut con, shadow_tb), shadow_tb_before);
+}
+
+#[test]
+fn shadow_limit_that_admits_is_charged() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let shadow_tb = "t:{x}:shadow-ok:tb";
+    let shadow_sw = "t:{x}:shadow-ok:sw";
+    let r = eval(
+        &mut con,
+        &[
+            tb(shadow_tb, 10, 1, 1000).cost(2).shadow(),
+            sw(shadow_sw, 10, MINUTE).cost(3).shadow(),
+        ],
+    );
+    assert_eq!(
+        r,
+        Reply {
+            admitted: true,
+            limits: vec![admits(8, 2000), admits(7, MINUTE)]
+        }
+    );
+    assert_eq!(bucket(&mut con, shadow_tb).unwrap().0, 8000);
+    assert_eq!(zcard(&mut con, shadow_sw), 3);
+}
+
+// ---------------------------------------------------------------------------
+// TTLs
+
+#[test]
+fn every_written_key_expires_no_later_than_it_would_be_fresh_again() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let tb_fresh = "t:{x}:ttl:tb-fresh";
+    let tb_held = "t:{x}:ttl:tb-held";
+    let tb_slow = "t:{x}:ttl:tb-slow";
+    let sw_fresh = "t:{x}:ttl:sw-fresh";
+    let sw_short = "t:{x}:ttl:sw-short";
+
+    let now = now_ms(&mut con);
+    set_bucket(&mut con, tb_held, 7500, now + 3_600_000);
+    // Held keys written by hand have no TTL; the script must set one.
+    assert_eq!(pttl(&mut con, tb_held), -1);
+
+    let limits = [
+        tb(tb_fresh, 10, 1, 1000),
+        tb(tb_held, 10, 7, 1000).cost(2),
+        tb(tb_slow, 3, 1, MINUTE),
+        sw(sw_fresh, 10, MINUTE).cost(3),
+        sw(sw_short, 10, 1500),
+    ];
+    for round in 0..3 {
+        let r = eval(&mut con, &limits);
+        assert!(r.admitted, "round {round}: {r:?}");
+        for (l, v) in limits.iter().zip(&r.limits) {
+            let ttl = pttl(&mut con, &l.key);
+            assert!(ttl > 0, "round {round}: {} has PTTL {ttl}", l.key);
+            if l.alg == "tb" {
+                // Time to full is exactly the admitting reply's reset.
+                assert!(
+                    ttl <= v.reset_ms,
+                    "round {round}: {} PTTL {ttl} > time to full {v:?}",
+                    l.key
+                );
+            } else {
+                assert!(
+                    ttl <= l.b,
+                    "round {round}: {} PTTL {ttl} > window {}",
+                    l.key,
+                    l.b
+                );
+            }
+        }
+        if round == 0 {
+            assert_within("tb-held PTTL", pttl(&mut con, tb_held), 1, 643);
+            assert_within("tb-fresh PTTL", pttl(&mut con, tb_fresh), 1, 1000);
+            assert_within("tb-slow PTTL", pttl(&mut con, tb_slow), 1, MINUTE);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Concurrency
+
+/// `threads` connections race `total` calls of `limit`; returns (admitted, rejected).
+fn race(redis: &support::Redis, limit: &Limit, threads: usize, total: usize) -> (usize, usize) {
+    let sha = load_script(&mut redis.conn());
+    let next = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = mpsc::channel::<Result<(usize, usize), String>>();
+    for _ in 0..threads {
+        let mut con = redis.conn();
+        con.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        con.set_write_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let next = Arc::clone(&next);
+        let limit = limit.clone();
+        let tx = tx.clone();
+        let sha = sha.clone();
+        std::thread::spawn(move || {
+            let mut counts = (0, 0);
+            while next.fetch_add(1, Ordering::SeqCst) < total {
+                let raw: Vec<i64> =
+                    match evalsha_cmd(&sha, std::slice::from_ref(&limit)).query(&mut con) {
+                        Ok(raw) => raw,
+                        Err(e) => {
+                            let _ = tx.send(Err(e.to_string()));
+                            return;
+                        }
+                    };
+                if parse(&raw, 1).admitted {
+                    counts.0 += 1;
+                } else {
+                    counts.1 += 1;
+                }
+            }
+            let _ = tx.send(Ok(counts));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut totals = (0, 0);
+    for _ in 0..threads {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(Ok((a, r))) => {
+                totals.0 += a;
+                totals.1 += r;
+            }
+            Ok(Err(e)) => panic!("a racing call failed: {e}"),
+            Err(e) => panic!("racing threads did not finish within 60 s: {e}"),
+        }
+    }
+    totals
+}
+
+#[test]
+fn concurrent_token_bucket_calls_admit_exactly_the_capacity() {
+    let redis = support::Redis::start();
+    let key = "t:{x}:race:tb";
+    // One token per minute: refill during the race is far below one token.
+    let (admitted, rejected) = race(&redis, &tb(key, 100, 1, MINUTE), 40, 300);
+    assert_eq!((admitted, rejected), (100, 200));
+    let mut con = redis.conn();
+    let (c, _) = bucket(&mut con, key).unwrap();
+    assert!(c < MINUTE, "less than one token left: {c} credits");
+}
+
+#[test]
+fn concurrent_sliding_window_calls_admit_exactly_the_limit() {
+    let redis = support::Redis::start();
+    let key = "t:{x}:race:sw";
+    let (admitted, rejected) = race(&redis, &sw(key, 100, MINUTE), 40, 300);
+    let mut con = redis.conn();
+    let stored = zcard(&mut con, key);
+    assert_eq!(
+        (admitted, rejected, stored),
+        (100, 200, 100),
+        "(admitted, rejected, members in the window)"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Contract errors
+
+#[test]
+fn rejects_a_limit_count_that_differs_from_the_keys() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let (a, b) = ("t:{x}:err:a", "t:{x}:err:b");
+    let one = ["tb", "10", "1", "1000", "1", "1"];
+
+    let argv: Vec<&str> = ["1"].iter().chain(&one).copied().collect();
+    let err = eval_raw(&mut con, &[a, b], &argv).unwrap_err();
+    assert!(
+        err.to_string().contains("ARGV[1] must equal #KEYS"),
+        "unexpected error: {err}"
+    );
+    let argv: Vec<&str> = ["2"].iter().chain(&one).chain(&one).copied().collect();
+    let err = eval_raw(&mut con, &[a], &argv).unwrap_err();
+    assert!(
+        err.to_string().contains("ARGV[1] must equal #KEYS"),
+        "{err}"
+    );
+    let argv: Vec<&str> = ["one"].iter().chain(&one).copied().collect();
+    let err = eval_raw(&mut con, &[a], &argv).unwrap_err();
+    assert!(
+        err.to_string().contains("ARGV[1] must equal #KEYS"),
+        "{err}"
+    );
+    assert!(
+        eval_raw(&mut con, &[a], &[]).is_err(),
+        "a missing ARGV[1] is an error"
+    );
+
+    assert!(
+        !exists(&mut con, a) && !exists(&mut con, b),
+        "errors write nothing"
+    );
+}
+
+#[test]
+fn rejects_an_unknown_algorithm() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let (a, b) = ("t:{x}:err:a", "t:{x}:err:b");
+
+    let err = eval_raw(&mut con, &[a], &["1", "leaky", "10", "1", "1000", "1", "1"]).unwrap_err();
+    assert!(
+        err.to_string().contains("unknown algorithm"),
+        "unexpected error: {err}"
+    );
+    // A valid limit before the unknown one is not charged either.
+    let err = eval_raw(
+        &mut con,
+        &[a, b],
+        &[
+            "2", "tb", "10", "1", "1000", "1", "1", "TB", "10", "1", "1000", "1", "1",
+        ],
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("unknown algorithm"), "{err}");
+
+    assert!(
+        !exists(&mut con, a) && !exists(&mut con, b),
+        "errors write nothing"
+    );
+}
