@@ -26,6 +26,10 @@ All-or-nothing: nothing is written unless every enforced limit admits the
 request, so a rejected request costs nothing. Then every limit that admits it
 is charged (a shadow limit that would reject is reported, not charged).
 
+Composition: src/scripts.rs sends this preamble, lua/token_bucket.lua,
+lua/sliding_window.lua and the driver below as one script (one SHA-1), so
+one EVALSHA decides every limit atomically.
+
 Clock: Redis TIME, read once; the proxies' clocks are never used, so every
 Envoy instance sees one time line. Every key written gets a PEXPIRE equal to
 the time after which its state is indistinguishable from a fresh key.
@@ -39,99 +43,7 @@ if n == nil or n ~= #KEYS then
   return redis.error_reply('ERR redis-guard ratelimit: ARGV[1] must equal #KEYS')
 end
 
--- Token bucket, exact integer arithmetic: one token is `period` credits, and
--- every elapsed millisecond adds `refill` credits. Config validation keeps
--- capacity * period below 2^53 so the doubles stay exact.
-local function tb_check(key, capacity, refill, period, cost)
-  local full = capacity * period
-  local state = redis.call('HMGET', key, 'c', 't')
-  local credits = tonumber(state[1])
-  local last = tonumber(state[2])
-  if credits == nil or last == nil then
-    credits = full
-  elseif now > last then
-    credits = math.min(full, credits + (now - last) * refill)
-  else
-    -- Same millisecond, or Redis' clock stepped back (failover): no refill.
-    credits = math.min(full, credits)
-  end
-  local need = cost * period
-  local r = { key = key, credits = credits, need = need, full = full,
-              refill = refill, period = period }
-  if credits >= need then
-    r.allowed = 1
-    r.remaining = math.floor((credits - need) / period)
-    r.retry = 0
-    r.reset = math.ceil((full - (credits - need)) / refill)
-  else
-    r.allowed = 0
-    r.remaining = math.floor(credits / period)
-    r.retry = math.ceil((need - credits) / refill)
-    r.reset = r.retry
-  end
-  return r
-end
-
-local function tb_charge(r)
-  local left = r.credits - r.need
-  redis.call('HSET', r.key, 'c', string.format('%d', left), 't', string.format('%d', now))
-  -- Once full again the state equals a missing key, so it may vanish then.
-  redis.call('PEXPIRE', r.key, math.max(1, math.ceil((r.full - left) / r.refill)))
-end
-
--- Sliding-window log: one member per admitted unit, scored by its admission
--- time in ms. The window is (now - window, now]; older members are pruned.
-local function sw_check(key, limit, window, cost)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-  local count = redis.call('ZCARD', key)
-  local r = { key = key, count = count, cost = cost, window = window }
-  -- The newest member's stamp: members are numbered after it, and the window
-  -- is fully restored once it leaves.
-  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  r.newest_member = newest[1]
-  r.newest = tonumber(newest[2])
-  if count + cost <= limit then
-    r.allowed = 1
-    r.remaining = limit - count - cost
-    r.retry = 0
-    -- After the charge the newest member is this request's.
-    r.reset = window + math.max(0, (r.newest or now) - now)
-  else
-    r.allowed = 0
-    r.remaining = math.max(0, limit - count)
-    -- The (count + cost - limit)-th oldest member must leave the window first.
-    local k = count + cost - limit
-    local m = redis.call('ZRANGE', key, k - 1, k - 1, 'WITHSCORES')
-    if m[2] then
-      r.retry = math.max(1, tonumber(m[2]) + window - now)
-    else
-      r.retry = window
-    end
-    r.reset = r.retry
-  end
-  return r
-end
-
-local function sw_charge(r)
-  -- Members must be unique or same-millisecond requests would collapse into
-  -- one. Number them after the newest member; a clock that stepped back keeps
-  -- the newest stamp so the log stays ordered.
-  -- The sequence is zero-padded: members of one score sort as strings, so
-  -- the newest member must also be the highest-numbered one.
-  local stamp = now
-  local seq = 0
-  if r.newest and r.newest >= stamp then
-    stamp = r.newest
-    seq = (tonumber(string.match(r.newest_member, ':(%d+)$')) or 0) + 1
-  end
-  local args = {}
-  for i = 0, r.cost - 1 do
-    args[#args + 1] = stamp
-    args[#args + 1] = string.format('%d:%012d', stamp, seq + i)
-  end
-  redis.call('ZADD', r.key, unpack(args))
-  redis.call('PEXPIRE', r.key, r.window + (stamp - now))
-end
+-- @@ALGORITHMS@@
 
 local results = {}
 local admit = 1

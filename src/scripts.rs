@@ -9,21 +9,44 @@ use crate::keys::hex;
 
 #[derive(Debug)]
 pub struct Script {
-    pub source: &'static str,
+    pub source: String,
     pub sha1: String,
 }
 
 impl Script {
-    fn new(source: &'static str) -> Script {
-        Script {
-            source,
-            sha1: hex(&Sha1::digest(source.as_bytes())),
-        }
+    fn new(source: String) -> Script {
+        let sha1 = hex(&Sha1::digest(source.as_bytes()));
+        Script { source, sha1 }
     }
 }
 
-pub static RATELIMIT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/ratelimit.lua")));
+/// Where lua/ratelimit.lua takes the algorithm files.
+const ALGORITHMS: &str = "-- @@ALGORITHMS@@\n";
+
+/// Inserts `parts` at the marker line of `main` (at its end if it has none;
+/// a unit test keeps the marker in place).
+fn compose(main: &str, parts: &[&str]) -> String {
+    let (head, tail) = main.split_once(ALGORITHMS).unwrap_or((main, ""));
+    let mut out = String::with_capacity(main.len() + parts.iter().map(|p| p.len()).sum::<usize>());
+    out.push_str(head);
+    for part in parts {
+        out.push_str(part);
+    }
+    out.push_str(tail);
+    out
+}
+
+/// Every rate limit of a request in one atomic call: the driver and clock
+/// from lua/ratelimit.lua, with both algorithms joined in.
+pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(compose(
+        include_str!("../lua/ratelimit.lua"),
+        &[
+            include_str!("../lua/token_bucket.lua"),
+            include_str!("../lua/sliding_window.lua"),
+        ],
+    ))
+});
 
 #[cfg(test)]
 mod tests {
@@ -35,8 +58,20 @@ mod tests {
         assert!(RATELIMIT.source.starts_with("--[[ redis-guard"));
         // The well-known SHA-1 of the empty script, as Redis computes it.
         assert_eq!(
-            Script::new("").sha1,
+            Script::new(String::new()).sha1,
             "da39a3ee5e6b4b0d3255bfef95601890afd80709"
         );
+    }
+
+    #[test]
+    fn both_algorithms_are_joined_in_before_the_driver() {
+        assert!(include_str!("../lua/ratelimit.lua").contains(ALGORITHMS));
+        let src = &RATELIMIT.source;
+        let tb = src.find("local function tb_check").unwrap();
+        let sw = src.find("local function sw_check").unwrap();
+        let driver = src.find("local results = {}").unwrap();
+        let clock = src.find("redis.call('TIME')").unwrap();
+        assert!(clock < tb && tb < sw && sw < driver);
+        assert!(!src.contains(ALGORITHMS));
     }
 }

@@ -18,7 +18,11 @@ use std::time::{Duration, Instant};
 
 use redis::Connection;
 
-const SCRIPT: &str = include_str!("../lua/ratelimit.lua");
+/// The script exactly as the filter sends it: lua/ratelimit.lua with
+/// lua/token_bucket.lua and lua/sliding_window.lua joined in.
+fn script() -> &'static str {
+    &redis_guard::scripts::RATELIMIT.source
+}
 
 /// One minute: the window of most sliding-window tests, and the period of the
 /// slow token buckets.
@@ -114,7 +118,7 @@ struct Reply {
 
 fn eval_cmd(limits: &[Limit]) -> redis::Cmd {
     let mut cmd = redis::cmd("EVAL");
-    cmd.arg(SCRIPT);
+    cmd.arg(script());
     with_args(cmd, limits)
 }
 
@@ -129,7 +133,7 @@ fn evalsha_cmd(sha: &str, limits: &[Limit]) -> redis::Cmd {
 fn load_script(con: &mut Connection) -> String {
     redis::cmd("SCRIPT")
         .arg("LOAD")
-        .arg(SCRIPT)
+        .arg(script())
         .query(con)
         .unwrap()
 }
@@ -187,7 +191,7 @@ fn eval_raw(
     argv: &[&str],
 ) -> redis::RedisResult<redis::Value> {
     redis::cmd("EVAL")
-        .arg(SCRIPT)
+        .arg(script())
         .arg(keys.len())
         .arg(keys)
         .arg(argv)

@@ -1,0 +1,55 @@
+--[[ redis-guard: token bucket, one limit's part of lua/ratelimit.lua.
+
+This file is not a script on its own: src/scripts.rs joins it between the
+clock preamble and the driver of ratelimit.lua, which calls it once per
+token-bucket limit.
+
+KEYS     one hash per bucket: c = credits left, t = ms of the last update
+ARGV     the limit's group in ratelimit.lua: "tb", capacity, refill (tokens per
+         period), period (ms), cost, enforce
+Returns  tb_check(key, capacity, refill, period, cost) -> verdict table with
+         allowed (0/1), remaining, retry (ms), reset (ms: time until full);
+         tb_charge(verdict) writes the hash and its PEXPIRE.
+Reads    `now` (ms, from Redis TIME) set by the preamble.
+]]
+
+-- Token bucket, exact integer arithmetic: one token is `period` credits, and
+-- every elapsed millisecond adds `refill` credits. Config validation keeps
+-- capacity * period below 2^53 so the doubles stay exact.
+local function tb_check(key, capacity, refill, period, cost)
+  local full = capacity * period
+  local state = redis.call('HMGET', key, 'c', 't')
+  local credits = tonumber(state[1])
+  local last = tonumber(state[2])
+  if credits == nil or last == nil then
+    credits = full
+  elseif now > last then
+    credits = math.min(full, credits + (now - last) * refill)
+  else
+    -- Same millisecond, or Redis' clock stepped back (failover): no refill.
+    credits = math.min(full, credits)
+  end
+  local need = cost * period
+  local r = { key = key, credits = credits, need = need, full = full,
+              refill = refill, period = period }
+  if credits >= need then
+    r.allowed = 1
+    r.remaining = math.floor((credits - need) / period)
+    r.retry = 0
+    r.reset = math.ceil((full - (credits - need)) / refill)
+  else
+    r.allowed = 0
+    r.remaining = math.floor(credits / period)
+    r.retry = math.ceil((need - credits) / refill)
+    r.reset = r.retry
+  end
+  return r
+end
+
+local function tb_charge(r)
+  local left = r.credits - r.need
+  redis.call('HSET', r.key, 'c', string.format('%d', left), 't', string.format('%d', now))
+  -- Once full again the state equals a missing key, so it may vanish then.
+  redis.call('PEXPIRE', r.key, math.max(1, math.ceil((r.full - left) / r.refill)))
+end
+
