@@ -46,7 +46,7 @@ $(ENVOY_STAMP):
 deps: rust-deps apt-deps envoy-dep
 
 test: deps build
-	cargo test -- --test-threads=$(TEST_THREADS)
+	cargo test --all-targets -- --test-threads=$(TEST_THREADS)
 
 unit:
 	cargo test --lib
