@@ -45,7 +45,7 @@ $(ENVOY_STAMP):
 
 deps: rust-deps apt-deps envoy-dep
 
-test: deps build
+test: deps build lint
 	cargo test --all-targets -- --test-threads=$(TEST_THREADS)
 
 unit:

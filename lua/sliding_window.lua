@@ -59,12 +59,20 @@ local function sw_charge(r)
     stamp = r.newest
     seq = (tonumber(string.match(r.newest_member, ':(%d+)$')) or 0) + 1
   end
+  -- Config caps the cost at 1000 units; ZADD in chunks all the same, since
+  -- unpack() has a small stack limit.
   local args = {}
   for i = 0, r.cost - 1 do
     args[#args + 1] = stamp
     args[#args + 1] = string.format('%d:%012d', stamp, seq + i)
+    if #args == 200 then
+      redis.call('ZADD', r.key, unpack(args))
+      args = {}
+    end
   end
-  redis.call('ZADD', r.key, unpack(args))
+  if #args > 0 then
+    redis.call('ZADD', r.key, unpack(args))
+  end
   redis.call('PEXPIRE', r.key, r.window + (stamp - now))
 end
 

@@ -195,6 +195,18 @@ pub enum Part {
     Method,
 }
 
+impl fmt::Display for Part {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Part::Header(h) => write!(f, "{{\"header\": \"{h}\"}}"),
+            Part::Literal(l) => write!(f, "{{\"literal\": \"{l}\"}}"),
+            Part::ClientAddress => write!(f, "\"clientAddress\""),
+            Part::Path => write!(f, "\"path\""),
+            Part::Method => write!(f, "\"method\""),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
     TokenBucket {
@@ -303,6 +315,8 @@ pub struct Config {
 }
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 50;
+/// Most units one request may spend from a sliding window.
+pub const MAX_WINDOW_COST: u64 = 1000;
 pub const DEFAULT_KEY_PREFIX: &str = "rg";
 const MAX_TIMEOUT_MS: u64 = 60_000;
 
@@ -401,6 +415,19 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     for (i, raw_limit) in raw.limits.into_iter().enumerate() {
         let at = format!("limits[{i}]");
         let limit = compile_limit(raw_limit, &at, default_failure)?;
+        // The hash tag is part of every key. A tag value the descriptor does
+        // not also carry would let a client mint a fresh budget by changing it.
+        let missing = hash_tag
+            .iter()
+            .find(|p| !matches!(p, Part::Literal(_)) && !limit.descriptor.contains(p));
+        if let Some(part) = missing {
+            return Err(ConfigError::new(
+                format!("{at}.descriptor"),
+                format!(
+                    "must include every hashTag part (missing {part}): the hash tag is part of each key, so a value outside the descriptor would split one budget into many"
+                ),
+            ));
+        }
         if limits.iter().any(|l| l.name == limit.name) {
             return Err(ConfigError::new(
                 format!("{at}.name"),
@@ -579,12 +606,17 @@ fn compile_limit(
         }
     };
 
-    let quota = algorithm.quota();
+    // A sliding window stores one member per unit: one request may add at
+    // most MAX_WINDOW_COST of them (a bounded ZADD, a bounded script).
+    let quota = match algorithm {
+        Algorithm::SlidingWindow { limit, .. } => limit.min(MAX_WINDOW_COST),
+        Algorithm::TokenBucket { capacity, .. } => capacity,
+    };
     let fixed = raw.cost.unwrap_or(1);
     if fixed == 0 || fixed > quota {
         return Err(ConfigError::new(
             format!("{at}.cost"),
-            format!("must be between 1 and the limit's quota ({quota})"),
+            format!("must be between 1 and {quota} (the limit's quota; at most {MAX_WINDOW_COST} for a sliding window)"),
         ));
     }
     let cost = match raw.cost_header {
@@ -594,7 +626,7 @@ fn compile_limit(
             if h.max == 0 || h.max > quota {
                 return Err(ConfigError::new(
                     format!("{at}.costHeader.max"),
-                    format!("must be between 1 and the limit's quota ({quota})"),
+                    format!("must be between 1 and {quota} (the limit's quota; at most {MAX_WINDOW_COST} for a sliding window)"),
                 ));
             }
             if fixed > h.max {

@@ -47,12 +47,19 @@ impl Plan {
                 Cost::Fixed(c) => *c,
                 Cost::Header { name, default, max } => match view.header(name) {
                     None => *default,
-                    Some(raw) => parse_cost(&raw, *max).ok_or_else(|| BadRequest {
-                        detail: format!(
-                            "header `{name}` must be a whole number from 1 to {max} (limit `{}`)",
-                            limit.name
-                        ),
-                    })?,
+                    Some(raw) => match parse_cost(&raw, *max) {
+                        Some(cost) => cost,
+                        // A shadow limit never rejects, not even a bad header.
+                        None if limit.shadow => *default,
+                        None => {
+                            return Err(BadRequest {
+                                detail: format!(
+                                    "header `{name}` must be a whole number from 1 to {max} (limit `{}`)",
+                                    limit.name
+                                ),
+                            })
+                        }
+                    },
                 },
             };
             let tag = tag.get_or_insert_with(|| keys::hash_tag(config, line, view));
@@ -260,6 +267,13 @@ mod tests {
             let err = plan(&cfg, &base.clone().with("x-cost", bad)).unwrap_err();
             assert!(err.detail.contains("x-cost"), "{}", err.detail);
         }
+        // The same header on a shadow limit falls back to the default cost.
+        let cfg = config(
+            r#"[{"name":"a","cost":2,"shadow":true,"costHeader":{"name":"X-Cost","max":5},
+                 "tokenBucket":{"capacity":10,"refill":1,"periodMs":1000}}]"#,
+        );
+        let p = plan(&cfg, &base.clone().with("x-cost", b"6")).unwrap();
+        assert_eq!(p.checks[0].cost, 2);
     }
 
     #[test]

@@ -195,22 +195,22 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "cost_zero.json",
         "limits[0].cost",
-        "between 1 and the limit's quota (10)",
+        "must be between 1 and 10 (the limit's quota",
     ),
     (
         "cost_above_quota.json",
         "limits[0].cost",
-        "between 1 and the limit's quota (10)",
+        "must be between 1 and 10 (the limit's quota",
     ),
     (
         "cost_header_max_above_quota.json",
         "limits[0].costHeader.max",
-        "between 1 and the limit's quota (10)",
+        "must be between 1 and 10 (the limit's quota",
     ),
     (
         "cost_header_max_zero.json",
         "limits[0].costHeader.max",
-        "between 1 and the limit's quota (10)",
+        "must be between 1 and 10 (the limit's quota",
     ),
     (
         "cost_header_name_invalid.json",
@@ -295,6 +295,16 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "descriptor_part_two_keys.json",
         "limits[0].descriptor[0]",
         "expected value",
+    ),
+    (
+        "hash_tag_not_in_descriptor.json",
+        "limits[0].descriptor",
+        "must include every hashTag part (missing {\"header\": \"x-tenant\"})",
+    ),
+    (
+        "sliding_window_cost_above_1000.json",
+        "limits[0].cost",
+        "at most 1000 for a sliding window",
     ),
     // Shapes serde alone would accept.
     ("trailing_characters.json", "", "trailing characters"),
@@ -412,4 +422,16 @@ fn good_fixtures_parse() {
         problems.push(format!("envoy/filter.json: {e}"));
     }
     fail_if_any(&problems);
+}
+
+#[test]
+fn the_readme_configuration_example_parses() {
+    let readme =
+        fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let section = &readme[readme.find("## Configuration").unwrap()..];
+    let start = section.find("```json\n").unwrap() + "```json\n".len();
+    let end = start + section[start..].find("```").unwrap();
+    let config = Config::parse(section[start..end].as_bytes());
+    assert!(config.is_ok(), "README example: {:?}", config.err());
+    assert_eq!(config.unwrap().limits.len(), 2);
 }

@@ -1165,3 +1165,35 @@ fn rejects_an_unknown_algorithm() {
         "errors write nothing"
     );
 }
+
+#[test]
+fn redis_names_the_script_by_the_sha1_the_filter_sends() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(script())
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(sha, redis_guard::scripts::RATELIMIT.sha1);
+}
+
+#[test]
+fn a_large_sliding_window_cost_is_one_atomic_charge() {
+    // 1000 units (the configured maximum) in one call: more members than one
+    // unpack() can take, so the script must add them in chunks.
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:sw:bulk";
+    let argv = ["1", "sw", "5000", "60000", "0", "1000", "1"];
+    let reply: Vec<i64> = redis::cmd("EVAL")
+        .arg(script())
+        .arg(1)
+        .arg(key)
+        .arg(&argv[..])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(reply[..3], [1, 1, 4000]);
+    let n: i64 = redis::cmd("ZCARD").arg(key).query(&mut con).unwrap();
+    assert_eq!(n, 1000);
+}

@@ -1,6 +1,7 @@
 //! One request's path through the filter, independent of proxy-wasm.
 
 use std::rc::Rc;
+use std::time::Duration;
 
 use crate::config::{Config, FailureMode};
 use crate::filter::{Counter, Host};
@@ -36,6 +37,9 @@ pub struct CalloutReply {
     /// The HTTP status of Webdis' answer; `None` when the call failed
     /// (timeout, connection refused, reset).
     pub status: Option<u32>,
+    /// The answer came from Webdis itself (its `server` header), not from
+    /// Envoy on its behalf.
+    pub from_webdis: bool,
     pub body: Vec<u8>,
 }
 
@@ -43,6 +47,9 @@ pub struct Flow {
     config: Rc<Config>,
     plan: Plan,
     phase: Phase,
+    /// When the Redis decision must be in: every attempt (retry, NOSCRIPT
+    /// fallback) shares the one configured timeout.
+    deadline: Duration,
     response_headers: Vec<(String, String)>,
 }
 
@@ -52,6 +59,7 @@ impl Flow {
             config,
             plan: Plan::default(),
             phase: Phase::Idle,
+            deadline: Duration::ZERO,
             response_headers: Vec::new(),
         }
     }
@@ -73,6 +81,7 @@ impl Flow {
         for check in &self.plan.checks {
             host.count(Counter::Checked(check.limit));
         }
+        self.deadline = host.now() + self.config.redis.timeout;
         match self.call(host, false, false) {
             Ok(()) => Verdict::Pause,
             Err(why) => self.fail(host, &why, false),
@@ -94,8 +103,12 @@ impl Flow {
         args.extend(keys.iter().map(Vec::as_slice));
         args.extend(argv.iter().map(Vec::as_slice));
         let body = command_body(command, &args);
+        let left = self.deadline.saturating_sub(host.now());
+        if left < Duration::from_millis(1) {
+            return Err("redis timeout spent".to_string());
+        }
         host.count(Counter::RedisCalls);
-        let token = host.dispatch_redis(&self.config.redis, &body)?;
+        let token = host.dispatch_redis(&self.config.redis, &body, left)?;
         self.phase = Phase::AwaitingRedis {
             token,
             eval,
@@ -141,10 +154,11 @@ impl Flow {
         }
         match reply.status {
             Some(200) => {}
-            // 503 is Webdis (or Envoy) saying the command never reached Redis,
-            // e.g. the first call on a pooled connection to a restarted Redis:
-            // running it again cannot double-charge, so retry once.
-            Some(503) if !retried => {
+            // Webdis' own 503 says the command never reached Redis (e.g. the
+            // first call on a pooled connection to a restarted Redis), so it
+            // can run again without charging twice. Envoy's 503 (reset after
+            // sending) carries no such promise and is not retried.
+            Some(503) if reply.from_webdis && !retried => {
                 host.count(Counter::RedisRetries);
                 if let Err(e) = self.call(host, eval, true) {
                     self.fail(host, &e, true);
@@ -234,6 +248,8 @@ mod tests {
         resumed: usize,
         added: Vec<(String, String)>,
         counters: Vec<Counter>,
+        clock_ms: u64,
+        timeouts: Vec<Duration>,
     }
 
     impl FakeHost {
@@ -257,7 +273,13 @@ mod tests {
     }
 
     impl Host for FakeHost {
-        fn dispatch_redis(&mut self, _: &RedisTarget, body: &[u8]) -> Result<u32, String> {
+        fn dispatch_redis(
+            &mut self,
+            _: &RedisTarget,
+            body: &[u8],
+            timeout: Duration,
+        ) -> Result<u32, String> {
+            self.timeouts.push(timeout);
             if self.dispatch_fails {
                 return Err("no cluster".into());
             }
@@ -277,6 +299,9 @@ mod tests {
         fn count(&mut self, counter: Counter) {
             self.counters.push(counter);
         }
+        fn now(&self) -> Duration {
+            Duration::from_millis(self.clock_ms)
+        }
     }
 
     fn flow(failure: &str) -> Flow {
@@ -294,6 +319,7 @@ mod tests {
     fn ok(body: &[u8]) -> CalloutReply {
         CalloutReply {
             status: Some(200),
+            from_webdis: true,
             body: body.to_vec(),
         }
     }
@@ -376,14 +402,23 @@ mod tests {
         let bad_replies = [
             CalloutReply {
                 status: None,
+                from_webdis: false,
                 body: vec![],
             },
             CalloutReply {
                 status: Some(502),
+                from_webdis: false,
+                body: vec![],
+            },
+            // Envoy's own 503 (reset after the command may have run): no retry.
+            CalloutReply {
+                status: Some(503),
+                from_webdis: false,
                 body: vec![],
             },
             CalloutReply {
                 status: Some(403),
+                from_webdis: true,
                 body: b"forbidden".to_vec(),
             },
             ok(b"-BUSY Redis is busy running a script\r\n"),
@@ -413,6 +448,7 @@ mod tests {
     fn a_webdis_503_is_retried_once_then_fails() {
         let unavailable = || CalloutReply {
             status: Some(503),
+            from_webdis: true,
             body: vec![],
         };
         let mut f = flow("deny");
@@ -430,6 +466,29 @@ mod tests {
         f.on_callout_reply(&mut h, 1, unavailable());
         f.on_callout_reply(&mut h, 2, unavailable());
         assert_eq!(h.dispatched.len(), 2, "one retry only");
+        assert_eq!(h.sent[0].status, 503);
+    }
+
+    #[test]
+    fn every_attempt_shares_the_one_timeout() {
+        // timeoutMs is 50 (the default): EVALSHA at t=0 gets 50 ms; a
+        // NOSCRIPT answer at t=30 leaves the EVAL 20 ms; at t=50 nothing is left.
+        let mut f = flow("deny");
+        let mut h = FakeHost::get("/api/x");
+        f.on_request_headers(&mut h);
+        h.clock_ms = 30;
+        f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
+        assert_eq!(
+            h.timeouts,
+            [Duration::from_millis(50), Duration::from_millis(20)]
+        );
+
+        let mut f = flow("deny");
+        let mut h = FakeHost::get("/api/x");
+        f.on_request_headers(&mut h);
+        h.clock_ms = 50;
+        f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
+        assert_eq!(h.dispatched.len(), 1, "no attempt past the deadline");
         assert_eq!(h.sent[0].status, 503);
     }
 

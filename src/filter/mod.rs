@@ -6,6 +6,8 @@ pub mod flow;
 #[cfg(target_arch = "wasm32")]
 pub mod proxy;
 
+use std::time::Duration;
+
 use crate::config::RedisTarget;
 use crate::request::RequestView;
 use crate::response::LocalReply;
@@ -31,8 +33,16 @@ pub enum Counter {
 
 /// What the filter needs from the proxy for one request.
 pub trait Host: RequestView {
-    /// Sends one Webdis command body to the Redis cluster; returns the callout token.
-    fn dispatch_redis(&mut self, target: &RedisTarget, body: &[u8]) -> Result<u32, String>;
+    /// Sends one Webdis command body to the Redis cluster with this timeout;
+    /// returns the callout token.
+    fn dispatch_redis(
+        &mut self,
+        target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, String>;
+    /// A monotonic-enough clock for the request's Redis deadline.
+    fn now(&self) -> Duration;
     fn send_local(&mut self, reply: &LocalReply);
     fn resume_request(&mut self);
     fn add_response_header(&mut self, name: &str, value: &str);

@@ -1,8 +1,10 @@
-//! proxy-wasm glue: the only code that calls the host. Every host call's error
-//! is handled (logged) instead of unwrapped, so a vanished stream or a refused
-//! call can never abort the VM.
+//! proxy-wasm glue: the only code that calls the host. Host calls go through
+//! `hostcalls` (which return errors) rather than the trait defaults (which
+//! unwrap), and every error is logged, not unwrapped. The SDK still panics on
+//! statuses it does not expect, so maps that may be absent are not read.
 
 use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -174,7 +176,19 @@ impl RequestView for ProxyHost<'_> {
 }
 
 impl Host for ProxyHost<'_> {
-    fn dispatch_redis(&mut self, target: &RedisTarget, body: &[u8]) -> Result<u32, String> {
+    fn now(&self) -> Duration {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .unwrap_or_default()
+    }
+
+    fn dispatch_redis(
+        &mut self,
+        target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, String> {
         hostcalls::dispatch_http_call(
             &target.cluster,
             vec![
@@ -185,7 +199,7 @@ impl Host for ProxyHost<'_> {
             ],
             Some(body),
             vec![],
-            target.timeout,
+            timeout,
         )
         .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))
     }
@@ -226,24 +240,42 @@ impl Context for Http {
     fn on_http_call_response(
         &mut self,
         token_id: u32,
-        _num_headers: usize,
+        num_headers: usize,
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .and_then(|s| s.parse::<u32>().ok());
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        // A failed call (reset, timeout) arrives with no headers, and reading
+        // a missing map makes the SDK panic: do not read what is not there.
+        let (status, from_webdis, body) = if num_headers == 0 {
+            (None, false, Vec::new())
+        } else {
+            let header = |name: &str| {
+                hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
+                    .ok()
+                    .flatten()
+            };
+            let status = header(":status").and_then(|s| s.parse::<u32>().ok());
+            let from_webdis = header("server").is_some_and(|s| s.eq_ignore_ascii_case("webdis"));
+            let body = if body_size == 0 {
+                Vec::new()
+            } else {
+                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default()
+            };
+            (status, from_webdis, body)
+        };
         let metrics = self.shared.as_deref().map(|s| &s.metrics);
         if let Some(flow) = self.flow.as_mut() {
             flow.on_callout_reply(
                 &mut ProxyHost { metrics },
                 token_id,
-                CalloutReply { status, body },
+                CalloutReply {
+                    status,
+                    from_webdis,
+                    body,
+                },
             );
         }
     }

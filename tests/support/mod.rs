@@ -98,6 +98,17 @@ impl Proc {
         }
     }
 
+    /// Sends a signal (`STOP`, `CONT`…) with kill(1).
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("process gone").id();
+        let ok = Command::new("kill")
+            .args([format!("-{sig}"), pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig} {pid} failed");
+    }
+
     pub fn is_running(&mut self) -> bool {
         match self.child.as_mut() {
             Some(c) => c.try_wait().map(|s| s.is_none()).unwrap_or(false),
@@ -225,6 +236,12 @@ impl Redis {
 
     pub fn stop(&mut self) {
         self.proc.kill();
+    }
+
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: connections stay
+    /// open and nothing answers, like a Redis stuck on a slow command.
+    pub fn freeze(&self, frozen: bool) {
+        self.proc.signal(if frozen { "STOP" } else { "CONT" });
     }
 
     /// Starts again on the same port, empty (scripts and keys gone).
