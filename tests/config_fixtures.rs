@@ -431,7 +431,7 @@ fn the_readme_configuration_example_parses() {
     let section = &readme[readme.find("## Configuration").unwrap()..];
     let start = section.find("```json\n").unwrap() + "```json\n".len();
     let end = start + section[start..].find("```").unwrap();
-    let config = Config::parse(section[start..end].as_bytes());
+    let config = Config::parse(&section.as_bytes()[start..end]);
     assert!(config.is_ok(), "README example: {:?}", config.err());
     assert_eq!(config.unwrap().limits.len(), 2);
 }
