@@ -304,15 +304,15 @@ fn hostile_descriptor_values_are_limited_under_exactly_the_expected_key() {
     );
 }
 
+/// `/open` fails open (the top-level mode), `/closed` fails closed.
+const OPEN_AND_CLOSED: &str = r#"[
+    {"name":"open","match":{"pathPrefix":"/open"},"slidingWindow":{"limit":100,"windowMs":60000}},
+    {"name":"closed","match":{"pathPrefix":"/closed"},"failureMode":"deny",
+     "slidingWindow":{"limit":100,"windowMs":60000}}]"#;
+
 #[test]
 fn redis_down_follows_the_failure_mode_without_hanging() {
-    let cfg = config(
-        300,
-        "allow",
-        r#"[{"name":"open","match":{"pathPrefix":"/open"},"slidingWindow":{"limit":100,"windowMs":60000}},
-            {"name":"closed","match":{"pathPrefix":"/closed"},"failureMode":"deny",
-             "slidingWindow":{"limit":100,"windowMs":60000}}]"#,
-    );
+    let cfg = config(300, "allow", OPEN_AND_CLOSED);
     let mut stack = Stack::start(&cfg, 1);
     assert_eq!(get(&stack.envoy().url("/open"), &[]).status, 200);
     assert_eq!(get(&stack.envoy().url("/closed"), &[]).status, 200);
@@ -375,13 +375,7 @@ fn a_restarted_redis_gets_the_script_again_without_a_failed_request() {
 
 #[test]
 fn a_stalled_redis_is_given_up_at_the_timeout() {
-    let cfg = config(
-        400,
-        "allow",
-        r#"[{"name":"open","match":{"pathPrefix":"/open"},"slidingWindow":{"limit":100,"windowMs":60000}},
-            {"name":"closed","match":{"pathPrefix":"/closed"},"failureMode":"deny",
-             "slidingWindow":{"limit":100,"windowMs":60000}}]"#,
-    );
+    let cfg = config(400, "allow", OPEN_AND_CLOSED);
     let stack = Stack::start(&cfg, 1);
     let e = stack.envoy();
     assert_eq!(get(&e.url("/closed"), &[]).status, 200);
