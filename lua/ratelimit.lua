@@ -1,8 +1,11 @@
---[[ redis-guard: decide every rate limit that matches one request, all or nothing.
+--[[ redis-guard: decide one request in one call: its idempotency key (if any)
+and every rate limit that matches it, all or nothing.
 
-KEYS[i]  state key of limit i. The filter gives every key of one call the same
-         Redis Cluster hash tag, so the whole call runs on one slot.
-ARGV[1]  N, the number of limits (must equal #KEYS)
+KEYS[i]    state key of limit i, for i = 1..N
+KEYS[N+1]  the idempotency record, when ARGV[2+6N] is "1"
+           The filter gives every key of one call the same Redis Cluster hash
+           tag, so the whole call runs on one slot.
+ARGV[1]  N, the number of limits
 ARGV per limit i, six values starting at 2 + (i-1)*6:
   algorithm  "tb" (token bucket, one hash) or "sw" (sliding-window log, one sorted set)
   a          tb: capacity (tokens)          sw: limit (requests per window)
@@ -10,10 +13,20 @@ ARGV per limit i, six values starting at 2 + (i-1)*6:
   c          tb: period (ms)                sw: ignored (0)
   cost       units this request spends (1 <= cost <= capacity or limit)
   enforce    "1": a rejection rejects the request; "0": shadow, reported only
+ARGV[2+6N]  "1" if the request carries an idempotency key, else "0" or absent;
+            then owner token, request fingerprint, lock TTL (ms): see
+            lua/idempotency.lua
 
 Returns a flat array (Webdis' raw output cannot carry nested arrays):
-  [1]          1 if the request is admitted, 0 if any enforced limit rejects it
-  then 4 integers per limit, in KEYS order:
+  [1]  the verdict:
+       1  admitted: every limit charged; the idempotency lock (if any) is ours
+       0  rejected by a rate limit: nothing written, no lock taken
+       2  another request holds the key's lock: [2, lock PTTL ms]
+       3  the key completed before: [3, status, stored headers, stored body]
+       4  the key was used with another request fingerprint: [4]
+       (2, 3 and 4 are answered before any limit is looked at: a replay or a
+       conflict spends no quota)
+  for 0 and 1, then 4 integers per limit, in KEYS order:
     allowed    1 if this limit alone would admit the request
     remaining  units left after this request (after the charge, if charged)
     retry_ms   0 when allowed; otherwise ms until this limit could admit it
@@ -39,11 +52,21 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local n = tonumber(ARGV[1])
-if n == nil or n ~= #KEYS then
-  return redis.error_reply('ERR redis-guard ratelimit: ARGV[1] must equal #KEYS')
+local keyed = n ~= nil and ARGV[2 + 6 * n] == '1'
+if n == nil or n + (keyed and 1 or 0) ~= #KEYS then
+  return redis.error_reply('ERR redis-guard ratelimit: ARGV[1] must match #KEYS')
 end
 
 -- @@ALGORITHMS@@
+
+local idem
+if keyed then
+  local ib = 3 + 6 * n
+  idem = idem_check(KEYS[n + 1], ARGV[ib], ARGV[ib + 1], tonumber(ARGV[ib + 2]))
+  if idem.verdict ~= 1 then
+    return idem.reply
+  end
+end
 
 local results = {}
 local admit = 1
@@ -68,6 +91,10 @@ for i = 1, n do
     admit = 0
   end
   results[i] = r
+end
+
+if admit == 1 and idem then
+  idem_acquire(idem)
 end
 
 local out = { admit }

@@ -36,17 +36,27 @@ fn compose(main: &str, parts: &[&str]) -> String {
     out
 }
 
-/// Every rate limit of a request in one atomic call: the driver and clock
-/// from lua/ratelimit.lua, with both algorithms joined in.
+/// A request's idempotency lock and every rate limit in one atomic call: the
+/// driver and clock from lua/ratelimit.lua, with both algorithms and the
+/// idempotency record joined in.
 pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/ratelimit.lua"),
         &[
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/sliding_window.lua"),
+            include_str!("../lua/idempotency.lua"),
         ],
     ))
 });
+
+/// IN_PROGRESS -> COMPLETED for the lock's owner.
+pub static IDEM_COMPLETE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/idempotency_complete.lua").to_string()));
+
+/// IN_PROGRESS -> released for the lock's owner.
+pub static IDEM_RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/idempotency_release.lua").to_string()));
 
 #[cfg(test)]
 mod tests {
@@ -69,9 +79,10 @@ mod tests {
         let src = &RATELIMIT.source;
         let tb = src.find("local function tb_check").unwrap();
         let sw = src.find("local function sw_check").unwrap();
+        let idem = src.find("local function idem_check").unwrap();
         let driver = src.find("local results = {}").unwrap();
         let clock = src.find("redis.call('TIME')").unwrap();
-        assert!(clock < tb && tb < sw && sw < driver);
+        assert!(clock < tb && tb < sw && sw < idem && idem < driver);
         assert!(!src.contains(ALGORITHMS));
     }
 }

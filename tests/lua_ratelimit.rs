@@ -1112,19 +1112,19 @@ fn rejects_a_limit_count_that_differs_from_the_keys() {
     let argv: Vec<&str> = ["1"].iter().chain(&one).copied().collect();
     let err = eval_raw(&mut con, &[a, b], &argv).unwrap_err();
     assert!(
-        err.to_string().contains("ARGV[1] must equal #KEYS"),
+        err.to_string().contains("ARGV[1] must match #KEYS"),
         "unexpected error: {err}"
     );
     let argv: Vec<&str> = ["2"].iter().chain(&one).chain(&one).copied().collect();
     let err = eval_raw(&mut con, &[a], &argv).unwrap_err();
     assert!(
-        err.to_string().contains("ARGV[1] must equal #KEYS"),
+        err.to_string().contains("ARGV[1] must match #KEYS"),
         "{err}"
     );
     let argv: Vec<&str> = ["one"].iter().chain(&one).copied().collect();
     let err = eval_raw(&mut con, &[a], &argv).unwrap_err();
     assert!(
-        err.to_string().contains("ARGV[1] must equal #KEYS"),
+        err.to_string().contains("ARGV[1] must match #KEYS"),
         "{err}"
     );
     assert!(

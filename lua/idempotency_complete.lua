@@ -1,0 +1,21 @@
+--[[ redis-guard: IN_PROGRESS -> COMPLETED, only for the lock's owner.
+
+KEYS[1]  the idempotency record (see lua/idempotency.lua)
+ARGV[1]  owner token of the request that took the lock
+ARGV[2]  response status
+ARGV[3]  stored response headers (the filter's encoding)
+ARGV[4]  stored response body
+ARGV[5]  record TTL (ms): how long retries are answered from the record
+Returns  1 if the record was written; 0 if the lock is gone or another
+         request's (it expired and was taken again): the response is then not
+         stored, and that other request's outcome stands.
+]]
+
+if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1]
+    or redis.call('HGET', KEYS[1], 's') ~= 'P' then
+  return 0
+end
+redis.call('HSET', KEYS[1], 's', 'C', 'st', ARGV[2], 'h', ARGV[3], 'b', ARGV[4])
+redis.call('HDEL', KEYS[1], 'o')
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
