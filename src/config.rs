@@ -61,6 +61,36 @@ struct RawConfig {
     rate_limit_headers: Option<Vec<HeaderSet>>,
     #[serde(default)]
     limits: Vec<RawLimit>,
+    #[serde(default)]
+    idempotency: Vec<RawIdempotency>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawIdempotency {
+    name: String,
+    #[serde(default, rename = "match")]
+    matcher: RawMatch,
+    #[serde(default)]
+    header: Option<String>,
+    #[serde(default)]
+    required: bool,
+    #[serde(default)]
+    tenant: Vec<RawPart>,
+    #[serde(default)]
+    lock_ttl_ms: Option<u64>,
+    #[serde(default)]
+    record_ttl_ms: Option<u64>,
+    #[serde(default)]
+    store_statuses: Option<Vec<String>>,
+    #[serde(default)]
+    store_headers: Option<Vec<String>>,
+    #[serde(default)]
+    max_request_body_bytes: Option<u64>,
+    #[serde(default)]
+    max_stored_body_bytes: Option<u64>,
+    #[serde(default)]
+    failure_mode: Option<FailureMode>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -304,6 +334,34 @@ pub struct Limit {
     pub key_infix: String,
 }
 
+/// One idempotency rule: which requests it covers and how their keys behave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idempotency {
+    pub name: String,
+    pub matcher: Matcher,
+    /// Lower-case request header carrying the key.
+    pub header: String,
+    pub required: bool,
+    /// Parts naming the tenant a key is scoped to.
+    pub tenant: Vec<Part>,
+    pub lock_ttl_ms: u64,
+    pub record_ttl_ms: u64,
+    /// Status classes (2 for 2xx…) and exact statuses whose responses are stored.
+    pub store_classes: Vec<u32>,
+    pub store_exact: Vec<u32>,
+    /// Lower-case response headers stored and replayed.
+    pub store_headers: Vec<String>,
+    pub max_request_body: usize,
+    pub max_stored_body: usize,
+    pub failure_mode: FailureMode,
+}
+
+impl Idempotency {
+    pub fn stores(&self, status: u32) -> bool {
+        self.store_exact.contains(&status) || self.store_classes.contains(&(status / 100))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     pub redis: RedisTarget,
@@ -312,9 +370,18 @@ pub struct Config {
     pub headers_ietf: bool,
     pub headers_x: bool,
     pub limits: Vec<Limit>,
+    pub idempotency: Vec<Idempotency>,
 }
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 50;
+pub const DEFAULT_IDEMPOTENCY_HEADER: &str = "idempotency-key";
+pub const DEFAULT_LOCK_TTL_MS: u64 = 30_000;
+pub const DEFAULT_RECORD_TTL_MS: u64 = 86_400_000;
+pub const DEFAULT_MAX_REQUEST_BODY: u64 = 1 << 20;
+pub const DEFAULT_MAX_STORED_BODY: u64 = 64 << 10;
+/// Webdis and Redis take bodies this large, but a record this size already
+/// belongs in object storage, not in Redis memory.
+const MAX_STORED_BODY: u64 = 8 << 20;
 /// Most units one request may spend from a sliding window.
 pub const MAX_WINDOW_COST: u64 = 1000;
 pub const DEFAULT_KEY_PREFIX: &str = "rg";
@@ -345,6 +412,10 @@ impl Config {
 const LIST_FIELDS: &[&str] = &[
     "hashTag",
     "limits",
+    "idempotency",
+    "tenant",
+    "storeStatuses",
+    "storeHeaders",
     "descriptor",
     "methods",
     "headers",
@@ -437,6 +508,30 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         limits.push(limit);
     }
 
+    let mut idempotency: Vec<Idempotency> = Vec::with_capacity(raw.idempotency.len());
+    for (i, raw_rule) in raw.idempotency.into_iter().enumerate() {
+        let at = format!("idempotency[{i}]");
+        let rule = compile_idempotency(raw_rule, &at, default_failure)?;
+        if idempotency.iter().any(|r| r.name == rule.name) {
+            return Err(ConfigError::new(
+                format!("{at}.name"),
+                format!("duplicate idempotency rule name `{}`", rule.name),
+            ));
+        }
+        // Retries must find the record: its key carries the hash tag, so the
+        // tag may only depend on what scopes the key.
+        let missing = hash_tag
+            .iter()
+            .find(|p| !matches!(p, Part::Literal(_)) && !rule.tenant.contains(p));
+        if let Some(part) = missing {
+            return Err(ConfigError::new(
+                format!("{at}.tenant"),
+                format!("must include every hashTag part (missing {part}): the hash tag is part of the record's key"),
+            ));
+        }
+        idempotency.push(rule);
+    }
+
     Ok(Config {
         redis,
         key_prefix,
@@ -444,6 +539,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         headers_ietf,
         headers_x,
         limits,
+        idempotency,
     })
 }
 
@@ -732,4 +828,109 @@ fn match_path(p: String, field: &str) -> Result<String, ConfigError> {
         ));
     }
     Ok(p)
+}
+
+fn compile_idempotency(
+    raw: RawIdempotency,
+    at: &str,
+    default_failure: FailureMode,
+) -> Result<Idempotency, ConfigError> {
+    if !valid_name(&raw.name) {
+        return Err(ConfigError::new(
+            format!("{at}.name"),
+            "must be 1 to 64 characters of A-Z a-z 0-9 - _ .",
+        ));
+    }
+    let mut matcher = compile_match(raw.matcher, &format!("{at}.match"))?;
+    if matcher.methods.is_empty() {
+        // The methods that are not idempotent by definition (RFC 9110).
+        matcher.methods = vec!["POST".to_string(), "PATCH".to_string()];
+    }
+    let header = header_name(
+        raw.header.as_deref().unwrap_or(DEFAULT_IDEMPOTENCY_HEADER),
+        &format!("{at}.header"),
+    )?;
+    let tenant = compile_parts(raw.tenant, &format!("{at}.tenant"))?;
+    let lock_ttl_ms = raw.lock_ttl_ms.unwrap_or(DEFAULT_LOCK_TTL_MS);
+    if !(100..=86_400_000).contains(&lock_ttl_ms) {
+        return Err(ConfigError::new(
+            format!("{at}.lockTtlMs"),
+            "must be between 100 and 86400000 (keep it above the upstream timeout)",
+        ));
+    }
+    let record_ttl_ms = raw.record_ttl_ms.unwrap_or(DEFAULT_RECORD_TTL_MS);
+    if !(1000..=30 * 86_400_000).contains(&record_ttl_ms) {
+        return Err(ConfigError::new(
+            format!("{at}.recordTtlMs"),
+            "must be between 1000 and 2592000000 (30 days)",
+        ));
+    }
+    let mut store_classes = Vec::new();
+    let mut store_exact = Vec::new();
+    for (i, st) in raw
+        .store_statuses
+        .unwrap_or_else(|| vec!["2xx".to_string()])
+        .iter()
+        .enumerate()
+    {
+        let field = format!("{at}.storeStatuses[{i}]");
+        let b = st.as_bytes();
+        if b.len() == 3 && (b"2345".contains(&b[0])) && &b[1..] == b"xx" {
+            store_classes.push(u32::from(b[0] - b'0'));
+        } else if let Some(code) = st.parse::<u32>().ok().filter(|c| (200..600).contains(c)) {
+            store_exact.push(code);
+        } else {
+            return Err(ConfigError::new(
+                field,
+                format!(
+                    "`{st}` is neither a class (2xx, 3xx, 4xx, 5xx) nor a status from 200 to 599"
+                ),
+            ));
+        }
+    }
+    let store_headers = match raw.store_headers {
+        None => vec!["content-type".to_string()],
+        Some(names) => names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| header_name(n, &format!("{at}.storeHeaders[{i}]")))
+            .collect::<Result<_, _>>()?,
+    };
+    if let Some(bad) = store_headers.iter().find(|h| h.starts_with(':')) {
+        return Err(ConfigError::new(
+            format!("{at}.storeHeaders"),
+            format!("`{bad}`: pseudo-headers are not stored (the status is)"),
+        ));
+    }
+    let max_request_body = raw
+        .max_request_body_bytes
+        .unwrap_or(DEFAULT_MAX_REQUEST_BODY);
+    if max_request_body > 64 << 20 {
+        return Err(ConfigError::new(
+            format!("{at}.maxRequestBodyBytes"),
+            "must be at most 67108864: the body is held in the proxy to fingerprint it",
+        ));
+    }
+    let max_stored_body = raw.max_stored_body_bytes.unwrap_or(DEFAULT_MAX_STORED_BODY);
+    if max_stored_body > MAX_STORED_BODY {
+        return Err(ConfigError::new(
+            format!("{at}.maxStoredBodyBytes"),
+            format!("must be at most {MAX_STORED_BODY}: larger responses do not belong in Redis"),
+        ));
+    }
+    Ok(Idempotency {
+        name: raw.name,
+        matcher,
+        header,
+        required: raw.required,
+        tenant,
+        lock_ttl_ms,
+        record_ttl_ms,
+        store_classes,
+        store_exact,
+        store_headers,
+        max_request_body: usize::try_from(max_request_body).unwrap_or(usize::MAX),
+        max_stored_body: usize::try_from(max_stored_body).unwrap_or(usize::MAX),
+        failure_mode: raw.failure_mode.unwrap_or(default_failure),
+    })
 }

@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod filter;
+pub mod idempotency;
 pub mod keys;
 pub mod ratelimit;
 pub mod request;

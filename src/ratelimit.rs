@@ -76,9 +76,14 @@ impl Plan {
         self.checks.is_empty()
     }
 
-    /// KEYS and ARGV for `lua/ratelimit.lua`, in its documented order.
-    pub fn script_args(&self, config: &Config) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
-        let keys = self.checks.iter().map(|c| c.key.clone()).collect();
+    /// KEYS and ARGV for `lua/ratelimit.lua`, in its documented order, with
+    /// the idempotency lock when the request carries a key.
+    pub fn script_args(
+        &self,
+        config: &Config,
+        idem: Option<&IdemArgs>,
+    ) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        let mut keys: Vec<Vec<u8>> = self.checks.iter().map(|c| c.key.clone()).collect();
         let mut argv = Vec::with_capacity(1 + self.checks.len() * 6);
         argv.push(self.checks.len().to_string().into_bytes());
         for check in &self.checks {
@@ -101,6 +106,13 @@ impl Plan {
             } else {
                 b"1".to_vec()
             });
+        }
+        if let Some(idem) = idem {
+            keys.push(idem.key.clone());
+            argv.push(b"1".to_vec());
+            argv.push(idem.owner.as_bytes().to_vec());
+            argv.push(idem.fingerprint.as_bytes().to_vec());
+            argv.push(idem.lock_ttl_ms.to_string().into_bytes());
         }
         (keys, argv)
     }
@@ -127,6 +139,72 @@ fn parse_cost(raw: &[u8], max: u64) -> Option<u64> {
     }
     let n: u64 = s.parse().ok()?;
     (1..=max).contains(&n).then_some(n)
+}
+
+/// The idempotency part of a script call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdemArgs {
+    pub key: Vec<u8>,
+    pub owner: String,
+    pub fingerprint: String,
+    pub lock_ttl_ms: u64,
+}
+
+/// What the request script decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Rate limits decided (and, if admitted, the idempotency lock taken).
+    Limits(Outcome),
+    /// Another request holds the key's lock for this long.
+    Busy { pttl_ms: u64 },
+    /// The key completed before: the stored response.
+    Replay {
+        status: u32,
+        headers: Vec<u8>,
+        body: Vec<u8>,
+    },
+    /// The key was used with another request.
+    Mismatch,
+}
+
+/// Reads the request script's reply (see the contract in lua/ratelimit.lua).
+pub fn parse_verdict(reply: &Reply, n: usize) -> Result<Verdict, String> {
+    let Reply::Array(Some(items)) = reply else {
+        return Err(format!("expected an array, got {reply:?}"));
+    };
+    let code = items.first().and_then(Reply::as_int);
+    let bulk = |i: usize| match items.get(i) {
+        Some(Reply::Bulk(Some(b))) => Ok(b.clone()),
+        Some(Reply::Bulk(None)) => Ok(Vec::new()),
+        other => Err(format!("expected a string, got {other:?}")),
+    };
+    match (code, items.len()) {
+        (Some(0 | 1), _) => parse_outcome(reply, n).map(Verdict::Limits),
+        (Some(2), 2) => {
+            let pttl = items[1].as_int().filter(|v| *v > 0).ok_or("bad lock TTL")?;
+            Ok(Verdict::Busy {
+                pttl_ms: pttl.unsigned_abs(),
+            })
+        }
+        (Some(3), 4) => {
+            let status = items[1]
+                .as_int()
+                .and_then(|s| u32::try_from(s).ok())
+                .filter(|s| (100..600).contains(s))
+                .ok_or("bad stored status")?;
+            Ok(Verdict::Replay {
+                status,
+                headers: bulk(2)?,
+                body: bulk(3)?,
+            })
+        }
+        (Some(4), 1) => Ok(Verdict::Mismatch),
+        _ => Err(format!(
+            "unexpected verdict {:?} of {} items",
+            code,
+            items.len()
+        )),
+    }
 }
 
 /// One limit's verdict, as the script returns it.
@@ -283,7 +361,7 @@ mod tests {
                 {"name":"b","shadow":true,"slidingWindow":{"limit":5,"windowMs":60000}}]"#,
         );
         let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
-        let (keys, argv) = p.script_args(&cfg);
+        let (keys, argv) = p.script_args(&cfg, None);
         assert_eq!(keys.len(), 2);
         let argv: Vec<String> = argv
             .into_iter()
@@ -293,6 +371,72 @@ mod tests {
             argv,
             ["2", "tb", "10", "2", "1000", "1", "1", "sw", "5", "60000", "0", "1", "0"]
         );
+    }
+
+    #[test]
+    fn idempotency_adds_its_key_and_arguments_last() {
+        let cfg =
+            config(r#"[{"name":"a","tokenBucket":{"capacity":10,"refill":2,"periodMs":1000}}]"#);
+        let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
+        let idem = IdemArgs {
+            key: b"rg:idem:{t}:r::3:abc".to_vec(),
+            owner: "o1".into(),
+            fingerprint: "f1".into(),
+            lock_ttl_ms: 30000,
+        };
+        let (keys, argv) = p.script_args(&cfg, Some(&idem));
+        assert_eq!(keys.len(), 2);
+        assert_eq!(keys[1], idem.key);
+        let tail: Vec<String> = argv[7..]
+            .iter()
+            .map(|a| String::from_utf8(a.clone()).unwrap())
+            .collect();
+        assert_eq!(tail, ["1", "o1", "f1", "30000"]);
+    }
+
+    #[test]
+    fn parses_idempotency_verdicts() {
+        let bulk = |s: &[u8]| Reply::Bulk(Some(s.to_vec()));
+        let arr = |v: Vec<Reply>| Reply::Array(Some(v));
+        assert_eq!(
+            parse_verdict(&arr(vec![bulk(b"2"), bulk(b"2900")]), 0).unwrap(),
+            Verdict::Busy { pttl_ms: 2900 }
+        );
+        assert_eq!(
+            parse_verdict(
+                &arr(vec![
+                    bulk(b"3"),
+                    bulk(b"201"),
+                    bulk(b"2:ab1:c"),
+                    bulk(b"\x00\r\n")
+                ]),
+                0
+            )
+            .unwrap(),
+            Verdict::Replay {
+                status: 201,
+                headers: b"2:ab1:c".to_vec(),
+                body: b"\x00\r\n".to_vec()
+            }
+        );
+        assert_eq!(
+            parse_verdict(&arr(vec![bulk(b"4")]), 0).unwrap(),
+            Verdict::Mismatch
+        );
+        assert!(matches!(
+            parse_verdict(&arr(vec![bulk(b"1")]), 0).unwrap(),
+            Verdict::Limits(Outcome { admitted: true, .. })
+        ));
+        for bad in [
+            arr(vec![bulk(b"2")]),
+            arr(vec![bulk(b"2"), bulk(b"0")]),
+            arr(vec![bulk(b"3"), bulk(b"99"), bulk(b""), bulk(b"")]),
+            arr(vec![bulk(b"3"), bulk(b"200"), bulk(b"")]),
+            arr(vec![bulk(b"5")]),
+            arr(vec![]),
+        ] {
+            assert!(parse_verdict(&bad, 0).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -48,6 +48,43 @@ pub fn bad_request(detail: &str) -> LocalReply {
     problem_reply(400, "Bad Request", detail, json!({}))
 }
 
+/// 409: another request with the same idempotency key is in progress.
+pub fn idempotency_conflict(lock_pttl_ms: u64) -> LocalReply {
+    // The first request normally finishes well before its lock would expire:
+    // suggest a short wait, never longer than the lock.
+    let retry_after = seconds_up(lock_pttl_ms).min(1);
+    let mut reply = problem_reply(
+        409,
+        "Conflict",
+        "a request with this idempotency key is being processed",
+        json!({ "retryAfter": retry_after }),
+    );
+    reply
+        .headers
+        .push(("retry-after".to_string(), retry_after.to_string()));
+    reply
+}
+
+/// 422: the idempotency key was used with a different request.
+pub fn idempotency_mismatch() -> LocalReply {
+    problem_reply(
+        422,
+        "Unprocessable Content",
+        "this idempotency key was used with a different request (method, path or body)",
+        json!({}),
+    )
+}
+
+/// 413: a keyed request's body is over the configured cap.
+pub fn payload_too_large(max: usize) -> LocalReply {
+    problem_reply(
+        413,
+        "Content Too Large",
+        &format!("requests with an idempotency key may carry at most {max} bytes"),
+        json!({ "maxBytes": max }),
+    )
+}
+
 /// Fail-closed answer when Redis cannot decide.
 pub fn unavailable(detail: &str) -> LocalReply {
     problem_reply(503, "Service Unavailable", detail, json!({}))

@@ -1,19 +1,31 @@
 //! One request's path through the filter, independent of proxy-wasm.
+//!
+//! Request side: the rate limits that apply and, for a request carrying an
+//! idempotency key, the key's lock are decided by one script call (after the
+//! body is read, since the fingerprint covers it). Response side: a locked
+//! request's response is copied while it streams; its last chunk is held until
+//! Redis has the COMPLETED record, so a retry sent after the client saw the
+//! whole response is always a replay.
 
 use std::rc::Rc;
 use std::time::Duration;
 
 use crate::config::{Config, FailureMode};
 use crate::filter::{Counter, Host};
-use crate::ratelimit::{parse_outcome, Plan};
+use crate::idempotency::{decode_headers, encode_headers, fingerprint, parse_key, record_key};
+use crate::keys;
+use crate::ratelimit::{parse_verdict, IdemArgs, Plan, Verdict};
 use crate::request::RequestLine;
-use crate::response::{bad_request, rate_limit_headers, too_many_requests, unavailable};
-use crate::scripts::RATELIMIT;
+use crate::response::{
+    bad_request, idempotency_conflict, idempotency_mismatch, payload_too_large, rate_limit_headers,
+    too_many_requests, unavailable, LocalReply,
+};
+use crate::scripts::{Script, IDEM_COMPLETE, IDEM_RELEASE, RATELIMIT};
 use crate::webdis::{command_body, parse_reply, Reply};
 
-/// What the host should do after a request-headers callback.
+/// What the host should do after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum Action {
     Continue,
     Pause,
 }
@@ -21,14 +33,40 @@ pub enum Verdict {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Idle,
-    /// Waiting for Webdis; `eval` is true once the EVALSHA fallback was taken,
-    /// `retried` once the single retry after a Webdis 503 was spent.
+    /// A keyed request: its body is being buffered for the fingerprint.
+    ReadingBody,
+    /// Waiting for the request script; `eval` once the EVALSHA fallback was
+    /// taken, `retried` once the single retry after a Webdis 503 was spent.
     AwaitingRedis {
         token: u32,
         eval: bool,
         retried: bool,
     },
+    /// Decided: forwarded, or answered locally.
     Done,
+}
+
+/// The idempotency lock of this request, once it has one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Lock {
+    None,
+    /// Taken; the response has not started.
+    Held,
+    /// A storable response is streaming; the copy so far. `expected` is its
+    /// content-length: the chunk that completes it is the one to hold, since
+    /// the client has the whole response as soon as that chunk is out.
+    Capturing {
+        status: u32,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+        expected: Option<usize>,
+    },
+    /// The COMPLETED record is on its way; the last chunk waits for it.
+    Completing {
+        token: u32,
+    },
+    /// Completed, released, or left to expire: nothing more to do.
+    Finished,
 }
 
 /// The answer of a Redis callout, as the host saw it.
@@ -43,10 +81,20 @@ pub struct CalloutReply {
     pub body: Vec<u8>,
 }
 
+/// The idempotency key of this request, once validated.
+#[derive(Debug, Clone)]
+struct Keyed {
+    rule: usize,
+    args: IdemArgs,
+}
+
 pub struct Flow {
     config: Rc<Config>,
     plan: Plan,
+    keyed: Option<Keyed>,
+    line: Option<RequestLine>,
     phase: Phase,
+    lock: Lock,
     /// When the Redis decision must be in: every attempt (retry, NOSCRIPT
     /// fallback) shares the one configured timeout.
     deadline: Duration,
@@ -58,45 +106,166 @@ impl Flow {
         Flow {
             config,
             plan: Plan::default(),
+            keyed: None,
+            line: None,
             phase: Phase::Idle,
+            lock: Lock::None,
             deadline: Duration::ZERO,
             response_headers: Vec::new(),
         }
     }
 
-    pub fn on_request_headers<H: Host>(&mut self, host: &mut H) -> Verdict {
+    fn reply_locally<H: Host>(&mut self, host: &mut H, reply: &LocalReply) -> Action {
+        self.phase = Phase::Done;
+        host.send_local(reply);
+        Action::Pause
+    }
+
+    pub fn on_request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         let line = RequestLine::read(host);
         self.plan = match Plan::build(&self.config, &line, host) {
             Ok(plan) => plan,
-            Err(bad) => {
-                self.phase = Phase::Done;
-                host.send_local(&bad_request(&bad.detail));
-                return Verdict::Pause;
-            }
+            Err(bad) => return self.reply_locally(host, &bad_request(&bad.detail)),
         };
-        if self.plan.is_empty() {
-            self.phase = Phase::Done;
-            return Verdict::Continue;
-        }
         for check in &self.plan.checks {
             host.count(Counter::Checked(check.limit));
         }
+        let rule_index = self
+            .config
+            .idempotency
+            .iter()
+            .position(|r| r.matcher.matches(&line, host));
+        if let Some(i) = rule_index {
+            let rule = &self.config.idempotency[i];
+            match host.header(&rule.header) {
+                None if rule.required => {
+                    let detail = format!("this request needs an `{}` header", rule.header);
+                    return self.reply_locally(host, &bad_request(&detail));
+                }
+                None => {}
+                Some(raw) => {
+                    let key = match parse_key(&raw) {
+                        Ok(k) => k,
+                        Err(why) => {
+                            let detail = format!("invalid `{}`: {why}", rule.header);
+                            return self.reply_locally(host, &bad_request(&detail));
+                        }
+                    };
+                    if let Some(len) = host
+                        .header("content-length")
+                        .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok())
+                    {
+                        if len > rule.max_request_body {
+                            return self
+                                .reply_locally(host, &payload_too_large(rule.max_request_body));
+                        }
+                    }
+                    let tag = keys::hash_tag(&self.config, &line, host);
+                    let mut tenant = Vec::new();
+                    for (j, part) in rule.tenant.iter().enumerate() {
+                        if j > 0 {
+                            tenant.push(b':');
+                        }
+                        let value = keys::part_value(part, &line, host).unwrap_or_default();
+                        keys::push_value(&mut tenant, &value);
+                    }
+                    self.keyed = Some(Keyed {
+                        rule: i,
+                        args: IdemArgs {
+                            key: record_key(&self.config.key_prefix, &tag, rule, &tenant, &key),
+                            owner: host.unique_token(),
+                            fingerprint: String::new(),
+                            lock_ttl_ms: rule.lock_ttl_ms,
+                        },
+                    });
+                }
+            }
+        }
+        if self.keyed.is_some() && !end_of_stream {
+            // The fingerprint covers the body: decide once it is all here.
+            self.line = Some(line);
+            self.phase = Phase::ReadingBody;
+            return Action::Pause;
+        }
+        if let Some(keyed) = self.keyed.as_mut() {
+            keyed.args.fingerprint = fingerprint(&line.method, &full_path(host), b"");
+        }
+        if self.plan.is_empty() && self.keyed.is_none() {
+            self.phase = Phase::Done;
+            return Action::Continue;
+        }
         self.deadline = host.now() + self.config.redis.timeout;
         match self.call(host, false, false) {
-            Ok(()) => Verdict::Pause,
+            Ok(()) => Action::Pause,
+            Err(why) => self.fail(host, &why, false),
+        }
+    }
+
+    pub fn on_request_body<H: Host>(
+        &mut self,
+        host: &mut H,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        match self.phase {
+            Phase::ReadingBody => {}
+            Phase::AwaitingRedis { .. } => return Action::Pause,
+            _ => return Action::Continue,
+        }
+        let max = self.keyed.as_ref().map_or(usize::MAX, |k| {
+            self.config.idempotency[k.rule].max_request_body
+        });
+        if body_size > max {
+            return self.reply_locally(host, &payload_too_large(max));
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = host.request_body(body_size);
+        let method = self
+            .line
+            .as_ref()
+            .map(|l| l.method.clone())
+            .unwrap_or_default();
+        let path = full_path(host);
+        if let Some(keyed) = self.keyed.as_mut() {
+            keyed.args.fingerprint = fingerprint(&method, &path, &body);
+        }
+        self.deadline = host.now() + self.config.redis.timeout;
+        match self.call(host, false, false) {
+            Ok(()) => Action::Pause,
             Err(why) => self.fail(host, &why, false),
         }
     }
 
     fn call<H: Host>(&mut self, host: &mut H, eval: bool, retried: bool) -> Result<(), String> {
-        let (keys, argv) = self.plan.script_args(&self.config);
+        let idem = self.keyed.as_ref().map(|k| &k.args);
+        let (keys, argv) = self.plan.script_args(&self.config, idem);
+        let token = self.run(host, &RATELIMIT, eval, &keys, &argv)?;
+        self.phase = Phase::AwaitingRedis {
+            token,
+            eval,
+            retried,
+        };
+        Ok(())
+    }
+
+    /// Sends one script call within what is left of the deadline.
+    fn run<H: Host>(
+        &self,
+        host: &mut H,
+        script: &Script,
+        eval: bool,
+        keys: &[Vec<u8>],
+        argv: &[Vec<u8>],
+    ) -> Result<u32, String> {
         let nkeys = keys.len().to_string();
         let mut args: Vec<&[u8]> = Vec::with_capacity(2 + keys.len() + argv.len());
         let command = if eval {
-            args.push(RATELIMIT.source.as_bytes());
+            args.push(script.source.as_bytes());
             "EVAL"
         } else {
-            args.push(RATELIMIT.sha1.as_bytes());
+            args.push(script.sha1.as_bytes());
             "EVALSHA"
         };
         args.push(nkeys.as_bytes());
@@ -108,39 +277,59 @@ impl Flow {
             return Err("redis timeout spent".to_string());
         }
         host.count(Counter::RedisCalls);
-        let token = host.dispatch_redis(&self.config.redis, &body, left)?;
-        self.phase = Phase::AwaitingRedis {
-            token,
-            eval,
-            retried,
-        };
-        Ok(())
+        host.dispatch_redis(&self.config.redis, &body, left)
+    }
+
+    /// The failure mode of everything this request is subject to: deny if
+    /// any enforced limit or its idempotency rule says deny.
+    fn failure_mode(&self) -> FailureMode {
+        let idem_deny = self
+            .keyed
+            .as_ref()
+            .is_some_and(|k| self.config.idempotency[k.rule].failure_mode == FailureMode::Deny);
+        if idem_deny {
+            FailureMode::Deny
+        } else {
+            self.plan.failure_mode(&self.config)
+        }
     }
 
     /// Redis could not decide: apply the failure mode. `paused` tells whether
-    /// the request is waiting on us (callout) or still in its headers callback.
-    fn fail<H: Host>(&mut self, host: &mut H, why: &str, paused: bool) -> Verdict {
+    /// the request is waiting on us (callout) or still in a callback.
+    fn fail<H: Host>(&mut self, host: &mut H, why: &str, paused: bool) -> Action {
         self.phase = Phase::Done;
         host.count(Counter::RedisErrors);
-        match self.plan.failure_mode(&self.config) {
+        match self.failure_mode() {
             FailureMode::Deny => {
-                log::warn!("redis-guard: rate limit undecided, denying: {why}");
+                log::warn!("redis-guard: request undecided, denying: {why}");
                 host.count(Counter::FailureDenied);
-                host.send_local(&unavailable("rate limit backend unavailable"));
-                Verdict::Pause
+                host.send_local(&unavailable(
+                    "rate limit or idempotency backend unavailable",
+                ));
+                Action::Pause
             }
             FailureMode::Allow => {
-                log::warn!("redis-guard: rate limit undecided, allowing: {why}");
+                log::warn!("redis-guard: request undecided, allowing: {why}");
                 host.count(Counter::FailureAllowed);
+                if self.keyed.is_some() {
+                    // Forwarded without the guarantee: say so in a stat.
+                    host.count(Counter::IdemUnguarded);
+                }
                 if paused {
                     host.resume_request();
                 }
-                Verdict::Continue
+                Action::Continue
             }
         }
     }
 
     pub fn on_callout_reply<H: Host>(&mut self, host: &mut H, token: u32, reply: CalloutReply) {
+        if let Lock::Completing { token: want } = self.lock {
+            if token == want {
+                self.on_complete_reply(host, reply);
+                return;
+            }
+        }
         let Phase::AwaitingRedis {
             token: want,
             eval,
@@ -194,41 +383,245 @@ impl Flow {
             self.fail(host, &format!("redis error: {msg}"), true);
             return;
         }
-        let outcome = match parse_outcome(&parsed, self.plan.checks.len()) {
-            Ok(o) => o,
+        let verdict = match parse_verdict(&parsed, self.plan.checks.len()) {
+            Ok(v) => v,
             Err(e) => {
                 self.fail(host, &format!("unexpected script reply: {e}"), true);
                 return;
             }
         };
         self.phase = Phase::Done;
-        for (check, result) in self.plan.checks.iter().zip(&outcome.results) {
-            let shadow = self.config.limits[check.limit].shadow;
-            match (shadow, result.allowed) {
-                (true, false) => {
-                    log::info!(
-                        "redis-guard: shadow limit `{}` would reject",
-                        self.config.limits[check.limit].name
-                    );
-                    host.count(Counter::ShadowRejected(check.limit));
+        match verdict {
+            Verdict::Limits(outcome) => {
+                for (check, result) in self.plan.checks.iter().zip(&outcome.results) {
+                    let limit = &self.config.limits[check.limit];
+                    match (limit.shadow, result.allowed) {
+                        (true, false) => {
+                            log::info!("redis-guard: shadow limit `{}` would reject", limit.name);
+                            host.count(Counter::ShadowRejected(check.limit));
+                        }
+                        (_, true) => host.count(Counter::Allowed(check.limit)),
+                        (false, false) => host.count(Counter::Rejected(check.limit)),
+                    }
                 }
-                (_, true) => host.count(Counter::Allowed(check.limit)),
-                (false, false) => host.count(Counter::Rejected(check.limit)),
+                if outcome.admitted {
+                    if self.keyed.is_some() {
+                        self.lock = Lock::Held;
+                        host.count(Counter::IdemAcquired);
+                    }
+                    self.response_headers = rate_limit_headers(&self.config, &self.plan, &outcome);
+                    host.resume_request();
+                } else {
+                    host.send_local(&too_many_requests(&self.config, &self.plan, &outcome));
+                }
             }
-        }
-        if outcome.admitted {
-            self.response_headers = rate_limit_headers(&self.config, &self.plan, &outcome);
-            host.resume_request();
-        } else {
-            host.send_local(&too_many_requests(&self.config, &self.plan, &outcome));
+            Verdict::Busy { pttl_ms } => {
+                host.count(Counter::IdemConflicts);
+                host.send_local(&idempotency_conflict(pttl_ms));
+            }
+            Verdict::Mismatch => {
+                host.count(Counter::IdemMismatches);
+                host.send_local(&idempotency_mismatch());
+            }
+            Verdict::Replay {
+                status,
+                headers,
+                body,
+            } => match decode_headers(&headers) {
+                Ok(stored) => {
+                    host.count(Counter::IdemReplayed);
+                    let mut headers: Vec<(String, String)> = stored
+                        .into_iter()
+                        .map(|(n, v)| (n, String::from_utf8_lossy(&v).into_owned()))
+                        .collect();
+                    headers.push(("idempotent-replayed".to_string(), "true".to_string()));
+                    host.send_local(&LocalReply {
+                        status,
+                        headers,
+                        body,
+                    });
+                }
+                // Never re-execute a completed key: a record we cannot read is
+                // an error, not a miss.
+                Err(e) => {
+                    log::warn!("redis-guard: unreadable idempotency record: {e}");
+                    host.count(Counter::RedisErrors);
+                    host.send_local(&unavailable("stored idempotent response is unreadable"));
+                }
+            },
         }
     }
 
-    pub fn on_response_headers<H: Host>(&mut self, host: &mut H) {
+    pub fn on_response_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         for (name, value) in self.response_headers.drain(..) {
             host.add_response_header(&name, &value);
         }
+        let Some(keyed) = &self.keyed else {
+            return Action::Continue;
+        };
+        if self.lock != Lock::Held {
+            return Action::Continue;
+        }
+        let rule = &self.config.idempotency[keyed.rule];
+        let status = host
+            .response_header(":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+        match status {
+            Some(status) if rule.stores(status) => {
+                let headers = rule
+                    .store_headers
+                    .iter()
+                    .filter_map(|name| host.response_header(name).map(|v| (name.clone(), v)))
+                    .collect();
+                let expected = host
+                    .response_header("content-length")
+                    .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
+                self.lock = Lock::Capturing {
+                    status,
+                    headers,
+                    body: Vec::new(),
+                    expected,
+                };
+                if end_of_stream {
+                    return self.complete(host);
+                }
+                Action::Continue
+            }
+            _ => {
+                // Not storable (5xx, or 4xx unless configured): a retry must run again.
+                self.release(host, false);
+                Action::Continue
+            }
+        }
     }
+
+    pub fn on_response_body<H: Host>(
+        &mut self,
+        host: &mut H,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let max = match (&self.keyed, &self.lock) {
+            (Some(k), Lock::Capturing { .. }) => self.config.idempotency[k.rule].max_stored_body,
+            (_, Lock::Completing { .. }) => return Action::Pause,
+            _ => return Action::Continue,
+        };
+        let chunk = host.response_body(body_size);
+        let mut complete = end_of_stream;
+        if let Lock::Capturing { body, expected, .. } = &mut self.lock {
+            if body.len() + chunk.len() > max {
+                // Too large to keep in Redis: released like a failure, so a
+                // retry runs again (large-payload offload is a later feature).
+                log::info!("redis-guard: response over maxStoredBodyBytes ({max}), not stored");
+                host.count(Counter::IdemTooLarge);
+                self.release(host, false);
+                return Action::Continue;
+            }
+            body.extend_from_slice(&chunk);
+            complete |= expected.is_some_and(|n| body.len() >= n);
+        }
+        if complete {
+            return self.complete(host);
+        }
+        Action::Continue
+    }
+
+    /// Stores the captured response; the stream's end waits for the answer.
+    fn complete<H: Host>(&mut self, host: &mut H) -> Action {
+        let (
+            Some(keyed),
+            Lock::Capturing {
+                status,
+                headers,
+                body,
+                ..
+            },
+        ) = (&self.keyed, &self.lock)
+        else {
+            return Action::Continue;
+        };
+        let rule = &self.config.idempotency[keyed.rule];
+        let keys = vec![keyed.args.key.clone()];
+        let argv = vec![
+            keyed.args.owner.as_bytes().to_vec(),
+            status.to_string().into_bytes(),
+            encode_headers(headers),
+            body.clone(),
+            rule.record_ttl_ms.to_string().into_bytes(),
+        ];
+        // The store gets its own timeout, counted from now.
+        self.deadline = host.now() + self.config.redis.timeout;
+        // EVAL, not EVALSHA: the script is small, and a NOSCRIPT here would
+        // cost the held response a second round trip.
+        match self.run(host, &IDEM_COMPLETE, true, &keys, &argv) {
+            Ok(token) => {
+                self.lock = Lock::Completing { token };
+                Action::Pause
+            }
+            Err(e) => {
+                log::warn!("redis-guard: cannot store idempotent response: {e}");
+                host.count(Counter::IdemStoreFailed);
+                self.lock = Lock::Finished;
+                Action::Continue
+            }
+        }
+    }
+
+    fn on_complete_reply<H: Host>(&mut self, host: &mut H, reply: CalloutReply) {
+        self.lock = Lock::Finished;
+        let stored = reply.status == Some(200)
+            && parse_reply(&reply.body).ok().and_then(|r| r.as_int()) == Some(1);
+        if stored {
+            host.count(Counter::IdemStored);
+        } else {
+            // The lock expired (upstream slower than lockTtlMs) or Redis failed:
+            // the response still goes out; a retry may run the request again.
+            log::warn!(
+                "redis-guard: idempotent response not stored ({:?})",
+                reply.status
+            );
+            host.count(Counter::IdemStoreFailed);
+        }
+        host.resume_response();
+    }
+
+    /// Frees the lock so a retry runs again. `detached`: the stream is ending,
+    /// so the call must outlive it.
+    fn release<H: Host>(&mut self, host: &mut H, detached: bool) {
+        self.lock = Lock::Finished;
+        let Some(keyed) = &self.keyed else {
+            return;
+        };
+        let args: [&[u8]; 4] = [
+            IDEM_RELEASE.source.as_bytes(),
+            b"1",
+            &keyed.args.key,
+            keyed.args.owner.as_bytes(),
+        ];
+        let body = command_body("EVAL", &args);
+        host.count(Counter::RedisCalls);
+        host.count(Counter::IdemReleased);
+        let sent = if detached {
+            host.dispatch_redis_detached(&self.config.redis, &body, self.config.redis.timeout)
+        } else {
+            host.dispatch_redis(&self.config.redis, &body, self.config.redis.timeout)
+        };
+        if let Err(e) = sent {
+            log::warn!("redis-guard: cannot release idempotency lock (it expires by itself): {e}");
+        }
+    }
+
+    /// The stream is over (done, reset or aborted). A lock still held was
+    /// never completed: release it now rather than at its TTL.
+    pub fn on_stream_end<H: Host>(&mut self, host: &mut H) {
+        if matches!(self.lock, Lock::Held | Lock::Capturing { .. }) {
+            self.release(host, true);
+        }
+    }
+}
+
+fn full_path(view: &dyn crate::request::RequestView) -> Vec<u8> {
+    view.header(":path").unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -250,6 +643,12 @@ mod tests {
         counters: Vec<Counter>,
         clock_ms: u64,
         timeouts: Vec<Duration>,
+        detached: Vec<String>,
+        request_body: Vec<u8>,
+        response: HashMap<String, Vec<u8>>,
+        response_chunks: Vec<Vec<u8>>,
+        response_resumed: usize,
+        tokens: u32,
     }
 
     impl FakeHost {
@@ -302,6 +701,36 @@ mod tests {
         fn now(&self) -> Duration {
             Duration::from_millis(self.clock_ms)
         }
+        fn dispatch_redis_detached(
+            &mut self,
+            _: &RedisTarget,
+            body: &[u8],
+            _: Duration,
+        ) -> Result<u32, String> {
+            self.detached
+                .push(String::from_utf8_lossy(body).into_owned());
+            Ok(1000 + self.detached.len() as u32)
+        }
+        fn request_body(&mut self, size: usize) -> Vec<u8> {
+            self.request_body[..size.min(self.request_body.len())].to_vec()
+        }
+        fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+            self.response.get(name).cloned()
+        }
+        fn response_body(&mut self, _size: usize) -> Vec<u8> {
+            if self.response_chunks.is_empty() {
+                Vec::new()
+            } else {
+                self.response_chunks.remove(0)
+            }
+        }
+        fn resume_response(&mut self) {
+            self.response_resumed += 1;
+        }
+        fn unique_token(&mut self) -> String {
+            self.tokens += 1;
+            format!("owner-{}", self.tokens)
+        }
     }
 
     fn flow(failure: &str) -> Flow {
@@ -331,7 +760,7 @@ mod tests {
     fn unmatched_requests_pass_without_a_redis_call() {
         let mut f = flow("allow");
         let mut h = FakeHost::get("/public");
-        assert_eq!(f.on_request_headers(&mut h), Verdict::Continue);
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Continue);
         assert!(h.dispatched.is_empty());
     }
 
@@ -339,13 +768,13 @@ mod tests {
     fn admitted_request_resumes_and_gets_headers() {
         let mut f = flow("allow");
         let mut h = FakeHost::get("/api/x");
-        assert_eq!(f.on_request_headers(&mut h), Verdict::Pause);
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
         assert_eq!(h.dispatched.len(), 1);
         assert!(h.dispatched[0].starts_with(&format!("EVALSHA/{}/1/rg%3Arl%3A%7B", RATELIMIT.sha1)));
         f.on_callout_reply(&mut h, 1, ok(ADMIT));
         assert_eq!(h.resumed, 1);
         assert!(h.sent.is_empty());
-        f.on_response_headers(&mut h);
+        f.on_response_headers(&mut h, false);
         assert!(h
             .added
             .iter()
@@ -357,7 +786,7 @@ mod tests {
     fn rejected_request_gets_429_and_is_not_resumed() {
         let mut f = flow("allow");
         let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h);
+        f.on_request_headers(&mut h, true);
         f.on_callout_reply(&mut h, 1, ok(REJECT));
         assert_eq!(h.resumed, 0);
         assert_eq!(h.sent.len(), 1);
@@ -373,7 +802,7 @@ mod tests {
     fn noscript_falls_back_to_eval_once() {
         let mut f = flow("deny");
         let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h);
+        f.on_request_headers(&mut h, true);
         f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
         assert_eq!(h.dispatched.len(), 2);
         assert!(h.dispatched[1].starts_with("EVAL/"));
@@ -388,7 +817,7 @@ mod tests {
     fn stale_tokens_are_ignored() {
         let mut f = flow("allow");
         let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h);
+        f.on_request_headers(&mut h, true);
         f.on_callout_reply(&mut h, 99, ok(ADMIT));
         assert_eq!(h.resumed, 0);
         f.on_callout_reply(&mut h, 1, ok(ADMIT));
@@ -429,14 +858,14 @@ mod tests {
         for reply in bad_replies {
             let mut f = flow("allow");
             let mut h = FakeHost::get("/api/x");
-            f.on_request_headers(&mut h);
+            f.on_request_headers(&mut h, true);
             f.on_callout_reply(&mut h, 1, reply.clone());
             assert_eq!((h.resumed, h.sent.len()), (1, 0), "allow on {reply:?}");
             assert!(h.counters.contains(&Counter::FailureAllowed));
 
             let mut f = flow("deny");
             let mut h = FakeHost::get("/api/x");
-            f.on_request_headers(&mut h);
+            f.on_request_headers(&mut h, true);
             f.on_callout_reply(&mut h, 1, reply.clone());
             assert_eq!(h.resumed, 0, "deny on {reply:?}");
             assert_eq!(h.sent.len(), 1);
@@ -453,7 +882,7 @@ mod tests {
         };
         let mut f = flow("deny");
         let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h);
+        f.on_request_headers(&mut h, true);
         f.on_callout_reply(&mut h, 1, unavailable());
         assert_eq!(h.dispatched.len(), 2);
         assert_eq!(h.dispatched[0], h.dispatched[1], "the same command again");
@@ -462,7 +891,7 @@ mod tests {
 
         let mut f = flow("deny");
         let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h);
+        f.on_request_headers(&mut h, true);
         f.on_callout_reply(&mut h, 1, unavailable());
         f.on_callout_reply(&mut h, 2, unavailable());
         assert_eq!(h.dispatched.len(), 2, "one retry only");
@@ -475,7 +904,7 @@ mod tests {
         // NOSCRIPT answer at t=30 leaves the EVAL 20 ms; at t=50 nothing is left.
         let mut f = flow("deny");
         let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h);
+        f.on_request_headers(&mut h, true);
         h.clock_ms = 30;
         f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
         assert_eq!(
@@ -485,7 +914,7 @@ mod tests {
 
         let mut f = flow("deny");
         let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h);
+        f.on_request_headers(&mut h, true);
         h.clock_ms = 50;
         f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
         assert_eq!(h.dispatched.len(), 1, "no attempt past the deadline");
@@ -497,13 +926,13 @@ mod tests {
         let mut f = flow("allow");
         let mut h = FakeHost::get("/api/x");
         h.dispatch_fails = true;
-        assert_eq!(f.on_request_headers(&mut h), Verdict::Continue);
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Continue);
         assert_eq!(h.resumed, 0, "nothing to resume: the request never paused");
 
         let mut f = flow("deny");
         let mut h = FakeHost::get("/api/x");
         h.dispatch_fails = true;
-        assert_eq!(f.on_request_headers(&mut h), Verdict::Pause);
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
         assert_eq!(h.sent[0].status, 503);
     }
 
@@ -517,7 +946,7 @@ mod tests {
         let mut f = Flow::new(Rc::new(cfg));
         let mut h = FakeHost::get("/");
         h.headers.insert("x-cost".into(), b"4".to_vec());
-        assert_eq!(f.on_request_headers(&mut h), Verdict::Pause);
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
         assert_eq!(h.sent[0].status, 400);
         assert!(h.dispatched.is_empty());
     }

@@ -29,6 +29,24 @@ pub enum Counter {
     RedisErrors,
     FailureAllowed,
     FailureDenied,
+    /// Idempotency: lock taken and request forwarded.
+    IdemAcquired,
+    /// Answered from a COMPLETED record.
+    IdemReplayed,
+    /// 409: another request holds the key.
+    IdemConflicts,
+    /// 422: the key was used with another request.
+    IdemMismatches,
+    /// Lock released so a retry runs again (failure, non-storable, too large).
+    IdemReleased,
+    /// COMPLETED record written.
+    IdemStored,
+    /// The COMPLETED record could not be written (lock lost, Redis failed).
+    IdemStoreFailed,
+    /// Response over maxStoredBodyBytes: not stored, lock released.
+    IdemTooLarge,
+    /// Forwarded without the guarantee because Redis failed (failure mode allow).
+    IdemUnguarded,
 }
 
 /// What the filter needs from the proxy for one request.
@@ -43,6 +61,22 @@ pub trait Host: RequestView {
     ) -> Result<u32, String>;
     /// A monotonic-enough clock for the request's Redis deadline.
     fn now(&self) -> Duration;
+    /// Like `dispatch_redis`, for a call that must outlive this stream (the
+    /// reply is not delivered).
+    fn dispatch_redis_detached(
+        &mut self,
+        target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, String>;
+    /// The buffered request body (`size` bytes).
+    fn request_body(&mut self, size: usize) -> Vec<u8>;
+    fn response_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// The current response body chunk (`size` bytes).
+    fn response_body(&mut self, size: usize) -> Vec<u8>;
+    fn resume_response(&mut self);
+    /// A token no other request of any Envoy will produce (lock owner).
+    fn unique_token(&mut self) -> String;
     fn send_local(&mut self, reply: &LocalReply);
     fn resume_request(&mut self);
     fn add_response_header(&mut self, name: &str, value: &str);

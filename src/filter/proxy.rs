@@ -11,7 +11,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 
 use crate::config::{Config, RedisTarget};
-use crate::filter::flow::{CalloutReply, Flow, Verdict};
+use crate::filter::flow::{Action as FlowAction, CalloutReply, Flow};
 use crate::filter::{Counter, Host};
 use crate::request::RequestView;
 use crate::response::LocalReply;
@@ -22,7 +22,12 @@ proxy_wasm::main! {{
     std::panic::set_hook(Box::new(|info| {
         let _ = hostcalls::log(LogLevel::Critical, &format!("redis-guard panicked: {info}"));
     }));
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
+        Box::new(Root {
+            context_id,
+            shared: None,
+        })
+    });
 }}
 
 /// Envoy stat ids, defined once per configuration.
@@ -35,6 +40,7 @@ struct Metrics {
     redis_errors: u32,
     failure_allowed: u32,
     failure_denied: u32,
+    idem: [u32; 9],
 }
 
 fn counter(name: &str) -> u32 {
@@ -70,6 +76,18 @@ impl Metrics {
             redis_errors: counter("redis_guard.redis.errors"),
             failure_allowed: counter("redis_guard.failure_mode.allowed"),
             failure_denied: counter("redis_guard.failure_mode.denied"),
+            idem: [
+                "acquired",
+                "replayed",
+                "conflicted",
+                "mismatched",
+                "released",
+                "stored",
+                "store_failed",
+                "too_large",
+                "unguarded",
+            ]
+            .map(|n| counter(&format!("redis_guard.idempotency.{n}"))),
         }
     }
 
@@ -86,6 +104,15 @@ impl Metrics {
             Counter::RedisErrors => Some(self.redis_errors),
             Counter::FailureAllowed => Some(self.failure_allowed),
             Counter::FailureDenied => Some(self.failure_denied),
+            Counter::IdemAcquired => Some(self.idem[0]),
+            Counter::IdemReplayed => Some(self.idem[1]),
+            Counter::IdemConflicts => Some(self.idem[2]),
+            Counter::IdemMismatches => Some(self.idem[3]),
+            Counter::IdemReleased => Some(self.idem[4]),
+            Counter::IdemStored => Some(self.idem[5]),
+            Counter::IdemStoreFailed => Some(self.idem[6]),
+            Counter::IdemTooLarge => Some(self.idem[7]),
+            Counter::IdemUnguarded => Some(self.idem[8]),
         }
     }
 }
@@ -93,10 +120,15 @@ impl Metrics {
 struct Shared {
     config: Rc<Config>,
     metrics: Metrics,
+    /// The root context's id: calls that must outlive a stream run as it.
+    root_id: u32,
+    /// Seeds owner tokens: random per VM (WASI random), then a counter.
+    token_seed: std::collections::hash_map::RandomState,
+    token_counter: std::cell::Cell<u64>,
 }
 
-#[derive(Default)]
 struct Root {
+    context_id: u32,
     shared: Option<Rc<Shared>>,
 }
 
@@ -126,6 +158,9 @@ impl RootContext for Root {
                 self.shared = Some(Rc::new(Shared {
                     config: Rc::new(config),
                     metrics,
+                    root_id: self.context_id,
+                    token_seed: std::collections::hash_map::RandomState::new(),
+                    token_counter: std::cell::Cell::new(0),
                 }));
                 true
             }
@@ -136,9 +171,10 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None; a context without configuration passes traffic.
         Some(Box::new(Http {
+            context_id,
             flow: self
                 .shared
                 .as_ref()
@@ -153,13 +189,24 @@ impl RootContext for Root {
 }
 
 struct Http {
+    context_id: u32,
     flow: Option<Flow>,
     shared: Option<Rc<Shared>>,
 }
 
 /// The [`Host`] over proxy-wasm calls, for the current stream.
 struct ProxyHost<'a> {
-    metrics: Option<&'a Metrics>,
+    shared: Option<&'a Shared>,
+    context_id: u32,
+}
+
+fn callout_headers(target: &RedisTarget) -> Vec<(&str, &str)> {
+    vec![
+        (":method", "POST"),
+        (":path", "/"),
+        (":authority", &target.authority),
+        ("content-type", "text/plain"),
+    ]
 }
 
 impl RequestView for ProxyHost<'_> {
@@ -191,17 +238,72 @@ impl Host for ProxyHost<'_> {
     ) -> Result<u32, String> {
         hostcalls::dispatch_http_call(
             &target.cluster,
-            vec![
-                (":method", "POST"),
-                (":path", "/"),
-                (":authority", &target.authority),
-                ("content-type", "text/plain"),
-            ],
+            callout_headers(target),
             Some(body),
             vec![],
             timeout,
         )
         .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))
+    }
+
+    fn dispatch_redis_detached(
+        &mut self,
+        target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, String> {
+        // Envoy cancels a stream's callouts when the stream goes away; one
+        // issued as the root context lives on. Its reply finds no stream and
+        // is dropped, which is fine: the lock expires by itself if it failed.
+        let Some(root) = self.shared.map(|s| s.root_id) else {
+            return Err("not configured".to_string());
+        };
+        hostcalls::set_effective_context(root).map_err(|e| format!("{e:?}"))?;
+        let sent = self.dispatch_redis(target, body, timeout);
+        let _ = hostcalls::set_effective_context(self.context_id);
+        sent
+    }
+
+    fn request_body(&mut self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn response_body(&mut self, size: usize) -> Vec<u8> {
+        if size == 0 {
+            return Vec::new();
+        }
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    fn resume_response(&mut self) {
+        if let Err(e) = hostcalls::resume_http_response() {
+            log::warn!("redis-guard: cannot resume response: {e:?}");
+        }
+    }
+
+    fn unique_token(&mut self) -> String {
+        use std::hash::BuildHasher;
+        let Some(shared) = self.shared else {
+            return String::new();
+        };
+        let n = shared.token_counter.get().wrapping_add(1);
+        shared.token_counter.set(n);
+        let nanos = self.now().as_nanos();
+        let a = shared.token_seed.hash_one((n, nanos, self.context_id));
+        let b = shared.token_seed.hash_one((nanos, n, 0x9e37_79b9_u32));
+        format!("{a:016x}{b:016x}")
     }
 
     fn send_local(&mut self, reply: &LocalReply) {
@@ -228,11 +330,36 @@ impl Host for ProxyHost<'_> {
     }
 
     fn count(&mut self, counter: Counter) {
-        if let Some(id) = self.metrics.and_then(|m| m.id(counter)) {
+        if let Some(id) = self.shared.and_then(|s| s.metrics.id(counter)) {
             if id != u32::MAX {
                 let _ = hostcalls::increment_metric(id, 1);
             }
         }
+    }
+}
+
+impl Http {
+    /// Runs `f` on the flow with a host for this stream.
+    fn with_flow<R>(
+        &mut self,
+        default: R,
+        f: impl FnOnce(&mut Flow, &mut ProxyHost<'_>) -> R,
+    ) -> R {
+        let mut host = ProxyHost {
+            shared: self.shared.as_deref(),
+            context_id: self.context_id,
+        };
+        match self.flow.as_mut() {
+            Some(flow) => f(flow, &mut host),
+            None => default,
+        }
+    }
+}
+
+fn action(a: FlowAction) -> Action {
+    match a {
+        FlowAction::Continue => Action::Continue,
+        FlowAction::Pause => Action::Pause,
     }
 }
 
@@ -266,38 +393,43 @@ impl Context for Http {
             };
             (status, from_webdis, body)
         };
-        let metrics = self.shared.as_deref().map(|s| &s.metrics);
-        if let Some(flow) = self.flow.as_mut() {
-            flow.on_callout_reply(
-                &mut ProxyHost { metrics },
-                token_id,
-                CalloutReply {
-                    status,
-                    from_webdis,
-                    body,
-                },
-            );
-        }
+        let reply = CalloutReply {
+            status,
+            from_webdis,
+            body,
+        };
+        self.with_flow((), |flow, host| {
+            flow.on_callout_reply(host, token_id, reply)
+        });
     }
 }
 
 impl HttpContext for Http {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let metrics = self.shared.as_deref().map(|s| &s.metrics);
-        match self.flow.as_mut() {
-            Some(flow) => match flow.on_request_headers(&mut ProxyHost { metrics }) {
-                Verdict::Continue => Action::Continue,
-                Verdict::Pause => Action::Pause,
-            },
-            None => Action::Continue,
-        }
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.with_flow(Action::Continue, |flow, host| {
+            action(flow.on_request_headers(host, end_of_stream))
+        })
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let metrics = self.shared.as_deref().map(|s| &s.metrics);
-        if let Some(flow) = self.flow.as_mut() {
-            flow.on_response_headers(&mut ProxyHost { metrics });
-        }
-        Action::Continue
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.with_flow(Action::Continue, |flow, host| {
+            action(flow.on_request_body(host, body_size, end_of_stream))
+        })
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.with_flow(Action::Continue, |flow, host| {
+            action(flow.on_response_headers(host, end_of_stream))
+        })
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.with_flow(Action::Continue, |flow, host| {
+            action(flow.on_response_body(host, body_size, end_of_stream))
+        })
+    }
+
+    fn on_log(&mut self) {
+        self.with_flow((), |flow, host| flow.on_stream_end(host));
     }
 }

@@ -369,13 +369,9 @@ impl Envoy {
             Command::new(envoy_bin())
                 .arg("-c")
                 .arg(&conf)
-                .args([
-                    "--concurrency",
-                    "2",
-                    "--disable-hot-restart",
-                    "--log-level",
-                    "warn",
-                ])
+                .args(["--concurrency", "2", "--disable-hot-restart", "--log-level"])
+                // REDIS_GUARD_ENVOY_LOG=debug to see the filter at work.
+                .arg(std::env::var("REDIS_GUARD_ENVOY_LOG").unwrap_or_else(|_| "warn".into()))
                 .stdout(log.try_clone().unwrap())
                 .stderr(log),
         );

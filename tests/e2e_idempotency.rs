@@ -1,0 +1,285 @@
+//! Idempotency keys end to end: a real Envoy (V8, two workers) running the
+//! filter, real Webdis and Redis, the demo upstream counting executions.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// One rule on /pay: tenant from x-tenant, bodies up to 1 KiB, responses up
+/// to 4 KiB stored; `extra` adds fields to the rule, `limits` sets limits.
+fn config_with(extra: &str, limits: &str) -> String {
+    format!(
+        r#"{{"redis":{{"cluster":"webdis","timeoutMs":3000}},"failureMode":"deny",
+            "limits":{limits},
+            "idempotency":[{{"name":"pay","match":{{"pathPrefix":"/pay"}},
+              "tenant":[{{"header":"x-tenant"}}],
+              "storeHeaders":["content-type"],
+              "maxRequestBodyBytes":1024,"maxStoredBodyBytes":4096{extra}}}]}}"#
+    )
+}
+
+fn config(extra: &str) -> String {
+    config_with(extra, "[]")
+}
+
+fn post(e: &Envoy, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Resp {
+    http("POST", &e.url(path), headers, Some(body))
+}
+
+fn executions_of(stack: &Stack, path: &str) -> u64 {
+    let r = get(
+        &format!("http://127.0.0.1:{}/__stats", stack.upstream.port),
+        &[],
+    );
+    r.json()["byPath"][path].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn a_retry_after_completion_replays_the_stored_response_byte_for_byte() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    let h = [("idempotency-key", "order-1"), ("x-tenant", "acme")];
+    let first = post(e, "/pay/a", &h, b"{\"amount\":10}");
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("idempotent-replayed"), None);
+    for _ in 0..3 {
+        let again = post(e, "/pay/a", &h, b"{\"amount\":10}");
+        assert_eq!(again.status, 200);
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        assert_eq!(again.body, first.body, "byte-identical body");
+        assert_eq!(again.header("content-type"), first.header("content-type"));
+    }
+    // The quoted structured-field form names the same key.
+    let quoted = post(
+        e,
+        "/pay/a",
+        &[("idempotency-key", "\"order-1\""), ("x-tenant", "acme")],
+        b"{\"amount\":10}",
+    );
+    assert_eq!(quoted.header("idempotent-replayed"), Some("true"));
+    assert_eq!(executions_of(&stack, "/pay/a"), 1);
+    assert_eq!(e.counter("redis_guard.idempotency.stored"), 1);
+    assert_eq!(e.counter("redis_guard.idempotency.replayed"), 4);
+}
+
+#[test]
+fn one_key_hammered_over_two_envoys_executes_exactly_once() {
+    let stack = Stack::start(&config(""), 2);
+    let statuses = Mutex::new(BTreeMap::new());
+    let bodies = Mutex::new(Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    std::thread::scope(|s| {
+        for t in 0..20 {
+            let (stack, statuses, bodies) = (&stack, &statuses, &bodies);
+            s.spawn(move || {
+                let agent = agent();
+                for i in 0..5 {
+                    if Instant::now() > deadline {
+                        return;
+                    }
+                    let e = &stack.envoys[(t + i) % 2];
+                    let r = http_with(
+                        &agent,
+                        "POST",
+                        &e.url("/pay/race"),
+                        &[
+                            ("idempotency-key", "race-1"),
+                            ("x-tenant", "acme"),
+                            // Keeps the first execution in flight while the rest arrive.
+                            ("x-upstream-delay-ms", "300"),
+                        ],
+                        Some(b"{\"amount\":99}"),
+                    );
+                    let replayed = r.header("idempotent-replayed").is_some();
+                    *statuses
+                        .lock()
+                        .unwrap()
+                        .entry((r.status, replayed))
+                        .or_insert(0) += 1;
+                    if r.status == 200 {
+                        bodies.lock().unwrap().push(r.body);
+                    }
+                }
+            });
+        }
+    });
+    let statuses = statuses.into_inner().unwrap();
+    assert_eq!(
+        statuses.values().sum::<usize>(),
+        100,
+        "load loop hit its time bound"
+    );
+    assert_eq!(executions_of(&stack, "/pay/race"), 1, "{statuses:?}");
+    assert_eq!(
+        statuses.get(&(200, false)),
+        Some(&1),
+        "one original answer: {statuses:?}"
+    );
+    let others: usize = statuses
+        .iter()
+        .filter(|((st, rep), _)| (*st, *rep) == (200, true) || *st == 409)
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(
+        others, 99,
+        "everything else is a replay or a 409: {statuses:?}"
+    );
+    let bodies = bodies.into_inner().unwrap();
+    assert!(
+        bodies.windows(2).all(|w| w[0] == w[1]),
+        "replays are byte-identical"
+    );
+}
+
+#[test]
+fn an_upstream_5xx_frees_the_key_so_the_retry_executes() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    let key = [("idempotency-key", "k-5xx"), ("x-tenant", "acme")];
+    let failing = [key[0], key[1], ("x-upstream-status", "503")];
+    assert_eq!(post(e, "/pay/f", &failing, b"x").status, 503);
+    let retry = post(e, "/pay/f", &key, b"x");
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert_eq!(executions_of(&stack, "/pay/f"), 2);
+    assert_eq!(
+        post(e, "/pay/f", &key, b"x").header("idempotent-replayed"),
+        Some("true")
+    );
+    assert_eq!(executions_of(&stack, "/pay/f"), 2);
+}
+
+#[test]
+fn a_4xx_is_stored_only_when_configured() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    let h = [
+        ("idempotency-key", "k-4xx"),
+        ("x-tenant", "acme"),
+        ("x-upstream-status", "404"),
+    ];
+    assert_eq!(post(e, "/pay/n", &h, b"x").status, 404);
+    assert_eq!(
+        post(e, "/pay/n", &h, b"x").header("idempotent-replayed"),
+        None
+    );
+    assert_eq!(
+        executions_of(&stack, "/pay/n"),
+        2,
+        "4xx not stored by default"
+    );
+
+    let stack = Stack::start(&config(r#","storeStatuses":["2xx","4xx"]"#), 1);
+    let e = stack.envoy();
+    assert_eq!(post(e, "/pay/n", &h, b"x").status, 404);
+    let again = post(e, "/pay/n", &h, b"x");
+    assert_eq!(
+        (again.status, again.header("idempotent-replayed")),
+        (404, Some("true"))
+    );
+    assert_eq!(executions_of(&stack, "/pay/n"), 1);
+}
+
+#[test]
+fn the_same_key_with_another_body_is_422() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    let h = [("idempotency-key", "k-body"), ("x-tenant", "acme")];
+    assert_eq!(post(e, "/pay/b", &h, b"{\"amount\":1}").status, 200);
+    let other = post(e, "/pay/b", &h, b"{\"amount\":2}");
+    assert_eq!(other.status, 422);
+    assert_eq!(other.json()["status"], 422);
+    assert_eq!(executions_of(&stack, "/pay/b"), 1);
+}
+
+#[test]
+fn missing_malformed_and_oversized_requests_are_refused_before_the_upstream() {
+    let stack = Stack::start(&config(r#","required":true"#), 1);
+    let e = stack.envoy();
+    let r = post(e, "/pay/v", &[("x-tenant", "acme")], b"x");
+    assert_eq!(r.status, 400);
+    assert!(r.json()["detail"]
+        .as_str()
+        .unwrap()
+        .contains("idempotency-key"));
+    let long = "k".repeat(256);
+    for bad in ["", "   ", "a b", "\"unterminated", "\"x\"y", long.as_str()] {
+        let r = post(
+            e,
+            "/pay/v",
+            &[("idempotency-key", bad), ("x-tenant", "acme")],
+            b"x",
+        );
+        assert_eq!(r.status, 400, "key {bad:?}");
+        assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    }
+    let big = vec![b'x'; 1025];
+    let r = post(
+        e,
+        "/pay/v",
+        &[("idempotency-key", "k-big"), ("x-tenant", "acme")],
+        &big,
+    );
+    assert_eq!(r.status, 413);
+    // GET is not covered by the rule (POST and PATCH by default).
+    assert_eq!(get(&e.url("/pay/v"), &[]).status, 200);
+    assert_eq!(
+        executions_of(&stack, "/pay/v"),
+        1,
+        "only the GET reached the upstream"
+    );
+}
+
+#[test]
+fn tenants_never_see_each_others_results() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    let a = [("idempotency-key", "shared-key"), ("x-tenant", "tenant-a")];
+    let b = [("idempotency-key", "shared-key"), ("x-tenant", "tenant-b")];
+    let ra = post(e, "/pay/t", &a, b"same");
+    let rb = post(e, "/pay/t", &b, b"same");
+    assert_eq!(
+        rb.header("idempotent-replayed"),
+        None,
+        "B executes its own request"
+    );
+    assert_ne!(ra.body, rb.body);
+    assert_eq!(executions_of(&stack, "/pay/t"), 2);
+    assert_eq!(post(e, "/pay/t", &a, b"same").body, ra.body);
+    assert_eq!(post(e, "/pay/t", &b, b"same").body, rb.body);
+    assert_eq!(executions_of(&stack, "/pay/t"), 2);
+}
+
+#[test]
+fn replays_and_conflicts_spend_no_rate_limit_quota() {
+    let limits = r#"[{"name":"per-tenant","descriptor":[{"header":"x-tenant"}],
+                     "tokenBucket":{"capacity":2,"refill":1,"periodMs":3600000}}]"#;
+    let stack = Stack::start(&config_with("", limits), 1);
+    let e = stack.envoy();
+    let k1 = [("idempotency-key", "q-1"), ("x-tenant", "acme")];
+    let first = post(e, "/pay/q", &k1, b"x");
+    assert_eq!(first.header("x-ratelimit-remaining"), Some("1"));
+    for _ in 0..5 {
+        assert_eq!(
+            post(e, "/pay/q", &k1, b"x").header("idempotent-replayed"),
+            Some("true")
+        );
+    }
+    let k2 = [("idempotency-key", "q-2"), ("x-tenant", "acme")];
+    let second = post(e, "/pay/q", &k2, b"x");
+    assert_eq!(
+        (second.status, second.header("x-ratelimit-remaining")),
+        (200, Some("0"))
+    );
+    let k3 = [("idempotency-key", "q-3"), ("x-tenant", "acme")];
+    assert_eq!(post(e, "/pay/q", &k3, b"x").status, 429);
+    assert_eq!(executions_of(&stack, "/pay/q"), 2);
+    // The rejected key took no lock: once quota exists it runs (another tenant here).
+    let k3b = [("idempotency-key", "q-3"), ("x-tenant", "other")];
+    assert_eq!(post(e, "/pay/q", &k3b, b"x").status, 200);
+}
