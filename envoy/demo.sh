@@ -79,6 +79,12 @@ echo "the 429 body (RFC 9457 problem):"
 curl -s -H 'x-user: alice' "$URL/api/orders"; echo
 echo "shadow limit search-trial (2 per 10 s) never rejects, it counts:"
 for i in 1 2 3; do show "GET /api/search #$i" -H "x-user: carol$i" "$URL/api/search"; done
+echo "idempotency rule payments: POST /api/payments with an Idempotency-Key runs once"
+pay() { curl -s -D "$STACK/last-headers" -X POST -H "Idempotency-Key: $1" -d "$2" "$URL/api/payments"; }
+echo "  first:   $(pay demo-pay-1 '{"amount":10}')"
+echo "  retry:   $(pay demo-pay-1 '{"amount":10}')  ($(grep -i '^idempotent-replayed' "$STACK/last-headers" | tr -d '\r'))"
+echo "  422:     $(pay demo-pay-1 '{"amount":99}')"
+echo "the filter's Envoy stats:"
 curl -s "http://127.0.0.1:$ADMIN_PORT/stats?filter=wasmcustom" | sed 's/^/  /'
 echo "keys in Redis (every one with a TTL):"
 redis-cli -p "$REDIS_PORT" --scan | while read -r k; do echo "  $k  pttl=$(redis-cli -p "$REDIS_PORT" pttl "$k")"; done
@@ -87,6 +93,7 @@ cat <<TXT
 The stack keeps running. Try:
   curl -i -H 'x-user: alice' $URL/api/orders
   curl -i -H 'x-user: dave' -H 'x-tenant: acme' $URL/api/orders
+  curl -i -X POST -H 'Idempotency-Key: my-key-1' -d '{"amount":5}' $URL/api/payments
   curl -s http://127.0.0.1:$ADMIN_PORT/stats/prometheus | grep redis_guard
   redis-cli -p $REDIS_PORT --scan
 Logs are in $STACK/. Stop it with: make demo-down

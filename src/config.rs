@@ -408,6 +408,18 @@ impl Config {
     }
 }
 
+/// Hop-by-hop and framing headers: never a key, never stored.
+const FRAMING_HEADERS: &[&str] = &[
+    "connection",
+    "content-length",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
 /// Fields whose value is a list.
 const LIST_FIELDS: &[&str] = &[
     "hashTag",
@@ -850,6 +862,14 @@ fn compile_idempotency(
         raw.header.as_deref().unwrap_or(DEFAULT_IDEMPOTENCY_HEADER),
         &format!("{at}.header"),
     )?;
+    // The key must be something the client chose: a pseudo-header or a
+    // framing header would turn every request into a "retry" of another.
+    if header.starts_with(':') || FRAMING_HEADERS.contains(&header.as_str()) {
+        return Err(ConfigError::new(
+            format!("{at}.header"),
+            format!("`{header}` cannot carry an idempotency key"),
+        ));
+    }
     let tenant = compile_parts(raw.tenant, &format!("{at}.tenant"))?;
     let lock_ttl_ms = raw.lock_ttl_ms.unwrap_or(DEFAULT_LOCK_TTL_MS);
     if !(100..=86_400_000).contains(&lock_ttl_ms) {
@@ -877,7 +897,11 @@ fn compile_idempotency(
         let b = st.as_bytes();
         if b.len() == 3 && (b"2345".contains(&b[0])) && &b[1..] == b"xx" {
             store_classes.push(u32::from(b[0] - b'0'));
-        } else if let Some(code) = st.parse::<u32>().ok().filter(|c| (200..600).contains(c)) {
+        } else if let Some(code) = (b.len() == 3 && b.iter().all(u8::is_ascii_digit))
+            .then(|| st.parse::<u32>().ok())
+            .flatten()
+            .filter(|c| (200..600).contains(c))
+        {
             store_exact.push(code);
         } else {
             return Err(ConfigError::new(
@@ -896,11 +920,20 @@ fn compile_idempotency(
             .map(|(i, n)| header_name(n, &format!("{at}.storeHeaders[{i}]")))
             .collect::<Result<_, _>>()?,
     };
-    if let Some(bad) = store_headers.iter().find(|h| h.starts_with(':')) {
-        return Err(ConfigError::new(
-            format!("{at}.storeHeaders"),
-            format!("`{bad}`: pseudo-headers are not stored (the status is)"),
-        ));
+    for (i, h) in store_headers.iter().enumerate() {
+        // The replay is a local reply: Envoy frames it itself.
+        if h.starts_with(':') || FRAMING_HEADERS.contains(&h.as_str()) {
+            return Err(ConfigError::new(
+                format!("{at}.storeHeaders[{i}]"),
+                format!("`{h}` is not stored: pseudo-headers and framing headers belong to each response"),
+            ));
+        }
+        if store_headers[..i].contains(h) {
+            return Err(ConfigError::new(
+                format!("{at}.storeHeaders[{i}]"),
+                format!("`{h}` is listed twice"),
+            ));
+        }
     }
     let max_request_body = raw
         .max_request_body_bytes

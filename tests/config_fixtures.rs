@@ -326,6 +326,198 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "must not contain '?'",
     ),
     ("redis_cluster_padded.json", "redis.cluster", "white space"),
+    // idempotency: shape and JSON types.
+    (
+        "idempotency_not_array.json",
+        "idempotency",
+        "expected a sequence",
+    ),
+    (
+        "idempotency_rule_as_array.json",
+        "idempotency[0]",
+        "found an array",
+    ),
+    (
+        "idempotency_unknown_field.json",
+        "idempotency[0].lockTtl",
+        "unknown field `lockTtl`",
+    ),
+    (
+        "idempotency_name_missing.json",
+        "idempotency[0]",
+        "missing field `name`",
+    ),
+    (
+        "idempotency_required_not_bool.json",
+        "idempotency[0].required",
+        "expected a boolean",
+    ),
+    (
+        "idempotency_tenant_not_array.json",
+        "idempotency[0].tenant",
+        "expected a sequence",
+    ),
+    (
+        "idempotency_store_status_number.json",
+        "idempotency[0].storeStatuses[0]",
+        "invalid type: integer `201`, expected a string",
+    ),
+    // idempotency: name and header.
+    (
+        "idempotency_name_space.json",
+        "idempotency[0].name",
+        "A-Z a-z 0-9 - _ .",
+    ),
+    (
+        "idempotency_name_empty.json",
+        "idempotency[0].name",
+        "1 to 64 characters",
+    ),
+    (
+        "idempotency_name_too_long.json",
+        "idempotency[0].name",
+        "1 to 64 characters",
+    ),
+    (
+        "idempotency_name_duplicate.json",
+        "idempotency[1].name",
+        "duplicate idempotency rule name `payments`",
+    ),
+    (
+        "idempotency_header_invalid.json",
+        "idempotency[0].header",
+        "`idempotency key` is not a valid header name",
+    ),
+    (
+        "idempotency_header_empty.json",
+        "idempotency[0].header",
+        "is not a valid header name",
+    ),
+    // idempotency: match.
+    (
+        "idempotency_match_path_prefix_no_slash.json",
+        "idempotency[0].match.pathPrefix",
+        "must start with '/'",
+    ),
+    (
+        "idempotency_match_unknown_field.json",
+        "idempotency[0].match.pathRegex",
+        "unknown field `pathRegex`",
+    ),
+    (
+        "idempotency_match_method_invalid.json",
+        "idempotency[0].match.methods[1]",
+        "`PO ST` is not an HTTP method",
+    ),
+    // idempotency: tenant and hashTag.
+    (
+        "idempotency_tenant_unknown_part.json",
+        "idempotency[0].tenant[0]",
+        "unknown variant `cookie`, expected one of `header`, `literal`, `clientAddress`",
+    ),
+    (
+        "idempotency_tenant_header_invalid.json",
+        "idempotency[0].tenant[0].header",
+        "`x user` is not a valid header name",
+    ),
+    (
+        "idempotency_hash_tag_not_in_tenant.json",
+        "idempotency[0].tenant",
+        "must include every hashTag part (missing {\"header\": \"x-tenant\"})",
+    ),
+    // idempotency: TTLs.
+    (
+        "idempotency_lock_ttl_too_small.json",
+        "idempotency[0].lockTtlMs",
+        "between 100 and 86400000",
+    ),
+    (
+        "idempotency_lock_ttl_too_large.json",
+        "idempotency[0].lockTtlMs",
+        "between 100 and 86400000",
+    ),
+    (
+        "idempotency_record_ttl_too_small.json",
+        "idempotency[0].recordTtlMs",
+        "between 1000 and 2592000000",
+    ),
+    (
+        "idempotency_record_ttl_too_large.json",
+        "idempotency[0].recordTtlMs",
+        "between 1000 and 2592000000",
+    ),
+    // idempotency: what is stored.
+    (
+        "idempotency_store_status_bad_class.json",
+        "idempotency[0].storeStatuses[1]",
+        "`2xy` is neither a class (2xx, 3xx, 4xx, 5xx) nor a status from 200 to 599",
+    ),
+    (
+        "idempotency_store_status_1xx_class.json",
+        "idempotency[0].storeStatuses[0]",
+        "`1xx` is neither a class",
+    ),
+    (
+        "idempotency_store_status_199.json",
+        "idempotency[0].storeStatuses[0]",
+        "`199` is neither a class",
+    ),
+    (
+        "idempotency_store_status_600.json",
+        "idempotency[0].storeStatuses[2]",
+        "`600` is neither a class",
+    ),
+    (
+        "idempotency_store_header_invalid.json",
+        "idempotency[0].storeHeaders[1]",
+        "`x request id` is not a valid header name",
+    ),
+    (
+        "idempotency_store_header_pseudo.json",
+        "idempotency[0].storeHeaders[1]",
+        "`:status` is not stored: pseudo-headers and framing headers",
+    ),
+    (
+        "idempotency_store_header_framing.json",
+        "idempotency[0].storeHeaders[1]",
+        "`transfer-encoding` is not stored",
+    ),
+    (
+        "idempotency_store_header_duplicate.json",
+        "idempotency[0].storeHeaders[1]",
+        "`etag` is listed twice",
+    ),
+    (
+        "idempotency_header_pseudo.json",
+        "idempotency[0].header",
+        "`:path` cannot carry an idempotency key",
+    ),
+    (
+        "idempotency_header_framing.json",
+        "idempotency[0].header",
+        "`content-length` cannot carry an idempotency key",
+    ),
+    (
+        "idempotency_store_status_plus.json",
+        "idempotency[0].storeStatuses[1]",
+        "`+200` is neither a class",
+    ),
+    (
+        "idempotency_max_request_body_too_large.json",
+        "idempotency[0].maxRequestBodyBytes",
+        "at most 67108864",
+    ),
+    (
+        "idempotency_max_stored_body_too_large.json",
+        "idempotency[0].maxStoredBodyBytes",
+        "at most 8388608",
+    ),
+    // idempotency: failureMode.
+    (
+        "idempotency_failure_mode_unknown.json",
+        "idempotency[0].failureMode",
+        "unknown variant `closed`, expected `allow` or `deny`",
+    ),
 ];
 
 fn fixtures_dir(kind: &str) -> PathBuf {

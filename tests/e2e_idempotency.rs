@@ -283,3 +283,78 @@ fn replays_and_conflicts_spend_no_rate_limit_quota() {
     let k3b = [("idempotency-key", "q-3"), ("x-tenant", "other")];
     assert_eq!(post(e, "/pay/q", &k3b, b"x").status, 200);
 }
+
+#[test]
+fn a_response_over_the_stored_body_cap_is_not_stored_and_the_key_is_freed() {
+    // The demo upstream answers ~70 bytes of JSON: over a 16-byte cap.
+    let stack = Stack::start(
+        &config(r#","maxStoredBodyBytes":16"#).replace(",\"maxStoredBodyBytes\":4096", ""),
+        1,
+    );
+    let e = stack.envoy();
+    let h = [("idempotency-key", "k-large"), ("x-tenant", "acme")];
+    let first = post(e, "/pay/l", &h, b"x");
+    assert_eq!(first.status, 200);
+    assert!(first.body.len() > 16);
+    let again = post(e, "/pay/l", &h, b"x");
+    assert_eq!(
+        (again.status, again.header("idempotent-replayed")),
+        (200, None)
+    );
+    assert_eq!(executions_of(&stack, "/pay/l"), 2);
+    assert_eq!(e.counter("redis_guard.idempotency.too_large"), 2);
+}
+
+#[test]
+fn a_client_that_resets_mid_request_frees_the_key() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", e.port)).unwrap();
+        let body = b"reset-me";
+        let req = format!(
+            "POST /pay/r HTTP/1.1\r\nhost: x\r\nidempotency-key: k-reset\r\nx-tenant: acme\r\n\
+             x-upstream-delay-ms: 1500\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).unwrap();
+        s.write_all(body).unwrap();
+        // The upstream is now executing; the client gives up.
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    // Without the release the key would stay locked (409) for lockTtlMs (30 s).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let h = [("idempotency-key", "k-reset"), ("x-tenant", "acme")];
+    let retry = loop {
+        let r = post(e, "/pay/r", &h, b"reset-me");
+        if r.status != 409 || Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        (retry.status, retry.header("idempotent-replayed")),
+        (200, None)
+    );
+    assert_eq!(e.counter("redis_guard.idempotency.released"), 1);
+}
+
+#[test]
+fn redis_down_follows_the_rule_failure_mode() {
+    let open = r#"{"redis":{"cluster":"webdis","timeoutMs":300},
+        "idempotency":[{"name":"open","match":{"pathPrefix":"/open"},"failureMode":"allow"},
+                       {"name":"closed","match":{"pathPrefix":"/closed"},"failureMode":"deny"}]}"#;
+    let mut stack = Stack::start(open, 1);
+    stack.redis.stop();
+    let e = stack.envoy();
+    let h = [("idempotency-key", "k-down")];
+    let r = post(e, "/open", &h, b"x");
+    assert_eq!(r.status, 200, "forwarded without the guarantee");
+    let r = post(e, "/closed", &h, b"x");
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["status"], 503);
+    assert_eq!(e.counter("redis_guard.idempotency.unguarded"), 1);
+    assert_eq!(executions_of(&stack, "/open"), 1);
+    assert_eq!(executions_of(&stack, "/closed"), 0);
+}
