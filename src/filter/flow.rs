@@ -238,6 +238,21 @@ impl Flow {
         }
     }
 
+    /// Trailers end a request whose body did not say end-of-stream: the body
+    /// buffered so far is all of it.
+    pub fn on_request_trailers<H: Host>(&mut self, host: &mut H) -> Action {
+        match self.phase {
+            Phase::ReadingBody => {}
+            Phase::AwaitingRedis { .. } => return Action::Pause,
+            _ => return Action::Continue,
+        }
+        let max = self.keyed.as_ref().map_or(usize::MAX, |k| {
+            self.config.idempotency[k.rule].max_request_body
+        });
+        let size = host.request_body(max.saturating_add(1)).len();
+        self.on_request_body(host, size, true)
+    }
+
     fn call<H: Host>(&mut self, host: &mut H, eval: bool, retried: bool) -> Result<(), String> {
         let idem = self.keyed.as_ref().map(|k| &k.args);
         let (keys, argv) = self.plan.script_args(&self.config, idem);
@@ -874,6 +889,27 @@ mod tests {
     }
 
     #[test]
+    fn trailers_end_a_keyed_request_body() {
+        let cfg = Config::parse(
+            br#"{"redis":{"cluster":"w"},"idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"}}]}"#,
+        )
+        .unwrap();
+        let mut f = Flow::new(Rc::new(cfg));
+        let mut h = FakeHost::get("/pay");
+        h.headers.insert(":method".into(), b"POST".to_vec());
+        h.headers.insert("idempotency-key".into(), b"k1".to_vec());
+        h.request_body = b"body".to_vec();
+        assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
+        assert_eq!(f.on_request_body(&mut h, 4, false), Action::Pause);
+        assert!(h.dispatched.is_empty());
+        assert_eq!(f.on_request_trailers(&mut h), Action::Pause);
+        assert_eq!(h.dispatched.len(), 1);
+        assert!(
+            h.dispatched[0].contains(&crate::idempotency::fingerprint("POST", b"/pay", b"body"))
+        );
+    }
+
+    #[test]
     fn a_webdis_503_is_retried_once_then_fails() {
         let unavailable = || CalloutReply {
             status: Some(503),
@@ -971,7 +1007,8 @@ mod tests {
     impl FakeHost {
         fn keyed(method: &str, path: &str, key: Option<&[u8]>) -> FakeHost {
             let mut h = FakeHost::get(path);
-            h.headers.insert(":method".into(), method.as_bytes().to_vec());
+            h.headers
+                .insert(":method".into(), method.as_bytes().to_vec());
             if let Some(key) = key {
                 h.headers.insert("idempotency-key".into(), key.to_vec());
             }
@@ -1321,7 +1358,12 @@ mod tests {
         assert!(h.dispatched[1].contains(&enc(b"hello world!")));
         assert_eq!(
             h.dispatched[1],
-            complete_call(&key, "200", &[("content-type", b"text/plain")], b"hello world!")
+            complete_call(
+                &key,
+                "200",
+                &[("content-type", b"text/plain")],
+                b"hello world!"
+            )
         );
         // Anything after it waits too.
         assert_eq!(f.on_response_body(&mut h, 3, true), Action::Pause);
@@ -1441,7 +1483,10 @@ mod tests {
         assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
         h.response_chunks = vec![vec![b'a'; 20]];
         assert_eq!(f.on_response_body(&mut h, 20, true), Action::Pause);
-        assert_eq!(h.dispatched[1], complete_call(&key, "200", &[], &[b'a'; 20]));
+        assert_eq!(
+            h.dispatched[1],
+            complete_call(&key, "200", &[], &[b'a'; 20])
+        );
         assert!(!h.counters.contains(&Counter::IdemTooLarge));
     }
 
@@ -1501,10 +1546,7 @@ mod tests {
         // The limit's key first, the record last, as lua/ratelimit.lua expects.
         assert!(h.dispatched[0].starts_with(&format!("EVALSHA/{}/2/rg%3Arl%3A%7B", RATELIMIT.sha1)));
         let key = expected_record_key(&cfg, &h, b"abc-123");
-        assert!(h.dispatched[0].contains(&format!(
-            "/{}/1/tb/2/1/1000/1/1/1/owner%2D1/",
-            enc(&key)
-        )));
+        assert!(h.dispatched[0].contains(&format!("/{}/1/tb/2/1/1000/1/1/1/owner%2D1/", enc(&key))));
         f.on_callout_reply(&mut h, 1, ok(REJECT));
         assert_eq!(h.sent[0].status, 429);
         assert!(!h.counters.contains(&Counter::IdemAcquired));

@@ -417,6 +417,12 @@ impl HttpContext for Http {
         })
     }
 
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.with_flow(Action::Continue, |flow, host| {
+            action(flow.on_request_trailers(host))
+        })
+    }
+
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.with_flow(Action::Continue, |flow, host| {
             action(flow.on_response_headers(host, end_of_stream))
