@@ -49,19 +49,18 @@ pub fn bad_request(detail: &str) -> LocalReply {
 }
 
 /// 409: another request with the same idempotency key is in progress.
-pub fn idempotency_conflict(lock_pttl_ms: u64) -> LocalReply {
-    // The first request normally finishes well before its lock would expire:
-    // suggest a short wait, never longer than the lock.
-    let retry_after = seconds_up(lock_pttl_ms).min(1);
+/// `Retry-After: 1`: the first request normally finishes long before its
+/// lock would expire, so the lock's remaining TTL is no useful hint.
+pub fn idempotency_conflict() -> LocalReply {
     let mut reply = problem_reply(
         409,
         "Conflict",
         "a request with this idempotency key is being processed",
-        json!({ "retryAfter": retry_after }),
+        json!({ "retryAfter": 1 }),
     );
     reply
         .headers
-        .push(("retry-after".to_string(), retry_after.to_string()));
+        .push(("retry-after".to_string(), "1".to_string()));
     reply
 }
 

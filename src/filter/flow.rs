@@ -430,9 +430,9 @@ impl Flow {
                     host.send_local(&too_many_requests(&self.config, &self.plan, &outcome));
                 }
             }
-            Verdict::Busy { pttl_ms } => {
+            Verdict::Busy { .. } => {
                 host.count(Counter::IdemConflicts);
-                host.send_local(&idempotency_conflict(pttl_ms));
+                host.send_local(&idempotency_conflict());
             }
             Verdict::Mismatch => {
                 host.count(Counter::IdemMismatches);
