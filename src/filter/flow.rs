@@ -212,9 +212,7 @@ impl Flow {
             Phase::AwaitingRedis { .. } => return Action::Pause,
             _ => return Action::Continue,
         }
-        let max = self.keyed.as_ref().map_or(usize::MAX, |k| {
-            self.config.idempotency[k.rule].max_request_body
-        });
+        let max = self.max_request_body();
         if body_size > max {
             return self.reply_locally(host, &payload_too_large(max));
         }
@@ -238,6 +236,12 @@ impl Flow {
         }
     }
 
+    fn max_request_body(&self) -> usize {
+        self.keyed.as_ref().map_or(usize::MAX, |k| {
+            self.config.idempotency[k.rule].max_request_body
+        })
+    }
+
     /// Trailers end a request whose body did not say end-of-stream: the body
     /// buffered so far is all of it.
     pub fn on_request_trailers<H: Host>(&mut self, host: &mut H) -> Action {
@@ -246,9 +250,7 @@ impl Flow {
             Phase::AwaitingRedis { .. } => return Action::Pause,
             _ => return Action::Continue,
         }
-        let max = self.keyed.as_ref().map_or(usize::MAX, |k| {
-            self.config.idempotency[k.rule].max_request_body
-        });
+        let max = self.max_request_body();
         let size = host.request_body(max.saturating_add(1)).len();
         self.on_request_body(host, size, true)
     }
