@@ -65,6 +65,16 @@ enum Lock {
     Completing {
         token: u32,
     },
+    /// The lock is being released (the response will not be stored); the
+    /// response streams, but the piece that ends it waits for the release so
+    /// a retry after it never meets our lock. `seen` counts body bytes
+    /// against `expected` (content-length); `held` once that piece waits.
+    Releasing {
+        token: u32,
+        expected: Option<usize>,
+        seen: usize,
+        held: bool,
+    },
     /// Completed, released, or left to expire: nothing more to do.
     Finished,
 }
@@ -166,7 +176,16 @@ impl Flow {
                         if j > 0 {
                             tenant.push(b':');
                         }
+                        // No tenant, no scope: an absent or empty tenant must
+                        // not share one key space with every other such request.
                         let value = keys::part_value(part, &line, host).unwrap_or_default();
+                        if value.is_empty() {
+                            let detail = format!(
+                                "requests with `{}` need their tenant ({part})",
+                                rule.header
+                            );
+                            return self.reply_locally(host, &bad_request(&detail));
+                        }
                         keys::push_value(&mut tenant, &value);
                     }
                     self.keyed = Some(Keyed {
@@ -314,8 +333,14 @@ impl Flow {
     /// Redis could not decide: apply the failure mode. `paused` tells whether
     /// the request is waiting on us (callout) or still in a callback.
     fn fail<H: Host>(&mut self, host: &mut H, why: &str, paused: bool) -> Action {
+        let dispatched = matches!(self.phase, Phase::AwaitingRedis { .. });
         self.phase = Phase::Done;
         host.count(Counter::RedisErrors);
+        if dispatched && self.keyed.is_some() {
+            // The script may have run (timeout, reset) and taken our lock:
+            // release it (only if ours) so retries are not answered 409.
+            self.release(host, true);
+        }
         match self.failure_mode() {
             FailureMode::Deny => {
                 log::warn!("redis-guard: request undecided, denying: {why}");
@@ -341,11 +366,16 @@ impl Flow {
     }
 
     pub fn on_callout_reply<H: Host>(&mut self, host: &mut H, token: u32, reply: CalloutReply) {
-        if let Lock::Completing { token: want } = self.lock {
-            if token == want {
+        match self.lock {
+            Lock::Completing { token: want } if token == want => {
                 self.on_complete_reply(host, reply);
                 return;
             }
+            Lock::Releasing { token: want, .. } if token == want => {
+                self.on_release_reply(host);
+                return;
+            }
+            _ => {}
         }
         let Phase::AwaitingRedis {
             token: want,
@@ -483,16 +513,21 @@ impl Flow {
         let status = host
             .response_header(":status")
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-        match status {
-            Some(status) if rule.stores(status) => {
-                let headers = rule
-                    .store_headers
-                    .iter()
-                    .filter_map(|name| host.response_header(name).map(|v| (name.clone(), v)))
-                    .collect();
-                let expected = host
-                    .response_header("content-length")
-                    .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
+        let expected = host
+            .response_header("content-length")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
+        let storable = status.filter(|s| rule.stores(*s));
+        let mut headers = Vec::new();
+        for name in &rule.store_headers {
+            for value in host.response_header_values(name) {
+                headers.push((name.clone(), value));
+            }
+        }
+        // A replay is a local reply, whose header values must be text: a
+        // response that cannot be replayed exactly is not stored.
+        let replayable = headers.iter().all(|(_, v)| std::str::from_utf8(v).is_ok());
+        match storable {
+            Some(status) if replayable => {
                 self.lock = Lock::Capturing {
                     status,
                     headers,
@@ -505,9 +540,11 @@ impl Flow {
                 Action::Continue
             }
             _ => {
-                // Not storable (5xx, or 4xx unless configured): a retry must run again.
-                self.release(host, false);
-                Action::Continue
+                // Not storable (5xx, 4xx unless configured, not replayable):
+                // a retry must run again, so free the key before the client
+                // has the whole response.
+                self.release_before_end(host, expected, 0);
+                self.hold_if_ended(end_of_stream, 0)
             }
         }
     }
@@ -521,6 +558,7 @@ impl Flow {
         let max = match (&self.keyed, &self.lock) {
             (Some(k), Lock::Capturing { .. }) => self.config.idempotency[k.rule].max_stored_body,
             (_, Lock::Completing { .. }) => return Action::Pause,
+            (_, Lock::Releasing { .. }) => return self.hold_if_ended(end_of_stream, body_size),
             _ => return Action::Continue,
         };
         let chunk = host.response_body(body_size);
@@ -531,14 +569,46 @@ impl Flow {
                 // retry runs again (large-payload offload is a later feature).
                 log::info!("redis-guard: response over maxStoredBodyBytes ({max}), not stored");
                 host.count(Counter::IdemTooLarge);
-                self.release(host, false);
-                return Action::Continue;
+                let (expected, seen) = (*expected, body.len());
+                self.release_before_end(host, expected, seen);
+                return self.hold_if_ended(end_of_stream, chunk.len());
             }
             body.extend_from_slice(&chunk);
             complete |= expected.is_some_and(|n| body.len() >= n);
         }
         if complete {
             return self.complete(host);
+        }
+        Action::Continue
+    }
+
+    /// Trailers end a response that had no content-length: the captured body
+    /// is complete, and a pending release must land before they go out.
+    pub fn on_response_trailers<H: Host>(&mut self, host: &mut H) -> Action {
+        match self.lock {
+            Lock::Capturing { .. } => self.complete(host),
+            Lock::Completing { .. } => Action::Pause,
+            Lock::Releasing { .. } => self.hold_if_ended(true, 0),
+            _ => Action::Continue,
+        }
+    }
+
+    /// While a release is in flight, lets the response stream until the piece
+    /// that ends it (end of stream, or content-length reached), which waits.
+    fn hold_if_ended(&mut self, end_of_stream: bool, chunk: usize) -> Action {
+        let Lock::Releasing {
+            expected,
+            seen,
+            held,
+            ..
+        } = &mut self.lock
+        else {
+            return Action::Continue;
+        };
+        *seen += chunk;
+        if end_of_stream || expected.is_some_and(|n| *seen >= n) {
+            *held = true;
+            return Action::Pause;
         }
         Action::Continue
     }
@@ -566,8 +636,10 @@ impl Flow {
             body.clone(),
             rule.record_ttl_ms.to_string().into_bytes(),
         ];
-        // The store gets its own timeout, counted from now.
-        self.deadline = host.now() + self.config.redis.timeout;
+        // The store gets its own timeout, counted from now, plus 1 ms per KiB:
+        // a large body takes longer to cross Envoy, Webdis and Redis.
+        let transfer = Duration::from_millis((body.len() / 1024) as u64);
+        self.deadline = host.now() + self.config.redis.timeout + transfer;
         // EVAL, not EVALSHA: the script is small, and a NOSCRIPT here would
         // cost the held response a second round trip.
         match self.run(host, &IDEM_COMPLETE, true, &keys, &argv) {
@@ -578,37 +650,75 @@ impl Flow {
             Err(e) => {
                 log::warn!("redis-guard: cannot store idempotent response: {e}");
                 host.count(Counter::IdemStoreFailed);
-                self.lock = Lock::Finished;
+                // Try to free the key all the same (it expires by itself otherwise).
+                self.release(host, true);
                 Action::Continue
             }
         }
     }
 
     fn on_complete_reply<H: Host>(&mut self, host: &mut H, reply: CalloutReply) {
-        self.lock = Lock::Finished;
-        let stored = reply.status == Some(200)
-            && parse_reply(&reply.body).ok().and_then(|r| r.as_int()) == Some(1);
-        if stored {
-            host.count(Counter::IdemStored);
-        } else {
-            // The lock expired (upstream slower than lockTtlMs) or Redis failed:
-            // the response still goes out; a retry may run the request again.
-            log::warn!(
-                "redis-guard: idempotent response not stored ({:?})",
-                reply.status
-            );
-            host.count(Counter::IdemStoreFailed);
+        let answer = (reply.status == Some(200))
+            .then(|| parse_reply(&reply.body).ok().and_then(|r| r.as_int()))
+            .flatten();
+        match answer {
+            Some(1) => {
+                self.lock = Lock::Finished;
+                host.count(Counter::IdemStored);
+                host.resume_response();
+            }
+            Some(0) => {
+                // The lock expired (upstream slower than lockTtlMs) and may be
+                // another request's now: leave it; the response still goes out.
+                log::warn!("redis-guard: idempotency lock lost before the response; not stored");
+                host.count(Counter::IdemStoreFailed);
+                self.lock = Lock::Finished;
+                host.resume_response();
+            }
+            _ => {
+                // Redis failed: free the key (owner-checked) so a retry is not
+                // answered 409 until the lock expires; the response waits for it.
+                log::warn!(
+                    "redis-guard: idempotent response not stored ({:?})",
+                    reply.status
+                );
+                host.count(Counter::IdemStoreFailed);
+                self.release_before_end(host, None, 0);
+                if matches!(self.lock, Lock::Releasing { .. }) {
+                    self.hold_if_ended(true, 0);
+                } else {
+                    host.resume_response();
+                }
+            }
         }
-        host.resume_response();
     }
 
-    /// Frees the lock so a retry runs again. `detached`: the stream is ending,
-    /// so the call must outlive it.
-    fn release<H: Host>(&mut self, host: &mut H, detached: bool) {
-        self.lock = Lock::Finished;
-        let Some(keyed) = &self.keyed else {
-            return;
+    /// Sends the release; the response's end waits for it (`hold_if_ended`).
+    fn release_before_end<H: Host>(&mut self, host: &mut H, expected: Option<usize>, seen: usize) {
+        self.lock = match self.release(host, false) {
+            Some(token) => Lock::Releasing {
+                token,
+                expected,
+                seen,
+                held: false,
+            },
+            None => Lock::Finished,
         };
+    }
+
+    fn on_release_reply<H: Host>(&mut self, host: &mut H) {
+        let held = matches!(self.lock, Lock::Releasing { held: true, .. });
+        self.lock = Lock::Finished;
+        if held {
+            host.resume_response();
+        }
+    }
+
+    /// Frees the lock (only if still ours) so a retry runs again. `detached`:
+    /// the stream may be ending, so the call is issued as the root context.
+    fn release<H: Host>(&mut self, host: &mut H, detached: bool) -> Option<u32> {
+        self.lock = Lock::Finished;
+        let keyed = self.keyed.as_ref()?;
         let args: [&[u8]; 4] = [
             IDEM_RELEASE.source.as_bytes(),
             b"1",
@@ -623,8 +733,14 @@ impl Flow {
         } else {
             host.dispatch_redis(&self.config.redis, &body, self.config.redis.timeout)
         };
-        if let Err(e) = sent {
-            log::warn!("redis-guard: cannot release idempotency lock (it expires by itself): {e}");
+        match sent {
+            Ok(token) => Some(token),
+            Err(e) => {
+                log::warn!(
+                    "redis-guard: cannot release idempotency lock (it expires by itself): {e}"
+                );
+                None
+            }
         }
     }
 
@@ -733,6 +849,9 @@ mod tests {
         }
         fn response_header(&self, name: &str) -> Option<Vec<u8>> {
             self.response.get(name).cloned()
+        }
+        fn response_header_values(&self, name: &str) -> Vec<Vec<u8>> {
+            self.response.get(name).cloned().into_iter().collect()
         }
         fn response_body(&mut self, _size: usize) -> Vec<u8> {
             if self.response_chunks.is_empty() {
@@ -1387,8 +1506,30 @@ mod tests {
 
     #[test]
     fn a_lost_lock_still_lets_the_response_out() {
+        // `:0`: the lock expired and may be another request's: not touched.
+        let cfg = idem_config("deny");
+        let mut f = Flow::new(cfg.clone());
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        admitted(&mut f, &mut h, &cfg);
+        h.respond(&[(":status", "201")]);
+        assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+        h.response_chunks = vec![b"done".to_vec()];
+        assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
+        f.on_callout_reply(&mut h, 2, ok(b":0\r\n"));
+        assert_eq!(h.response_resumed, 1);
+        assert_eq!(count(&h, Counter::IdemStoreFailed), 1);
+        assert_eq!(
+            h.dispatched.len(),
+            2,
+            "no release of a lock that is not ours"
+        );
+        f.on_stream_end(&mut h);
+        assert!(h.detached.is_empty());
+    }
+
+    #[test]
+    fn a_failed_store_releases_the_key_before_the_response_ends() {
         for reply in [
-            ok(b":0\r\n"),
             ok(b"-ERR oops\r\n"),
             CalloutReply {
                 status: None,
@@ -1399,7 +1540,7 @@ mod tests {
             let cfg = idem_config("deny");
             let mut f = Flow::new(cfg.clone());
             let mut h = FakeHost::post("/pay", b"abc-123");
-            admitted(&mut f, &mut h, &cfg);
+            let key = admitted(&mut f, &mut h, &cfg);
             h.respond(&[(":status", "201")]);
             assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
             h.response_chunks = vec![b"done".to_vec()];
@@ -1407,7 +1548,15 @@ mod tests {
             assert_eq!(h.dispatched.len(), 2);
             assert!(h.dispatched[1].starts_with("EVAL/"));
             f.on_callout_reply(&mut h, 2, reply.clone());
-            assert_eq!(h.response_resumed, 1, "{reply:?}");
+            assert_eq!(
+                h.response_resumed, 0,
+                "held until the release lands: {reply:?}"
+            );
+            assert_eq!(h.dispatched.len(), 3);
+            assert_eq!(h.dispatched[2], release_call(&key));
+            assert_eq!(count(&h, Counter::IdemReleased), 1);
+            f.on_callout_reply(&mut h, 3, ok(b":1\r\n"));
+            assert_eq!(h.response_resumed, 1);
             assert_eq!(count(&h, Counter::IdemStoreFailed), 1);
             assert!(!h.counters.contains(&Counter::IdemStored));
             assert!(h.sent.is_empty());
@@ -1442,9 +1591,10 @@ mod tests {
         assert_eq!(h.dispatched[1], release_call(&key));
         assert_eq!(count(&h, Counter::IdemReleased), 1);
         h.response_chunks = vec![b"err".to_vec()];
-        assert_eq!(f.on_response_body(&mut h, 3, true), Action::Continue);
+        // The chunk that ends the response waits for the release.
+        assert_eq!(f.on_response_body(&mut h, 3, true), Action::Pause);
         f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
-        assert_eq!(h.response_resumed, 0, "nothing was held");
+        assert_eq!(h.response_resumed, 1);
         f.on_stream_end(&mut h);
         assert!(h.detached.is_empty(), "released already");
         assert_eq!(h.dispatched.len(), 2);
@@ -1467,9 +1617,14 @@ mod tests {
         assert_eq!(h.dispatched[1], release_call(&key));
         assert_eq!(count(&h, Counter::IdemTooLarge), 1);
         assert_eq!(count(&h, Counter::IdemReleased), 1);
-        assert_eq!(f.on_response_body(&mut h, 4, true), Action::Continue);
+        assert_eq!(
+            f.on_response_body(&mut h, 4, true),
+            Action::Pause,
+            "held for the release"
+        );
         assert_eq!(h.dispatched.len(), 2);
-        assert_eq!(h.response_resumed, 0);
+        f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
+        assert_eq!(h.response_resumed, 1);
         f.on_stream_end(&mut h);
         assert!(h.detached.is_empty());
         assert!(!h.counters.contains(&Counter::IdemStored));
@@ -1566,7 +1721,8 @@ mod tests {
             from_webdis: false,
             body: vec![],
         };
-        // allow: forwarded without the guarantee, and no lock to look after.
+        // allow: forwarded without the guarantee. The timed-out script may
+        // have taken the lock: it is released (owner-checked) at once.
         let mut f = idem_flow("allow");
         let mut h = FakeHost::post("/pay", b"abc-123");
         f.on_request_headers(&mut h, true);
@@ -1575,15 +1731,20 @@ mod tests {
         assert!(h.sent.is_empty());
         assert_eq!(count(&h, Counter::IdemUnguarded), 1);
         assert!(h.counters.contains(&Counter::FailureAllowed));
+        assert_eq!(
+            h.detached.len(),
+            1,
+            "release of a lock the call may have taken"
+        );
         h.respond(&[(":status", "200")]);
         assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
         h.response_chunks = vec![b"ok".to_vec()];
         assert_eq!(f.on_response_body(&mut h, 2, true), Action::Continue);
         f.on_stream_end(&mut h);
         assert_eq!(h.dispatched.len(), 1);
-        assert!(h.detached.is_empty());
+        assert_eq!(h.detached.len(), 1, "released once");
 
-        // deny: 503, not forwarded.
+        // deny: 503, not forwarded; the possible lock is released too.
         let mut f = idem_flow("deny");
         let mut h = FakeHost::post("/pay", b"abc-123");
         f.on_request_headers(&mut h, true);
@@ -1593,7 +1754,7 @@ mod tests {
         assert_eq!(h.sent[0].status, 503);
         assert!(!h.counters.contains(&Counter::IdemUnguarded));
         f.on_stream_end(&mut h);
-        assert!(h.detached.is_empty());
+        assert_eq!(h.detached.len(), 1);
 
         // A dispatch that fails after the body was read decides in the callback.
         let mut f = idem_flow("allow");

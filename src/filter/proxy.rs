@@ -252,9 +252,9 @@ impl Host for ProxyHost<'_> {
         body: &[u8],
         timeout: Duration,
     ) -> Result<u32, String> {
-        // Envoy cancels a stream's callouts when the stream goes away; one
-        // issued as the root context lives on. Its reply finds no stream and
-        // is dropped, which is fine: the lock expires by itself if it failed.
+        // A stream that is going away must not own the call: issue it as the
+        // root context. Its reply finds no stream and is dropped, which is
+        // fine: the release is owner-checked and the lock expires regardless.
         let Some(root) = self.shared.map(|s| s.root_id) else {
             return Err("not configured".to_string());
         };
@@ -275,6 +275,17 @@ impl Host for ProxyHost<'_> {
         hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
             .ok()
             .flatten()
+    }
+
+    fn response_header_values(&self, name: &str) -> Vec<Vec<u8>> {
+        hostcalls::get_map_bytes(MapType::HttpResponseHeaders)
+            .map(|all| {
+                all.into_iter()
+                    .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                    .map(|(_, v)| v)
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     fn response_body(&mut self, size: usize) -> Vec<u8> {
@@ -376,13 +387,15 @@ impl Context for Http {
         let (status, from_webdis, body) = if num_headers == 0 {
             (None, false, Vec::new())
         } else {
+            // Bytes, not strings: the SDK unwraps a failed UTF-8 conversion.
             let header = |name: &str| {
-                hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
+                hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, name)
                     .ok()
                     .flatten()
             };
-            let status = header(":status").and_then(|s| s.parse::<u32>().ok());
-            let from_webdis = header("server").is_some_and(|s| s.eq_ignore_ascii_case("webdis"));
+            let status =
+                header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+            let from_webdis = header("server").is_some_and(|s| s.eq_ignore_ascii_case(b"webdis"));
             let body = if body_size == 0 {
                 Vec::new()
             } else {
@@ -426,6 +439,12 @@ impl HttpContext for Http {
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.with_flow(Action::Continue, |flow, host| {
             action(flow.on_response_headers(host, end_of_stream))
+        })
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.with_flow(Action::Continue, |flow, host| {
+            action(flow.on_response_trailers(host))
         })
     }
 
