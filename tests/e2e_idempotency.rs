@@ -40,6 +40,30 @@ fn executions_of(stack: &Stack, path: &str) -> u64 {
     r.json()["byPath"][path].as_u64().unwrap_or(0)
 }
 
+/// After a scenario: every idempotency key in Redis has a TTL, and no
+/// IN_PROGRESS lock outlived its request.
+fn assert_no_lock_survives(stack: &Stack) {
+    let mut con = stack.redis.conn();
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("rg:*").query(&mut con).unwrap();
+    for key in keys {
+        let pttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut con).unwrap();
+        assert!(pttl > 0, "{} has no TTL", String::from_utf8_lossy(&key));
+        if key.starts_with(b"rg:idem:") {
+            let state: Option<String> = redis::cmd("HGET")
+                .arg(&key)
+                .arg("s")
+                .query(&mut con)
+                .unwrap();
+            assert_eq!(
+                state.as_deref(),
+                Some("C"),
+                "{} is still locked",
+                String::from_utf8_lossy(&key)
+            );
+        }
+    }
+}
+
 #[test]
 fn a_retry_after_completion_replays_the_stored_response_byte_for_byte() {
     let stack = Stack::start(&config(""), 1);
@@ -66,6 +90,7 @@ fn a_retry_after_completion_replays_the_stored_response_byte_for_byte() {
     assert_eq!(executions_of(&stack, "/pay/a"), 1);
     assert_eq!(e.counter("redis_guard.idempotency.stored"), 1);
     assert_eq!(e.counter("redis_guard.idempotency.replayed"), 4);
+    assert_no_lock_survives(&stack);
 }
 
 #[test]
@@ -135,6 +160,7 @@ fn one_key_hammered_over_two_envoys_executes_exactly_once() {
         bodies.windows(2).all(|w| w[0] == w[1]),
         "replays are byte-identical"
     );
+    assert_no_lock_survives(&stack);
 }
 
 #[test]
@@ -153,6 +179,7 @@ fn an_upstream_5xx_frees_the_key_so_the_retry_executes() {
         Some("true")
     );
     assert_eq!(executions_of(&stack, "/pay/f"), 2);
+    assert_no_lock_survives(&stack);
 }
 
 #[test]
@@ -196,6 +223,7 @@ fn the_same_key_with_another_body_is_422() {
     assert_eq!(other.status, 422);
     assert_eq!(other.json()["status"], 422);
     assert_eq!(executions_of(&stack, "/pay/b"), 1);
+    assert_no_lock_survives(&stack);
 }
 
 #[test]
@@ -254,35 +282,90 @@ fn tenants_never_see_each_others_results() {
     assert_eq!(post(e, "/pay/t", &a, b"same").body, ra.body);
     assert_eq!(post(e, "/pay/t", &b, b"same").body, rb.body);
     assert_eq!(executions_of(&stack, "/pay/t"), 2);
+    // A request without its tenant gets no shared scope: 400.
+    let r = post(e, "/pay/t", &[("idempotency-key", "shared-key")], b"same");
+    assert_eq!(r.status, 400);
+    assert_eq!(executions_of(&stack, "/pay/t"), 2);
+    assert_no_lock_survives(&stack);
 }
 
 #[test]
 fn replays_and_conflicts_spend_no_rate_limit_quota() {
     let limits = r#"[{"name":"per-tenant","descriptor":[{"header":"x-tenant"}],
-                     "tokenBucket":{"capacity":2,"refill":1,"periodMs":3600000}}]"#;
+                     "tokenBucket":{"capacity":3,"refill":1,"periodMs":3600000}}]"#;
     let stack = Stack::start(&config_with("", limits), 1);
     let e = stack.envoy();
     let k1 = [("idempotency-key", "q-1"), ("x-tenant", "acme")];
     let first = post(e, "/pay/q", &k1, b"x");
-    assert_eq!(first.header("x-ratelimit-remaining"), Some("1"));
+    assert_eq!(first.header("x-ratelimit-remaining"), Some("2"));
     for _ in 0..5 {
-        assert_eq!(
-            post(e, "/pay/q", &k1, b"x").header("idempotent-replayed"),
-            Some("true")
-        );
+        let r = post(e, "/pay/q", &k1, b"x");
+        assert_eq!(r.header("idempotent-replayed"), Some("true"));
     }
-    let k2 = [("idempotency-key", "q-2"), ("x-tenant", "acme")];
-    let second = post(e, "/pay/q", &k2, b"x");
+    // A slow request holds q-2 while its duplicate gets 409.
+    let slow = [
+        ("idempotency-key", "q-2"),
+        ("x-tenant", "acme"),
+        ("x-upstream-delay-ms", "800"),
+    ];
+    std::thread::scope(|s| {
+        let running = s.spawn(|| post(e, "/pay/q", &slow, b"x"));
+        std::thread::sleep(Duration::from_millis(300));
+        let dup = post(e, "/pay/q", &slow, b"x");
+        assert_eq!(dup.status, 409);
+        assert_eq!(dup.header("retry-after"), Some("1"));
+        let done = running.join().unwrap();
+        assert_eq!(
+            (done.status, done.header("x-ratelimit-remaining")),
+            (200, Some("1"))
+        );
+    });
+    // Replays and the 409 spent nothing: one unit is left for q-3, none for q-4.
+    let k3 = [("idempotency-key", "q-3"), ("x-tenant", "acme")];
+    let third = post(e, "/pay/q", &k3, b"x");
     assert_eq!(
-        (second.status, second.header("x-ratelimit-remaining")),
+        (third.status, third.header("x-ratelimit-remaining")),
         (200, Some("0"))
     );
-    let k3 = [("idempotency-key", "q-3"), ("x-tenant", "acme")];
-    assert_eq!(post(e, "/pay/q", &k3, b"x").status, 429);
-    assert_eq!(executions_of(&stack, "/pay/q"), 2);
-    // The rejected key took no lock: once quota exists it runs (another tenant here).
-    let k3b = [("idempotency-key", "q-3"), ("x-tenant", "other")];
-    assert_eq!(post(e, "/pay/q", &k3b, b"x").status, 200);
+    let k4 = [("idempotency-key", "q-4"), ("x-tenant", "acme")];
+    assert_eq!(post(e, "/pay/q", &k4, b"x").status, 429);
+    assert_eq!(executions_of(&stack, "/pay/q"), 3);
+    assert_eq!(e.counter("redis_guard.idempotency.conflicted"), 1);
+    // The rejected key took no lock: with quota (another tenant) it runs.
+    let k4b = [("idempotency-key", "q-4"), ("x-tenant", "other")];
+    assert_eq!(post(e, "/pay/q", &k4b, b"x").status, 200);
+    assert_no_lock_survives(&stack);
+}
+
+#[test]
+fn a_lock_shorter_than_the_upstream_lets_a_retry_run_again() {
+    // Documented hazard: lockTtlMs must exceed the upstream's time. Here the
+    // lock (300 ms) expires while the upstream takes 900 ms: the retry runs
+    // again, the first (late) response is not stored, the second is.
+    let stack = Stack::start(&config(r#","lockTtlMs":300"#), 1);
+    let e = stack.envoy();
+    let h = [
+        ("idempotency-key", "k-slow"),
+        ("x-tenant", "acme"),
+        ("x-upstream-delay-ms", "900"),
+    ];
+    std::thread::scope(|s| {
+        let first = s.spawn(|| post(e, "/pay/s", &h, b"x"));
+        std::thread::sleep(Duration::from_millis(500));
+        // The retry is fast (the delay header is not part of the fingerprint).
+        let second = post(e, "/pay/s", &h[..2], b"x");
+        assert_eq!(
+            (second.status, second.header("idempotent-replayed")),
+            (200, None)
+        );
+        assert_eq!(first.join().unwrap().status, 200);
+    });
+    assert_eq!(executions_of(&stack, "/pay/s"), 2);
+    assert_eq!(e.counter("redis_guard.idempotency.store_failed"), 1);
+    assert_eq!(e.counter("redis_guard.idempotency.stored"), 1);
+    let replay = post(e, "/pay/s", &h[..2], b"x");
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_no_lock_survives(&stack);
 }
 
 #[test]
@@ -301,6 +384,7 @@ fn a_response_over_the_stored_body_cap_is_not_stored_and_the_key_is_freed() {
     );
     assert_eq!(executions_of(&stack, "/pay/l"), 2);
     assert_eq!(e.counter("redis_guard.idempotency.too_large"), 2);
+    assert_no_lock_survives(&stack);
 }
 
 #[test]
@@ -336,6 +420,7 @@ fn a_client_that_resets_mid_request_frees_the_key() {
         (200, None)
     );
     assert_eq!(e.counter("redis_guard.idempotency.released"), 1);
+    assert_no_lock_survives(&stack);
 }
 
 #[test]
