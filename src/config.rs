@@ -101,6 +101,17 @@ struct RawRedis {
     authority: Option<String>,
     #[serde(default)]
     timeout_ms: Option<u64>,
+    #[serde(default)]
+    circuit_breaker: Option<RawBreaker>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawBreaker {
+    #[serde(default)]
+    failures: Option<u32>,
+    #[serde(default)]
+    cool_down_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -214,6 +225,10 @@ pub struct RedisTarget {
     pub cluster: String,
     pub authority: String,
     pub timeout: Duration,
+    /// Consecutive failed calls that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker sends requests straight to their failure mode.
+    pub breaker_cool_down: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -374,6 +389,8 @@ pub struct Config {
 }
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 50;
+pub const DEFAULT_BREAKER_FAILURES: u32 = 5;
+pub const DEFAULT_BREAKER_COOL_DOWN_MS: u64 = 1000;
 pub const DEFAULT_IDEMPOTENCY_HEADER: &str = "idempotency-key";
 pub const DEFAULT_LOCK_TTL_MS: u64 = 30_000;
 pub const DEFAULT_RECORD_TTL_MS: u64 = 86_400_000;
@@ -579,10 +596,31 @@ fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {
     if authority.is_empty() {
         return Err(ConfigError::new("redis.authority", "must not be empty"));
     }
+    let (failures, cool_down_ms) = match raw.circuit_breaker {
+        None => (DEFAULT_BREAKER_FAILURES, DEFAULT_BREAKER_COOL_DOWN_MS),
+        Some(b) => (
+            b.failures.unwrap_or(DEFAULT_BREAKER_FAILURES),
+            b.cool_down_ms.unwrap_or(DEFAULT_BREAKER_COOL_DOWN_MS),
+        ),
+    };
+    if !(1..=1000).contains(&failures) {
+        return Err(ConfigError::new(
+            "redis.circuitBreaker.failures",
+            "must be between 1 and 1000",
+        ));
+    }
+    if !(10..=600_000).contains(&cool_down_ms) {
+        return Err(ConfigError::new(
+            "redis.circuitBreaker.coolDownMs",
+            "must be between 10 and 600000",
+        ));
+    }
     Ok(RedisTarget {
         cluster: raw.cluster,
         authority,
         timeout: Duration::from_millis(timeout_ms),
+        breaker_failures: failures,
+        breaker_cool_down: Duration::from_millis(cool_down_ms),
     })
 }
 

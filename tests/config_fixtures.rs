@@ -306,6 +306,21 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "limits[0].cost",
         "at most 1000 for a sliding window",
     ),
+    (
+        "redis_breaker_failures_zero.json",
+        "redis.circuitBreaker.failures",
+        "between 1 and 1000",
+    ),
+    (
+        "redis_breaker_cool_down_too_short.json",
+        "redis.circuitBreaker.coolDownMs",
+        "between 10 and 600000",
+    ),
+    (
+        "redis_breaker_unknown_field.json",
+        "redis.circuitBreaker.coolDown",
+        "unknown field `coolDown`",
+    ),
     // Shapes serde alone would accept.
     ("trailing_characters.json", "", "trailing characters"),
     ("config_as_array.json", "", "found an array"),

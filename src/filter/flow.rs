@@ -10,6 +10,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
+use crate::breaker::Breaker;
 use crate::config::{Config, FailureMode};
 use crate::filter::{Counter, Host};
 use crate::idempotency::{decode_headers, encode_headers, fingerprint, parse_key, record_key};
@@ -100,6 +101,9 @@ struct Keyed {
 
 pub struct Flow {
     config: Rc<Config>,
+    breaker: Rc<Breaker>,
+    /// The breaker sent this request to its failure mode (no call was made).
+    short_circuited: bool,
     plan: Plan,
     keyed: Option<Keyed>,
     line: Option<RequestLine>,
@@ -112,9 +116,11 @@ pub struct Flow {
 }
 
 impl Flow {
-    pub fn new(config: Rc<Config>) -> Flow {
+    pub fn new(config: Rc<Config>, breaker: Rc<Breaker>) -> Flow {
         Flow {
             config,
+            breaker,
+            short_circuited: false,
             plan: Plan::default(),
             keyed: None,
             line: None,
@@ -213,11 +219,7 @@ impl Flow {
             self.phase = Phase::Done;
             return Action::Continue;
         }
-        self.deadline = host.now() + self.config.redis.timeout;
-        match self.call(host, false, false) {
-            Ok(()) => Action::Pause,
-            Err(why) => self.fail(host, &why, false),
-        }
+        self.decide(host)
     }
 
     pub fn on_request_body<H: Host>(
@@ -248,11 +250,7 @@ impl Flow {
         if let Some(keyed) = self.keyed.as_mut() {
             keyed.args.fingerprint = fingerprint(&method, &path, &body);
         }
-        self.deadline = host.now() + self.config.redis.timeout;
-        match self.call(host, false, false) {
-            Ok(()) => Action::Pause,
-            Err(why) => self.fail(host, &why, false),
-        }
+        self.decide(host)
     }
 
     fn max_request_body(&self) -> usize {
@@ -272,6 +270,21 @@ impl Flow {
         let max = self.max_request_body();
         let size = host.request_body(max.saturating_add(1)).len();
         self.on_request_body(host, size, true)
+    }
+
+    /// The first call for this request, unless the breaker is open.
+    fn decide<H: Host>(&mut self, host: &mut H) -> Action {
+        let now = host.now();
+        if !self.breaker.allow(now) {
+            self.short_circuited = true;
+            host.count(Counter::CircuitShortCircuited);
+            return self.fail(host, "circuit breaker open", false);
+        }
+        self.deadline = now + self.config.redis.timeout;
+        match self.call(host, false, false) {
+            Ok(()) => Action::Pause,
+            Err(why) => self.fail(host, &why, false),
+        }
     }
 
     fn call<H: Host>(&mut self, host: &mut H, eval: bool, retried: bool) -> Result<(), String> {
@@ -335,7 +348,13 @@ impl Flow {
     fn fail<H: Host>(&mut self, host: &mut H, why: &str, paused: bool) -> Action {
         let dispatched = matches!(self.phase, Phase::AwaitingRedis { .. });
         self.phase = Phase::Done;
-        host.count(Counter::RedisErrors);
+        if !self.short_circuited {
+            host.count(Counter::RedisErrors);
+            if self.breaker.failure(host.now()) {
+                log::warn!("redis-guard: circuit breaker open: Redis calls paused");
+                host.count(Counter::CircuitOpened);
+            }
+        }
         if dispatched && self.keyed.is_some() {
             // The script may have run (timeout, reset) and taken our lock:
             // release it (only if ours) so retries are not answered 409.
@@ -438,6 +457,7 @@ impl Flow {
             }
         };
         self.phase = Phase::Done;
+        self.breaker.success();
         match verdict {
             Verdict::Limits(outcome) => {
                 for (check, result) in self.plan.checks.iter().zip(&outcome.results) {
@@ -765,6 +785,10 @@ mod tests {
     use crate::response::LocalReply;
     use std::collections::HashMap;
 
+    fn test_breaker() -> Rc<Breaker> {
+        Rc::new(Breaker::new(1000, Duration::from_millis(1000)))
+    }
+
     #[derive(Default)]
     struct FakeHost {
         headers: HashMap<String, Vec<u8>>,
@@ -878,7 +902,7 @@ mod tests {
             .as_bytes(),
         )
         .unwrap();
-        Flow::new(Rc::new(cfg))
+        Flow::new(Rc::new(cfg), test_breaker())
     }
 
     fn ok(body: &[u8]) -> CalloutReply {
@@ -1015,7 +1039,7 @@ mod tests {
             br#"{"redis":{"cluster":"w"},"idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"}}]}"#,
         )
         .unwrap();
-        let mut f = Flow::new(Rc::new(cfg));
+        let mut f = Flow::new(Rc::new(cfg), test_breaker());
         let mut h = FakeHost::get("/pay");
         h.headers.insert(":method".into(), b"POST".to_vec());
         h.headers.insert("idempotency-key".into(), b"k1".to_vec());
@@ -1028,6 +1052,47 @@ mod tests {
         assert!(
             h.dispatched[0].contains(&crate::idempotency::fingerprint("POST", b"/pay", b"body"))
         );
+    }
+
+    #[test]
+    fn an_open_breaker_sends_requests_to_the_failure_mode_without_a_call() {
+        let cfg = Config::parse(
+            br#"{"redis":{"cluster":"w"},"failureMode":"deny","limits":[
+                {"name":"a","tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
+        )
+        .unwrap();
+        let cfg = Rc::new(cfg);
+        let breaker = Rc::new(Breaker::new(2, Duration::from_millis(100)));
+        let failed = || CalloutReply {
+            status: None,
+            from_webdis: false,
+            body: vec![],
+        };
+        let mut h = FakeHost::get("/");
+        for token in 1..=2 {
+            let mut f = Flow::new(cfg.clone(), breaker.clone());
+            assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+            f.on_callout_reply(&mut h, token, failed());
+        }
+        assert!(h.counters.contains(&Counter::CircuitOpened));
+        let calls = h.dispatched.len();
+        let mut f = Flow::new(cfg.clone(), breaker.clone());
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+        assert_eq!(h.dispatched.len(), calls, "no call while open");
+        assert_eq!(h.sent.last().map(|r| r.status), Some(503));
+        assert!(h.counters.contains(&Counter::CircuitShortCircuited));
+        // After the cool-down one request probes; its success closes the breaker.
+        h.clock_ms = 100;
+        let mut probe = Flow::new(cfg.clone(), breaker.clone());
+        assert_eq!(probe.on_request_headers(&mut h, true), Action::Pause);
+        assert_eq!(h.dispatched.len(), calls + 1);
+        let mut other = Flow::new(cfg.clone(), breaker.clone());
+        other.on_request_headers(&mut h, true);
+        assert_eq!(h.dispatched.len(), calls + 1, "one probe at a time");
+        probe.on_callout_reply(&mut h, (calls + 1) as u32, ok(ADMIT));
+        let mut after = Flow::new(cfg, breaker);
+        after.on_request_headers(&mut h, true);
+        assert_eq!(h.dispatched.len(), calls + 2, "closed again");
     }
 
     #[test]
@@ -1100,7 +1165,7 @@ mod tests {
                 "tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
         )
         .unwrap();
-        let mut f = Flow::new(Rc::new(cfg));
+        let mut f = Flow::new(Rc::new(cfg), test_breaker());
         let mut h = FakeHost::get("/");
         h.headers.insert("x-cost".into(), b"4".to_vec());
         assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
@@ -1122,7 +1187,7 @@ mod tests {
     }
 
     fn idem_flow(failure: &str) -> Flow {
-        Flow::new(idem_config(failure))
+        Flow::new(idem_config(failure), test_breaker())
     }
 
     impl FakeHost {
@@ -1239,7 +1304,7 @@ mod tests {
     #[test]
     fn keyed_post_without_body_dispatches_one_evalsha_with_record_key_and_fingerprint() {
         let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay/1?x=1", b"abc-123");
         assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
         assert_eq!(h.dispatched.len(), 1);
@@ -1261,7 +1326,7 @@ mod tests {
     #[test]
     fn keyed_post_with_body_is_decided_once_the_body_is_complete() {
         let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay/1", b"abc-123");
         h.request_body = b"{\"a\":12}".to_vec();
         assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
@@ -1457,7 +1522,7 @@ mod tests {
     #[test]
     fn admitted_response_is_stored_before_its_last_chunk_goes_out() {
         let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         let key = admitted(&mut f, &mut h, &cfg);
         h.respond(&[
@@ -1508,7 +1573,7 @@ mod tests {
     fn a_lost_lock_still_lets_the_response_out() {
         // `:0`: the lock expired and may be another request's: not touched.
         let cfg = idem_config("deny");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         admitted(&mut f, &mut h, &cfg);
         h.respond(&[(":status", "201")]);
@@ -1538,7 +1603,7 @@ mod tests {
             },
         ] {
             let cfg = idem_config("deny");
-            let mut f = Flow::new(cfg.clone());
+            let mut f = Flow::new(cfg.clone(), test_breaker());
             let mut h = FakeHost::post("/pay", b"abc-123");
             let key = admitted(&mut f, &mut h, &cfg);
             h.respond(&[(":status", "201")]);
@@ -1568,7 +1633,7 @@ mod tests {
     #[test]
     fn a_response_ending_at_its_headers_is_stored_at_once() {
         let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         let key = admitted(&mut f, &mut h, &cfg);
         h.respond(&[(":status", "204")]);
@@ -1582,7 +1647,7 @@ mod tests {
     #[test]
     fn non_storable_status_releases_the_lock_and_continues() {
         let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         let key = admitted(&mut f, &mut h, &cfg);
         h.respond(&[(":status", "503"), ("content-length", "3")]);
@@ -1604,7 +1669,7 @@ mod tests {
     #[test]
     fn response_over_max_stored_body_is_released_not_stored() {
         let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         let key = admitted(&mut f, &mut h, &cfg);
         h.respond(&[(":status", "200"), ("content-length", "25")]);
@@ -1633,7 +1698,7 @@ mod tests {
     #[test]
     fn response_of_exactly_max_stored_body_is_stored() {
         let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         let key = admitted(&mut f, &mut h, &cfg);
         h.respond(&[(":status", "200")]);
@@ -1651,7 +1716,7 @@ mod tests {
     fn stream_end_releases_a_held_or_capturing_lock_detached() {
         // Held: the response never started.
         let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         let key = admitted(&mut f, &mut h, &cfg);
         f.on_stream_end(&mut h);
@@ -1662,7 +1727,7 @@ mod tests {
         assert_eq!(h.detached.len(), 1, "released once");
 
         // Capturing: part of the response went out.
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         let key = admitted(&mut f, &mut h, &cfg);
         h.respond(&[(":status", "200"), ("content-length", "10")]);
@@ -1675,7 +1740,7 @@ mod tests {
         assert_eq!(count(&h, Counter::IdemReleased), 1);
 
         // Completing: the COMPLETED record is on its way; a release would race it.
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         admitted(&mut f, &mut h, &cfg);
         h.respond(&[(":status", "200")]);
@@ -1697,7 +1762,7 @@ mod tests {
             )
             .unwrap(),
         );
-        let mut f = Flow::new(cfg.clone());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
         let mut h = FakeHost::post("/pay", b"abc-123");
         assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
         // The limit's key first, the record last, as lua/ratelimit.lua expects.

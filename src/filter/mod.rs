@@ -47,6 +47,10 @@ pub enum Counter {
     IdemTooLarge,
     /// Forwarded without the guarantee because Redis failed (failure mode allow).
     IdemUnguarded,
+    /// The circuit breaker opened after consecutive failures.
+    CircuitOpened,
+    /// A request sent to its failure mode by the open breaker, without a call.
+    CircuitShortCircuited,
 }
 
 /// What the filter needs from the proxy for one request.

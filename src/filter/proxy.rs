@@ -10,6 +10,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 
+use crate::breaker::Breaker;
 use crate::config::{Config, RedisTarget};
 use crate::filter::flow::{Action as FlowAction, CalloutReply, Flow};
 use crate::filter::{Counter, Host};
@@ -41,6 +42,8 @@ struct Metrics {
     failure_allowed: u32,
     failure_denied: u32,
     idem: [u32; 9],
+    circuit_opened: u32,
+    circuit_short_circuited: u32,
 }
 
 fn counter(name: &str) -> u32 {
@@ -88,6 +91,8 @@ impl Metrics {
                 "unguarded",
             ]
             .map(|n| counter(&format!("redis_guard.idempotency.{n}"))),
+            circuit_opened: counter("redis_guard.circuit.opened"),
+            circuit_short_circuited: counter("redis_guard.circuit.short_circuited"),
         }
     }
 
@@ -113,6 +118,8 @@ impl Metrics {
             Counter::IdemStoreFailed => Some(self.idem[6]),
             Counter::IdemTooLarge => Some(self.idem[7]),
             Counter::IdemUnguarded => Some(self.idem[8]),
+            Counter::CircuitOpened => Some(self.circuit_opened),
+            Counter::CircuitShortCircuited => Some(self.circuit_short_circuited),
         }
     }
 }
@@ -120,6 +127,9 @@ impl Metrics {
 struct Shared {
     config: Rc<Config>,
     metrics: Metrics,
+    /// One breaker per worker (VM): what it learns about Redis is shared by
+    /// that worker's requests.
+    breaker: Rc<Breaker>,
     /// The root context's id: calls that must outlive a stream run as it.
     root_id: u32,
     /// Seeds owner tokens: random per VM (WASI random), then a counter.
@@ -155,9 +165,14 @@ impl RootContext for Root {
                     config.redis.cluster
                 );
                 let metrics = Metrics::define(&config);
+                let breaker = Rc::new(Breaker::new(
+                    config.redis.breaker_failures,
+                    config.redis.breaker_cool_down,
+                ));
                 self.shared = Some(Rc::new(Shared {
                     config: Rc::new(config),
                     metrics,
+                    breaker,
                     root_id: self.context_id,
                     token_seed: std::collections::hash_map::RandomState::new(),
                     token_counter: std::cell::Cell::new(0),
@@ -178,7 +193,7 @@ impl RootContext for Root {
             flow: self
                 .shared
                 .as_ref()
-                .map(|s| Flow::new(Rc::clone(&s.config))),
+                .map(|s| Flow::new(Rc::clone(&s.config), Rc::clone(&s.breaker))),
             shared: self.shared.clone(),
         }))
     }

@@ -255,7 +255,7 @@ impl Redis {
 pub struct Webdis {
     pub port: u16,
     proc: Proc,
-    _dir: Scratch,
+    dir: Scratch,
 }
 
 impl Webdis {
@@ -272,18 +272,25 @@ impl Webdis {
         );
         let path = dir.0.join("webdis.json");
         std::fs::write(&path, conf).unwrap();
-        let proc = Proc::spawn(
+        let proc = Self::spawn(&path);
+        wait_for_port(port, "webdis", Duration::from_secs(10));
+        Webdis { port, proc, dir }
+    }
+
+    fn spawn(conf: &Path) -> Proc {
+        Proc::spawn(
             "webdis",
             Command::new(on_path("webdis"))
-                .arg(&path)
+                .arg(conf)
                 .stdout(Stdio::null()),
-        );
-        wait_for_port(port, "webdis", Duration::from_secs(10));
-        Webdis {
-            port,
-            proc,
-            _dir: dir,
-        }
+        )
+    }
+
+    /// Starts Webdis again on the same port with the same configuration.
+    pub fn restart(&mut self) {
+        self.proc.kill();
+        self.proc = Self::spawn(&self.dir.0.join("webdis.json"));
+        wait_for_port(self.port, "webdis", Duration::from_secs(10));
     }
 }
 

@@ -1,0 +1,115 @@
+//! A circuit breaker for the Redis path, per Envoy worker.
+//!
+//! After `threshold` consecutive failed calls the breaker opens: requests go
+//! straight to their failure mode for `cool_down`, without waiting on a dead
+//! Redis. Then one request probes; its success closes the breaker, its
+//! failure opens it again. Cells, not a RefCell: nothing here can panic.
+
+use std::cell::Cell;
+use std::time::Duration;
+
+#[derive(Debug)]
+pub struct Breaker {
+    threshold: u32,
+    cool_down: Duration,
+    failures: Cell<u32>,
+    open_until: Cell<Option<Duration>>,
+    probing: Cell<bool>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Closed,
+    Open,
+    /// One probe is in flight; everyone else still takes the failure mode.
+    Probing,
+}
+
+impl Breaker {
+    pub fn new(threshold: u32, cool_down: Duration) -> Breaker {
+        Breaker {
+            threshold: threshold.max(1),
+            cool_down,
+            failures: Cell::new(0),
+            open_until: Cell::new(None),
+            probing: Cell::new(false),
+        }
+    }
+
+    pub fn state(&self, now: Duration) -> State {
+        match self.open_until.get() {
+            None => State::Closed,
+            Some(_) if self.probing.get() => State::Probing,
+            Some(until) if now < until => State::Open,
+            Some(_) => State::Probing,
+        }
+    }
+
+    /// May this request call Redis? Past the cool-down, the first asker
+    /// becomes the probe.
+    pub fn allow(&self, now: Duration) -> bool {
+        match self.open_until.get() {
+            None => true,
+            Some(until) if now >= until && !self.probing.get() => {
+                self.probing.set(true);
+                true
+            }
+            Some(_) => false,
+        }
+    }
+
+    pub fn success(&self) {
+        self.failures.set(0);
+        self.open_until.set(None);
+        self.probing.set(false);
+    }
+
+    /// Returns true when this failure opened (or re-opened) the breaker.
+    pub fn failure(&self, now: Duration) -> bool {
+        let n = self.failures.get().saturating_add(1);
+        self.failures.set(n);
+        if self.probing.get() || n >= self.threshold {
+            self.probing.set(false);
+            self.open_until.set(Some(now + self.cool_down));
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn opens_after_consecutive_failures_only() {
+        let b = Breaker::new(3, MS(1000));
+        assert!(!b.failure(MS(0)));
+        assert!(!b.failure(MS(1)));
+        b.success();
+        assert!(!b.failure(MS(2)));
+        assert!(!b.failure(MS(3)));
+        assert_eq!(b.state(MS(3)), State::Closed);
+        assert!(b.failure(MS(4)));
+        assert_eq!(b.state(MS(5)), State::Open);
+        assert!(!b.allow(MS(5)));
+    }
+
+    #[test]
+    fn one_probe_after_the_cool_down_closes_or_reopens() {
+        let b = Breaker::new(1, MS(100));
+        b.failure(MS(0));
+        assert!(!b.allow(MS(99)));
+        assert!(b.allow(MS(100)), "the probe");
+        assert!(!b.allow(MS(101)), "only one probe at a time");
+        assert_eq!(b.state(MS(101)), State::Probing);
+        assert!(b.failure(MS(150)), "a failed probe reopens");
+        assert!(!b.allow(MS(200)));
+        assert!(b.allow(MS(250)));
+        b.success();
+        assert_eq!(b.state(MS(251)), State::Closed);
+        assert!(b.allow(MS(251)));
+    }
+}

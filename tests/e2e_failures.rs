@@ -1,0 +1,81 @@
+//! Failure handling end to end: Redis and Webdis stopped and started for real
+//! under a running Envoy.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// `/open` fails open, `/closed` fails closed; the breaker opens after 3
+/// consecutive failures per worker and probes after 300 ms.
+const CONFIG: &str = r#"{"redis":{"cluster":"webdis","timeoutMs":300,
+    "circuitBreaker":{"failures":3,"coolDownMs":300}},
+  "failureMode":"allow",
+  "limits":[
+    {"name":"open","match":{"pathPrefix":"/open"},"slidingWindow":{"limit":100000,"windowMs":60000}},
+    {"name":"closed","match":{"pathPrefix":"/closed"},"failureMode":"deny",
+     "slidingWindow":{"limit":100000,"windowMs":60000}}]}"#;
+
+/// Sends `/closed` until it is decided by Redis again (200); returns how long
+/// that took. Bounded to 5 s.
+fn time_to_recover(e: &Envoy) -> Duration {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(5) {
+        if get(&e.url("/closed"), &[]).status == 200 {
+            return t.elapsed();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("not back on Redis within 5 s");
+}
+
+fn outage_is_answered_by_the_failure_modes(e: &Envoy) {
+    let calls_before = e.counter("redis_guard.redis.calls");
+    for _ in 0..20 {
+        let t = Instant::now();
+        assert_eq!(get(&e.url("/closed"), &[]).status, 503);
+        assert_eq!(get(&e.url("/open"), &[]).status, 200);
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            t.elapsed()
+        );
+    }
+    // Two workers, each opening its breaker after 3 failures (a Webdis 503
+    // is retried once, so a failure can cost 2 calls): 40 requests cost at
+    // most 2 × 3 × 2 calls before the breakers open, plus probes.
+    let calls = e.counter("redis_guard.redis.calls") - calls_before;
+    let skipped = e.counter("redis_guard.circuit.short_circuited");
+    assert!(e.counter("redis_guard.circuit.opened") >= 1);
+    assert!(skipped > 0, "the open breaker spared Redis");
+    assert!(
+        calls < 40,
+        "{calls} calls for 40 requests during the outage"
+    );
+}
+
+#[test]
+fn a_stopped_redis_opens_the_breaker_and_the_filter_recovers_by_itself() {
+    let mut stack = Stack::start(CONFIG, 1);
+    let e_port = stack.envoy().port;
+    assert_eq!(get(&stack.envoy().url("/closed"), &[]).status, 200);
+    stack.redis.stop();
+    outage_is_answered_by_the_failure_modes(stack.envoy());
+    stack.redis.restart();
+    let took = time_to_recover(stack.envoy());
+    assert!(took < Duration::from_secs(2), "recovered after {took:?}");
+    assert_eq!(stack.envoy().port, e_port, "same Envoy, no restart");
+}
+
+#[test]
+fn a_restarted_webdis_is_used_again_without_restarting_envoy() {
+    let mut stack = Stack::start(CONFIG, 1);
+    assert_eq!(get(&stack.envoy().url("/closed"), &[]).status, 200);
+    stack.webdis.stop();
+    outage_is_answered_by_the_failure_modes(stack.envoy());
+    stack.webdis.restart();
+    let took = time_to_recover(stack.envoy());
+    assert!(took < Duration::from_secs(2), "recovered after {took:?}");
+}
