@@ -134,6 +134,8 @@ struct RawLimit {
     shadow: bool,
     #[serde(default)]
     failure_mode: Option<FailureMode>,
+    #[serde(default)]
+    local_fraction: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -207,6 +209,9 @@ pub enum FailureMode {
     Allow,
     /// Fail closed: answer 503.
     Deny,
+    /// Rate limits only: decide with an in-process budget per Envoy, a
+    /// fraction (`localFraction`) of the global one.
+    Local,
 }
 
 /// Which families of rate-limit response headers are emitted.
@@ -345,6 +350,9 @@ pub struct Limit {
     pub cost: Cost,
     pub shadow: bool,
     pub failure_mode: FailureMode,
+    /// With `failureMode: local`: the share of the global budget each Envoy
+    /// may spend on its own, in thousandths.
+    pub local_per_mille: u64,
     /// `:<name>:<signature>:`, precomputed for key building.
     pub key_infix: String,
 }
@@ -389,6 +397,8 @@ pub struct Config {
 }
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 50;
+/// A tenth of the global budget per Envoy when Redis is down.
+pub const DEFAULT_LOCAL_PER_MILLE: u64 = 100;
 pub const DEFAULT_BREAKER_FAILURES: u32 = 5;
 pub const DEFAULT_BREAKER_COOL_DOWN_MS: u64 = 1000;
 pub const DEFAULT_IDEMPOTENCY_HEADER: &str = "idempotency-key";
@@ -789,8 +799,19 @@ fn compile_limit(
         }
     };
 
+    let local_per_mille = match raw.local_fraction {
+        None => DEFAULT_LOCAL_PER_MILLE,
+        Some(f) if f > 0.0 && f <= 1.0 => ((f * 1000.0).round() as u64).max(1),
+        Some(_) => {
+            return Err(ConfigError::new(
+                format!("{at}.localFraction"),
+                "must be greater than 0 and at most 1",
+            ))
+        }
+    };
     let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
     Ok(Limit {
+        local_per_mille,
         name: raw.name,
         matcher,
         descriptor,
@@ -982,6 +1003,13 @@ fn compile_idempotency(
             "must be at most 67108864: the body is held in the proxy to fingerprint it",
         ));
     }
+    let failure_mode = raw.failure_mode.unwrap_or(default_failure);
+    if failure_mode == FailureMode::Local {
+        return Err(ConfigError::new(
+            format!("{at}.failureMode"),
+            "`local` applies to rate limits only: an idempotency key cannot be kept locally; set allow or deny",
+        ));
+    }
     let max_stored_body = raw.max_stored_body_bytes.unwrap_or(DEFAULT_MAX_STORED_BODY);
     if max_stored_body > MAX_STORED_BODY {
         return Err(ConfigError::new(
@@ -1002,6 +1030,6 @@ fn compile_idempotency(
         store_headers,
         max_request_body: usize::try_from(max_request_body).unwrap_or(usize::MAX),
         max_stored_body: usize::try_from(max_stored_body).unwrap_or(usize::MAX),
-        failure_mode: raw.failure_mode.unwrap_or(default_failure),
+        failure_mode,
     })
 }

@@ -11,6 +11,7 @@ pub mod config;
 pub mod filter;
 pub mod idempotency;
 pub mod keys;
+pub mod local;
 pub mod ratelimit;
 pub mod request;
 pub mod response;

@@ -120,12 +120,16 @@ impl Plan {
     /// The failure mode when Redis cannot decide: deny if any enforced limit
     /// that applies says deny (shadow limits never deny).
     pub fn failure_mode(&self, config: &Config) -> FailureMode {
-        let deny = self.checks.iter().any(|c| {
-            let l = &config.limits[c.limit];
-            !l.shadow && l.failure_mode == FailureMode::Deny
-        });
-        if deny {
+        let enforced = |mode| {
+            self.checks.iter().any(|c| {
+                let l = &config.limits[c.limit];
+                !l.shadow && l.failure_mode == mode
+            })
+        };
+        if enforced(FailureMode::Deny) {
             FailureMode::Deny
+        } else if enforced(FailureMode::Local) {
+            FailureMode::Local
         } else {
             FailureMode::Allow
         }

@@ -64,6 +64,24 @@ pub fn idempotency_conflict() -> LocalReply {
     reply
 }
 
+/// 429 from the local fallback budget (Redis could not decide): no
+/// RateLimit fields, since the global state is unknown.
+pub fn too_many_requests_locally(limit: &str, retry_ms: u64) -> LocalReply {
+    let retry_after = seconds_up(retry_ms).max(1);
+    let mut reply = problem_reply(
+        429,
+        "Too Many Requests",
+        &format!(
+            "rate limit `{limit}` exceeded (local budget while the shared store is unavailable)"
+        ),
+        json!({ "limits": [limit], "retryAfter": retry_after }),
+    );
+    reply
+        .headers
+        .push(("retry-after".to_string(), retry_after.to_string()));
+    reply
+}
+
 /// 422: the idempotency key was used with a different request.
 pub fn idempotency_mismatch() -> LocalReply {
     problem_reply(

@@ -110,7 +110,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "failure_mode_unknown.json",
         "failureMode",
-        "unknown variant `open`, expected `allow` or `deny`",
+        "unknown variant `open`, expected one of `allow`, `deny`, `local`",
     ),
     (
         "limit_failure_mode_unknown.json",
@@ -320,6 +320,21 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "redis_breaker_unknown_field.json",
         "redis.circuitBreaker.coolDown",
         "unknown field `coolDown`",
+    ),
+    (
+        "limit_local_fraction_too_large.json",
+        "limits[0].localFraction",
+        "greater than 0 and at most 1",
+    ),
+    (
+        "limit_local_fraction_zero.json",
+        "limits[0].localFraction",
+        "greater than 0 and at most 1",
+    ),
+    (
+        "idempotency_failure_mode_local.json",
+        "idempotency[0].failureMode",
+        "`local` applies to rate limits only",
     ),
     // Shapes serde alone would accept.
     ("trailing_characters.json", "", "trailing characters"),
@@ -531,7 +546,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "idempotency_failure_mode_unknown.json",
         "idempotency[0].failureMode",
-        "unknown variant `closed`, expected `allow` or `deny`",
+        "unknown variant `closed`, expected one of `allow`, `deny`, `local`",
     ),
 ];
 

@@ -79,3 +79,29 @@ fn a_restarted_webdis_is_used_again_without_restarting_envoy() {
     let took = time_to_recover(stack.envoy());
     assert!(took < Duration::from_secs(2), "recovered after {took:?}");
 }
+
+#[test]
+fn with_local_mode_a_dead_redis_leaves_each_envoy_its_local_budget() {
+    // 100 per minute globally; each Envoy may admit a tenth (10) on its own.
+    let cfg = r#"{"redis":{"cluster":"webdis","timeoutMs":300},
+      "limits":[{"name":"api","descriptor":[{"literal":"all"}],"failureMode":"local",
+                 "localFraction":0.1,"slidingWindow":{"limit":100,"windowMs":60000}}]}"#;
+    let mut stack = Stack::start(cfg, 2);
+    for e in &stack.envoys {
+        assert_eq!(get(&e.url("/x"), &[]).status, 200);
+    }
+    stack.redis.stop();
+    let before = stack.upstream.executed();
+    for e in &stack.envoys {
+        let statuses: Vec<u16> = (0..30).map(|_| get(&e.url("/x"), &[]).status).collect();
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        let rejected = statuses.iter().filter(|s| **s == 429).count();
+        assert_eq!(
+            (admitted, rejected),
+            (10, 20),
+            "per Envoy, both workers on one budget"
+        );
+        assert_eq!(e.counter("redis_guard.local.allowed"), 10);
+    }
+    assert_eq!(stack.upstream.executed() - before, 20);
+}

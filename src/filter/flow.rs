@@ -15,14 +15,16 @@ use crate::config::{Config, FailureMode};
 use crate::filter::{Counter, Host};
 use crate::idempotency::{decode_headers, encode_headers, fingerprint, parse_key, record_key};
 use crate::keys;
+use crate::local::{take, LocalBucket};
 use crate::ratelimit::{parse_verdict, IdemArgs, Plan, Verdict};
 use crate::request::RequestLine;
 use crate::response::{
     bad_request, idempotency_conflict, idempotency_mismatch, payload_too_large, rate_limit_headers,
-    too_many_requests, unavailable, LocalReply,
+    too_many_requests, too_many_requests_locally, unavailable, LocalReply,
 };
 use crate::scripts::{Script, IDEM_COMPLETE, IDEM_RELEASE, RATELIMIT};
 use crate::webdis::{command_body, parse_reply, Reply};
+use sha2::{Digest, Sha256};
 
 /// What the host should do after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,6 +371,25 @@ impl Flow {
                 ));
                 Action::Pause
             }
+            FailureMode::Local => {
+                log::warn!("redis-guard: request undecided, deciding locally: {why}");
+                host.count(Counter::FailureLocal);
+                if self.keyed.is_some() {
+                    host.count(Counter::IdemUnguarded);
+                }
+                match self.decide_locally(host) {
+                    Some(reply) => {
+                        host.send_local(&reply);
+                        Action::Pause
+                    }
+                    None => {
+                        if paused {
+                            host.resume_request();
+                        }
+                        Action::Continue
+                    }
+                }
+            }
             FailureMode::Allow => {
                 log::warn!("redis-guard: request undecided, allowing: {why}");
                 host.count(Counter::FailureAllowed);
@@ -382,6 +403,45 @@ impl Flow {
                 Action::Continue
             }
         }
+    }
+
+    /// Spends from this Envoy's local budget of every `local` limit that
+    /// applies; `Some(429)` when one of them is empty. Shared data with
+    /// compare-and-swap keeps the workers of one Envoy on one budget.
+    fn decide_locally<H: Host>(&mut self, host: &mut H) -> Option<LocalReply> {
+        let now_ms = u64::try_from(host.now().as_millis()).unwrap_or(u64::MAX);
+        for check in &self.plan.checks {
+            let limit = &self.config.limits[check.limit];
+            if limit.shadow || limit.failure_mode != FailureMode::Local {
+                continue;
+            }
+            let bucket = LocalBucket::for_limit(&limit.algorithm, limit.local_per_mille);
+            let key = format!(
+                "redis-guard/local/{}",
+                keys::hex(&Sha256::digest(&check.key))
+            );
+            let mut taken = None;
+            // Bounded: under contention a worker retries a few times, then
+            // counts the request as admitted rather than spin.
+            for _ in 0..8 {
+                let (state, cas) = host.shared_get(&key);
+                let t = take(&bucket, state.as_deref(), now_ms, check.cost);
+                if host.shared_set(&key, &t.state, cas) {
+                    taken = Some(t);
+                    break;
+                }
+            }
+            match taken {
+                Some(t) if !t.allowed => {
+                    host.count(Counter::LocalRejected);
+                    host.count(Counter::Rejected(check.limit));
+                    return Some(too_many_requests_locally(&limit.name, t.retry_ms));
+                }
+                Some(_) => host.count(Counter::LocalAllowed),
+                None => log::warn!("redis-guard: local budget of `{}` contended", limit.name),
+            }
+        }
+        None
     }
 
     pub fn on_callout_reply<H: Host>(&mut self, host: &mut H, token: u32, reply: CalloutReply) {
@@ -806,6 +866,7 @@ mod tests {
         response_chunks: Vec<Vec<u8>>,
         response_resumed: usize,
         tokens: u32,
+        shared: HashMap<String, (Vec<u8>, u32)>,
     }
 
     impl FakeHost {
@@ -886,6 +947,21 @@ mod tests {
         }
         fn resume_response(&mut self) {
             self.response_resumed += 1;
+        }
+        fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            match self.shared.get(key) {
+                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+                None => (None, None),
+            }
+        }
+        fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            let current = self.shared.get(key).map(|(_, c)| *c);
+            if cas.is_some() && current != cas {
+                return false;
+            }
+            let next = current.unwrap_or(0) + 1;
+            self.shared.insert(key.to_string(), (value.to_vec(), next));
+            true
         }
         fn unique_token(&mut self) -> String {
             self.tokens += 1;
@@ -1093,6 +1169,35 @@ mod tests {
         let mut after = Flow::new(cfg, breaker);
         after.on_request_headers(&mut h, true);
         assert_eq!(h.dispatched.len(), calls + 2, "closed again");
+    }
+
+    #[test]
+    fn local_mode_spends_a_per_envoy_budget_when_redis_fails() {
+        let cfg = Config::parse(
+            br#"{"redis":{"cluster":"w"},"limits":[{"name":"a","failureMode":"local","localFraction":0.5,
+                "descriptor":["method"],"tokenBucket":{"capacity":4,"refill":1,"periodMs":60000}}]}"#,
+        )
+        .unwrap();
+        let cfg = Rc::new(cfg);
+        let mut h = FakeHost::get("/");
+        h.dispatch_fails = true;
+        let mut statuses = Vec::new();
+        for _ in 0..4 {
+            let mut f = Flow::new(cfg.clone(), test_breaker());
+            match f.on_request_headers(&mut h, true) {
+                Action::Continue => statuses.push(200),
+                Action::Pause => statuses.push(h.sent.last().map_or(0, |r| r.status)),
+            }
+        }
+        assert_eq!(statuses, [200, 200, 429, 429], "half of capacity 4");
+        assert_eq!(count(&h, Counter::LocalAllowed), 2);
+        assert_eq!(count(&h, Counter::LocalRejected), 2);
+        let reply = h.sent.last().unwrap();
+        assert!(reply
+            .headers
+            .iter()
+            .any(|(n, v)| n == "retry-after" && v == "60"));
+        assert_eq!(h.shared.len(), 1, "one budget per descriptor");
     }
 
     #[test]

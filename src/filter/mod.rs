@@ -47,6 +47,10 @@ pub enum Counter {
     IdemTooLarge,
     /// Forwarded without the guarantee because Redis failed (failure mode allow).
     IdemUnguarded,
+    /// Redis failed and the request was decided by the local budget.
+    FailureLocal,
+    LocalAllowed,
+    LocalRejected,
     /// The circuit breaker opened after consecutive failures.
     CircuitOpened,
     /// A request sent to its failure mode by the open breaker, without a call.
@@ -83,6 +87,11 @@ pub trait Host: RequestView {
     fn resume_response(&mut self);
     /// A token no other request of any Envoy will produce (lock owner).
     fn unique_token(&mut self) -> String;
+    /// Shared data of this Envoy (all workers): value and its CAS token.
+    fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+    /// Writes if the CAS token still matches (`None`: the key must be new or
+    /// is written unconditionally by the host); false on a lost race.
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
     fn send_local(&mut self, reply: &LocalReply);
     fn resume_request(&mut self);
     fn add_response_header(&mut self, name: &str, value: &str);

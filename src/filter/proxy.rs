@@ -44,6 +44,7 @@ struct Metrics {
     idem: [u32; 9],
     circuit_opened: u32,
     circuit_short_circuited: u32,
+    local: [u32; 3],
 }
 
 fn counter(name: &str) -> u32 {
@@ -93,6 +94,11 @@ impl Metrics {
             .map(|n| counter(&format!("redis_guard.idempotency.{n}"))),
             circuit_opened: counter("redis_guard.circuit.opened"),
             circuit_short_circuited: counter("redis_guard.circuit.short_circuited"),
+            local: [
+                counter("redis_guard.failure_mode.local"),
+                counter("redis_guard.local.allowed"),
+                counter("redis_guard.local.rejected"),
+            ],
         }
     }
 
@@ -120,6 +126,9 @@ impl Metrics {
             Counter::IdemUnguarded => Some(self.idem[8]),
             Counter::CircuitOpened => Some(self.circuit_opened),
             Counter::CircuitShortCircuited => Some(self.circuit_short_circuited),
+            Counter::FailureLocal => Some(self.local[0]),
+            Counter::LocalAllowed => Some(self.local[1]),
+            Counter::LocalRejected => Some(self.local[2]),
         }
     }
 }
@@ -317,6 +326,14 @@ impl Host for ProxyHost<'_> {
         if let Err(e) = hostcalls::resume_http_response() {
             log::warn!("redis-guard: cannot resume response: {e:?}");
         }
+    }
+
+    fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        hostcalls::get_shared_data(key).unwrap_or((None, None))
+    }
+
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+        hostcalls::set_shared_data(key, Some(value), cas).is_ok()
     }
 
     fn unique_token(&mut self) -> String {
