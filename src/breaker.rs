@@ -58,6 +58,12 @@ impl Breaker {
         }
     }
 
+    /// Failed calls since the last success (0 when healthy). The first of a
+    /// burst is the one worth a log line; the rest are counted in stats.
+    pub fn consecutive_failures(&self) -> u32 {
+        self.failures.get()
+    }
+
     pub fn success(&self) {
         self.failures.set(0);
         self.open_until.set(None);

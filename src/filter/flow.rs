@@ -357,6 +357,14 @@ impl Flow {
                 host.count(Counter::CircuitOpened);
             }
         }
+        // One log line per burst of failures (the first since a success);
+        // every request is still counted in the stats.
+        let first_of_burst = self.breaker.consecutive_failures() <= 1 && !self.short_circuited;
+        let log_level = if first_of_burst {
+            log::Level::Warn
+        } else {
+            log::Level::Debug
+        };
         if dispatched && self.keyed.is_some() {
             // The script may have run (timeout, reset) and taken our lock:
             // release it (only if ours) so retries are not answered 409.
@@ -364,7 +372,7 @@ impl Flow {
         }
         match self.failure_mode() {
             FailureMode::Deny => {
-                log::warn!("redis-guard: request undecided, denying: {why}");
+                log::log!(log_level, "redis-guard: request undecided, denying: {why}");
                 host.count(Counter::FailureDenied);
                 host.send_local(&unavailable(
                     "rate limit or idempotency backend unavailable",
@@ -372,7 +380,10 @@ impl Flow {
                 Action::Pause
             }
             FailureMode::Local => {
-                log::warn!("redis-guard: request undecided, deciding locally: {why}");
+                log::log!(
+                    log_level,
+                    "redis-guard: request undecided, deciding locally: {why}"
+                );
                 host.count(Counter::FailureLocal);
                 if self.keyed.is_some() {
                     host.count(Counter::IdemUnguarded);
@@ -391,7 +402,7 @@ impl Flow {
                 }
             }
             FailureMode::Allow => {
-                log::warn!("redis-guard: request undecided, allowing: {why}");
+                log::log!(log_level, "redis-guard: request undecided, allowing: {why}");
                 host.count(Counter::FailureAllowed);
                 if self.keyed.is_some() {
                     // Forwarded without the guarantee: say so in a stat.
