@@ -602,9 +602,22 @@ fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {
             format!("must be between 1 and {MAX_TIMEOUT_MS}"),
         ));
     }
+    // Both end up in the callout's headers: no spaces or control bytes.
+    if !raw.cluster.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ConfigError::new(
+            "redis.cluster",
+            "must be printable ASCII without spaces",
+        ));
+    }
     let authority = raw.authority.unwrap_or_else(|| raw.cluster.clone());
     if authority.is_empty() {
         return Err(ConfigError::new("redis.authority", "must not be empty"));
+    }
+    if !authority.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ConfigError::new(
+            "redis.authority",
+            "must be printable ASCII without spaces",
+        ));
     }
     let (failures, cool_down_ms) = match raw.circuit_breaker {
         None => (DEFAULT_BREAKER_FAILURES, DEFAULT_BREAKER_COOL_DOWN_MS),

@@ -336,6 +336,11 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "idempotency[0].failureMode",
         "`local` applies to rate limits only",
     ),
+    (
+        "redis_authority_header_injection.json",
+        "redis.authority",
+        "printable ASCII without spaces",
+    ),
     // Shapes serde alone would accept.
     ("trailing_characters.json", "", "trailing characters"),
     ("config_as_array.json", "", "found an array"),
