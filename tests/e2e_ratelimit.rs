@@ -357,9 +357,8 @@ fn a_restarted_redis_gets_the_script_again_without_a_failed_request() {
     assert_eq!(stack.envoy().counter("redis_guard.redis.script_reloads"), 1);
     assert_eq!(stack.envoy().counter("redis_guard.redis.calls"), 4);
     stack.redis.restart();
-    // Webdis re-opens its Redis connections a moment after the restart; the
-    // gap itself is failure handling (the failure-mode tests). Here: scripts.
-    stack.webdis.wait_until_redis_answers();
+    // Webdis answers 503 for a few tens of ms while it reconnects: the
+    // filter waits it out within the timeout, so no request fails.
     for _ in 0..3 {
         assert_eq!(get(&stack.envoy().url("/a"), &[]).status, 200);
     }

@@ -45,9 +45,21 @@ enum Phase {
         eval: bool,
         retried: bool,
     },
+    /// Webdis said 503 (Redis not reachable from it yet, e.g. just after a
+    /// Redis restart): the same call goes again after a short pause.
+    RetryPending {
+        eval: bool,
+    },
     /// Decided: forwarded, or answered locally.
     Done,
 }
+
+/// Webdis needs a moment to reconnect to a restarted Redis (measured: about
+/// 30 ms); an immediate retry would meet the same 503.
+pub const RETRY_DELAY: Duration = Duration::from_millis(25);
+/// Pauses one request may take: enough for a reconnect, few enough that a
+/// dead Redis costs at most 1 + MAX_PAUSES calls per request.
+pub const MAX_PAUSES: u8 = 3;
 
 /// The idempotency lock of this request, once it has one.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +118,8 @@ pub struct Flow {
     breaker: Rc<Breaker>,
     /// The breaker sent this request to its failure mode (no call was made).
     short_circuited: bool,
+    /// Pauses taken after Webdis 503s.
+    pauses: u8,
     plan: Plan,
     keyed: Option<Keyed>,
     line: Option<RequestLine>,
@@ -123,6 +137,7 @@ impl Flow {
             config,
             breaker,
             short_circuited: false,
+            pauses: 0,
             plan: Plan::default(),
             keyed: None,
             line: None,
@@ -232,7 +247,7 @@ impl Flow {
     ) -> Action {
         match self.phase {
             Phase::ReadingBody => {}
-            Phase::AwaitingRedis { .. } => return Action::Pause,
+            Phase::AwaitingRedis { .. } | Phase::RetryPending { .. } => return Action::Pause,
             _ => return Action::Continue,
         }
         let max = self.max_request_body();
@@ -266,7 +281,7 @@ impl Flow {
     pub fn on_request_trailers<H: Host>(&mut self, host: &mut H) -> Action {
         match self.phase {
             Phase::ReadingBody => {}
-            Phase::AwaitingRedis { .. } => return Action::Pause,
+            Phase::AwaitingRedis { .. } | Phase::RetryPending { .. } => return Action::Pause,
             _ => return Action::Continue,
         }
         let max = self.max_request_body();
@@ -455,6 +470,15 @@ impl Flow {
         None
     }
 
+    /// The pause after a Webdis 503 is over: send the call again.
+    pub fn on_retry_due<H: Host>(&mut self, host: &mut H) {
+        if let Phase::RetryPending { eval } = self.phase {
+            if let Err(e) = self.call(host, eval, true) {
+                self.fail(host, &e, true);
+            }
+        }
+    }
+
     pub fn on_callout_reply<H: Host>(&mut self, host: &mut H, token: u32, reply: CalloutReply) {
         match self.lock {
             Lock::Completing { token: want } if token == want => {
@@ -484,10 +508,22 @@ impl Flow {
             // first call on a pooled connection to a restarted Redis), so it
             // can run again without charging twice. Envoy's 503 (reset after
             // sending) carries no such promise and is not retried.
-            Some(503) if reply.from_webdis && !retried => {
-                host.count(Counter::RedisRetries);
-                if let Err(e) = self.call(host, eval, true) {
-                    self.fail(host, &e, true);
+            // Retried after a pause, up to MAX_PAUSES times within the timeout
+            // (Webdis reconnects within tens of ms), or at once, once, if the
+            // host cannot wait.
+            Some(503) if reply.from_webdis => {
+                let left = self.deadline.saturating_sub(host.now());
+                if self.pauses < MAX_PAUSES && left > RETRY_DELAY && host.retry_later(RETRY_DELAY) {
+                    host.count(Counter::RedisRetries);
+                    self.pauses += 1;
+                    self.phase = Phase::RetryPending { eval };
+                } else if !retried {
+                    host.count(Counter::RedisRetries);
+                    if let Err(e) = self.call(host, eval, true) {
+                        self.fail(host, &e, true);
+                    }
+                } else {
+                    self.fail(host, "webdis answered HTTP 503 until the timeout", true);
                 }
                 return;
             }
@@ -878,6 +914,8 @@ mod tests {
         response_resumed: usize,
         tokens: u32,
         shared: HashMap<String, (Vec<u8>, u32)>,
+        retries_scheduled: Vec<Duration>,
+        can_schedule: bool,
     }
 
     impl FakeHost {
@@ -973,6 +1011,10 @@ mod tests {
             let next = current.unwrap_or(0) + 1;
             self.shared.insert(key.to_string(), (value.to_vec(), next));
             true
+        }
+        fn retry_later(&mut self, delay: Duration) -> bool {
+            self.retries_scheduled.push(delay);
+            self.can_schedule
         }
         fn unique_token(&mut self) -> String {
             self.tokens += 1;
@@ -1209,6 +1251,36 @@ mod tests {
             .iter()
             .any(|(n, v)| n == "retry-after" && v == "60"));
         assert_eq!(h.shared.len(), 1, "one budget per descriptor");
+    }
+
+    #[test]
+    fn a_webdis_503_is_retried_after_a_pause_when_the_host_can_wait() {
+        let mut f = flow("deny");
+        let mut h = FakeHost::get("/api/x");
+        h.can_schedule = true;
+        f.on_request_headers(&mut h, true);
+        f.on_callout_reply(
+            &mut h,
+            1,
+            CalloutReply {
+                status: Some(503),
+                from_webdis: true,
+                body: vec![],
+            },
+        );
+        assert_eq!(h.retries_scheduled, [RETRY_DELAY]);
+        assert_eq!(
+            h.dispatched.len(),
+            1,
+            "nothing sent before the pause is over"
+        );
+        f.on_retry_due(&mut h);
+        assert_eq!(h.dispatched.len(), 2);
+        assert_eq!(h.dispatched[0], h.dispatched[1]);
+        f.on_callout_reply(&mut h, 2, ok(ADMIT));
+        assert_eq!((h.resumed, h.sent.len()), (1, 0));
+        f.on_retry_due(&mut h);
+        assert_eq!(h.dispatched.len(), 2, "a stale timer changes nothing");
     }
 
     #[test]

@@ -85,6 +85,8 @@ pub trait Host: RequestView {
     /// The current response body chunk (`size` bytes).
     fn response_body(&mut self, size: usize) -> Vec<u8>;
     fn resume_response(&mut self);
+    /// Calls `Flow::on_retry_due` after `delay`; false if the host cannot.
+    fn retry_later(&mut self, delay: Duration) -> bool;
     /// A token no other request of any Envoy will produce (lock owner).
     fn unique_token(&mut self) -> String;
     /// Shared data of this Envoy (all workers): value and its CAS token.

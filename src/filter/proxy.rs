@@ -3,7 +3,9 @@
 //! unwrap), and every error is logged, not unwrapped. The SDK still panics on
 //! statuses it does not expect, so maps that may be absent are not read.
 
-use std::rc::Rc;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::{Rc, Weak};
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
@@ -144,14 +146,68 @@ struct Shared {
     /// Seeds owner tokens: random per VM (WASI random), then a counter.
     token_seed: std::collections::hash_map::RandomState,
     token_counter: std::cell::Cell<u64>,
+    /// Streams waiting out the pause after a Webdis 503: (stream, due, flow).
+    waiting: RefCell<Vec<(u32, Duration, FlowRef)>>,
+    /// Calls the root sent for a stream (on tick): token -> (stream, flow).
+    routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
 }
+
+/// A stream's flow as the root holds it: gone when the stream is.
+type FlowRef = Weak<RefCell<Flow>>;
+
+/// How often the root looks at `waiting` while something waits.
+const TICK: Duration = Duration::from_millis(5);
 
 struct Root {
     context_id: u32,
     shared: Option<Rc<Shared>>,
 }
 
-impl Context for Root {}
+impl Root {
+    fn host_for<'a>(shared: &'a Shared, context_id: u32, me: Weak<RefCell<Flow>>) -> ProxyHost<'a> {
+        ProxyHost {
+            shared: Some(shared),
+            context_id,
+            me,
+            via_root: true,
+        }
+    }
+}
+
+impl Context for Root {
+    /// Replies to calls the root sent for a stream during a tick.
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(shared) = self.shared.clone() else {
+            return;
+        };
+        let entry = shared
+            .routed
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut r| r.remove(&token_id));
+        let Some((context_id, weak)) = entry else {
+            return;
+        };
+        let Some(rc) = weak.upgrade() else {
+            return; // the stream is gone
+        };
+        let reply = callout_reply(num_headers, body_size);
+        if hostcalls::set_effective_context(context_id).is_err() {
+            return;
+        }
+        let borrowed = rc.try_borrow_mut();
+        if let Ok(mut flow) = borrowed {
+            let mut host = Root::host_for(&shared, context_id, Rc::downgrade(&rc));
+            flow.on_callout_reply(&mut host, token_id, reply);
+        };
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -185,6 +241,8 @@ impl RootContext for Root {
                     root_id: self.context_id,
                     token_seed: std::collections::hash_map::RandomState::new(),
                     token_counter: std::cell::Cell::new(0),
+                    waiting: RefCell::new(Vec::new()),
+                    routed: RefCell::new(HashMap::new()),
                 }));
                 true
             }
@@ -199,10 +257,12 @@ impl RootContext for Root {
         // The SDK panics on None; a context without configuration passes traffic.
         Some(Box::new(Http {
             context_id,
-            flow: self
-                .shared
-                .as_ref()
-                .map(|s| Flow::new(Rc::clone(&s.config), Rc::clone(&s.breaker))),
+            flow: self.shared.as_ref().map(|s| {
+                Rc::new(RefCell::new(Flow::new(
+                    Rc::clone(&s.config),
+                    Rc::clone(&s.breaker),
+                )))
+            }),
             shared: self.shared.clone(),
         }))
     }
@@ -210,11 +270,48 @@ impl RootContext for Root {
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
     }
+
+    fn on_tick(&mut self) {
+        let Some(shared) = self.shared.clone() else {
+            return;
+        };
+        let now = hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .unwrap_or_default();
+        let due: Vec<(u32, FlowRef)> = match shared.waiting.try_borrow_mut() {
+            Ok(mut waiting) => {
+                let (due, later): (Vec<_>, Vec<_>) =
+                    waiting.drain(..).partition(|(_, at, _)| *at <= now);
+                *waiting = later;
+                if waiting.is_empty() {
+                    let _ = hostcalls::set_tick_period(Duration::ZERO);
+                }
+                due.into_iter().map(|(ctx, _, w)| (ctx, w)).collect()
+            }
+            Err(_) => return,
+        };
+        for (context_id, weak) in due {
+            let Some(rc) = weak.upgrade() else {
+                continue; // the stream is gone
+            };
+            if hostcalls::set_effective_context(context_id).is_err() {
+                continue;
+            }
+            let borrowed = rc.try_borrow_mut();
+            if let Ok(mut flow) = borrowed {
+                let mut host = Root::host_for(&shared, context_id, Rc::downgrade(&rc));
+                flow.on_retry_due(&mut host);
+            };
+        }
+        let _ = hostcalls::set_effective_context(self.context_id);
+    }
 }
 
 struct Http {
     context_id: u32,
-    flow: Option<Flow>,
+    /// Shared with the root, which resumes the flow after a retry pause.
+    flow: Option<Rc<RefCell<Flow>>>,
     shared: Option<Rc<Shared>>,
 }
 
@@ -222,6 +319,10 @@ struct Http {
 struct ProxyHost<'a> {
     shared: Option<&'a Shared>,
     context_id: u32,
+    /// This stream's flow, for callbacks the root delivers later.
+    me: Weak<RefCell<Flow>>,
+    /// Calls are being sent from the root's tick: route their replies.
+    via_root: bool,
 }
 
 fn callout_headers(target: &RedisTarget) -> Vec<(&str, &str)> {
@@ -260,14 +361,22 @@ impl Host for ProxyHost<'_> {
         body: &[u8],
         timeout: Duration,
     ) -> Result<u32, String> {
-        hostcalls::dispatch_http_call(
+        let token = hostcalls::dispatch_http_call(
             &target.cluster,
             callout_headers(target),
             Some(body),
             vec![],
             timeout,
         )
-        .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))
+        .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
+        if self.via_root {
+            // Sent while the root runs: the SDK hands the reply to the root,
+            // which passes it on to this stream's flow.
+            if let Some(Ok(mut routed)) = self.shared.map(|s| s.routed.try_borrow_mut()) {
+                routed.insert(token, (self.context_id, self.me.clone()));
+            }
+        }
+        Ok(token)
     }
 
     fn dispatch_redis_detached(
@@ -326,6 +435,22 @@ impl Host for ProxyHost<'_> {
         if let Err(e) = hostcalls::resume_http_response() {
             log::warn!("redis-guard: cannot resume response: {e:?}");
         }
+    }
+
+    fn retry_later(&mut self, delay: Duration) -> bool {
+        let Some(shared) = self.shared else {
+            return false;
+        };
+        let Ok(mut waiting) = shared.waiting.try_borrow_mut() else {
+            return false;
+        };
+        waiting.push((self.context_id, self.now() + delay, self.me.clone()));
+        drop(waiting);
+        // The tick runs on the root context, which owns the period.
+        let _ = hostcalls::set_effective_context(shared.root_id);
+        let ok = hostcalls::set_tick_period(TICK).is_ok();
+        let _ = hostcalls::set_effective_context(self.context_id);
+        ok
     }
 
     fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
@@ -388,14 +513,53 @@ impl Http {
         default: R,
         f: impl FnOnce(&mut Flow, &mut ProxyHost<'_>) -> R,
     ) -> R {
+        let Some(rc) = self.flow.as_ref() else {
+            return default;
+        };
         let mut host = ProxyHost {
             shared: self.shared.as_deref(),
             context_id: self.context_id,
+            me: Rc::downgrade(rc),
+            via_root: false,
         };
-        match self.flow.as_mut() {
-            Some(flow) => f(flow, &mut host),
-            None => default,
+        match rc.try_borrow_mut() {
+            Ok(mut flow) => f(&mut flow, &mut host),
+            Err(_) => default,
         }
+    }
+}
+
+/// Reads the current callout's answer (headers may be absent on failure).
+fn callout_reply(num_headers: usize, body_size: usize) -> CalloutReply {
+    // A failed call (reset, timeout) arrives with no headers, and reading
+    // a missing map makes the SDK panic: do not read what is not there.
+    if num_headers == 0 {
+        return CalloutReply {
+            status: None,
+            from_webdis: false,
+            body: Vec::new(),
+        };
+    }
+    // Bytes, not strings: the SDK unwraps a failed UTF-8 conversion.
+    let header = |name: &str| {
+        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, name)
+            .ok()
+            .flatten()
+    };
+    let status = header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+    let from_webdis = header("server").is_some_and(|s| s.eq_ignore_ascii_case(b"webdis"));
+    let body = if body_size == 0 {
+        Vec::new()
+    } else {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    CalloutReply {
+        status,
+        from_webdis,
+        body,
     }
 }
 
@@ -414,35 +578,7 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        // A failed call (reset, timeout) arrives with no headers, and reading
-        // a missing map makes the SDK panic: do not read what is not there.
-        let (status, from_webdis, body) = if num_headers == 0 {
-            (None, false, Vec::new())
-        } else {
-            // Bytes, not strings: the SDK unwraps a failed UTF-8 conversion.
-            let header = |name: &str| {
-                hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, name)
-                    .ok()
-                    .flatten()
-            };
-            let status =
-                header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-            let from_webdis = header("server").is_some_and(|s| s.eq_ignore_ascii_case(b"webdis"));
-            let body = if body_size == 0 {
-                Vec::new()
-            } else {
-                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                    .ok()
-                    .flatten()
-                    .unwrap_or_default()
-            };
-            (status, from_webdis, body)
-        };
-        let reply = CalloutReply {
-            status,
-            from_webdis,
-            body,
-        };
+        let reply = callout_reply(num_headers, body_size);
         self.with_flow((), |flow, host| {
             flow.on_callout_reply(host, token_id, reply)
         });
