@@ -109,3 +109,54 @@ fn with_local_mode_a_dead_redis_leaves_each_envoy_its_local_budget() {
     }
     assert_eq!(stack.upstream.executed() - before, 20);
 }
+
+/// `threads` clients send `per_thread` GETs to `url` each; statuses counted.
+fn burst(url: &str, threads: usize, per_thread: usize) -> std::collections::BTreeMap<u16, usize> {
+    let counts = std::sync::Mutex::new(std::collections::BTreeMap::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let agent = agent();
+                for _ in 0..per_thread {
+                    let status = http_with(&agent, "GET", url, &[], None).status;
+                    *counts.lock().unwrap().entry(status).or_insert(0) += 1;
+                }
+            });
+        }
+    });
+    counts.into_inner().unwrap()
+}
+
+#[test]
+fn under_load_a_killed_redis_changes_only_who_decides() {
+    let cfg = r#"{"redis":{"cluster":"webdis","timeoutMs":300},"failureMode":"allow",
+      "limits":[
+        {"name":"open","match":{"pathPrefix":"/open"},"slidingWindow":{"limit":100000,"windowMs":60000}},
+        {"name":"closed","match":{"pathPrefix":"/closed"},"failureMode":"deny",
+         "slidingWindow":{"limit":100000,"windowMs":60000}},
+        {"name":"local","match":{"pathPrefix":"/local"},"failureMode":"local","localFraction":0.01,
+         "slidingWindow":{"limit":1000,"windowMs":60000}}]}"#;
+    let mut stack = Stack::start(cfg, 1);
+    let open = stack.envoy().url("/open");
+    // Redis dies in the middle of a burst: fail-open traffic never notices.
+    let counts = std::thread::scope(|s| {
+        let load = s.spawn(|| burst(&open, 8, 25));
+        std::thread::sleep(Duration::from_millis(150));
+        stack.redis.stop();
+        load.join().unwrap()
+    });
+    assert_eq!(counts, [(200, 200)].into(), "allow: every request served");
+    let e = stack.envoy();
+    // Fail-closed traffic: every request answered 503 within the timeout.
+    let t = Instant::now();
+    let closed = burst(&e.url("/closed"), 8, 5);
+    assert_eq!(closed, [(503, 40)].into());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "40 requests took {:?}",
+        t.elapsed()
+    );
+    // Local: 1% of 1000 = 10 per Envoy, both workers on one budget.
+    let local = burst(&e.url("/local"), 8, 5);
+    assert_eq!(local, [(200, 10), (429, 30)].into());
+}
