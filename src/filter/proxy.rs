@@ -152,6 +152,14 @@ struct Shared {
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
 }
 
+/// The proxy's clock (deadlines, retry pauses, local buckets).
+fn host_now() -> Duration {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .unwrap_or_default()
+}
+
 /// A stream's flow as the root holds it: gone when the stream is.
 type FlowRef = Weak<RefCell<Flow>>;
 
@@ -275,10 +283,7 @@ impl RootContext for Root {
         let Some(shared) = self.shared.clone() else {
             return;
         };
-        let now = hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .unwrap_or_default();
+        let now = host_now();
         let due: Vec<(u32, FlowRef)> = match shared.waiting.try_borrow_mut() {
             Ok(mut waiting) => {
                 let (due, later): (Vec<_>, Vec<_>) =
@@ -349,10 +354,7 @@ impl RequestView for ProxyHost<'_> {
 
 impl Host for ProxyHost<'_> {
     fn now(&self) -> Duration {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .unwrap_or_default()
+        host_now()
     }
 
     fn dispatch_redis(
