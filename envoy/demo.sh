@@ -51,7 +51,7 @@ for k, v in {"ADMIN_PORT": "$ADMIN_PORT", "LISTEN_PORT": "$ENVOY_PORT", "UPSTREA
     text = text.replace("{{" + k + "}}", v)
 print(text)
 PY
-"$ENVOY" -c "$STACK/envoy.yaml" --concurrency 2 --disable-hot-restart --log-level warn \
+"$ENVOY" -c "$STACK/envoy.yaml" --concurrency 2 --disable-hot-restart --log-level ${ENVOY_LOG_LEVEL:-warn} \
   </dev/null > "$STACK/envoy.log" 2>&1 &
 echo $! > "$STACK/envoy.pid"; wait_port "$ENVOY_PORT" envoy
 for _ in $(seq 1 100); do curl -sf "http://127.0.0.1:$ADMIN_PORT/ready" >/dev/null && break; sleep 0.1; done

@@ -6,6 +6,8 @@ reached the upstream.
   GET /__stats            -> {"requests": N, "byPath": {...}} (not counted)
   header x-upstream-status -> answer with that status
   header x-upstream-delay-ms -> wait that long first (bounded to 10 s)
+  header x-upstream-pad-bytes -> add that many spaces to the body (<= 1 MiB)
+  header x-upstream-body-pause-ms -> send half the body, pause, send the rest
 """
 import argparse
 import json
@@ -44,13 +46,24 @@ class Handler(BaseHTTPRequestHandler):
             "execution": n,
             "bodyBytes": len(body),
         }).encode()
-        self._reply(status, out)
+        # Pads the body and sends it in two halves with a pause between them,
+        # so a client can leave after the upstream has started answering.
+        pad = min(int(self.headers.get("x-upstream-pad-bytes") or 0), 1 << 20)
+        out += b" " * pad
+        pause = min(int(self.headers.get("x-upstream-body-pause-ms") or 0), 10_000)
+        self._reply(status, out, pause)
 
-    def _reply(self, status, out):
+    def _reply(self, status, out, pause_ms=0):
         self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(out)))
         self.end_headers()
+        if pause_ms:
+            half = len(out) // 2
+            self.wfile.write(out[:half])
+            self.wfile.flush()
+            time.sleep(pause_ms / 1000)
+            out = out[half:]
         self.wfile.write(out)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve

@@ -110,3 +110,78 @@ fn pipelined_retries_on_one_connection_execute_once() {
     assert_eq!(text.matches("idempotent-replayed: true").count(), 2);
     assert_eq!(stack.upstream.executed(), 1);
 }
+
+#[test]
+fn a_client_that_leaves_after_the_upstream_answered_frees_the_key() {
+    let stack = Stack::start(CONFIG, 1);
+    let e = stack.envoy();
+    {
+        let mut s = TcpStream::connect(("127.0.0.1", e.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(
+            b"POST /pay/late HTTP/1.1\r\nhost: x\r\nidempotency-key: k-late\r\n\
+              x-upstream-pad-bytes: 2000\r\nx-upstream-body-pause-ms: 1000\r\ncontent-length: 1\r\n\r\nx",
+        )
+        .unwrap();
+        // Wait for the status line and the first half of the body, then leave.
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).contains("execution") {
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0);
+            got.extend_from_slice(&chunk[..n]);
+        }
+        assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"));
+    }
+    // The stream is reset mid-response: the lock must go now, not at its TTL.
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while !keys(&stack, "rg:idem:*").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "lock still held");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let retry = http(
+        "POST",
+        &e.url("/pay/late"),
+        &[("idempotency-key", "k-late")],
+        Some(b"x"),
+    );
+    assert_eq!(
+        (retry.status, retry.header("idempotent-replayed")),
+        (200, None)
+    );
+}
+
+#[test]
+fn concurrent_http2_streams_on_one_connection_execute_once() {
+    // h2load (Debian nghttp2-client) opens one h2c connection and runs all
+    // 20 requests on it at once: 20 concurrent streams with one key.
+    let stack = Stack::start(CONFIG, 1);
+    let e = stack.envoy();
+    let body = Scratch::new("h2body");
+    let body_file = body.0.join("body");
+    std::fs::write(&body_file, b"same").unwrap();
+    let out = std::process::Command::new("h2load")
+        .args(["-n", "20", "-c", "1", "-m", "20"])
+        .args([
+            "-H",
+            "idempotency-key: k-h2",
+            "-H",
+            "x-upstream-delay-ms: 300",
+        ])
+        .arg("-d")
+        .arg(&body_file)
+        .arg(e.url("/pay/h2"))
+        .output()
+        .expect("h2load not found: make test installs nghttp2-client");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains("20 done, 1 succeeded, 19 failed, 0 errored"),
+        "one 200, 19 answered otherwise, none broken: {text}"
+    );
+    assert!(
+        text.contains("status codes: 1 2xx, 0 3xx, 19 4xx, 0 5xx"),
+        "{text}"
+    );
+    assert_eq!(stack.upstream.executed(), 1);
+    assert_eq!(e.counter("redis_guard.idempotency.conflicted"), 19);
+}
