@@ -63,6 +63,14 @@ fn idem(key: &'static str, owner: &str, fingerprint: &'static str, lock_ms: i64)
     }
 }
 
+/// Takes the free key `key` for `owner` (fingerprint "fp-1"), asserting it was free.
+fn acquire(con: &mut Connection, key: &'static str, owner: &str, lock_ms: i64) {
+    assert_eq!(
+        request(con, &[], &idem(key, owner, "fp-1", lock_ms)),
+        Reply::Admitted(vec![])
+    );
+}
+
 /// The main script's reply, by verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Reply {
@@ -258,10 +266,7 @@ fn free_key_without_limits_is_admitted_and_locked_for_its_owner() {
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
 
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     assert_eq!(hash(&mut con, key), in_progress("owner-a", "fp-1"));
     assert_within("record PTTL", pttl(&mut con, key), 1, MINUTE);
 }
@@ -271,10 +276,7 @@ fn same_key_in_progress_with_same_fingerprint_answers_busy_with_the_lock_pttl() 
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     let ttl_before = pttl(&mut con, key);
 
     for _ in 0..3 {
@@ -298,10 +300,7 @@ fn busy_answer_carries_the_remaining_lock_time() {
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
     let lock_ms = 2_000;
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", lock_ms)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", lock_ms);
     std::thread::sleep(Duration::from_millis(500));
     let Reply::Busy(ms) = request(&mut con, &[], &idem(key, "owner-b", "fp-1", lock_ms)) else {
         panic!("expected busy")
@@ -315,10 +314,7 @@ fn in_progress_key_with_another_fingerprint_is_a_mismatch() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     let ttl_before = pttl(&mut con, key);
 
     assert_eq!(
@@ -334,10 +330,7 @@ fn completed_key_with_another_fingerprint_is_a_mismatch() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     assert_eq!(
         complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
         1
@@ -361,10 +354,7 @@ fn owner_completes_and_retries_replay_the_binary_response_byte_for_byte() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
 
     assert_eq!(
         complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
@@ -401,10 +391,7 @@ fn a_100_kb_body_is_stored_and_replayed_whole() {
     let key = "t:{x}:idem:big";
     // Every byte value, many times over.
     let body: Vec<u8> = (0..100 * 1024).map(|i| (i * 7 % 256) as u8).collect();
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
 
     assert_eq!(
         complete(&mut con, key, "owner-a", 200, HEADERS, &body, DAY),
@@ -434,10 +421,7 @@ fn an_empty_body_and_no_headers_replay_as_empty_strings() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:empty";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     assert_eq!(complete(&mut con, key, "owner-a", 204, b"", b"", DAY), 1);
     assert_eq!(
         request(&mut con, &[], &idem(key, "owner-b", "fp-1", MINUTE)),
@@ -454,10 +438,7 @@ fn another_owner_cannot_complete_the_lock() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     let ttl_before = pttl(&mut con, key);
 
     assert_eq!(
@@ -478,10 +459,7 @@ fn complete_after_the_lock_expired_stores_nothing() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", 50)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", 50);
     std::thread::sleep(Duration::from_millis(100));
 
     assert_eq!(
@@ -501,15 +479,9 @@ fn a_lock_taken_again_after_expiry_belongs_to_the_new_owner_only() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", 50)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", 50);
     std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-b", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-b", MINUTE);
 
     // The first owner, late, can neither store its response nor drop the lock.
     assert_eq!(
@@ -533,10 +505,7 @@ fn a_completed_record_cannot_be_completed_again() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     assert_eq!(
         complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
         1
@@ -560,19 +529,13 @@ fn owner_release_frees_the_key_for_the_next_request() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
 
     assert_eq!(release(&mut con, key, "owner-a"), 1);
     assert!(!exists(&mut con, key), "a released key is gone");
     assert_eq!(release(&mut con, key, "owner-a"), 0, "released once only");
 
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-b", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-b", MINUTE);
     assert_eq!(hash(&mut con, key), in_progress("owner-b", "fp-1"));
 }
 
@@ -581,10 +544,7 @@ fn another_owner_cannot_release_the_lock() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     let ttl_before = pttl(&mut con, key);
 
     assert_eq!(release(&mut con, key, "owner-b"), 0);
@@ -597,10 +557,7 @@ fn a_completed_record_cannot_be_released() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    assert_eq!(
-        request(&mut con, &[], &idem(key, "owner-a", "fp-1", MINUTE)),
-        Reply::Admitted(vec![])
-    );
+    acquire(&mut con, key, "owner-a", MINUTE);
     assert_eq!(
         complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
         1
