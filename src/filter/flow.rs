@@ -1034,6 +1034,14 @@ mod tests {
         Flow::new(Rc::new(cfg), test_breaker())
     }
 
+    /// A rate-limited GET whose first Redis call (token 1) is in flight.
+    fn started(failure: &str) -> (Flow, FakeHost) {
+        let mut f = flow(failure);
+        let mut h = FakeHost::get("/api/x");
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+        (f, h)
+    }
+
     fn ok(body: &[u8]) -> CalloutReply {
         CalloutReply {
             status: Some(200),
@@ -1073,9 +1081,7 @@ mod tests {
 
     #[test]
     fn rejected_request_gets_429_and_is_not_resumed() {
-        let mut f = flow("allow");
-        let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = started("allow");
         f.on_callout_reply(&mut h, 1, ok(REJECT));
         assert_eq!(h.resumed, 0);
         assert_eq!(h.sent.len(), 1);
@@ -1089,9 +1095,7 @@ mod tests {
 
     #[test]
     fn noscript_falls_back_to_eval_once() {
-        let mut f = flow("deny");
-        let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = started("deny");
         f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
         assert_eq!(h.dispatched.len(), 2);
         assert!(h.dispatched[1].starts_with("EVAL/"));
@@ -1104,9 +1108,7 @@ mod tests {
 
     #[test]
     fn stale_tokens_are_ignored() {
-        let mut f = flow("allow");
-        let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = started("allow");
         f.on_callout_reply(&mut h, 99, ok(ADMIT));
         assert_eq!(h.resumed, 0);
         f.on_callout_reply(&mut h, 1, ok(ADMIT));
@@ -1145,16 +1147,12 @@ mod tests {
             ok(b"*5\r\n$1\r\n1\r\n"),
         ];
         for reply in bad_replies {
-            let mut f = flow("allow");
-            let mut h = FakeHost::get("/api/x");
-            f.on_request_headers(&mut h, true);
+            let (mut f, mut h) = started("allow");
             f.on_callout_reply(&mut h, 1, reply.clone());
             assert_eq!((h.resumed, h.sent.len()), (1, 0), "allow on {reply:?}");
             assert!(h.counters.contains(&Counter::FailureAllowed));
 
-            let mut f = flow("deny");
-            let mut h = FakeHost::get("/api/x");
-            f.on_request_headers(&mut h, true);
+            let (mut f, mut h) = started("deny");
             f.on_callout_reply(&mut h, 1, reply.clone());
             assert_eq!(h.resumed, 0, "deny on {reply:?}");
             assert_eq!(h.sent.len(), 1);
@@ -1290,18 +1288,14 @@ mod tests {
             from_webdis: true,
             body: vec![],
         };
-        let mut f = flow("deny");
-        let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = started("deny");
         f.on_callout_reply(&mut h, 1, unavailable());
         assert_eq!(h.dispatched.len(), 2);
         assert_eq!(h.dispatched[0], h.dispatched[1], "the same command again");
         f.on_callout_reply(&mut h, 2, ok(ADMIT));
         assert_eq!((h.resumed, h.sent.len()), (1, 0));
 
-        let mut f = flow("deny");
-        let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = started("deny");
         f.on_callout_reply(&mut h, 1, unavailable());
         f.on_callout_reply(&mut h, 2, unavailable());
         assert_eq!(h.dispatched.len(), 2, "one retry only");
@@ -1312,9 +1306,7 @@ mod tests {
     fn every_attempt_shares_the_one_timeout() {
         // timeoutMs is 50 (the default): EVALSHA at t=0 gets 50 ms; a
         // NOSCRIPT answer at t=30 leaves the EVAL 20 ms; at t=50 nothing is left.
-        let mut f = flow("deny");
-        let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = started("deny");
         h.clock_ms = 30;
         f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
         assert_eq!(
@@ -1322,9 +1314,7 @@ mod tests {
             [Duration::from_millis(50), Duration::from_millis(20)]
         );
 
-        let mut f = flow("deny");
-        let mut h = FakeHost::get("/api/x");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = started("deny");
         h.clock_ms = 50;
         f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
         assert_eq!(h.dispatched.len(), 1, "no attempt past the deadline");
