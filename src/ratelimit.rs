@@ -19,6 +19,8 @@ pub struct Check {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Plan {
     pub checks: Vec<Check>,
+    /// The request's hash tag, once computed (for its idempotency key too).
+    pub tag: Option<String>,
 }
 
 /// A request the filter refuses before asking Redis.
@@ -69,7 +71,7 @@ impl Plan {
                 cost,
             });
         }
-        Ok(Plan { checks })
+        Ok(Plan { checks, tag })
     }
 
     pub fn is_empty(&self) -> bool {

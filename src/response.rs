@@ -237,7 +237,7 @@ mod tests {
                 cost: 1,
             })
             .collect();
-        (cfg, Plan { checks })
+        (cfg, Plan { checks, tag: None })
     }
 
     fn res(allowed: bool, remaining: u64, retry_ms: u64, reset_ms: u64) -> LimitResult {

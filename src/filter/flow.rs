@@ -193,7 +193,11 @@ impl Flow {
                                 .reply_locally(host, &payload_too_large(rule.max_request_body));
                         }
                     }
-                    let tag = keys::hash_tag(&self.config, &line, host);
+                    // Computed once per request: the limits may have it already.
+                    let tag = match &self.plan.tag {
+                        Some(t) => t.clone(),
+                        None => keys::hash_tag(&self.config, &line, host),
+                    };
                     let mut tenant = Vec::new();
                     for (j, part) in rule.tenant.iter().enumerate() {
                         if j > 0 {
@@ -1249,6 +1253,33 @@ mod tests {
             .iter()
             .any(|(n, v)| n == "retry-after" && v == "60"));
         assert_eq!(h.shared.len(), 1, "one budget per descriptor");
+    }
+
+    #[test]
+    fn limits_and_the_idempotency_record_share_one_hash_tag() {
+        let cfg = Config::parse(
+            br#"{"redis":{"cluster":"w"},"hashTag":[{"header":"x-tenant"}],
+                "limits":[{"name":"a","descriptor":[{"header":"x-tenant"}],
+                           "tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}],
+                "idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"},
+                                "tenant":[{"header":"x-tenant"}]}]}"#,
+        )
+        .unwrap();
+        let mut f = Flow::new(Rc::new(cfg), test_breaker());
+        let mut h = FakeHost::get("/pay");
+        h.headers.insert(":method".into(), b"POST".to_vec());
+        h.headers.insert("x-tenant".into(), b"acme".to_vec());
+        h.headers.insert("idempotency-key".into(), b"k1".to_vec());
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+        assert_eq!(h.dispatched.len(), 1, "one round trip for both");
+        let call = &h.dispatched[0];
+        let tags: Vec<&str> = call
+            .split("%7B")
+            .skip(1)
+            .map(|rest| &rest[..rest.find("%7D").unwrap()])
+            .collect();
+        assert_eq!(tags.len(), 2, "{call}");
+        assert_eq!(tags[0], tags[1], "one slot in Redis Cluster");
     }
 
     #[test]
