@@ -5,6 +5,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 
 /// Largest integer a Lua (double) number holds exactly. The token bucket keeps
@@ -45,116 +46,187 @@ impl std::error::Error for ConfigError {}
 
 // ---------------------------------------------------------------------------
 // The JSON as written. Unknown fields are errors everywhere: a misspelled key
-// must not silently turn a limit off.
+// must not silently turn a limit off. The same types generate the JSON Schema
+// editors validate against (`envoy/filter.schema.json`), so the schema cannot
+// drift from the parser; doc comments become its descriptions.
 
-#[derive(Debug, Deserialize)]
+/// redis-guard filter configuration (the Envoy wasm filter's `configuration`
+/// or an Istio WasmPlugin's `pluginConfig`).
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(title = "redis-guard filter configuration")]
 struct RawConfig {
+    /// The schema this file follows (for editors); ignored by the filter.
+    #[serde(default, rename = "$schema")]
+    #[allow(dead_code)]
+    schema: Option<String>,
+    /// How the filter reaches Redis: an Envoy cluster in front of Webdis.
     redis: RawRedis,
+    /// First segment of every Redis key (default "rg"); printable ASCII without '{' or '}'.
     #[serde(default)]
+    #[schemars(length(min = 1, max = 64))]
     key_prefix: Option<String>,
+    /// Parts whose values pick the Redis Cluster hash tag, so every key of one
+    /// tenant lives in one slot. Every non-literal part must also be in each
+    /// limit's descriptor and each idempotency rule's tenant.
     #[serde(default)]
     hash_tag: Vec<RawPart>,
+    /// What a request gets when Redis cannot decide it (default "allow").
     #[serde(default)]
     failure_mode: Option<FailureMode>,
+    /// Rate-limit header families on responses (default both).
     #[serde(default)]
     rate_limit_headers: Option<Vec<HeaderSet>>,
+    /// Rate limits; every matching limit is checked in one Redis call.
     #[serde(default)]
     limits: Vec<RawLimit>,
+    /// Idempotency-key rules; the first matching rule applies.
     #[serde(default)]
     idempotency: Vec<RawIdempotency>,
 }
 
-#[derive(Debug, Deserialize)]
+/// One idempotency rule.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "IdempotencyRule")]
 struct RawIdempotency {
+    /// Unique rule name: letters, digits, '-', '_', '.'; part of the record key.
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9._-]+$"))]
     name: String,
+    /// Which requests the rule covers (methods default to POST and PATCH).
     #[serde(default, rename = "match")]
     matcher: RawMatch,
+    /// Request header carrying the key (default "idempotency-key").
     #[serde(default)]
     header: Option<String>,
+    /// Reject (400) a matching request without the header.
     #[serde(default)]
     required: bool,
+    /// Parts scoping a key to a tenant (a key of one tenant never replays another's response).
     #[serde(default)]
     tenant: Vec<RawPart>,
+    /// How long a request in flight holds the key (ms, default 30000); keep it above the upstream timeout.
     #[serde(default)]
+    #[schemars(range(min = 100, max = 86400000))]
     lock_ttl_ms: Option<u64>,
+    /// How long a completed response is replayed (ms, default 86400000, at most 30 days).
     #[serde(default)]
+    #[schemars(range(min = 1000, max = 2592000000u64))]
     record_ttl_ms: Option<u64>,
+    /// Statuses whose responses are stored: classes ("2xx" to "5xx") or exact codes ("201"); default ["2xx"].
     #[serde(default)]
     store_statuses: Option<Vec<String>>,
+    /// Response headers stored and replayed (default ["content-type"]).
     #[serde(default)]
     store_headers: Option<Vec<String>>,
+    /// Largest request body fingerprinted (bytes, default 1 MiB, at most 64 MiB).
     #[serde(default)]
+    #[schemars(range(max = 67108864))]
     max_request_body_bytes: Option<u64>,
+    /// Largest response body stored (bytes, default 64 KiB, at most 8 MiB).
     #[serde(default)]
+    #[schemars(range(max = 8388608))]
     max_stored_body_bytes: Option<u64>,
+    /// Overrides the top-level failureMode ("local" is for limits only).
     #[serde(default)]
     failure_mode: Option<FailureMode>,
 }
 
-#[derive(Debug, Deserialize)]
+/// The Envoy cluster in front of Webdis.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Redis")]
 struct RawRedis {
+    /// Envoy cluster name (on Istio: outbound|PORT||HOST).
+    #[schemars(length(min = 1))]
     cluster: String,
+    /// :authority of the callouts (default: the cluster name).
     #[serde(default)]
     authority: Option<String>,
+    /// Deadline of one Redis decision (ms, default 50).
     #[serde(default)]
+    #[schemars(range(min = 1, max = 60000))]
     timeout_ms: Option<u64>,
+    /// Opens after consecutive failed calls, sending requests to their failure mode without a call.
     #[serde(default)]
     circuit_breaker: Option<RawBreaker>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "CircuitBreaker")]
 struct RawBreaker {
+    /// Consecutive failed calls that open the circuit (default 5).
     #[serde(default)]
+    #[schemars(range(min = 1, max = 1000))]
     failures: Option<u32>,
+    /// How long it stays open (ms, default 1000).
     #[serde(default)]
+    #[schemars(range(min = 10, max = 600000))]
     cool_down_ms: Option<u64>,
 }
 
-#[derive(Debug, Deserialize)]
+/// One rate limit: exactly one of tokenBucket or slidingWindow.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Limit")]
 struct RawLimit {
+    /// Unique limit name: letters, digits, '-', '_', '.'; part of keys and stats.
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9._-]+$"))]
     name: String,
+    /// Which requests the limit applies to.
     #[serde(default, rename = "match")]
     matcher: RawMatch,
+    /// Parts whose values pick the bucket (one bucket per distinct value list).
     #[serde(default)]
     descriptor: Vec<RawPart>,
     #[serde(default)]
     token_bucket: Option<RawTokenBucket>,
     #[serde(default)]
     sliding_window: Option<RawSlidingWindow>,
+    /// Units one request spends (default 1).
     #[serde(default)]
+    #[schemars(range(min = 1))]
     cost: Option<u64>,
+    /// Read the cost from a request header instead.
     #[serde(default)]
     cost_header: Option<RawCostHeader>,
+    /// Count and report, never reject.
     #[serde(default)]
     shadow: bool,
+    /// Overrides the top-level failureMode.
     #[serde(default)]
     failure_mode: Option<FailureMode>,
+    /// With failureMode "local": each Envoy's share of the budget while Redis is down (default 0.1).
     #[serde(default)]
+    #[schemars(range(max = 1), extend("exclusiveMinimum" = 0))]
     local_fraction: Option<f64>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// Conditions that must all hold; an empty match covers every request.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Match")]
 struct RawMatch {
+    /// The normalised path starts with this (starts with '/').
     #[serde(default)]
     path_prefix: Option<String>,
+    /// The normalised path, without query, equals this.
     #[serde(default)]
     path_exact: Option<String>,
+    /// Methods covered (any when empty).
     #[serde(default)]
     methods: Vec<String>,
+    /// :authority, without port, case-insensitive.
     #[serde(default)]
     host: Option<String>,
     #[serde(default)]
     headers: Vec<RawHeaderMatch>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "HeaderMatch")]
 struct RawHeaderMatch {
     name: String,
     #[serde(default)]
@@ -165,8 +237,9 @@ struct RawHeaderMatch {
 
 /// One piece of a descriptor: `{"header": "x-user"}`, `{"literal": "free"}`,
 /// `"clientAddress"`, `"path"` or `"method"`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Part")]
 enum RawPart {
     Header(String),
     Literal(String),
@@ -175,25 +248,37 @@ enum RawPart {
     Method,
 }
 
-#[derive(Debug, Deserialize)]
+/// Burst of `capacity`, refilled by `refill` units every `periodMs`.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "TokenBucket")]
 struct RawTokenBucket {
+    #[schemars(range(min = 1))]
     capacity: u64,
+    #[schemars(range(min = 1))]
     refill: u64,
+    #[schemars(range(min = 1))]
     period_ms: u64,
 }
 
-#[derive(Debug, Deserialize)]
+/// At most `limit` units in any `windowMs` (exact, a log of admissions).
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "SlidingWindow")]
 struct RawSlidingWindow {
+    #[schemars(range(min = 1, max = 1000000))]
     limit: u64,
+    #[schemars(range(min = 1))]
     window_ms: u64,
 }
 
-#[derive(Debug, Deserialize)]
+/// Cost from a request header: a positive integer up to `max`.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "CostHeader")]
 struct RawCostHeader {
     name: String,
+    #[schemars(range(min = 1))]
     max: u64,
 }
 
@@ -201,7 +286,7 @@ struct RawCostHeader {
 // The compiled form.
 
 /// What to do with a request when Redis cannot decide it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum FailureMode {
     /// Fail open: forward the request without the guarantee.
@@ -215,7 +300,7 @@ pub enum FailureMode {
 }
 
 /// Which families of rate-limit response headers are emitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
 pub enum HeaderSet {
     /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers).
     #[serde(rename = "ietf")]
@@ -433,6 +518,17 @@ impl Config {
         only_listed_arrays(&shape, "", false)?;
         compile(raw)
     }
+}
+
+/// The JSON Schema of the configuration, derived from the types the parser
+/// reads. It checks shape, names, types and single-field bounds; rules that
+/// span fields (hash tag parts in every descriptor, cost within the quota)
+/// remain the parser's.
+pub fn json_schema() -> serde_json::Value {
+    schemars::generate::SchemaSettings::draft07()
+        .into_generator()
+        .into_root_schema_for::<RawConfig>()
+        .to_value()
 }
 
 /// Hop-by-hop and framing headers: never a key, never stored.

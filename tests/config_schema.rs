@@ -1,0 +1,308 @@
+//! The configuration's JSON Schema (`envoy/filter.schema.json`), which editors
+//! use to validate configs. It is generated from the parser's own types; these
+//! tests keep the committed file current and check that the schema and the
+//! parser agree on every example config in the repository, on every bad
+//! fixture whose problem is one of shape, and on every numeric bound the
+//! schema states.
+//!
+//! Regenerate the file with `make schema`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use redis_guard::config::{json_schema, Config};
+use serde_json::{json, Value};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn schema_path() -> PathBuf {
+    root().join("envoy/filter.schema.json")
+}
+
+fn rendered_schema() -> String {
+    format!(
+        "{}\n",
+        serde_json::to_string_pretty(&json_schema()).unwrap()
+    )
+}
+
+fn validator() -> jsonschema::Validator {
+    let committed: Value = serde_json::from_slice(&fs::read(schema_path()).unwrap()).unwrap();
+    jsonschema::draft7::new(&committed).unwrap()
+}
+
+/// Schema errors for `doc`, as "path: message" lines.
+fn schema_errors(v: &jsonschema::Validator, doc: &Value) -> Vec<String> {
+    v.iter_errors(doc)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect()
+}
+
+fn json_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()))
+        .map(|entry| entry.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// Every filter configuration the repository ships or documents: the demo
+/// config, the good fixtures, the README's examples and the Istio
+/// WasmPlugin's `pluginConfig`.
+fn example_configs() -> Vec<(String, Vec<u8>)> {
+    let mut out = vec![(
+        "envoy/filter.json".to_string(),
+        fs::read(root().join("envoy/filter.json")).unwrap(),
+    )];
+    for p in json_files(&root().join("tests/fixtures/config/good")) {
+        out.push((p.display().to_string(), fs::read(&p).unwrap()));
+    }
+    let readme = fs::read_to_string(root().join("README.md")).unwrap();
+    for (i, block) in readme.split("```json\n").skip(1).enumerate() {
+        let body = &block[..block.find("```").unwrap()];
+        // Config examples are the JSON blocks with a `redis` section; others
+        // show replies and records.
+        if body.contains("\"redis\"") && body.trim_start().starts_with('{') {
+            out.push((
+                format!("README.md json block {i}"),
+                body.as_bytes().to_vec(),
+            ));
+        }
+    }
+    let istio = root().join("envoy/istio/wasmplugin.yaml");
+    if let Ok(text) = fs::read_to_string(&istio) {
+        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+            let v: Value = serde::Deserialize::deserialize(doc).unwrap();
+            if v["kind"] == "WasmPlugin" {
+                out.push((
+                    format!("{} pluginConfig", istio.display()),
+                    serde_json::to_vec(&v["spec"]["pluginConfig"]).unwrap(),
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn committed_schema_is_generated_from_the_parser_types() {
+    let want = rendered_schema();
+    if std::env::var_os("REDIS_GUARD_WRITE_SCHEMA").is_some() {
+        fs::write(schema_path(), &want).unwrap();
+    }
+    let have = fs::read_to_string(schema_path()).unwrap_or_default();
+    assert!(
+        have == want,
+        "envoy/filter.schema.json is stale: run `make schema` and commit it"
+    );
+}
+
+#[test]
+fn every_example_config_in_the_repo_passes_schema_and_parser() {
+    let v = validator();
+    let examples = example_configs();
+    // The demo config, four good fixtures, at least one README example.
+    assert!(
+        examples.len() >= 6,
+        "found only {} examples",
+        examples.len()
+    );
+    let mut problems = Vec::new();
+    for (name, bytes) in &examples {
+        if let Err(e) = Config::parse(bytes) {
+            problems.push(format!("{name}: parser: {e}"));
+        }
+        let doc: Value = serde_json::from_slice(bytes).unwrap();
+        for e in schema_errors(&v, &doc) {
+            problems.push(format!("{name}: schema: {e}"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Parser reasons that are about the document's shape (names, types,
+/// required fields), which a JSON Schema states as well as the parser does.
+const SHAPE_REASONS: &[&str] = &[
+    "unknown field",
+    "unknown variant",
+    "invalid type",
+    "missing field",
+    "invalid value: integer `-",
+    "found an array",
+];
+
+#[test]
+fn schema_rejects_every_bad_fixture_whose_problem_is_its_shape() {
+    let v = validator();
+    let mut shape_fixtures = 0;
+    let mut problems = Vec::new();
+    for p in json_files(&root().join("tests/fixtures/config/bad")) {
+        let bytes = fs::read(&p).unwrap();
+        let Ok(doc) = serde_json::from_slice::<Value>(&bytes) else {
+            continue; // not JSON at all: no schema question
+        };
+        let err = Config::parse(&bytes).expect_err("bad fixtures are rejected");
+        if !SHAPE_REASONS.iter().any(|r| err.reason.contains(r)) {
+            continue;
+        }
+        shape_fixtures += 1;
+        if v.is_valid(&doc) {
+            problems.push(format!(
+                "{}: parser says `{}` at `{}`, schema accepts it",
+                p.display(),
+                err.reason,
+                err.field
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    // The bad/ directory holds this many shape problems today; fewer would
+    // mean the check above silently covers less.
+    assert!(shape_fixtures >= 25, "only {shape_fixtures} shape fixtures");
+}
+
+/// A config with every numeric field the schema bounds, each at a value both
+/// accept, so one field at a time can be moved to and past its bounds.
+fn base() -> Value {
+    json!({
+        "redis": {"cluster": "webdis", "timeoutMs": 100,
+                  "circuitBreaker": {"failures": 5, "coolDownMs": 1000}},
+        "limits": [
+            {"name": "tb", "tokenBucket": {"capacity": 1000000, "refill": 1, "periodMs": 1000},
+             "cost": 1, "costHeader": {"name": "x-cost", "max": 1},
+             "failureMode": "local", "localFraction": 0.5},
+            {"name": "sw", "slidingWindow": {"limit": 1000000, "windowMs": 60000}}
+        ],
+        "idempotency": [
+            {"name": "pay", "lockTtlMs": 30000, "recordTtlMs": 86400000,
+             "maxRequestBodyBytes": 1000, "maxStoredBodyBytes": 1000}
+        ]
+    })
+}
+
+/// (JSON pointer into `base()`, schema definition, property).
+const BOUNDED: &[(&str, &str, &str)] = &[
+    ("/redis/timeoutMs", "Redis", "timeoutMs"),
+    (
+        "/redis/circuitBreaker/failures",
+        "CircuitBreaker",
+        "failures",
+    ),
+    (
+        "/redis/circuitBreaker/coolDownMs",
+        "CircuitBreaker",
+        "coolDownMs",
+    ),
+    ("/limits/0/tokenBucket/capacity", "TokenBucket", "capacity"),
+    ("/limits/0/tokenBucket/refill", "TokenBucket", "refill"),
+    ("/limits/0/tokenBucket/periodMs", "TokenBucket", "periodMs"),
+    ("/limits/1/slidingWindow/limit", "SlidingWindow", "limit"),
+    (
+        "/limits/1/slidingWindow/windowMs",
+        "SlidingWindow",
+        "windowMs",
+    ),
+    ("/limits/0/cost", "Limit", "cost"),
+    ("/limits/0/costHeader/max", "CostHeader", "max"),
+    ("/limits/0/localFraction", "Limit", "localFraction"),
+    ("/idempotency/0/lockTtlMs", "IdempotencyRule", "lockTtlMs"),
+    (
+        "/idempotency/0/recordTtlMs",
+        "IdempotencyRule",
+        "recordTtlMs",
+    ),
+    (
+        "/idempotency/0/maxRequestBodyBytes",
+        "IdempotencyRule",
+        "maxRequestBodyBytes",
+    ),
+    (
+        "/idempotency/0/maxStoredBodyBytes",
+        "IdempotencyRule",
+        "maxStoredBodyBytes",
+    ),
+];
+
+#[test]
+fn schema_bounds_match_the_parser_at_and_past_each_edge() {
+    let schema = json_schema();
+    let v = validator();
+    let mut problems = Vec::new();
+    let agree = |doc: &Value, what: &str, problems: &mut Vec<String>| {
+        let parser = Config::parse(&serde_json::to_vec(doc).unwrap());
+        let schema_ok = v.is_valid(doc);
+        if parser.is_ok() != schema_ok {
+            problems.push(format!(
+                "{what}: parser {}, schema {}",
+                parser
+                    .map(|_| "accepts".to_string())
+                    .unwrap_or_else(|e| format!("rejects ({e})")),
+                if schema_ok { "accepts" } else { "rejects" }
+            ));
+        }
+    };
+    agree(&base(), "base config", &mut problems);
+    let mut edges = 0;
+    for &(pointer, def, prop) in BOUNDED {
+        let spec = &schema["definitions"][def]["properties"][prop];
+        assert!(spec.is_object(), "schema has no {def}.{prop}");
+        let integer = spec["type"] == "integer" || spec["type"][0] == "integer";
+        let step = if integer { json!(1) } else { json!(0.001) };
+        let mut values = Vec::new();
+        for (bound, inside) in [("minimum", true), ("maximum", true)] {
+            if let Some(b) = spec[bound].as_f64() {
+                let past = if bound == "minimum" {
+                    b - step.as_f64().unwrap()
+                } else {
+                    b + step.as_f64().unwrap()
+                };
+                values.push((b, inside));
+                values.push((past, false));
+            }
+        }
+        if let Some(b) = spec["exclusiveMinimum"].as_f64() {
+            values.push((b, false));
+            values.push((b + step.as_f64().unwrap(), true));
+        }
+        assert!(!values.is_empty(), "{def}.{prop} states no bound");
+        for (value, _) in values {
+            let mut doc = base();
+            *doc.pointer_mut(pointer).unwrap() = if integer {
+                if value < 0.0 {
+                    json!(value as i64)
+                } else {
+                    json!(value as u64)
+                }
+            } else {
+                json!(value)
+            };
+            edges += 1;
+            agree(&doc, &format!("{pointer} = {value}"), &mut problems);
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert!(edges >= 2 * BOUNDED.len());
+}
+
+#[test]
+fn schema_names_the_misspelled_field() {
+    let v = validator();
+    let mut doc = base();
+    doc["limits"][0]["tokenBucket"]["periodMS"] = json!(1000);
+    let errors = schema_errors(&v, &doc);
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.starts_with("/limits/0/tokenBucket") && e.contains("periodMS")),
+        "{errors:?}"
+    );
+    // The parser says the same thing, in its own words.
+    let e = Config::parse(&serde_json::to_vec(&doc).unwrap()).unwrap_err();
+    assert_eq!(e.field, "limits[0].tokenBucket.periodMS");
+}
