@@ -64,10 +64,16 @@ impl Breaker {
         self.failures.get()
     }
 
-    pub fn success(&self) {
+    /// Returns true when this success closed an open breaker.
+    pub fn success(&self) -> bool {
         self.failures.set(0);
-        self.open_until.set(None);
         self.probing.set(false);
+        self.open_until.take().is_some()
+    }
+
+    /// Open or probing: this worker's requests are not all calling Redis.
+    pub fn tripped(&self) -> bool {
+        self.open_until.get().is_some()
     }
 
     /// Returns true when this failure opened (or re-opened) the breaker.
@@ -94,7 +100,7 @@ mod tests {
         let b = Breaker::new(3, MS(1000));
         assert!(!b.failure(MS(0)));
         assert!(!b.failure(MS(1)));
-        b.success();
+        assert!(!b.success(), "never opened");
         assert!(!b.failure(MS(2)));
         assert!(!b.failure(MS(3)));
         assert_eq!(b.state(MS(3)), State::Closed);
@@ -114,7 +120,10 @@ mod tests {
         assert!(b.failure(MS(150)), "a failed probe reopens");
         assert!(!b.allow(MS(200)));
         assert!(b.allow(MS(250)));
-        b.success();
+        assert!(b.tripped());
+        assert!(b.success(), "the probe's success closes it");
+        assert!(!b.tripped());
+        assert!(!b.success(), "closing a closed breaker is no transition");
         assert_eq!(b.state(MS(251)), State::Closed);
         assert!(b.allow(MS(251)));
     }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::breaker::Breaker;
 use crate::config::{Config, FailureMode};
-use crate::filter::{Counter, Host};
+use crate::filter::{Counter, ErrorKind, Host};
 use crate::idempotency::{decode_headers, encode_headers, fingerprint, parse_key, record_key};
 use crate::keys;
 use crate::local::{take, LocalBucket};
@@ -299,16 +299,21 @@ impl Flow {
         if !self.breaker.allow(now) {
             self.short_circuited = true;
             host.count(Counter::CircuitShortCircuited);
-            return self.fail(host, "circuit breaker open", false);
+            return self.fail(host, (ErrorKind::Dispatch, "circuit breaker open"), false);
         }
         self.deadline = now + self.config.redis.timeout;
         match self.call(host, false, false) {
             Ok(()) => Action::Pause,
-            Err(why) => self.fail(host, &why, false),
+            Err((kind, why)) => self.fail(host, (kind, &why), false),
         }
     }
 
-    fn call<H: Host>(&mut self, host: &mut H, eval: bool, retried: bool) -> Result<(), String> {
+    fn call<H: Host>(
+        &mut self,
+        host: &mut H,
+        eval: bool,
+        retried: bool,
+    ) -> Result<(), (ErrorKind, String)> {
         let idem = self.keyed.as_ref().map(|k| &k.args);
         let (keys, argv) = self.plan.script_args(&self.config, idem);
         let token = self.run(host, &RATELIMIT, eval, &keys, &argv)?;
@@ -328,7 +333,7 @@ impl Flow {
         eval: bool,
         keys: &[Vec<u8>],
         argv: &[Vec<u8>],
-    ) -> Result<u32, String> {
+    ) -> Result<u32, (ErrorKind, String)> {
         let nkeys = keys.len().to_string();
         let mut args: Vec<&[u8]> = Vec::with_capacity(2 + keys.len() + argv.len());
         let command = if eval {
@@ -344,10 +349,11 @@ impl Flow {
         let body = command_body(command, &args);
         let left = self.deadline.saturating_sub(host.now());
         if left < Duration::from_millis(1) {
-            return Err("redis timeout spent".to_string());
+            return Err((ErrorKind::Timeout, "redis timeout spent".to_string()));
         }
         host.count(Counter::RedisCalls);
         host.dispatch_redis(&self.config.redis, &body, left)
+            .map_err(|e| (ErrorKind::Dispatch, e))
     }
 
     /// The failure mode of everything this request is subject to: deny if
@@ -366,14 +372,19 @@ impl Flow {
 
     /// Redis could not decide: apply the failure mode. `paused` tells whether
     /// the request is waiting on us (callout) or still in a callback.
-    fn fail<H: Host>(&mut self, host: &mut H, why: &str, paused: bool) -> Action {
+    fn fail<H: Host>(&mut self, host: &mut H, error: (ErrorKind, &str), paused: bool) -> Action {
+        let (kind, why) = error;
         let dispatched = matches!(self.phase, Phase::AwaitingRedis { .. });
         self.phase = Phase::Done;
         if !self.short_circuited {
-            host.count(Counter::RedisErrors);
+            host.count(Counter::RedisError(kind));
+            let was_tripped = self.breaker.tripped();
             if self.breaker.failure(host.now()) {
                 log::warn!("redis-guard: circuit breaker open: Redis calls paused");
                 host.count(Counter::CircuitOpened);
+                if !was_tripped {
+                    host.count(Counter::CircuitTripped);
+                }
             }
         }
         // One log line per burst of failures (the first since a success);
@@ -477,8 +488,8 @@ impl Flow {
     /// The pause after a Webdis 503 is over: send the call again.
     pub fn on_retry_due<H: Host>(&mut self, host: &mut H) {
         if let Phase::RetryPending { eval } = self.phase {
-            if let Err(e) = self.call(host, eval, true) {
-                self.fail(host, &e, true);
+            if let Err((kind, e)) = self.call(host, eval, true) {
+                self.fail(host, (kind, &e), true);
             }
         }
     }
@@ -523,27 +534,37 @@ impl Flow {
                     self.phase = Phase::RetryPending { eval };
                 } else if !retried {
                     host.count(Counter::RedisRetries);
-                    if let Err(e) = self.call(host, eval, true) {
-                        self.fail(host, &e, true);
+                    if let Err((kind, e)) = self.call(host, eval, true) {
+                        self.fail(host, (kind, &e), true);
                     }
                 } else {
-                    self.fail(host, "webdis answered HTTP 503 until the timeout", true);
+                    let why = "webdis answered HTTP 503 until the timeout";
+                    self.fail(host, (ErrorKind::Http, why), true);
                 }
                 return;
             }
             Some(s) => {
-                self.fail(host, &format!("webdis answered HTTP {s}"), true);
+                // Envoy answers a callout that ran out of time with its own 504.
+                let kind = if s == 504 && !reply.from_webdis {
+                    ErrorKind::Timeout
+                } else {
+                    ErrorKind::Http
+                };
+                let why = format!("webdis answered HTTP {s}");
+                self.fail(host, (kind, &why), true);
                 return;
             }
             None => {
-                self.fail(host, "redis call failed or timed out", true);
+                let why = "redis call failed or timed out";
+                self.fail(host, (ErrorKind::Timeout, why), true);
                 return;
             }
         }
         let parsed = match parse_reply(&reply.body) {
             Ok(r) => r,
             Err(e) => {
-                self.fail(host, &format!("unreadable reply: {e}"), true);
+                let why = format!("unreadable reply: {e}");
+                self.fail(host, (ErrorKind::Reply, &why), true);
                 return;
             }
         };
@@ -552,23 +573,28 @@ impl Flow {
             // both runs and caches the script, so this costs one extra trip once.
             if parsed.error_kind() == Some("NOSCRIPT") && !eval {
                 host.count(Counter::ScriptReloads);
-                if let Err(e) = self.call(host, true, retried) {
-                    self.fail(host, &e, true);
+                if let Err((kind, e)) = self.call(host, true, retried) {
+                    self.fail(host, (kind, &e), true);
                 }
                 return;
             }
-            self.fail(host, &format!("redis error: {msg}"), true);
+            let why = format!("redis error: {msg}");
+            self.fail(host, (ErrorKind::Redis, &why), true);
             return;
         }
         let verdict = match parse_verdict(&parsed, self.plan.checks.len()) {
             Ok(v) => v,
             Err(e) => {
-                self.fail(host, &format!("unexpected script reply: {e}"), true);
+                let why = format!("unexpected script reply: {e}");
+                self.fail(host, (ErrorKind::Reply, &why), true);
                 return;
             }
         };
         self.phase = Phase::Done;
-        self.breaker.success();
+        if self.breaker.success() {
+            log::info!("redis-guard: circuit breaker closed: Redis answers again");
+            host.count(Counter::CircuitClosed);
+        }
         match verdict {
             Verdict::Limits(outcome) => {
                 for (check, result) in self.plan.checks.iter().zip(&outcome.results) {
@@ -623,7 +649,7 @@ impl Flow {
                 // an error, not a miss.
                 Err(e) => {
                     log::warn!("redis-guard: unreadable idempotency record: {e}");
-                    host.count(Counter::RedisErrors);
+                    host.count(Counter::RedisError(ErrorKind::Reply));
                     host.send_local(&unavailable("stored idempotent response is unreadable"));
                 }
             },
@@ -778,7 +804,7 @@ impl Flow {
                 self.lock = Lock::Completing { token };
                 Action::Pause
             }
-            Err(e) => {
+            Err((_, e)) => {
                 log::warn!("redis-guard: cannot store idempotent response: {e}");
                 host.count(Counter::IdemStoreFailed);
                 // Try to free the key all the same (it expires by itself otherwise).
@@ -1205,7 +1231,13 @@ mod tests {
             assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
             f.on_callout_reply(&mut h, token, failed());
         }
-        assert!(h.counters.contains(&Counter::CircuitOpened));
+        assert_eq!(count(&h, Counter::CircuitOpened), 1);
+        assert_eq!(
+            count(&h, Counter::CircuitTripped),
+            1,
+            "the gauge rises once"
+        );
+        assert_eq!(count(&h, Counter::RedisError(ErrorKind::Timeout)), 2);
         let calls = h.dispatched.len();
         let mut f = Flow::new(cfg.clone(), breaker.clone());
         assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
@@ -1221,9 +1253,67 @@ mod tests {
         other.on_request_headers(&mut h, true);
         assert_eq!(h.dispatched.len(), calls + 1, "one probe at a time");
         probe.on_callout_reply(&mut h, (calls + 1) as u32, ok(ADMIT));
+        assert_eq!(count(&h, Counter::CircuitClosed), 1, "the gauge falls once");
         let mut after = Flow::new(cfg, breaker);
         after.on_request_headers(&mut h, true);
         assert_eq!(h.dispatched.len(), calls + 2, "closed again");
+        after.on_callout_reply(&mut h, (calls + 2) as u32, ok(ADMIT));
+        assert_eq!(count(&h, Counter::CircuitClosed), 1, "closed stays closed");
+        // The short-circuited requests were no Redis errors.
+        assert_eq!(count(&h, Counter::RedisError(ErrorKind::Timeout)), 2);
+    }
+
+    #[test]
+    fn each_failure_is_counted_by_its_kind() {
+        let cfg = Rc::new(
+            Config::parse(
+                br#"{"redis":{"cluster":"w"},"failureMode":"allow","limits":[
+                {"name":"a","tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
+            )
+            .unwrap(),
+        );
+        let reply = |status: Option<u32>, body: &[u8]| CalloutReply {
+            status,
+            from_webdis: status.is_some(),
+            body: body.to_vec(),
+        };
+        let cases = [
+            (reply(None, b""), ErrorKind::Timeout),
+            (reply(Some(500), b""), ErrorKind::Http),
+            (
+                CalloutReply {
+                    status: Some(504),
+                    from_webdis: false,
+                    body: b"upstream request timeout".to_vec(),
+                },
+                ErrorKind::Timeout,
+            ),
+            (
+                reply(Some(200), b"-OOM command not allowed\r\n"),
+                ErrorKind::Redis,
+            ),
+            (reply(Some(200), b"?garbage"), ErrorKind::Reply),
+            (reply(Some(200), b":7\r\n"), ErrorKind::Reply),
+        ];
+        for (reply, kind) in cases {
+            let mut h = FakeHost::get("/");
+            let mut f = Flow::new(cfg.clone(), test_breaker());
+            assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+            f.on_callout_reply(&mut h, 1, reply);
+            let kinds: Vec<Counter> = h
+                .counters
+                .iter()
+                .copied()
+                .filter(|c| matches!(c, Counter::RedisError(_)))
+                .collect();
+            assert_eq!(kinds, vec![Counter::RedisError(kind)]);
+            assert_eq!(count(&h, Counter::FailureAllowed), 1);
+        }
+        let mut h = FakeHost::get("/");
+        h.dispatch_fails = true;
+        let mut f = Flow::new(cfg, test_breaker());
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Continue);
+        assert_eq!(count(&h, Counter::RedisError(ErrorKind::Dispatch)), 1);
     }
 
     #[test]

@@ -26,7 +26,8 @@ pub enum Counter {
     ScriptReloads,
     /// A call repeated after Webdis answered 503 (command not executed).
     RedisRetries,
-    RedisErrors,
+    /// A Redis decision that failed, by why (the total is their sum).
+    RedisError(ErrorKind),
     FailureAllowed,
     FailureDenied,
     /// Idempotency: lock taken and request forwarded.
@@ -51,10 +52,50 @@ pub enum Counter {
     FailureLocal,
     LocalAllowed,
     LocalRejected,
-    /// The circuit breaker opened after consecutive failures.
+    /// The circuit breaker opened after consecutive failures (or a failed probe).
     CircuitOpened,
+    /// This worker's breaker went from closed to open (the open gauge rises).
+    CircuitTripped,
+    /// A probe succeeded and closed this worker's breaker (the gauge falls).
+    CircuitClosed,
     /// A request sent to its failure mode by the open breaker, without a call.
     CircuitShortCircuited,
+}
+
+/// Why a Redis call did not decide a request: one stat each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// No reply within the deadline, or the connection was reset.
+    Timeout,
+    /// The host refused to send the call (unknown cluster, no capacity).
+    Dispatch,
+    /// Webdis or Envoy answered with an HTTP error status.
+    Http,
+    /// Redis answered with an error (OOM, CROSSSLOT, script error).
+    Redis,
+    /// A reply the filter cannot read (gateway or script mismatch, corrupt record).
+    Reply,
+}
+
+impl ErrorKind {
+    pub const ALL: [ErrorKind; 5] = [
+        ErrorKind::Timeout,
+        ErrorKind::Dispatch,
+        ErrorKind::Http,
+        ErrorKind::Redis,
+        ErrorKind::Reply,
+    ];
+
+    /// The stat name's last segment.
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Dispatch => "dispatch",
+            ErrorKind::Http => "http",
+            ErrorKind::Redis => "redis",
+            ErrorKind::Reply => "reply",
+        }
+    }
 }
 
 /// What the filter needs from the proxy for one request.

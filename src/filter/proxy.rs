@@ -15,7 +15,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Metr
 use crate::breaker::Breaker;
 use crate::config::{Config, RedisTarget};
 use crate::filter::flow::{Action as FlowAction, CalloutReply, Flow};
-use crate::filter::{Counter, Host};
+use crate::filter::{Counter, ErrorKind, Host};
 use crate::request::RequestView;
 use crate::response::LocalReply;
 
@@ -33,7 +33,9 @@ proxy_wasm::main! {{
     });
 }}
 
-/// Envoy stat ids, defined once per configuration.
+/// Envoy stat ids, defined once per configuration. Envoy shows them under
+/// `wasmcustom.`; names carry the limit or error kind as a dotted segment that
+/// `stats_tags` in envoy.yaml turn into Prometheus labels.
 #[derive(Default)]
 struct Metrics {
     per_limit: Vec<[u32; 4]>,
@@ -41,22 +43,33 @@ struct Metrics {
     script_reloads: u32,
     redis_retries: u32,
     redis_errors: u32,
+    errors_by_kind: [u32; ErrorKind::ALL.len()],
     failure_allowed: u32,
     failure_denied: u32,
     idem: [u32; 9],
     circuit_opened: u32,
+    circuit_closed: u32,
     circuit_short_circuited: u32,
+    /// Gauge: workers of this Envoy whose breaker is open (or probing).
+    circuit_open_workers: u32,
     local: [u32; 3],
+    /// Histogram of callout round trips, in microseconds (loopback calls
+    /// take well under a millisecond, which a ms histogram would show as 0).
+    callout_latency_us: u32,
 }
 
-fn counter(name: &str) -> u32 {
-    match hostcalls::define_metric(MetricType::Counter, name) {
+fn define(kind: MetricType, name: &str) -> u32 {
+    match hostcalls::define_metric(kind, name) {
         Ok(id) => id,
         Err(e) => {
             log::warn!("redis-guard: cannot define metric {name}: {e:?}");
             u32::MAX
         }
     }
+}
+
+fn counter(name: &str) -> u32 {
+    define(MetricType::Counter, name)
 }
 
 impl Metrics {
@@ -80,6 +93,8 @@ impl Metrics {
             script_reloads: counter("redis_guard.redis.script_reloads"),
             redis_retries: counter("redis_guard.redis.retries"),
             redis_errors: counter("redis_guard.redis.errors"),
+            errors_by_kind: ErrorKind::ALL
+                .map(|k| counter(&format!("redis_guard.redis.errors_by_kind.{}", k.name()))),
             failure_allowed: counter("redis_guard.failure_mode.allowed"),
             failure_denied: counter("redis_guard.failure_mode.denied"),
             idem: [
@@ -95,12 +110,37 @@ impl Metrics {
             ]
             .map(|n| counter(&format!("redis_guard.idempotency.{n}"))),
             circuit_opened: counter("redis_guard.circuit.opened"),
+            circuit_closed: counter("redis_guard.circuit.closed"),
+            circuit_open_workers: define(MetricType::Gauge, "redis_guard.circuit.open_workers"),
+            callout_latency_us: define(
+                MetricType::Histogram,
+                "redis_guard.redis.callout_latency_us",
+            ),
             circuit_short_circuited: counter("redis_guard.circuit.short_circuited"),
             local: [
                 counter("redis_guard.failure_mode.local"),
                 counter("redis_guard.local.allowed"),
                 counter("redis_guard.local.rejected"),
             ],
+        }
+    }
+
+    /// The (metric, increment) pairs a counter event moves.
+    fn updates(&self, c: Counter) -> [Option<(u32, i64)>; 2] {
+        match c {
+            Counter::RedisError(kind) => {
+                let i = ErrorKind::ALL.iter().position(|k| *k == kind);
+                [
+                    Some((self.redis_errors, 1)),
+                    i.map(|i| (self.errors_by_kind[i], 1)),
+                ]
+            }
+            Counter::CircuitTripped => [Some((self.circuit_open_workers, 1)), None],
+            Counter::CircuitClosed => [
+                Some((self.circuit_closed, 1)),
+                Some((self.circuit_open_workers, -1)),
+            ],
+            other => [self.id(other).map(|id| (id, 1)), None],
         }
     }
 
@@ -114,7 +154,6 @@ impl Metrics {
             Counter::RedisCalls => Some(self.redis_calls),
             Counter::ScriptReloads => Some(self.script_reloads),
             Counter::RedisRetries => Some(self.redis_retries),
-            Counter::RedisErrors => Some(self.redis_errors),
             Counter::FailureAllowed => Some(self.failure_allowed),
             Counter::FailureDenied => Some(self.failure_denied),
             Counter::IdemAcquired => Some(self.idem[0]),
@@ -128,6 +167,7 @@ impl Metrics {
             Counter::IdemUnguarded => Some(self.idem[8]),
             Counter::CircuitOpened => Some(self.circuit_opened),
             Counter::CircuitShortCircuited => Some(self.circuit_short_circuited),
+            Counter::RedisError(_) | Counter::CircuitTripped | Counter::CircuitClosed => None,
             Counter::FailureLocal => Some(self.local[0]),
             Counter::LocalAllowed => Some(self.local[1]),
             Counter::LocalRejected => Some(self.local[2]),
@@ -150,6 +190,38 @@ struct Shared {
     waiting: RefCell<Vec<(u32, Duration, FlowRef)>>,
     /// Calls the root sent for a stream (on tick): token -> (stream, flow).
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
+    /// When each call in flight was sent, for the latency histogram.
+    sent_at: RefCell<HashMap<u32, Duration>>,
+}
+
+/// Calls in flight tracked for latency before stale entries are swept: a
+/// stream that ends first cancels its call, and no reply removes the entry.
+const SENT_AT_SWEEP: usize = 4096;
+
+impl Shared {
+    fn note_sent(&self, token: u32, now: Duration) {
+        if let Ok(mut sent) = self.sent_at.try_borrow_mut() {
+            if sent.len() >= SENT_AT_SWEEP {
+                // No call outlives the longest timeout the config allows.
+                sent.retain(|_, at| now.saturating_sub(*at) < Duration::from_secs(120));
+            }
+            sent.insert(token, now);
+        }
+    }
+
+    fn note_reply(&self, token: u32) {
+        let at = self
+            .sent_at
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut sent| sent.remove(&token));
+        if let Some(at) = at {
+            let us = u64::try_from(host_now().saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
+            if self.metrics.callout_latency_us != u32::MAX {
+                let _ = hostcalls::record_metric(self.metrics.callout_latency_us, us);
+            }
+        }
+    }
 }
 
 /// The proxy's clock (deadlines, retry pauses, local buckets).
@@ -194,6 +266,7 @@ impl Context for Root {
         let Some(shared) = self.shared.clone() else {
             return;
         };
+        shared.note_reply(token_id);
         let entry = shared
             .routed
             .try_borrow_mut()
@@ -251,6 +324,7 @@ impl RootContext for Root {
                     token_counter: std::cell::Cell::new(0),
                     waiting: RefCell::new(Vec::new()),
                     routed: RefCell::new(HashMap::new()),
+                    sent_at: RefCell::new(HashMap::new()),
                 }));
                 true
             }
@@ -371,6 +445,9 @@ impl Host for ProxyHost<'_> {
             timeout,
         )
         .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
+        if let Some(shared) = self.shared {
+            shared.note_sent(token, host_now());
+        }
         if self.via_root {
             // Sent while the root runs: the SDK hands the reply to the root,
             // which passes it on to this stream's flow.
@@ -500,9 +577,12 @@ impl Host for ProxyHost<'_> {
     }
 
     fn count(&mut self, counter: Counter) {
-        if let Some(id) = self.shared.and_then(|s| s.metrics.id(counter)) {
+        let Some(shared) = self.shared else {
+            return;
+        };
+        for (id, by) in shared.metrics.updates(counter).into_iter().flatten() {
             if id != u32::MAX {
-                let _ = hostcalls::increment_metric(id, 1);
+                let _ = hostcalls::increment_metric(id, by);
             }
         }
     }
@@ -580,6 +660,9 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        if let Some(shared) = self.shared.as_deref() {
+            shared.note_reply(token_id);
+        }
         let reply = callout_reply(num_headers, body_size);
         self.with_flow((), |flow, host| {
             flow.on_callout_reply(host, token_id, reply)

@@ -173,10 +173,14 @@ pub fn wasm_path() -> PathBuf {
 }
 
 /// Replaces every `{{NAME}}` in a template file; panics on any left over.
+/// Addresses not given are loopback: tests run everything on 127.0.0.1.
 pub fn render(template: &str, vars: &[(&str, String)]) -> String {
     let mut text = std::fs::read_to_string(root().join(template)).unwrap();
     for (name, value) in vars {
         text = text.replace(&format!("{{{{{name}}}}}"), value);
+    }
+    for name in ["BIND_ADDRESS", "UPSTREAM_HOST", "WEBDIS_HOST", "REDIS_HOST"] {
+        text = text.replace(&format!("{{{{{name}}}}}"), "127.0.0.1");
     }
     assert!(!text.contains("{{"), "unrendered placeholder in {template}");
     text
