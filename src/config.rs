@@ -56,10 +56,6 @@ impl std::error::Error for ConfigError {}
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(title = "redis-guard filter configuration")]
 struct RawConfig {
-    /// The schema this file follows (for editors); ignored by the filter.
-    #[serde(default, rename = "$schema")]
-    #[allow(dead_code)]
-    schema: Option<String>,
     /// How the filter reaches Redis: an Envoy cluster in front of Webdis.
     redis: RawRedis,
     /// First segment of every Redis key (default "rg"); printable ASCII without '{' or '}'.
@@ -83,6 +79,10 @@ struct RawConfig {
     /// Idempotency-key rules; the first matching rule applies.
     #[serde(default)]
     idempotency: Vec<RawIdempotency>,
+    /// The schema this file follows (for editors); ignored by the filter.
+    #[serde(default, rename = "$schema")]
+    #[allow(dead_code)]
+    schema: Option<String>,
 }
 
 /// One idempotency rule.
@@ -130,6 +130,13 @@ struct RawIdempotency {
     /// Overrides the top-level failureMode ("local" is for limits only).
     #[serde(default)]
     failure_mode: Option<FailureMode>,
+    /// Include the request body in the fingerprint, so a retry with another
+    /// body gets 422 (default true). The filter then holds the headers until
+    /// the body is read, which needs Envoy's allow_on_headers_stop_iteration;
+    /// an Istio WasmPlugin cannot set it: there, set false and the key is
+    /// decided on method and path alone.
+    #[serde(default)]
+    fingerprint_body: Option<bool>,
 }
 
 /// The Envoy cluster in front of Webdis.
@@ -462,6 +469,8 @@ pub struct Idempotency {
     pub max_request_body: usize,
     pub max_stored_body: usize,
     pub failure_mode: FailureMode,
+    /// The body is part of the fingerprint (the decision waits for it).
+    pub fingerprint_body: bool,
 }
 
 impl Idempotency {
@@ -1140,5 +1149,6 @@ fn compile_idempotency(
         max_request_body: usize::try_from(max_request_body).unwrap_or(usize::MAX),
         max_stored_body: usize::try_from(max_stored_body).unwrap_or(usize::MAX),
         failure_mode,
+        fingerprint_body: raw.fingerprint_body.unwrap_or(true),
     })
 }

@@ -388,6 +388,11 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "expected a boolean",
     ),
     (
+        "idempotency_fingerprint_body_not_bool.json",
+        "idempotency[0].fingerprintBody",
+        "expected a boolean",
+    ),
+    (
         "idempotency_tenant_not_array.json",
         "idempotency[0].tenant",
         "expected a sequence",

@@ -441,3 +441,55 @@ fn redis_down_follows_the_rule_failure_mode() {
     assert_eq!(executions_of(&stack, "/open"), 1);
     assert_eq!(executions_of(&stack, "/closed"), 0);
 }
+
+/// Envoy as an Istio `WasmPlugin` configures it: no
+/// `allow_on_headers_stop_iteration`, so a filter holding the headers never
+/// sees the body. A rule with `fingerprintBody: false` decides on the headers
+/// and keeps every guarantee but the body comparison; a rule that fingerprints
+/// the body cannot work there, and the request is held, never executed.
+#[test]
+fn without_headers_stop_iteration_a_headers_only_fingerprint_still_executes_once() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    let cfg = r#"{"redis":{"cluster":"webdis","timeoutMs":3000},"failureMode":"deny",
+        "idempotency":[
+          {"name":"headers-only","match":{"pathPrefix":"/pay"},"fingerprintBody":false},
+          {"name":"with-body","match":{"pathPrefix":"/stuck"}}]}"#;
+    let envoy = Envoy::start_edited(cfg, webdis.port, upstream.port, |yaml| {
+        let flag = "allow_on_headers_stop_iteration: true";
+        assert!(yaml.contains(flag));
+        yaml.replace(flag, "allow_on_headers_stop_iteration: false")
+    });
+    let pay = |body: &[u8]| post(&envoy, "/pay/1", &[("idempotency-key", "istio-1")], body);
+
+    let first = pay(b"{\"amount\":10}");
+    assert_eq!(first.status, 200);
+    assert_eq!(upstream.executed(), 1);
+    // The upstream got the whole body although the filter held the request.
+    assert_eq!(first.json()["bodyBytes"], 13, "{:?}", first.json());
+    let again = pay(b"{\"amount\":10}");
+    assert_eq!(again.status, 200);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    // Not compared: another body under the same key replays too.
+    let other = pay(b"{\"amount\":99}");
+    assert_eq!(other.header("idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.executed(), 1);
+
+    // The body-fingerprinting rule on this Envoy: held until the client gives up.
+    let calls = envoy.counter("redis_guard.redis.calls");
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_millis(1500))
+        .build();
+    let stuck = agent
+        .post(&envoy.url("/stuck"))
+        .set("idempotency-key", "istio-2")
+        .send_bytes(b"{\"amount\":10}");
+    assert!(
+        matches!(stuck, Err(ureq::Error::Transport(_))),
+        "expected the request to hang: {stuck:?}"
+    );
+    assert_eq!(envoy.counter("redis_guard.redis.calls"), calls);
+    assert_eq!(upstream.executed(), 1);
+}

@@ -227,13 +227,19 @@ impl Flow {
                 }
             }
         }
-        if self.keyed.is_some() && !end_of_stream {
+        let body_in_fingerprint = self
+            .keyed
+            .as_ref()
+            .is_some_and(|k| self.config.idempotency[k.rule].fingerprint_body);
+        if body_in_fingerprint && !end_of_stream {
             // The fingerprint covers the body: decide once it is all here.
             self.line = Some(line);
             self.phase = Phase::ReadingBody;
             return Action::Pause;
         }
         if let Some(keyed) = self.keyed.as_mut() {
+            // No body yet, or a rule that leaves it out: decide on the headers
+            // (the body waits in Envoy until the request is resumed).
             keyed.args.fingerprint = fingerprint(&line.method, &full_path(host), b"");
         }
         if self.plan.is_empty() && self.keyed.is_none() {
@@ -1645,6 +1651,31 @@ mod tests {
         assert_eq!(h.dispatched.len(), 1);
         f.on_callout_reply(&mut h, 1, ok(IDEM_ADMIT));
         assert_eq!(h.resumed, 1);
+    }
+
+    #[test]
+    fn a_rule_without_body_fingerprint_decides_on_the_headers() {
+        let json = IDEM_CONFIG.replace("FAILURE", "allow").replace(
+            r#""name":"pay","#,
+            r#""name":"pay","fingerprintBody":false,"#,
+        );
+        let cfg = Rc::new(Config::parse(json.as_bytes()).unwrap());
+        assert!(!cfg.idempotency[0].fingerprint_body);
+        let mut f = Flow::new(cfg.clone(), test_breaker());
+        let mut h = FakeHost::post("/pay/1", b"abc-123");
+        h.request_body = b"{\"a\":12}".to_vec();
+        // A body follows, yet the call goes out with the headers.
+        assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
+        assert_eq!(h.dispatched.len(), 1);
+        let key = expected_record_key(&cfg, &h, b"abc-123");
+        let fp = fingerprint("POST", b"/pay/1", b"");
+        assert_eq!(h.dispatched[0], request_call(&key, "owner-1", &fp));
+        // The body waits while Redis decides, then flows untouched.
+        assert_eq!(f.on_request_body(&mut h, 8, true), Action::Pause);
+        f.on_callout_reply(&mut h, 1, ok(IDEM_ADMIT));
+        assert_eq!(h.resumed, 1);
+        assert_eq!(f.on_request_body(&mut h, 8, true), Action::Continue);
+        assert_eq!(h.dispatched.len(), 1);
     }
 
     #[test]

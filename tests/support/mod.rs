@@ -355,6 +355,17 @@ impl Envoy {
     /// Envoy with `filter_config` (the filter's JSON), two workers, hot
     /// restart disabled so several can run side by side.
     pub fn start(filter_config: &str, webdis_port: u16, upstream_port: u16) -> Envoy {
+        Envoy::start_edited(filter_config, webdis_port, upstream_port, |yaml| yaml)
+    }
+
+    /// The same, with `edit` applied to the rendered envoy.yaml (to run the
+    /// filter the way another host, such as Istio, configures it).
+    pub fn start_edited(
+        filter_config: &str,
+        webdis_port: u16,
+        upstream_port: u16,
+        edit: impl FnOnce(String) -> String,
+    ) -> Envoy {
         let dir = Scratch::new("envoy");
         let port = free_port();
         let admin_port = free_port();
@@ -373,7 +384,7 @@ impl Envoy {
             ],
         );
         let conf = dir.0.join("envoy.yaml");
-        std::fs::write(&conf, yaml).unwrap();
+        std::fs::write(&conf, edit(yaml)).unwrap();
         let log = std::fs::File::create(dir.0.join("envoy.log")).unwrap();
         let mut proc = Proc::spawn(
             "envoy",
