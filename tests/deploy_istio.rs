@@ -1,0 +1,482 @@
+//! The Istio manifest `envoy/istio/wasmplugin.yaml`, read the way `kubectl
+//! apply` and istiod read it: each document a named Kubernetes object, the
+//! WasmPlugin's fields and enum values those Istio defines
+//! (istio/api `extensions/v1alpha1/wasm.proto`), and its `pluginConfig`
+//! accepted by the filter's own configuration parser, pointing at the callout
+//! cluster that the ServiceEntry in the same file makes Istio create.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+
+use redis_guard::config::Config;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+const MANIFEST: &str = "envoy/istio/wasmplugin.yaml";
+
+/// Every YAML document of the manifest, as JSON (what `kubectl` sends).
+fn documents() -> Vec<Value> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(MANIFEST);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .enumerate()
+        .map(|(i, doc)| {
+            Value::deserialize(doc)
+                .unwrap_or_else(|e| panic!("{MANIFEST}: document {i} is not valid YAML: {e}"))
+        })
+        .collect()
+}
+
+/// The one document of `kind`.
+fn only(docs: &[Value], kind: &str) -> Value {
+    let found: Vec<&Value> = docs.iter().filter(|d| d["kind"] == kind).collect();
+    assert_eq!(
+        found.len(),
+        1,
+        "{MANIFEST} must hold exactly one {kind}, found {}",
+        found.len()
+    );
+    found[0].clone()
+}
+
+fn plugin_config(docs: &[Value]) -> Value {
+    let config = only(docs, "WasmPlugin")["spec"]["pluginConfig"].clone();
+    assert!(config.is_object(), "the WasmPlugin has no pluginConfig");
+    config
+}
+
+/// The bytes the filter receives: Istio turns `pluginConfig` into JSON.
+fn as_filter_json(config: &Value) -> Vec<u8> {
+    serde_json::to_vec(config).unwrap()
+}
+
+fn schema_errors(schema: &Value, instance: &Value) -> Vec<String> {
+    let validator = jsonschema::validator_for(schema).expect("the test's own schema compiles");
+    validator
+        .iter_errors(instance)
+        .map(|e| format!("at `{}`: {e}", e.instance_path()))
+        .collect()
+}
+
+/// The WasmPlugin spec as istio/api `extensions/v1alpha1/wasm.proto` defines
+/// it: its fields (anything else is an unknown field that `kubectl apply`
+/// refuses) and its enums.
+fn wasm_plugin_spec_schema() -> Value {
+    json!({
+        "type": "object",
+        "additionalProperties": false,
+        "required": ["url"],
+        "properties": {
+            "selector": {
+                "type": "object",
+                "additionalProperties": false,
+                "properties": {
+                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}
+                }
+            },
+            "targetRefs": {"type": "array"},
+            "url": {"type": "string", "minLength": 1},
+            "sha256": {"type": "string", "pattern": "^$|^[a-f0-9]{64}$"},
+            "imagePullPolicy": {"enum": ["UNSPECIFIED_POLICY", "IfNotPresent", "Always"]},
+            "imagePullSecret": {"type": "string", "minLength": 1, "maxLength": 253},
+            "pluginConfig": {"type": "object"},
+            "pluginName": {"type": "string", "minLength": 1, "maxLength": 256},
+            "phase": {"enum": ["UNSPECIFIED_PHASE", "AUTHN", "AUTHZ", "STATS"]},
+            "priority": {"type": "integer"},
+            "failStrategy": {"enum": ["FAIL_CLOSE", "FAIL_OPEN", "FAIL_RELOAD"]},
+            "vmConfig": {
+                "type": "object",
+                "additionalProperties": false,
+                "properties": {"env": {"type": "array"}}
+            },
+            "match": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": false,
+                    "properties": {
+                        "mode": {"enum": ["UNDEFINED", "CLIENT", "SERVER", "CLIENT_AND_SERVER"]},
+                        "ports": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "additionalProperties": false,
+                                "required": ["number"],
+                                "properties": {
+                                    "number": {"type": "integer", "minimum": 1, "maximum": 65535}
+                                }
+                            }
+                        }
+                    }
+                }
+            },
+            "type": {"enum": ["UNSPECIFIED_PLUGIN_TYPE", "HTTP", "NETWORK"]}
+        }
+    })
+}
+
+/// The part of istio/api `networking/v1alpha3/service_entry.proto` this
+/// manifest uses.
+fn service_entry_spec_schema() -> Value {
+    json!({
+        "type": "object",
+        "additionalProperties": false,
+        "required": ["hosts", "ports"],
+        "properties": {
+            "hosts": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            "location": {"enum": ["MESH_EXTERNAL", "MESH_INTERNAL"]},
+            "resolution": {"enum": ["NONE", "STATIC", "DNS", "DNS_ROUND_ROBIN"]},
+            "ports": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "additionalProperties": false,
+                    "required": ["number", "name"],
+                    "properties": {
+                        "number": {"type": "integer", "minimum": 1, "maximum": 65535},
+                        "name": {"type": "string", "minLength": 1},
+                        "protocol": {"enum": ["HTTP", "HTTPS", "HTTP2", "GRPC", "TCP", "TLS", "MONGO"]},
+                        "targetPort": {"type": "integer"}
+                    }
+                }
+            },
+            "exportTo": {"type": "array", "items": {"type": "string"}}
+        }
+    })
+}
+
+/// The part of istio/api `networking/v1alpha3/destination_rule.proto`
+/// (ConnectionPoolSettings, OutlierDetection) this manifest uses.
+fn destination_rule_spec_schema() -> Value {
+    let duration = json!({"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?(h|m|s|ms)$"});
+    let count = json!({"type": "integer", "minimum": 0});
+    json!({
+        "type": "object",
+        "additionalProperties": false,
+        "required": ["host"],
+        "properties": {
+            "host": {"type": "string", "minLength": 1},
+            "exportTo": {"type": "array", "items": {"type": "string"}},
+            "trafficPolicy": {
+                "type": "object",
+                "additionalProperties": false,
+                "properties": {
+                    "connectionPool": {
+                        "type": "object",
+                        "additionalProperties": false,
+                        "properties": {
+                            "tcp": {
+                                "type": "object",
+                                "additionalProperties": false,
+                                "properties": {
+                                    "maxConnections": count,
+                                    "connectTimeout": duration,
+                                    "tcpKeepalive": {
+                                        "type": "object",
+                                        "additionalProperties": false,
+                                        "properties": {
+                                            "probes": count,
+                                            "time": duration,
+                                            "interval": duration
+                                        }
+                                    },
+                                    "maxConnectionDuration": duration,
+                                    "idleTimeout": duration
+                                }
+                            },
+                            "http": {
+                                "type": "object",
+                                "additionalProperties": false,
+                                "properties": {
+                                    "http1MaxPendingRequests": count,
+                                    "http2MaxRequests": count,
+                                    "maxRequestsPerConnection": count,
+                                    "maxRetries": count,
+                                    "idleTimeout": duration,
+                                    "h2UpgradePolicy": {"enum": ["DEFAULT", "DO_NOT_UPGRADE", "UPGRADE"]},
+                                    "useClientProtocol": {"type": "boolean"},
+                                    "maxConcurrentStreams": count
+                                }
+                            }
+                        }
+                    },
+                    "outlierDetection": {
+                        "type": "object",
+                        "additionalProperties": false,
+                        "properties": {
+                            "splitExternalLocalOriginErrors": {"type": "boolean"},
+                            "consecutiveLocalOriginFailures": count,
+                            "consecutiveGatewayErrors": count,
+                            "consecutive5xxErrors": count,
+                            "interval": duration,
+                            "baseEjectionTime": duration,
+                            "maxEjectionPercent": {"type": "integer", "minimum": 0, "maximum": 100},
+                            "minHealthPercent": {"type": "integer", "minimum": 0, "maximum": 100}
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Istio names the outbound cluster of a service `outbound|<port>|<subset>|<host>`
+/// (pilot/pkg/model/service.go `BuildSubsetKey`). Returns the ServiceEntry
+/// (host, port) whose subset-less cluster is `cluster`.
+fn service_entry_target(service_entry: &Value, cluster: &str) -> Result<(String, u64), String> {
+    let spec = &service_entry["spec"];
+    let hosts = spec["hosts"].as_array().cloned().unwrap_or_default();
+    let ports = spec["ports"].as_array().cloned().unwrap_or_default();
+    for host in hosts.iter().filter_map(Value::as_str) {
+        for port in ports.iter().filter_map(|p| p["number"].as_u64()) {
+            if cluster == format!("outbound|{port}||{host}") {
+                return Ok((host.to_string(), port));
+            }
+        }
+    }
+    Err(format!(
+        "`{cluster}` is not outbound|<port>||<host> for any host {hosts:?} and port of the ServiceEntry"
+    ))
+}
+
+/// Every number in `v` that is not exactly a protobuf double, with its path.
+fn numbers_beyond_doubles(v: &Value, at: &str, out: &mut Vec<String>) {
+    const EXACT: u64 = 1 << 53;
+    match v {
+        Value::Number(n) => {
+            let exact = match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => u <= EXACT,
+                (None, Some(i)) => i.unsigned_abs() <= EXACT,
+                _ => true,
+            };
+            if !exact {
+                out.push(format!("{at} = {n}"));
+            }
+        }
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                numbers_beyond_doubles(item, &format!("{at}[{i}]"), out);
+            }
+        }
+        Value::Object(map) => {
+            for (k, item) in map {
+                numbers_beyond_doubles(item, &format!("{at}.{k}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn every_document_is_a_named_kubernetes_object_in_one_namespace() {
+    let docs = documents();
+    assert!(!docs.is_empty(), "{MANIFEST} holds no document");
+    let mut namespaces = Vec::new();
+    for (i, doc) in docs.iter().enumerate() {
+        for field in ["apiVersion", "kind"] {
+            let value = doc[field].as_str().unwrap_or_default();
+            assert!(!value.is_empty(), "document {i} has no `{field}`");
+        }
+        let name = doc["metadata"]["name"].as_str().unwrap_or_default();
+        assert!(!name.is_empty(), "document {i} has no metadata.name");
+        assert!(doc["spec"].is_object(), "document {i} ({name}) has no spec");
+        let namespace = doc["metadata"]["namespace"].as_str().unwrap_or_default();
+        assert!(
+            !namespace.is_empty(),
+            "document {i} ({name}) has no namespace"
+        );
+        namespaces.push(namespace);
+    }
+    // exportTo "." makes the ServiceEntry and DestinationRule visible to the
+    // plugin's workloads only if they share its namespace.
+    namespaces.dedup();
+    assert_eq!(
+        namespaces.len(),
+        1,
+        "all documents must share one namespace, found {namespaces:?}"
+    );
+}
+
+#[test]
+fn manifest_holds_a_wasm_plugin_a_service_entry_and_a_destination_rule() {
+    let docs = documents();
+    let expected = [
+        ("WasmPlugin", "extensions.istio.io/v1alpha1"),
+        ("ServiceEntry", "networking.istio.io/v1"),
+        ("DestinationRule", "networking.istio.io/v1"),
+    ];
+    for (kind, api_version) in expected {
+        assert_eq!(only(&docs, kind)["apiVersion"], api_version, "{kind}");
+    }
+    assert_eq!(docs.len(), expected.len(), "unexpected extra documents");
+    assert_eq!(only(&docs, "WasmPlugin")["metadata"]["name"], "redis-guard");
+}
+
+#[test]
+fn wasm_plugin_uses_only_fields_and_enum_values_istio_defines() {
+    let plugin = only(&documents(), "WasmPlugin");
+    let errors = schema_errors(&wasm_plugin_spec_schema(), &plugin["spec"]);
+    assert!(errors.is_empty(), "WasmPlugin spec: {errors:#?}");
+}
+
+#[test]
+fn wasm_plugin_schema_rejects_an_unknown_phase_and_a_misspelled_field() {
+    let mut spec = only(&documents(), "WasmPlugin")["spec"].clone();
+    spec["phase"] = json!("RATELIMIT");
+    spec["failStrategy"] = json!("FAIL_CLOSED");
+    spec["imagePullPolicyy"] = json!("Always");
+    let errors = schema_errors(&wasm_plugin_spec_schema(), &spec).join("\n");
+    for needle in ["/phase", "/failStrategy", "imagePullPolicyy"] {
+        assert!(errors.contains(needle), "no error about {needle}: {errors}");
+    }
+}
+
+#[test]
+fn wasm_plugin_pulls_a_versioned_oci_image() {
+    let spec = only(&documents(), "WasmPlugin")["spec"].clone();
+    let url = spec["url"].as_str().unwrap_or_default();
+    let image = url
+        .strip_prefix("oci://")
+        .unwrap_or_else(|| panic!("url `{url}` must start with oci://"));
+    let (_, reference) = image
+        .rsplit_once([':', '@'])
+        .unwrap_or_else(|| panic!("image `{image}` has neither a tag nor a digest"));
+    assert!(
+        !reference.contains('/') && reference != "latest",
+        "image `{image}` must name a version, not `latest`"
+    );
+    assert_eq!(spec["imagePullPolicy"], "IfNotPresent");
+}
+
+#[test]
+fn wasm_plugin_runs_on_inbound_http_after_authorization_and_fails_closed() {
+    let spec = only(&documents(), "WasmPlugin")["spec"].clone();
+    assert_eq!(spec["type"], "HTTP");
+    assert_eq!(
+        spec["phase"], "STATS",
+        "after Istio's authn and authz filters"
+    );
+    assert_eq!(spec["match"], json!([{"mode": "SERVER"}]));
+    assert_eq!(spec["failStrategy"], "FAIL_CLOSE");
+    assert!(
+        spec["selector"]["matchLabels"]
+            .as_object()
+            .is_some_and(|m| !m.is_empty()),
+        "the plugin must select its workloads"
+    );
+}
+
+#[test]
+fn plugin_config_is_accepted_by_the_filter_and_calls_the_service_entry_cluster() {
+    let docs = documents();
+    let config = Config::parse(&as_filter_json(&plugin_config(&docs)))
+        .unwrap_or_else(|e| panic!("the filter refuses the WasmPlugin's pluginConfig: {e}"));
+    let service_entry = only(&docs, "ServiceEntry");
+    let (host, port) = service_entry_target(&service_entry, &config.redis.cluster)
+        .unwrap_or_else(|e| panic!("redis.cluster: {e}"));
+    assert_eq!(config.redis.authority, host, "redis.authority");
+    assert_eq!(port, 7379, "Webdis' port");
+    assert_eq!(only(&docs, "DestinationRule")["spec"]["host"], host);
+    // What the manifest promises in its comments.
+    assert_eq!(config.limits.len(), 2);
+    assert_eq!(config.idempotency.len(), 1);
+    assert!(!config.hash_tag.is_empty(), "tenants spread over slots");
+}
+
+/// A WasmPlugin cannot set Envoy's `allow_on_headers_stop_iteration`, and
+/// without it a filter holding the headers never receives the body
+/// (tests/e2e_idempotency.rs shows both sides): every idempotency rule here
+/// must decide on the headers.
+#[test]
+fn idempotency_rules_under_a_wasm_plugin_do_not_wait_for_the_body() {
+    let config = Config::parse(&as_filter_json(&plugin_config(&documents()))).unwrap();
+    assert!(!config.idempotency.is_empty());
+    for rule in &config.idempotency {
+        assert!(
+            !rule.fingerprint_body,
+            "rule `{}` would hold keyed requests with a body forever: set fingerprintBody: false",
+            rule.name
+        );
+    }
+}
+
+#[test]
+fn plugin_config_with_an_unknown_key_is_rejected_by_the_filter() {
+    let mut config = plugin_config(&documents());
+    config["limits"][0]["tokenBucket"]["capacty"] = json!(10);
+    let err =
+        Config::parse(&as_filter_json(&config)).expect_err("a misspelled key must not be accepted");
+    assert_eq!(err.field, "limits[0].tokenBucket.capacty");
+    assert!(err.reason.contains("unknown field"), "{err}");
+}
+
+#[test]
+fn a_cluster_the_service_entry_does_not_declare_is_not_accepted() {
+    let service_entry = only(&documents(), "ServiceEntry");
+    for cluster in [
+        "outbound|6379||webdis.redis.internal.example.com",
+        "outbound|7379||webdis.example.org",
+        "outbound|7379|v1|webdis.redis.internal.example.com",
+        "webdis",
+    ] {
+        assert!(
+            service_entry_target(&service_entry, cluster).is_err(),
+            "{cluster} was accepted"
+        );
+    }
+}
+
+#[test]
+fn plugin_config_numbers_survive_istio_protobuf_doubles() {
+    // istiod stores pluginConfig as a google.protobuf.Struct (numbers are
+    // doubles) and prints it as JSON for the filter; integers come back
+    // unchanged only up to 2^53.
+    let mut beyond = Vec::new();
+    numbers_beyond_doubles(&plugin_config(&documents()), "pluginConfig", &mut beyond);
+    assert!(beyond.is_empty(), "not exact as doubles: {beyond:?}");
+
+    let mut probe = Vec::new();
+    numbers_beyond_doubles(&json!({"n": 9_007_199_254_740_993_u64}), "x", &mut probe);
+    assert_eq!(probe, ["x.n = 9007199254740993"]);
+}
+
+#[test]
+fn service_entry_declares_webdis_as_plain_http_outside_the_mesh() {
+    let service_entry = only(&documents(), "ServiceEntry");
+    let errors = schema_errors(&service_entry_spec_schema(), &service_entry["spec"]);
+    assert!(errors.is_empty(), "ServiceEntry spec: {errors:#?}");
+    let spec = &service_entry["spec"];
+    assert_eq!(spec["location"], "MESH_EXTERNAL");
+    assert_eq!(spec["resolution"], "DNS");
+    assert_eq!(spec["ports"][0]["protocol"], "HTTP");
+}
+
+#[test]
+fn destination_rule_keeps_warm_http1_connections_and_ejects_bad_instances() {
+    let rule = only(&documents(), "DestinationRule");
+    let errors = schema_errors(&destination_rule_spec_schema(), &rule["spec"]);
+    assert!(errors.is_empty(), "DestinationRule spec: {errors:#?}");
+    let policy = &rule["spec"]["trafficPolicy"];
+    let http = &policy["connectionPool"]["http"];
+    assert_eq!(
+        http["h2UpgradePolicy"], "DO_NOT_UPGRADE",
+        "Webdis is HTTP/1.1"
+    );
+    assert_eq!(http["maxRequestsPerConnection"], 0, "keep-alive");
+    let outlier = &policy["outlierDetection"];
+    assert!(outlier["consecutiveGatewayErrors"].as_u64().unwrap_or(0) > 0);
+    assert!(
+        outlier["consecutiveLocalOriginFailures"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    );
+    let max_ejection = outlier["maxEjectionPercent"].as_u64().unwrap_or(100);
+    assert!(
+        max_ejection < 100,
+        "a Redis outage makes every Webdis answer 503: never eject them all"
+    );
+}
