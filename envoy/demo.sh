@@ -30,27 +30,24 @@ wait_port() { # port name
   echo "$2 did not start; see $STACK/*.log"; exit 1
 }
 
+# The same templates the tests and compose.yaml render, here for loopback.
+python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json \
+  --set BIND_ADDRESS=127.0.0.1 --set ADMIN_PORT="$ADMIN_PORT" --set LISTEN_PORT="$ENVOY_PORT" \
+  --set UPSTREAM_HOST=127.0.0.1 --set UPSTREAM_PORT="$UPSTREAM_PORT" \
+  --set WEBDIS_HOST=127.0.0.1 --set WEBDIS_PORT="$WEBDIS_PORT" --set WASM_PATH="$PWD/$WASM" \
+  --set REDIS_HOST=127.0.0.1 --set REDIS_PORT="$REDIS_PORT" --set WEBDIS_LOG="$PWD/$STACK/webdis.log" \
+  envoy/envoy.yaml envoy/webdis.json
+
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
   --dir "$STACK" --logfile "$PWD/$STACK/redis.log" --daemonize no </dev/null >/dev/null 2>&1 &
 echo $! > "$STACK/redis.pid"; wait_port "$REDIS_PORT" redis-server
 
-sed -e "s#{{REDIS_PORT}}#$REDIS_PORT#" -e "s#{{WEBDIS_PORT}}#$WEBDIS_PORT#" \
-    -e "s#{{WEBDIS_LOG}}#$PWD/$STACK/webdis.log#" envoy/webdis.json > "$STACK/webdis.json"
 webdis "$STACK/webdis.json" </dev/null >/dev/null 2>&1 &
 echo $! > "$STACK/webdis.pid"; wait_port "$WEBDIS_PORT" webdis
 
 python3 envoy/upstream.py --port "$UPSTREAM_PORT" </dev/null > "$STACK/upstream.log" 2>&1 &
 echo $! > "$STACK/upstream.pid"; wait_port "$UPSTREAM_PORT" upstream
 
-FILTER_CONFIG=$(python3 -c 'import json,sys; print(json.dumps(open(sys.argv[1]).read()))' envoy/filter.json)
-python3 - "$FILTER_CONFIG" > "$STACK/envoy.yaml" <<PY
-import sys
-text = open("envoy/envoy.yaml").read()
-for k, v in {"ADMIN_PORT": "$ADMIN_PORT", "LISTEN_PORT": "$ENVOY_PORT", "UPSTREAM_PORT": "$UPSTREAM_PORT",
-             "WEBDIS_PORT": "$WEBDIS_PORT", "WASM_PATH": "$PWD/$WASM", "FILTER_CONFIG": sys.argv[1]}.items():
-    text = text.replace("{{" + k + "}}", v)
-print(text)
-PY
 "$ENVOY" -c "$STACK/envoy.yaml" --concurrency 2 --disable-hot-restart --log-level ${ENVOY_LOG_LEVEL:-warn} \
   </dev/null > "$STACK/envoy.log" 2>&1 &
 echo $! > "$STACK/envoy.pid"; wait_port "$ENVOY_PORT" envoy

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Renders the stack's config templates (envoy.yaml, webdis.json).
+
+Used by the demo (envoy/demo.sh) and the compose stack (compose.yaml), so
+both run the very files the tests render. Every double-brace NAME
+placeholder in a template must be given with --set NAME=VALUE (or, for
+FILTER_CONFIG, --filter-config FILE); a placeholder left over or a --set
+no template uses is an error, so a renamed placeholder cannot go unnoticed.
+
+  render.py --out DIR [--set NAME=VALUE ...] [--filter-config FILE] TEMPLATE...
+
+Each TEMPLATE is written to DIR under its own file name.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="directory for the rendered files")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--filter-config", help="filter JSON, inserted as FILTER_CONFIG")
+    p.add_argument("templates", nargs="+")
+    args = p.parse_args()
+
+    values = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep or not PLACEHOLDER.fullmatch("{{" + name + "}}"):
+            p.error(f"--set {item!r}: expected NAME=VALUE with NAME in A-Z and _")
+        values[name] = value
+    if args.filter_config:
+        with open(args.filter_config, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            json.loads(text)
+        except ValueError as e:
+            p.error(f"{args.filter_config} is not JSON: {e}")
+        # One JSON string literal: a valid YAML scalar that Envoy hands to the
+        # filter unchanged.
+        values["FILTER_CONFIG"] = json.dumps(text)
+
+    os.makedirs(args.out, exist_ok=True)
+    used = set()
+    for template in args.templates:
+        with open(template, encoding="utf-8") as f:
+            text = f.read()
+        wanted = set(PLACEHOLDER.findall(text))
+        missing = sorted(wanted - values.keys())
+        if missing:
+            print(f"render.py: {template}: no value for {', '.join(missing)}", file=sys.stderr)
+            return 1
+        used |= wanted
+        rendered = PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
+        with open(os.path.join(args.out, os.path.basename(template)), "w", encoding="utf-8") as f:
+            f.write(rendered)
+    unused = sorted(values.keys() - used)
+    if unused:
+        print(f"render.py: no template uses {', '.join(unused)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+//! `envoy/compose.yaml`, checked without Docker (no engine runs on the build
+//! machines): it validates against the Compose Specification JSON schema,
+//! every file it mounts exists, and the stack it describes is consistent: the
+//! render service's command, run here with the real renderer, yields an
+//! envoy.yaml whose listener, admin port, clusters, wasm path and filter config
+//! agree with the services, the published ports and the mounts, and that the
+//! real Envoy binary accepts (`--mode validate`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+use redis_guard::config::Config;
+use serde_json::Value;
+use support::{envoy_bin, root, Scratch};
+
+fn envoy_dir() -> PathBuf {
+    root().join("envoy")
+}
+
+fn compose() -> Value {
+    let text = std::fs::read_to_string(envoy_dir().join("compose.yaml")).unwrap();
+    serde_yaml_ng::from_str(&text).unwrap()
+}
+
+/// The Compose Specification schema, fetched by `make compose-schema` (a
+/// dependency of `make test`) from the docker-compose release on PyPI.
+fn compose_schema() -> jsonschema::Validator {
+    let path = root().join(".venv/share/compose-spec/compose_spec.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; run `make test` (it fetches the Compose Specification schema)",
+            path.display()
+        )
+    });
+    let schema: Value = serde_json::from_str(&text).unwrap();
+    jsonschema::options().build(&schema).unwrap()
+}
+
+fn service<'a>(c: &'a Value, name: &str) -> &'a Value {
+    let s = &c["services"][name];
+    assert!(s.is_object(), "compose.yaml has no service `{name}`");
+    s
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("expected a list, found {v}"))
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Short-syntax volume entries as (source, target).
+fn mounts(svc: &Value) -> Vec<(String, String)> {
+    strings(&svc["volumes"])
+        .into_iter()
+        .map(|m| {
+            let mut parts = m.split(':');
+            let src = parts.next().unwrap().to_string();
+            let dst = parts
+                .next()
+                .unwrap_or_else(|| panic!("{m}: no target"))
+                .to_string();
+            (src, dst)
+        })
+        .collect()
+}
+
+fn is_bind(src: &str) -> bool {
+    src.starts_with("./") || src.starts_with("../") || src.starts_with('/')
+}
+
+/// A command's `--flag value` arguments, in order.
+fn flag_values(cmd: &[String], flag: &str) -> Vec<String> {
+    cmd.windows(2)
+        .filter(|w| w[0] == flag)
+        .map(|w| w[1].clone())
+        .collect()
+}
+
+/// Runs the render service's command here: container paths of its bind
+/// mounts become the host files, its volume becomes a scratch directory.
+/// Returns that directory and the `--set` values.
+fn run_render_service(c: &Value) -> (Scratch, BTreeMap<String, String>) {
+    let render = service(c, "render");
+    let cmd = strings(&render["command"]);
+    let out = Scratch::new("compose-render");
+    let mut host_path = BTreeMap::new();
+    for (src, dst) in mounts(render) {
+        if is_bind(&src) {
+            host_path.insert(dst, envoy_dir().join(&src));
+        } else {
+            host_path.insert(dst, out.0.clone());
+        }
+    }
+    assert_eq!(cmd[0], "python3");
+    let args: Vec<String> = cmd[1..]
+        .iter()
+        .map(|a| match host_path.get(a) {
+            Some(p) => p.display().to_string(),
+            None => a.clone(),
+        })
+        .collect();
+    let status = Command::new("python3").args(&args).status().unwrap();
+    assert!(status.success(), "render service command failed: {args:?}");
+    let sets = flag_values(&cmd, "--set")
+        .into_iter()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap();
+            (k.to_string(), v.to_string())
+        })
+        .collect();
+    (out, sets)
+}
+
+fn socket(v: &Value) -> (String, u64) {
+    let a = &v["socket_address"];
+    (
+        a["address"].as_str().unwrap().to_string(),
+        a["port_value"].as_u64().unwrap(),
+    )
+}
+
+fn cluster_endpoint(envoy: &Value, name: &str) -> (String, u64) {
+    let cluster = envoy["static_resources"]["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("envoy.yaml has no cluster `{name}`"));
+    socket(&cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"])
+}
+
+/// Container ports a service publishes, as (host ip, host port, container port).
+fn published(svc: &Value) -> Vec<(String, u64, u64)> {
+    strings(&svc["ports"])
+        .iter()
+        .map(|p| {
+            let parts: Vec<&str> = p.split(':').collect();
+            assert_eq!(parts.len(), 3, "{p}: expected ip:host:container");
+            (
+                parts[0].to_string(),
+                parts[1].parse().unwrap(),
+                parts[2].parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn wasm_filter_config(envoy: &Value) -> &Value {
+    let filters = envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"]
+        .as_array()
+        .unwrap();
+    let wasm = filters
+        .iter()
+        .find(|f| f["name"] == "envoy.filters.http.wasm")
+        .expect("the wasm filter");
+    &wasm["typed_config"]["config"]
+}
+
+#[test]
+fn compose_file_validates_against_the_compose_specification() {
+    let schema = compose_schema();
+    let c = compose();
+    let errors: Vec<String> = schema.iter_errors(&c).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+    // The check can fail: a misspelled service key is not Compose.
+    let mut broken = c.clone();
+    broken["services"]["envoy"]["volume"] = broken["services"]["envoy"]["volumes"].clone();
+    assert!(!schema.is_valid(&broken), "schema accepted `volume:`");
+}
+
+#[test]
+fn every_bind_mount_exists_and_named_volumes_are_declared() {
+    let c = compose();
+    let mut binds = 0;
+    for (name, svc) in c["services"].as_object().unwrap() {
+        if svc.get("volumes").is_none() {
+            continue;
+        }
+        for (src, _) in mounts(svc) {
+            if is_bind(&src) {
+                binds += 1;
+                let p = envoy_dir().join(&src);
+                assert!(
+                    p.exists(),
+                    "service {name} mounts {src}, missing ({}): run `make build`",
+                    p.display()
+                );
+            } else {
+                assert!(
+                    c["volumes"].get(&src).is_some(),
+                    "service {name} uses volume {src}, not declared"
+                );
+            }
+        }
+    }
+    assert!(binds >= 6, "only {binds} bind mounts");
+    // The filter comes from the build output, not a copy that could go stale.
+    let envoy_mounts = mounts(service(&c, "envoy"));
+    let wasm = envoy_mounts
+        .iter()
+        .find(|(src, _)| src.ends_with(".wasm"))
+        .expect("envoy mounts the filter");
+    assert_eq!(
+        envoy_dir().join(&wasm.0).canonicalize().unwrap(),
+        support::wasm_path().canonicalize().unwrap()
+    );
+}
+
+#[test]
+fn rendered_stack_agrees_with_the_services_ports_and_mounts() {
+    let c = compose();
+    let (out, sets) = run_render_service(&c);
+    let envoy: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(out.0.join("envoy.yaml")).unwrap())
+            .unwrap();
+    let webdis: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.0.join("webdis.json")).unwrap()).unwrap();
+
+    // Envoy listens where compose publishes, on every interface of its container.
+    let ports = published(service(&c, "envoy"));
+    let (addr, listen) = socket(&envoy["static_resources"]["listeners"][0]["address"]);
+    let (admin_addr, admin) = socket(&envoy["admin"]["address"]);
+    assert_eq!((addr.as_str(), admin_addr.as_str()), ("0.0.0.0", "0.0.0.0"));
+    let container_ports: Vec<u64> = ports.iter().map(|p| p.2).collect();
+    assert_eq!(container_ports, vec![listen, admin]);
+    for (ip, host_port, container_port) in &ports {
+        assert_eq!(ip, "127.0.0.1", "published beyond loopback");
+        assert_eq!(host_port, container_port);
+    }
+
+    // Clusters point at the compose services, on the ports they listen on.
+    let upstream_cmd = strings(&service(&c, "upstream")["command"]);
+    let upstream_port: u64 = flag_values(&upstream_cmd, "--port")[0].parse().unwrap();
+    assert_eq!(
+        cluster_endpoint(&envoy, "upstream"),
+        ("upstream".to_string(), upstream_port)
+    );
+    assert_eq!(
+        cluster_endpoint(&envoy, "webdis"),
+        ("webdis".to_string(), webdis["http_port"].as_u64().unwrap())
+    );
+    assert_eq!(webdis["http_host"], "0.0.0.0");
+    // Webdis reaches the redis service on Redis's default port (its command
+    // sets no other).
+    assert_eq!(webdis["redis_host"], "redis");
+    assert_eq!(webdis["redis_port"], 6379);
+    assert!(!strings(&service(&c, "redis")["command"]).contains(&"--port".to_string()));
+    // The hardened ACL: everything off but the two script commands.
+    assert_eq!(
+        webdis["acl"],
+        serde_json::json!([{"disabled": ["*"]}, {"enabled": ["EVALSHA", "EVAL"]}])
+    );
+
+    // The filter: its code is the mounted build output, its config is
+    // envoy/filter.json, and the cluster it calls exists.
+    let config = wasm_filter_config(&envoy);
+    let wasm_in_container = config["vm_config"]["code"]["local"]["filename"]
+        .as_str()
+        .unwrap();
+    assert_eq!(sets["WASM_PATH"], wasm_in_container);
+    assert!(mounts(service(&c, "envoy"))
+        .iter()
+        .any(|(src, dst)| src.ends_with("redis_guard.wasm") && dst == wasm_in_container));
+    let filter_json = config["configuration"]["value"].as_str().unwrap();
+    assert_eq!(
+        filter_json,
+        std::fs::read_to_string(envoy_dir().join("filter.json")).unwrap()
+    );
+    let parsed = Config::parse(filter_json.as_bytes()).unwrap();
+    cluster_endpoint(&envoy, &parsed.redis.cluster);
+
+    // The rendered file is a config the real Envoy accepts (the wasm path
+    // swapped for the build output, which is where compose mounts it from).
+    let local = out.0.join("envoy-local.yaml");
+    let text = std::fs::read_to_string(out.0.join("envoy.yaml")).unwrap();
+    let wasm = support::wasm_path();
+    std::fs::write(
+        &local,
+        text.replace(wasm_in_container, wasm.to_str().unwrap()),
+    )
+    .unwrap();
+    let validated = Command::new(envoy_bin())
+        .args(["--mode", "validate", "-c"])
+        .arg(&local)
+        .output()
+        .unwrap();
+    assert!(
+        validated.status.success(),
+        "envoy --mode validate: {}{}",
+        String::from_utf8_lossy(&validated.stdout),
+        String::from_utf8_lossy(&validated.stderr)
+    );
+}
+
+#[test]
+fn compose_runs_the_envoy_release_the_tests_run() {
+    let c = compose();
+    let image = service(&c, "envoy")["image"].as_str().unwrap().to_string();
+    let tag = image
+        .strip_prefix("envoyproxy/envoy:v")
+        .unwrap_or_else(|| panic!("{image}: not the official Envoy image"));
+    let out = Command::new(envoy_bin()).arg("--version").output().unwrap();
+    let version = String::from_utf8_lossy(&out.stdout).to_string();
+    // "envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL"
+    let tested = version
+        .split("version:")
+        .nth(1)
+        .and_then(|v| v.split('/').nth(1))
+        .unwrap_or_else(|| panic!("unexpected --version output: {version}"));
+    let major_minor = |v: &str| v.split('.').take(2).collect::<Vec<_>>().join(".");
+    assert_eq!(major_minor(tag), major_minor(tested), "{image} vs {tested}");
+}
+
+#[test]
+fn makefile_drives_this_compose_file() {
+    let makefile = std::fs::read_to_string(root().join("Makefile")).unwrap();
+    for target in ["compose-up:", "compose-down:"] {
+        let at = makefile
+            .find(&format!("\n{target}"))
+            .unwrap_or_else(|| panic!("Makefile has no {target}"));
+        let body: String = makefile[at + 1..]
+            .lines()
+            .skip(1)
+            .take_while(|l| l.starts_with('\t'))
+            .collect();
+        assert!(
+            body.contains("$(COMPOSE)"),
+            "{target} does not run $(COMPOSE)"
+        );
+    }
+    let compose_var = makefile
+        .lines()
+        .find(|l| l.starts_with("COMPOSE "))
+        .expect("a COMPOSE variable");
+    assert!(
+        compose_var.contains("docker compose") && compose_var.contains("-f envoy/compose.yaml"),
+        "{compose_var}"
+    );
+}
