@@ -500,6 +500,31 @@ impl Flow {
         }
     }
 
+    /// A call refused before it ran: send it again after a pause, up to
+    /// MAX_PAUSES times within the timeout, or at once, once, if the host
+    /// cannot wait; then `exhausted`.
+    fn retry_refused<H: Host>(
+        &mut self,
+        host: &mut H,
+        eval: bool,
+        retried: bool,
+        exhausted: (ErrorKind, &str),
+    ) {
+        let left = self.deadline.saturating_sub(host.now());
+        if self.pauses < MAX_PAUSES && left > RETRY_DELAY && host.retry_later(RETRY_DELAY) {
+            host.count(Counter::RedisRetries);
+            self.pauses += 1;
+            self.phase = Phase::RetryPending { eval };
+        } else if !retried {
+            host.count(Counter::RedisRetries);
+            if let Err((kind, e)) = self.call(host, eval, true) {
+                self.fail(host, (kind, &e), true);
+            }
+        } else {
+            self.fail(host, exhausted, true);
+        }
+    }
+
     pub fn on_callout_reply<H: Host>(&mut self, host: &mut H, token: u32, reply: CalloutReply) {
         match self.lock {
             Lock::Completing { token: want } if token == want => {
@@ -533,20 +558,8 @@ impl Flow {
             // (Webdis reconnects within tens of ms), or at once, once, if the
             // host cannot wait.
             Some(503) if reply.from_webdis => {
-                let left = self.deadline.saturating_sub(host.now());
-                if self.pauses < MAX_PAUSES && left > RETRY_DELAY && host.retry_later(RETRY_DELAY) {
-                    host.count(Counter::RedisRetries);
-                    self.pauses += 1;
-                    self.phase = Phase::RetryPending { eval };
-                } else if !retried {
-                    host.count(Counter::RedisRetries);
-                    if let Err((kind, e)) = self.call(host, eval, true) {
-                        self.fail(host, (kind, &e), true);
-                    }
-                } else {
-                    let why = "webdis answered HTTP 503 until the timeout";
-                    self.fail(host, (ErrorKind::Http, why), true);
-                }
+                let why = "webdis answered HTTP 503 until the timeout";
+                self.retry_refused(host, eval, retried, (ErrorKind::Http, why));
                 return;
             }
             Some(s) => {
@@ -582,6 +595,17 @@ impl Flow {
                 if let Err((kind, e)) = self.call(host, true, retried) {
                     self.fail(host, (kind, &e), true);
                 }
+                return;
+            }
+            // Redis Cluster refuses these before the script runs (keys split
+            // while a slot migrates, no quorum, a node still loading): nothing
+            // was charged, and the condition passes in milliseconds.
+            if matches!(
+                parsed.error_kind(),
+                Some("TRYAGAIN" | "CLUSTERDOWN" | "LOADING")
+            ) {
+                let why = format!("redis refused the call until the timeout: {msg}");
+                self.retry_refused(host, eval, retried, (ErrorKind::Redis, &why));
                 return;
             }
             let why = format!("redis error: {msg}");
@@ -1427,6 +1451,38 @@ mod tests {
         f.on_callout_reply(&mut h, 2, unavailable());
         assert_eq!(h.dispatched.len(), 2, "one retry only");
         assert_eq!(h.sent[0].status, 503);
+    }
+
+    #[test]
+    fn a_cluster_refusal_before_the_script_ran_is_retried_not_failed() {
+        for refusal in [
+            &b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n"[..],
+            b"-CLUSTERDOWN The cluster is down\r\n",
+            b"-LOADING Redis is loading the dataset in memory\r\n",
+        ] {
+            let mut f = flow("deny");
+            let mut h = FakeHost::get("/api/x");
+            h.can_schedule = true;
+            f.on_request_headers(&mut h, true);
+            f.on_callout_reply(&mut h, 1, ok(refusal));
+            assert_eq!(h.retries_scheduled, [RETRY_DELAY]);
+            f.on_retry_due(&mut h);
+            assert_eq!(h.dispatched.len(), 2);
+            assert_eq!(h.dispatched[0], h.dispatched[1], "the same command again");
+            f.on_callout_reply(&mut h, 2, ok(ADMIT));
+            assert_eq!((h.resumed, h.sent.len()), (1, 0));
+            assert_eq!(count(&h, Counter::RedisRetries), 1);
+            assert!(!h
+                .counters
+                .iter()
+                .any(|c| matches!(c, Counter::RedisError(_))));
+        }
+        // Other error replies are failures at once.
+        let (mut f, mut h) = started("deny");
+        f.on_callout_reply(&mut h, 1, ok(b"-OOM command not allowed\r\n"));
+        assert_eq!(h.dispatched.len(), 1);
+        assert_eq!(h.sent[0].status, 503);
+        assert_eq!(count(&h, Counter::RedisError(ErrorKind::Redis)), 1);
     }
 
     #[test]
