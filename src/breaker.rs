@@ -71,6 +71,12 @@ impl Breaker {
         self.open_until.take().is_some()
     }
 
+    /// The probe's request ended before its call was answered (client gone):
+    /// let the next request probe instead of waiting forever.
+    pub fn abandon_probe(&self) {
+        self.probing.set(false);
+    }
+
     /// Open or probing: this worker's requests are not all calling Redis.
     pub fn tripped(&self) -> bool {
         self.open_until.get().is_some()
@@ -126,5 +132,13 @@ mod tests {
         assert!(!b.success(), "closing a closed breaker is no transition");
         assert_eq!(b.state(MS(251)), State::Closed);
         assert!(b.allow(MS(251)));
+        b.failure(MS(300));
+        assert!(b.allow(MS(400)), "a probe");
+        b.abandon_probe();
+        assert!(
+            b.allow(MS(401)),
+            "its stream ended unanswered: another probes"
+        );
+        assert!(!b.allow(MS(402)));
     }
 }

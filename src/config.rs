@@ -134,7 +134,8 @@ struct RawIdempotency {
     /// body gets 422 (default true). The filter then holds the headers until
     /// the body is read, which needs Envoy's allow_on_headers_stop_iteration;
     /// an Istio WasmPlugin cannot set it: there, set false and the key is
-    /// decided on method and path alone.
+    /// decided on method and path alone (the body is not read, so
+    /// maxRequestBodyBytes applies to Content-Length only).
     #[serde(default)]
     fingerprint_body: Option<bool>,
 }
@@ -208,6 +209,23 @@ struct RawLimit {
     #[serde(default)]
     #[schemars(range(max = 1), extend("exclusiveMinimum" = 0))]
     local_fraction: Option<f64>,
+    /// Token bucket only: each Envoy takes tokens in batches and spends them
+    /// without a Redis call. Never admits more than the bucket; may admit
+    /// fewer (at most `tokens` per Envoy held unspent until the lease ends).
+    #[serde(default)]
+    lease: Option<RawLease>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Lease")]
+struct RawLease {
+    /// Most tokens one Envoy takes beyond the request that fetches them (1 to capacity).
+    #[schemars(range(min = 1))]
+    tokens: u64,
+    /// How long unspent leased tokens stay usable (ms).
+    #[schemars(range(min = 10, max = 600000))]
+    ttl_ms: u64,
 }
 
 /// Conditions that must all hold; an empty match covers every request.
@@ -447,6 +465,14 @@ pub struct Limit {
     pub local_per_mille: u64,
     /// `:<name>:<signature>:`, precomputed for key building.
     pub key_infix: String,
+    /// Token lease: batch size and lifetime.
+    pub lease: Option<Lease>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    pub tokens: u64,
+    pub ttl: Duration,
 }
 
 /// One idempotency rule: which requests it covers and how their keys behave.
@@ -927,8 +953,42 @@ fn compile_limit(
             ))
         }
     };
+    let lease = match raw.lease {
+        None => None,
+        Some(l) => {
+            let Algorithm::TokenBucket { capacity, .. } = algorithm else {
+                return Err(ConfigError::new(
+                    format!("{at}.lease"),
+                    "applies to tokenBucket limits only",
+                ));
+            };
+            if raw.shadow {
+                return Err(ConfigError::new(
+                    format!("{at}.lease"),
+                    "a shadow limit never rejects: it has nothing to lease",
+                ));
+            }
+            if l.tokens == 0 || l.tokens > capacity {
+                return Err(ConfigError::new(
+                    format!("{at}.lease.tokens"),
+                    format!("must be between 1 and the capacity ({capacity})"),
+                ));
+            }
+            if !(10..=600_000).contains(&l.ttl_ms) {
+                return Err(ConfigError::new(
+                    format!("{at}.lease.ttlMs"),
+                    "must be between 10 and 600000",
+                ));
+            }
+            Some(Lease {
+                tokens: l.tokens,
+                ttl: Duration::from_millis(l.ttl_ms),
+            })
+        }
+    };
     let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
     Ok(Limit {
+        lease,
         local_per_mille,
         name: raw.name,
         matcher,

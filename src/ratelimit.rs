@@ -15,6 +15,9 @@ pub struct Check {
     pub cost: u64,
 }
 
+/// A script call's KEYS and ARGV.
+pub type ScriptArgs = (Vec<Vec<u8>>, Vec<Vec<u8>>);
+
 /// Every limit that applies to one request, decided together.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Plan {
@@ -76,6 +79,24 @@ impl Plan {
 
     pub fn is_empty(&self) -> bool {
         self.checks.is_empty()
+    }
+
+    /// KEYS and ARGV of lua/lease.lua for check `i` (a leased token bucket).
+    pub fn lease_args(&self, config: &Config, i: usize, tokens: u64) -> Option<ScriptArgs> {
+        let check = self.checks.get(i)?;
+        let Algorithm::TokenBucket {
+            capacity,
+            refill,
+            period_ms,
+        } = config.limits.get(check.limit)?.algorithm
+        else {
+            return None;
+        };
+        let argv = [capacity, refill, period_ms, check.cost, tokens]
+            .iter()
+            .map(|v| v.to_string().into_bytes())
+            .collect();
+        Some((vec![check.key.clone()], argv))
     }
 
     /// KEYS and ARGV for `lua/ratelimit.lua`, in its documented order, with
@@ -211,6 +232,25 @@ pub fn parse_verdict(reply: &Reply, n: usize) -> Result<Verdict, String> {
             items.len()
         )),
     }
+}
+
+/// Reads lua/lease.lua's reply: one limit's outcome, then the tokens granted.
+pub fn parse_lease(reply: &Reply) -> Result<(Outcome, u64), String> {
+    let Reply::Array(Some(items)) = reply else {
+        return Err(format!("expected an array, got {reply:?}"));
+    };
+    if items.len() != 6 {
+        return Err(format!("expected 6 items, got {}", items.len()));
+    }
+    let outcome = parse_outcome(&Reply::Array(Some(items[..5].to_vec())), 1)?;
+    let granted = items[5]
+        .as_int()
+        .and_then(|g| u64::try_from(g).ok())
+        .ok_or("bad grant")?;
+    if granted > 0 && !outcome.admitted {
+        return Err("a grant with a rejection".to_string());
+    }
+    Ok((outcome, granted))
 }
 
 /// One limit's verdict, as the script returns it.

@@ -50,6 +50,15 @@ pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
     ))
 });
 
+/// One request admitted against a token bucket plus a batch of tokens leased
+/// to the calling Envoy (lua/lease.lua with the token bucket joined in).
+pub static LEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(compose(
+        include_str!("../lua/lease.lua"),
+        &[include_str!("../lua/token_bucket.lua")],
+    ))
+});
+
 /// IN_PROGRESS -> COMPLETED for the lock's owner.
 pub static IDEM_COMPLETE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/idempotency_complete.lua").to_string()));

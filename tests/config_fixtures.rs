@@ -344,6 +344,33 @@ const REJECTED: &[(&str, &str, &str)] = &[
     // Shapes serde alone would accept.
     ("trailing_characters.json", "", "trailing characters"),
     ("config_as_array.json", "", "found an array"),
+    // Token lease.
+    (
+        "lease_on_sliding_window.json",
+        "limits[0].lease",
+        "tokenBucket limits only",
+    ),
+    ("lease_on_shadow_limit.json", "limits[0].lease", "shadow"),
+    (
+        "lease_tokens_zero.json",
+        "limits[0].lease.tokens",
+        "between 1 and the capacity (10)",
+    ),
+    (
+        "lease_tokens_over_capacity.json",
+        "limits[0].lease.tokens",
+        "between 1 and the capacity (10)",
+    ),
+    (
+        "lease_ttl_too_small.json",
+        "limits[0].lease.ttlMs",
+        "between 10 and 600000",
+    ),
+    (
+        "lease_unknown_field.json",
+        "limits[0].lease.ttl",
+        "unknown field `ttl`",
+    ),
     (
         "token_bucket_as_array.json",
         "limits[0].tokenBucket",

@@ -76,17 +76,18 @@ fn example_configs() -> Vec<(String, Vec<u8>)> {
         }
     }
     let istio = root().join("envoy/istio/wasmplugin.yaml");
-    if let Ok(text) = fs::read_to_string(&istio) {
-        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
-            let v: Value = serde::Deserialize::deserialize(doc).unwrap();
-            if v["kind"] == "WasmPlugin" {
-                out.push((
-                    format!("{} pluginConfig", istio.display()),
-                    serde_json::to_vec(&v["spec"]["pluginConfig"]).unwrap(),
-                ));
-            }
+    let text = fs::read_to_string(&istio).unwrap();
+    let before = out.len();
+    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+        let v: Value = serde::Deserialize::deserialize(doc).unwrap();
+        if v["kind"] == "WasmPlugin" {
+            out.push((
+                format!("{} pluginConfig", istio.display()),
+                serde_json::to_vec(&v["spec"]["pluginConfig"]).unwrap(),
+            ));
         }
     }
+    assert_eq!(out.len(), before + 1, "one WasmPlugin pluginConfig");
     out
 }
 
@@ -176,7 +177,8 @@ fn base() -> Value {
         "limits": [
             {"name": "tb", "tokenBucket": {"capacity": 1000000, "refill": 1, "periodMs": 1000},
              "cost": 1, "costHeader": {"name": "x-cost", "max": 1},
-             "failureMode": "local", "localFraction": 0.5},
+             "failureMode": "local", "localFraction": 0.5,
+             "lease": {"tokens": 1, "ttlMs": 1000}},
             {"name": "sw", "slidingWindow": {"limit": 1000000, "windowMs": 60000}}
         ],
         "idempotency": [
@@ -211,6 +213,8 @@ const BOUNDED: &[(&str, &str, &str)] = &[
     ("/limits/0/cost", "Limit", "cost"),
     ("/limits/0/costHeader/max", "CostHeader", "max"),
     ("/limits/0/localFraction", "Limit", "localFraction"),
+    ("/limits/0/lease/tokens", "Lease", "tokens"),
+    ("/limits/0/lease/ttlMs", "Lease", "ttlMs"),
     ("/idempotency/0/lockTtlMs", "IdempotencyRule", "lockTtlMs"),
     (
         "/idempotency/0/recordTtlMs",

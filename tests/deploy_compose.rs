@@ -236,8 +236,33 @@ fn rendered_stack_agrees_with_the_services_ports_and_mounts() {
         assert_eq!(host_port, container_port);
     }
 
+    // Envoy and Webdis read the files the render service wrote: its --out
+    // directory is the volume they mount.
+    let render_cmd = strings(&service(&c, "render")["command"]);
+    let out_dir = &flag_values(&render_cmd, "--out")[0];
+    let volume_of = |svc: &str, dst: &str| {
+        mounts(service(&c, svc))
+            .into_iter()
+            .find(|(_, d)| d == dst)
+            .map(|(src, _)| src)
+            .unwrap_or_else(|| panic!("{svc} mounts nothing at {dst}"))
+    };
+    let rendered_volume = volume_of("render", out_dir);
+    let envoy_cmd = strings(&service(&c, "envoy")["command"]);
+    let envoy_conf = &flag_values(&envoy_cmd, "-c")[0];
+    assert_eq!(envoy_conf, &format!("{out_dir}/envoy.yaml"));
+    assert_eq!(volume_of("envoy", out_dir), rendered_volume);
+    let webdis_cmd = strings(&service(&c, "webdis")["command"]);
+    assert_eq!(
+        webdis_cmd.last().unwrap(),
+        &format!("{out_dir}/webdis.json")
+    );
+    assert_eq!(volume_of("webdis", out_dir), rendered_volume);
+
     // Clusters point at the compose services, on the ports they listen on.
     let upstream_cmd = strings(&service(&c, "upstream")["command"]);
+    // Reachable from the Envoy container, not only its own loopback.
+    assert_eq!(flag_values(&upstream_cmd, "--host"), vec!["0.0.0.0"]);
     let upstream_port: u64 = flag_values(&upstream_cmd, "--port")[0].parse().unwrap();
     assert_eq!(
         cluster_endpoint(&envoy, "upstream"),

@@ -20,7 +20,10 @@ const CONFIG: &str = r#"{
     {"name": "burst", "match": {"pathPrefix": "/api/"}, "descriptor": [{"header": "x-user"}],
      "tokenBucket": {"capacity": 3, "refill": 1, "periodMs": 600000}},
     {"name": "trial.v2", "match": {"pathPrefix": "/api/search"}, "descriptor": [{"header": "x-user"}],
-     "slidingWindow": {"limit": 1, "windowMs": 600000}, "shadow": true}
+     "slidingWindow": {"limit": 1, "windowMs": 600000}, "shadow": true},
+    {"name": "local-two", "match": {"pathPrefix": "/local/"}, "descriptor": [{"header": "x-user"}],
+     "tokenBucket": {"capacity": 2, "refill": 1, "periodMs": 600000},
+     "failureMode": "local", "localFraction": 1}
   ],
   "idempotency": [{"name": "pay", "match": {"pathPrefix": "/pay"}}]
 }"#;
@@ -166,10 +169,10 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     assert_eq!(slow.join().unwrap(), 200);
     assert_eq!(pay("k3", b"c", &[("x-upstream-status", "500")]).status, 500);
 
-    // 7 limit decisions; k1 take+store, replay, mismatch, k2 take+store,
-    // conflict, k3 take+release; and the one EVAL after the first NOSCRIPT
-    // of a fresh Redis.
-    let calls = 7 + 9 + 1;
+    // 7 limit decisions, of which a's second 429 came from the over-limit
+    // cache; k1 take+store, replay, mismatch, k2 take+store, conflict, k3
+    // take+release; and the one EVAL after the first NOSCRIPT of a fresh Redis.
+    let calls = 6 + 9 + 1;
     let s = latency_count(envoy, calls);
     assert_eq!(
         (
@@ -191,6 +194,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         (2, 1, 0, 1)
     );
     assert_eq!(s.plain("redis_calls"), calls);
+    assert_eq!(s.plain("overlimit_cache_rejected"), 1);
     assert_eq!(s.plain("redis_script_reloads"), 1);
     assert_eq!(s.plain("redis_errors"), 0);
     for (stat, want) in [
@@ -233,7 +237,33 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         );
         assert_eq!(r.status, 200, "request {i} fails open");
     }
+    // On the same worker, a limit in `local` mode: its budget of 2 (the
+    // whole bucket, localFraction 1) is spent in process, the third is 429.
+    let local: Vec<u16> = (0..3)
+        .map(|_| {
+            http_with(
+                &agent,
+                "GET",
+                &envoy.url("/local/x"),
+                &[("x-user", "d")],
+                None,
+            )
+            .status
+        })
+        .collect();
+    assert_eq!(local, vec![200, 200, 429]);
     let s = Scrape::take(envoy);
+    assert_eq!(s.plain("failure_mode_local"), 3);
+    assert_eq!(s.plain("local_allowed"), 2);
+    assert_eq!(s.plain("local_rejected"), 1);
+    assert_eq!(
+        (
+            s.limit("checked", "local-two"),
+            s.limit("rejected", "local-two")
+        ),
+        (3, 1)
+    );
+    assert_eq!(s.plain("redis_retries"), 0);
     assert_eq!(s.plain("redis_errors"), 2);
     assert_eq!(s.error_kind("timeout"), 2);
     for kind in ["dispatch", "http", "redis", "reply"] {
@@ -242,7 +272,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     assert_eq!(s.plain("failure_mode_allowed"), 4);
     assert_eq!(s.plain("failure_mode_denied"), 0);
     assert_eq!(s.plain("circuit_opened"), 1);
-    assert_eq!(s.plain("circuit_short_circuited"), 2);
+    assert_eq!(s.plain("circuit_short_circuited"), 2 + 3);
     assert_eq!(s.plain("circuit_open_workers"), 1);
     assert_eq!(s.limit("checked", "burst"), 7 + 4);
 

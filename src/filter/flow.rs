@@ -15,14 +15,16 @@ use crate::config::{Config, FailureMode};
 use crate::filter::{Counter, ErrorKind, Host};
 use crate::idempotency::{decode_headers, encode_headers, fingerprint, parse_key, record_key};
 use crate::keys;
+use crate::lease;
 use crate::local::{take, LocalBucket};
-use crate::ratelimit::{parse_verdict, IdemArgs, Plan, Verdict};
+use crate::overlimit::Slot;
+use crate::ratelimit::{parse_lease, parse_verdict, IdemArgs, LimitResult, Outcome, Plan, Verdict};
 use crate::request::RequestLine;
 use crate::response::{
     bad_request, idempotency_conflict, idempotency_mismatch, payload_too_large, rate_limit_headers,
     too_many_requests, too_many_requests_locally, unavailable, LocalReply,
 };
-use crate::scripts::{Script, IDEM_COMPLETE, IDEM_RELEASE, RATELIMIT};
+use crate::scripts::{Script, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT};
 use crate::webdis::{command_body, parse_reply, Reply};
 use sha2::{Digest, Sha256};
 
@@ -128,6 +130,12 @@ pub struct Flow {
     /// When the Redis decision must be in: every attempt (retry, NOSCRIPT
     /// fallback) shares the one configured timeout.
     deadline: Duration,
+    /// When the call being answered left: the over-limit cache counts from it.
+    sent_at: Duration,
+    /// The call in flight fetches a token lease for this check (plan index).
+    leasing: Option<usize>,
+    /// This request is the open breaker's probe.
+    probe: bool,
     response_headers: Vec<(String, String)>,
 }
 
@@ -144,6 +152,9 @@ impl Flow {
             phase: Phase::Idle,
             lock: Lock::None,
             deadline: Duration::ZERO,
+            sent_at: Duration::ZERO,
+            leasing: None,
+            probe: false,
             response_headers: Vec::new(),
         }
     }
@@ -299,14 +310,43 @@ impl Flow {
         self.on_request_body(host, size, true)
     }
 
-    /// The first call for this request, unless the breaker is open.
+    /// The first call for this request, unless the over-limit cache already
+    /// knows the answer or the breaker is open.
     fn decide<H: Host>(&mut self, host: &mut H) -> Action {
+        // A keyed request may be a retry owed a replay, which comes before
+        // any limit: only Redis can tell.
+        if self.keyed.is_none() {
+            let leased = self.leased_check();
+            // Tokens this Envoy holds first: they left Redis already, so an
+            // empty bucket there (and a cached rejection) does not void them.
+            if let Some(i) = leased {
+                if self.lease_step(host, i, false) == Some(true) {
+                    return self.lease_spent(host, i);
+                }
+            }
+            if let Some((reply, limits)) = self.cached_rejection(host) {
+                host.count(Counter::OverLimitCached);
+                for limit in limits {
+                    host.count(Counter::Rejected(limit));
+                }
+                return self.reply_locally(host, &reply);
+            }
+            if let Some(i) = leased {
+                match self.lease_step(host, i, true) {
+                    Some(true) => return self.lease_spent(host, i),
+                    Some(false) => self.leasing = Some(i),
+                    None => {}
+                }
+            }
+        }
         let now = host.now();
+        let tripped = self.breaker.tripped();
         if !self.breaker.allow(now) {
             self.short_circuited = true;
             host.count(Counter::CircuitShortCircuited);
             return self.fail(host, (ErrorKind::Dispatch, "circuit breaker open"), false);
         }
+        self.probe = tripped;
         self.deadline = now + self.config.redis.timeout;
         match self.call(host, false, false) {
             Ok(()) => Action::Pause,
@@ -320,9 +360,19 @@ impl Flow {
         eval: bool,
         retried: bool,
     ) -> Result<(), (ErrorKind, String)> {
-        let idem = self.keyed.as_ref().map(|k| &k.args);
-        let (keys, argv) = self.plan.script_args(&self.config, idem);
-        let token = self.run(host, &RATELIMIT, eval, &keys, &argv)?;
+        let leased = self.leasing.and_then(|i| {
+            let limit = &self.config.limits[self.plan.checks.get(i)?.limit];
+            self.plan.lease_args(&self.config, i, limit.lease?.tokens)
+        });
+        let (script, (keys, argv)) = match leased {
+            Some(args) => (&*LEASE, args),
+            None => {
+                let idem = self.keyed.as_ref().map(|k| &k.args);
+                (&*RATELIMIT, self.plan.script_args(&self.config, idem))
+            }
+        };
+        self.sent_at = host.now();
+        let token = self.run(host, script, eval, &keys, &argv)?;
         self.phase = Phase::AwaitingRedis {
             token,
             eval,
@@ -380,6 +430,9 @@ impl Flow {
     /// the request is waiting on us (callout) or still in a callback.
     fn fail<H: Host>(&mut self, host: &mut H, error: (ErrorKind, &str), paused: bool) -> Action {
         let (kind, why) = error;
+        if let Some(i) = self.leasing.take() {
+            self.release_lease_claim(host, i);
+        }
         let dispatched = matches!(self.phase, Phase::AwaitingRedis { .. });
         self.phase = Phase::Done;
         if !self.short_circuited {
@@ -449,6 +502,139 @@ impl Flow {
                 }
                 Action::Continue
             }
+        }
+    }
+
+    /// The plan's one check, when it is a leased limit: only then can a
+    /// request be admitted without Redis (with more checks, or a shadow one,
+    /// Redis must see it).
+    fn leased_check(&self) -> Option<usize> {
+        match self.plan.checks.as_slice() {
+            [only] if self.config.limits[only.limit].lease.is_some() => Some(0),
+            _ => None,
+        }
+    }
+
+    fn lease_spent<H: Host>(&mut self, host: &mut H, i: usize) -> Action {
+        host.count(Counter::LeaseSpent);
+        host.count(Counter::Allowed(self.plan.checks[i].limit));
+        self.phase = Phase::Done;
+        Action::Continue
+    }
+
+    /// Spends leased tokens (`Some(true)`), or, with `claim`, claims the
+    /// fetch of a new lease (`Some(false)`); `None` leaves the request to
+    /// Redis (nothing to spend, another worker fetching, or contention).
+    fn lease_step<H: Host>(&self, host: &mut H, i: usize, claim: bool) -> Option<bool> {
+        let check = &self.plan.checks[i];
+        let slot = lease::Slot::of(&check.key);
+        let now_ms = millis(host.now());
+        let fetch_for = millis(self.config.redis.timeout).saturating_add(1000);
+        for _ in 0..8 {
+            let (stored, cas) = host.shared_get(&slot.shared_key);
+            let (bytes, spent) = match slot.step(stored.as_deref(), check.cost, now_ms, fetch_for) {
+                lease::Step::Spend(b) => (b, true),
+                lease::Step::Fetch(b) if claim => (b, false),
+                lease::Step::Fetch(_) | lease::Step::Strict => return None,
+            };
+            if host.shared_set(&slot.shared_key, &bytes, cas) {
+                return Some(spent);
+            }
+        }
+        None
+    }
+
+    /// Adds a fetched grant to this Envoy's lease, counted from when the
+    /// call left (never later than Redis' own view of it).
+    fn store_lease<H: Host>(&self, host: &mut H, i: usize, granted: u64) {
+        let Some(check) = self.plan.checks.get(i) else {
+            return;
+        };
+        let Some(lease) = self.config.limits[check.limit].lease else {
+            return;
+        };
+        let slot = lease::Slot::of(&check.key);
+        let now_ms = millis(host.now());
+        let expires = millis(self.sent_at + lease.ttl);
+        for _ in 0..8 {
+            let (stored, cas) = host.shared_get(&slot.shared_key);
+            let bytes = slot.granted(stored.as_deref(), granted, now_ms, expires);
+            if host.shared_set(&slot.shared_key, &bytes, cas) {
+                return;
+            }
+        }
+        log::warn!(
+            "redis-guard: lease of `{}` contended; tokens dropped",
+            self.config.limits[check.limit].name
+        );
+    }
+
+    fn release_lease_claim<H: Host>(&self, host: &mut H, i: usize) {
+        let Some(check) = self.plan.checks.get(i) else {
+            return;
+        };
+        let slot = lease::Slot::of(&check.key);
+        for _ in 0..8 {
+            let (stored, cas) = host.shared_get(&slot.shared_key);
+            let bytes = slot.fetch_failed(stored.as_deref());
+            if host.shared_set(&slot.shared_key, &bytes, cas) {
+                return;
+            }
+        }
+    }
+
+    /// A 429 for the enforced limits the over-limit cache says cannot admit
+    /// this request now; `None` when Redis has to decide.
+    fn cached_rejection<H: Host>(&self, host: &H) -> Option<(LocalReply, Vec<usize>)> {
+        let now_ms = millis(host.now());
+        let mut rejecting = Plan {
+            checks: Vec::new(),
+            tag: None,
+        };
+        let mut results = Vec::new();
+        for check in &self.plan.checks {
+            if self.config.limits[check.limit].shadow {
+                continue;
+            }
+            let slot = Slot::of(&check.key);
+            let (stored, _) = host.shared_get(&slot.shared_key);
+            if let Some((retry_ms, remaining)) = slot.rejects(stored.as_deref(), check.cost, now_ms)
+            {
+                results.push(LimitResult {
+                    allowed: false,
+                    remaining,
+                    retry_ms,
+                    reset_ms: retry_ms,
+                });
+                rejecting.checks.push(check.clone());
+            }
+        }
+        if rejecting.checks.is_empty() {
+            return None;
+        }
+        let outcome = Outcome {
+            admitted: false,
+            results,
+        };
+        let reply = too_many_requests(&self.config, &rejecting, &outcome);
+        Some((reply, rejecting.checks.iter().map(|c| c.limit).collect()))
+    }
+
+    /// Records every enforced limit that rejected, until Redis said it could
+    /// admit this request's cost again.
+    fn remember_rejections<H: Host>(&self, host: &mut H, outcome: &Outcome) {
+        let sent_ms = millis(self.sent_at);
+        for (check, result) in self.plan.checks.iter().zip(&outcome.results) {
+            if result.allowed || result.retry_ms == 0 || self.config.limits[check.limit].shadow {
+                continue;
+            }
+            let slot = Slot::of(&check.key);
+            let entry = slot.entry(
+                sent_ms.saturating_add(result.retry_ms),
+                check.cost,
+                result.remaining,
+            );
+            host.shared_set(&slot.shared_key, &entry.encode(), None);
         }
     }
 
@@ -612,7 +798,15 @@ impl Flow {
             self.fail(host, (ErrorKind::Redis, &why), true);
             return;
         }
-        let verdict = match parse_verdict(&parsed, self.plan.checks.len()) {
+        let parsed_verdict = match self.leasing {
+            Some(i) => parse_lease(&parsed).map(|(outcome, granted)| {
+                host.count(Counter::LeaseFetched);
+                self.store_lease(host, i, granted);
+                Verdict::Limits(outcome)
+            }),
+            None => parse_verdict(&parsed, self.plan.checks.len()),
+        };
+        let verdict = match parsed_verdict {
             Ok(v) => v,
             Err(e) => {
                 let why = format!("unexpected script reply: {e}");
@@ -637,6 +831,9 @@ impl Flow {
                         (_, true) => host.count(Counter::Allowed(check.limit)),
                         (false, false) => host.count(Counter::Rejected(check.limit)),
                     }
+                }
+                if !outcome.admitted {
+                    self.remember_rejections(host, &outcome);
                 }
                 if outcome.admitted {
                     if self.keyed.is_some() {
@@ -937,11 +1134,28 @@ impl Flow {
         if matches!(self.lock, Lock::Held | Lock::Capturing { .. }) {
             self.release(host, true);
         }
+        if matches!(
+            self.phase,
+            Phase::AwaitingRedis { .. } | Phase::RetryPending { .. }
+        ) {
+            // The call's answer will find no one: what it was holding for
+            // others (the probe, the lease fetch) must not stay held.
+            if self.probe {
+                self.breaker.abandon_probe();
+            }
+            if let Some(i) = self.leasing.take() {
+                self.release_lease_claim(host, i);
+            }
+        }
     }
 }
 
 fn full_path(view: &dyn crate::request::RequestView) -> Vec<u8> {
     view.header(":path").unwrap_or_default()
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
@@ -1294,6 +1508,38 @@ mod tests {
     }
 
     #[test]
+    fn a_probe_whose_client_left_lets_the_next_request_probe() {
+        let cfg = Rc::new(
+            Config::parse(
+                br#"{"redis":{"cluster":"w"},"failureMode":"allow","limits":[
+                {"name":"a","tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
+            )
+            .unwrap(),
+        );
+        let breaker = Rc::new(Breaker::new(1, Duration::from_millis(100)));
+        let mut h = FakeHost::get("/");
+        let mut f = Flow::new(cfg.clone(), breaker.clone());
+        f.on_request_headers(&mut h, true);
+        f.on_callout_reply(
+            &mut h,
+            1,
+            CalloutReply {
+                status: None,
+                from_webdis: false,
+                body: vec![],
+            },
+        );
+        h.clock_ms = 100;
+        let mut probe = Flow::new(cfg.clone(), breaker.clone());
+        assert_eq!(probe.on_request_headers(&mut h, true), Action::Pause);
+        assert_eq!(h.dispatched.len(), 2, "the probe calls");
+        probe.on_stream_end(&mut h);
+        let mut next = Flow::new(cfg, breaker);
+        assert_eq!(next.on_request_headers(&mut h, true), Action::Pause);
+        assert_eq!(h.dispatched.len(), 3, "the next request probes");
+    }
+
+    #[test]
     fn each_failure_is_counted_by_its_kind() {
         let cfg = Rc::new(
             Config::parse(
@@ -1451,6 +1697,214 @@ mod tests {
         f.on_callout_reply(&mut h, 2, unavailable());
         assert_eq!(h.dispatched.len(), 2, "one retry only");
         assert_eq!(h.sent[0].status, 503);
+    }
+
+    #[test]
+    fn a_rejection_is_answered_from_the_over_limit_cache_until_redis_said() {
+        let (mut f, mut h) = started("deny");
+        h.clock_ms = 10;
+        f.on_callout_reply(&mut h, 1, ok(REJECT));
+        assert_eq!(h.sent[0].status, 429);
+        assert_eq!(h.shared.len(), 1, "one entry for the rejecting key");
+        // Until sent + retry_ms (0 + 400), every worker answers alone.
+        for at in [10, 200, 399] {
+            h.clock_ms = at;
+            let mut g = flow("deny");
+            assert_eq!(g.on_request_headers(&mut h, true), Action::Pause);
+            assert_eq!(h.dispatched.len(), 1, "no call at {at} ms");
+            let reply = h.sent.last().unwrap();
+            assert_eq!(reply.status, 429);
+            let retry_after = reply
+                .headers
+                .iter()
+                .find(|(n, _)| n == "retry-after")
+                .map(|(_, v)| v.as_str());
+            assert_eq!(retry_after, Some("1"));
+        }
+        assert_eq!(count(&h, Counter::OverLimitCached), 3);
+        assert_eq!(count(&h, Counter::Rejected(0)), 4);
+        // From T on, Redis decides again.
+        h.clock_ms = 400;
+        let mut g = flow("deny");
+        g.on_request_headers(&mut h, true);
+        assert_eq!(h.dispatched.len(), 2);
+    }
+
+    #[test]
+    fn the_over_limit_cache_leaves_cheaper_keyed_and_shadow_requests_to_redis() {
+        let cfg = Rc::new(
+            Config::parse(
+                br#"{"redis":{"cluster":"w"},"limits":[
+                {"name":"a","tokenBucket":{"capacity":5,"refill":1,"periodMs":1000},
+                 "costHeader":{"name":"x-cost","max":5}},
+                {"name":"s","shadow":true,"tokenBucket":{"capacity":1,"refill":1,"periodMs":1000}}],
+                "idempotency":[{"name":"p","match":{"pathPrefix":"/"}}]}"#,
+            )
+            .unwrap(),
+        );
+        // Cost 3 rejected until 400 ms; the shadow limit would reject too.
+        let two = b"*9\r\n:0\r\n:0\r\n:2\r\n:400\r\n:400\r\n:0\r\n:0\r\n:900\r\n:900\r\n";
+        let mut h = FakeHost::get("/x");
+        h.headers.insert("x-cost".into(), b"3".to_vec());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
+        f.on_request_headers(&mut h, true);
+        f.on_callout_reply(&mut h, 1, ok(two));
+        assert_eq!(h.sent[0].status, 429);
+        assert_eq!(
+            h.shared.len(),
+            1,
+            "the shadow limit's verdict is not cached"
+        );
+        let send = |h: &mut FakeHost, cost: &[u8]| {
+            h.headers.insert("x-cost".into(), cost.to_vec());
+            let mut g = Flow::new(cfg.clone(), test_breaker());
+            g.on_request_headers(h, true);
+        };
+        send(&mut h, b"3");
+        assert_eq!(h.dispatched.len(), 1, "cost 3: cached");
+        send(&mut h, b"5");
+        assert_eq!(h.dispatched.len(), 1, "cost 5: cached");
+        send(&mut h, b"2");
+        assert_eq!(h.dispatched.len(), 2, "cost 2 may fit: Redis decides");
+        // A keyed POST may be owed a replay: Redis decides.
+        let mut k = FakeHost::post("/x", b"key-1");
+        k.shared = h.shared.clone();
+        k.headers.insert("x-cost".into(), b"3".to_vec());
+        let mut g = Flow::new(cfg, test_breaker());
+        g.on_request_headers(&mut k, true);
+        assert_eq!(k.dispatched.len(), 1);
+    }
+
+    #[test]
+    fn a_leased_limit_spends_its_grant_locally_and_fetches_one_at_a_time() {
+        let cfg = Rc::new(
+            Config::parse(
+                br#"{"redis":{"cluster":"w"},"limits":[
+                {"name":"a","tokenBucket":{"capacity":100,"refill":1,"periodMs":1000},
+                 "lease":{"tokens":3,"ttlMs":500}}]}"#,
+            )
+            .unwrap(),
+        );
+        let mut h = FakeHost::get("/x");
+        let mut first = Flow::new(cfg.clone(), test_breaker());
+        assert_eq!(first.on_request_headers(&mut h, true), Action::Pause);
+        assert!(h.dispatched[0].starts_with("EVALSHA/"));
+        assert!(h.dispatched[0].contains(&LEASE.sha1), "the lease script");
+        // While it is out, another worker's request goes the strict way.
+        let mut other = Flow::new(cfg.clone(), test_breaker());
+        other.on_request_headers(&mut h, true);
+        assert!(h.dispatched[1].contains(&RATELIMIT.sha1));
+        // Admitted, 3 more tokens granted at t=0: good until 500 ms.
+        first.on_callout_reply(
+            &mut h,
+            1,
+            ok(b"*6\r\n:1\r\n:1\r\n:96\r\n:0\r\n:4000\r\n:3\r\n"),
+        );
+        assert_eq!(h.resumed, 1);
+        assert_eq!(count(&h, Counter::LeaseFetched), 1);
+        for _ in 0..3 {
+            let mut f = Flow::new(cfg.clone(), test_breaker());
+            assert_eq!(f.on_request_headers(&mut h, true), Action::Continue);
+        }
+        assert_eq!(h.dispatched.len(), 2, "three requests, no call");
+        assert_eq!(count(&h, Counter::LeaseSpent), 3);
+        assert_eq!(count(&h, Counter::Allowed(0)), 4);
+        // The grant is spent: the next request fetches again.
+        let mut next = Flow::new(cfg.clone(), test_breaker());
+        assert_eq!(next.on_request_headers(&mut h, true), Action::Pause);
+        assert!(h.dispatched[2].contains(&LEASE.sha1));
+        // A grant lapses with its lease.
+        next.on_callout_reply(
+            &mut h,
+            3,
+            ok(b"*6\r\n:1\r\n:1\r\n:92\r\n:0\r\n:8000\r\n:3\r\n"),
+        );
+        h.clock_ms = 500;
+        let mut late = Flow::new(cfg.clone(), test_breaker());
+        assert_eq!(late.on_request_headers(&mut h, true), Action::Pause);
+        assert!(h.dispatched[3].contains(&LEASE.sha1));
+        // A rejected fetch grants nothing and frees the claim.
+        late.on_callout_reply(
+            &mut h,
+            4,
+            ok(b"*6\r\n:0\r\n:0\r\n:0\r\n:700\r\n:700\r\n:0\r\n"),
+        );
+        assert_eq!(h.sent.last().map(|r| r.status), Some(429));
+        h.clock_ms = 1_300;
+        let mut after = Flow::new(cfg, test_breaker());
+        assert_eq!(after.on_request_headers(&mut h, true), Action::Pause);
+        assert!(
+            h.dispatched[4].contains(&LEASE.sha1),
+            "the claim was released"
+        );
+    }
+
+    #[test]
+    fn leased_tokens_are_spent_even_when_redis_is_known_to_be_empty() {
+        let cfg = Rc::new(
+            Config::parse(
+                br#"{"redis":{"cluster":"w"},"limits":[
+                {"name":"a","tokenBucket":{"capacity":100,"refill":1,"periodMs":1000},
+                 "lease":{"tokens":3,"ttlMs":500}}]}"#,
+            )
+            .unwrap(),
+        );
+        let mut h = FakeHost::get("/x");
+        let mut first = Flow::new(cfg.clone(), test_breaker());
+        first.on_request_headers(&mut h, true);
+        first.on_callout_reply(
+            &mut h,
+            1,
+            ok(b"*6\r\n:1\r\n:1\r\n:0\r\n:0\r\n:4000\r\n:2\r\n"),
+        );
+        // Another worker's strict call learnt the bucket is empty for a while.
+        let key = first.plan.checks[0].key.clone();
+        let slot = Slot::of(&key);
+        h.shared.insert(
+            slot.shared_key.clone(),
+            (slot.entry(10_000, 1, 0).encode(), 1),
+        );
+        let statuses: Vec<Action> = (0..3)
+            .map(|_| Flow::new(cfg.clone(), test_breaker()).on_request_headers(&mut h, true))
+            .collect();
+        assert_eq!(
+            statuses[..2],
+            [Action::Continue, Action::Continue],
+            "the 2 held tokens"
+        );
+        assert_eq!(statuses[2], Action::Pause, "then the cached 429");
+        assert_eq!(h.sent.last().map(|r| r.status), Some(429));
+        assert_eq!(h.dispatched.len(), 1);
+    }
+
+    #[test]
+    fn a_failed_lease_fetch_frees_the_claim() {
+        let cfg = Rc::new(
+            Config::parse(
+                br#"{"redis":{"cluster":"w"},"failureMode":"allow","limits":[
+                {"name":"a","tokenBucket":{"capacity":100,"refill":1,"periodMs":1000},
+                 "lease":{"tokens":3,"ttlMs":500}}]}"#,
+            )
+            .unwrap(),
+        );
+        let mut h = FakeHost::get("/x");
+        let mut f = Flow::new(cfg.clone(), test_breaker());
+        f.on_request_headers(&mut h, true);
+        f.on_callout_reply(
+            &mut h,
+            1,
+            CalloutReply {
+                status: None,
+                from_webdis: false,
+                body: vec![],
+            },
+        );
+        let mut g = Flow::new(cfg, test_breaker());
+        g.on_request_headers(&mut h, true);
+        assert!(
+            h.dispatched[1].contains(&LEASE.sha1),
+            "not left to strict calls"
+        );
     }
 
     #[test]

@@ -60,6 +60,12 @@ pub enum Counter {
     CircuitClosed,
     /// A request sent to its failure mode by the open breaker, without a call.
     CircuitShortCircuited,
+    /// 429 answered from the over-limit cache, without a call.
+    OverLimitCached,
+    /// A request admitted by spending leased tokens, without a call.
+    LeaseSpent,
+    /// A call that fetched a token lease.
+    LeaseFetched,
 }
 
 /// Why a Redis call did not decide a request: one stat each.

@@ -50,6 +50,9 @@ struct Metrics {
     circuit_opened: u32,
     circuit_closed: u32,
     circuit_short_circuited: u32,
+    over_limit_cached: u32,
+    lease_spent: u32,
+    lease_fetched: u32,
     /// Gauge: workers of this Envoy whose breaker is open (or probing).
     circuit_open_workers: u32,
     local: [u32; 3],
@@ -111,6 +114,9 @@ impl Metrics {
             .map(|n| counter(&format!("redis_guard.idempotency.{n}"))),
             circuit_opened: counter("redis_guard.circuit.opened"),
             circuit_closed: counter("redis_guard.circuit.closed"),
+            over_limit_cached: counter("redis_guard.overlimit_cache.rejected"),
+            lease_spent: counter("redis_guard.lease.spent"),
+            lease_fetched: counter("redis_guard.lease.fetches"),
             circuit_open_workers: define(MetricType::Gauge, "redis_guard.circuit.open_workers"),
             callout_latency_us: define(
                 MetricType::Histogram,
@@ -167,6 +173,9 @@ impl Metrics {
             Counter::IdemUnguarded => Some(self.idem[8]),
             Counter::CircuitOpened => Some(self.circuit_opened),
             Counter::CircuitShortCircuited => Some(self.circuit_short_circuited),
+            Counter::OverLimitCached => Some(self.over_limit_cached),
+            Counter::LeaseSpent => Some(self.lease_spent),
+            Counter::LeaseFetched => Some(self.lease_fetched),
             Counter::RedisError(_) | Counter::CircuitTripped | Counter::CircuitClosed => None,
             Counter::FailureLocal => Some(self.local[0]),
             Counter::LocalAllowed => Some(self.local[1]),
@@ -204,6 +213,12 @@ impl Shared {
             if sent.len() >= SENT_AT_SWEEP {
                 // No call outlives the longest timeout the config allows.
                 sent.retain(|_, at| now.saturating_sub(*at) < Duration::from_secs(120));
+                // Still full (many live calls, or resets faster than the
+                // sweep ages them out): start over and lose a few samples,
+                // rather than scan the table on every call.
+                if sent.len() >= SENT_AT_SWEEP / 2 {
+                    sent.clear();
+                }
             }
             sent.insert(token, now);
         }
@@ -310,6 +325,13 @@ impl RootContext for Root {
                     config.limits.len(),
                     config.redis.cluster
                 );
+                // A new configuration brings new breakers: an open old one
+                // no longer counts in the gauge.
+                if let Some(old) = &self.shared {
+                    if old.breaker.tripped() && old.metrics.circuit_open_workers != u32::MAX {
+                        let _ = hostcalls::increment_metric(old.metrics.circuit_open_workers, -1);
+                    }
+                }
                 let metrics = Metrics::define(&config);
                 let breaker = Rc::new(Breaker::new(
                     config.redis.breaker_failures,

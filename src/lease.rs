@@ -1,0 +1,217 @@
+//! Token leases, the Envoy side: tokens one Envoy took from a bucket in Redis
+//! (lua/lease.lua) and spends without calling Redis, shared by its workers
+//! through shared data with compare-and-swap.
+//!
+//! One slot per bucket key (a fixed table, as for the over-limit cache:
+//! shared data is never freed), holding the tokens left, when they lapse, and
+//! whether a worker is fetching more. Only one worker fetches at a time; the
+//! others decide their requests in Redis meanwhile (exact, just slower), so an
+//! Envoy holds at most one batch per key: the bound on tokens it can strand.
+
+use sha2::{Digest, Sha256};
+
+/// Slots per Envoy (each 40 bytes of shared data).
+pub const SLOTS: u32 = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct State {
+    digest: [u8; 16],
+    tokens: u64,
+    /// Proxy clock, ms: leased tokens are void from here on.
+    expires_ms: u64,
+    /// Proxy clock, ms: a worker is fetching a lease until then.
+    fetching_until_ms: u64,
+}
+
+impl State {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(40);
+        out.extend_from_slice(&self.digest);
+        out.extend_from_slice(&self.tokens.to_be_bytes());
+        out.extend_from_slice(&self.expires_ms.to_be_bytes());
+        out.extend_from_slice(&self.fetching_until_ms.to_be_bytes());
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Option<State> {
+        if bytes.len() != 40 {
+            return None;
+        }
+        let u64_at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&bytes[i..i + 8]);
+            u64::from_be_bytes(b)
+        };
+        let mut digest = [0u8; 16];
+        digest.copy_from_slice(&bytes[..16]);
+        Some(State {
+            digest,
+            tokens: u64_at(16),
+            expires_ms: u64_at(24),
+            fetching_until_ms: u64_at(32),
+        })
+    }
+}
+
+/// What a request on a leased limit does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Write these bytes (compare-and-swap): the request spent leased tokens.
+    Spend(Vec<u8>),
+    /// Write these bytes (compare-and-swap), then fetch a lease from Redis.
+    Fetch(Vec<u8>),
+    /// Another worker is fetching: decide this request in Redis.
+    Strict,
+}
+
+/// A bucket key's lease slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    pub shared_key: String,
+    digest: [u8; 16],
+}
+
+impl Slot {
+    pub fn of(limit_key: &[u8]) -> Slot {
+        let full = Sha256::digest(limit_key);
+        let mut digest = [0u8; 16];
+        digest.copy_from_slice(&full[..16]);
+        let index = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % SLOTS;
+        Slot {
+            shared_key: format!("redis-guard/lease/{index}"),
+            digest,
+        }
+    }
+
+    /// This key's state in the stored bytes (another key's, or none: empty).
+    fn state(&self, stored: Option<&[u8]>) -> State {
+        stored
+            .and_then(State::decode)
+            .filter(|s| s.digest == self.digest)
+            .unwrap_or(State {
+                digest: self.digest,
+                tokens: 0,
+                expires_ms: 0,
+                fetching_until_ms: 0,
+            })
+    }
+
+    /// Spend `cost` leased tokens, or claim the fetch, or leave it to Redis.
+    /// `fetch_for_ms` bounds the claim: a fetch that never answers (its
+    /// stream gone) frees the slot after it.
+    pub fn step(&self, stored: Option<&[u8]>, cost: u64, now_ms: u64, fetch_for_ms: u64) -> Step {
+        let mut s = self.state(stored);
+        if now_ms < s.expires_ms && s.tokens >= cost {
+            s.tokens -= cost;
+            return Step::Spend(s.encode());
+        }
+        if now_ms < s.fetching_until_ms {
+            return Step::Strict;
+        }
+        s.fetching_until_ms = now_ms.saturating_add(fetch_for_ms);
+        Step::Fetch(s.encode())
+    }
+
+    /// The fetch answered: `granted` tokens usable until `expires_ms`, added
+    /// to whatever is left of the current lease; the fetch claim ends.
+    pub fn granted(
+        &self,
+        stored: Option<&[u8]>,
+        granted: u64,
+        now_ms: u64,
+        expires_ms: u64,
+    ) -> Vec<u8> {
+        let mut s = self.state(stored);
+        let left = if now_ms < s.expires_ms { s.tokens } else { 0 };
+        s.tokens = left.saturating_add(granted);
+        s.expires_ms = expires_ms;
+        s.fetching_until_ms = 0;
+        s.encode()
+    }
+
+    /// The fetch failed: release the claim so another worker may try.
+    pub fn fetch_failed(&self, stored: Option<&[u8]>) -> Vec<u8> {
+        let mut s = self.state(stored);
+        s.fetching_until_ms = 0;
+        s.encode()
+    }
+
+    /// Tokens usable now (for tests and stats).
+    pub fn tokens(&self, stored: Option<&[u8]>, now_ms: u64) -> u64 {
+        let s = self.state(stored);
+        if now_ms < s.expires_ms {
+            s.tokens
+        } else {
+            0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(step: Step) -> Vec<u8> {
+        match step {
+            Step::Spend(b) | Step::Fetch(b) => b,
+            Step::Strict => panic!("expected a write"),
+        }
+    }
+
+    #[test]
+    fn an_empty_slot_claims_the_fetch_and_others_go_strict_meanwhile() {
+        let slot = Slot::of(b"bucket");
+        let claimed = bytes(slot.step(None, 1, 1_000, 50));
+        assert!(matches!(slot.step(None, 1, 1_000, 50), Step::Fetch(_)));
+        assert_eq!(slot.step(Some(&claimed), 1, 1_020, 50), Step::Strict);
+        // A claim nobody answers lapses.
+        assert!(matches!(
+            slot.step(Some(&claimed), 1, 1_050, 50),
+            Step::Fetch(_)
+        ));
+        let freed = slot.fetch_failed(Some(&claimed));
+        assert!(matches!(
+            slot.step(Some(&freed), 1, 1_020, 50),
+            Step::Fetch(_)
+        ));
+    }
+
+    #[test]
+    fn granted_tokens_are_spent_exactly_once_and_lapse() {
+        let slot = Slot::of(b"bucket");
+        let mut stored = slot.granted(None, 3, 0, 100);
+        let mut spent = 0;
+        while let Step::Spend(next) = slot.step(Some(&stored), 1, 10, 50) {
+            stored = next;
+            spent += 1;
+        }
+        assert_eq!(spent, 3, "exactly the grant");
+        assert_eq!(slot.tokens(Some(&stored), 10), 0);
+        let stored = slot.granted(Some(&stored), 5, 20, 100);
+        assert!(
+            matches!(slot.step(Some(&stored), 6, 30, 50), Step::Fetch(_)),
+            "cost above what is held"
+        );
+        assert!(matches!(
+            slot.step(Some(&stored), 5, 30, 50),
+            Step::Spend(_)
+        ));
+        assert_eq!(slot.tokens(Some(&stored), 100), 0, "lapsed at expiry");
+        assert!(matches!(
+            slot.step(Some(&stored), 1, 100, 50),
+            Step::Fetch(_)
+        ));
+    }
+
+    #[test]
+    fn another_keys_slot_is_never_spent() {
+        let a = Slot::of(b"a");
+        let stored = a.granted(None, 10, 0, 1_000);
+        let b = Slot {
+            shared_key: a.shared_key.clone(),
+            digest: [9; 16],
+        };
+        assert!(matches!(b.step(Some(&stored), 1, 10, 50), Step::Fetch(_)));
+        assert_eq!(b.tokens(Some(&stored), 10), 0);
+    }
+}

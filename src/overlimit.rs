@@ -1,0 +1,143 @@
+//! The over-limit cache: when Redis rejects a request because limit key K has
+//! no room for cost C until T, no request of cost >= C on K can be admitted
+//! before T (capacity only returns with time; other admissions only take it).
+//! So every worker of the Envoy may answer such requests 429 locally until T
+//! without calling Redis, and answer exactly what Redis would have.
+//!
+//! T is held on the proxy's clock as `sent + retry`: the moment the call left
+//! the proxy plus the wait Redis computed. Redis evaluated the call after it
+//! was sent, so this is never later than the real T: the cache may stop a
+//! little early (one trip), never late.
+//!
+//! Entries live in Envoy's shared data, which has no expiry or deletion, so
+//! the space is a fixed table of [`SLOTS`] entries indexed by the key's
+//! digest: a key under attack keeps its slot, a collision only evicts an
+//! entry (the next request asks Redis), and the memory is bounded whatever
+//! keys clients invent. Each entry carries the key's digest, so a collision
+//! never answers for another key.
+
+use sha2::{Digest, Sha256};
+
+/// Entries per Envoy (each 40 bytes of shared data).
+pub const SLOTS: u32 = 4096;
+
+/// What the cache knows about one limit key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    digest: [u8; 16],
+    /// Proxy clock, ms: no request of `cost` or more fits before this.
+    pub until_ms: u64,
+    pub cost: u64,
+    /// Units left when Redis rejected (a lower bound until `until_ms`).
+    pub remaining: u64,
+}
+
+/// Where a limit key's entry lives: its shared-data key and digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    pub shared_key: String,
+    digest: [u8; 16],
+}
+
+impl Slot {
+    pub fn of(limit_key: &[u8]) -> Slot {
+        let full = Sha256::digest(limit_key);
+        let mut digest = [0u8; 16];
+        digest.copy_from_slice(&full[..16]);
+        let index = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % SLOTS;
+        Slot {
+            shared_key: format!("redis-guard/over/{index}"),
+            digest,
+        }
+    }
+
+    pub fn entry(&self, until_ms: u64, cost: u64, remaining: u64) -> Entry {
+        Entry {
+            digest: self.digest,
+            until_ms,
+            cost,
+            remaining,
+        }
+    }
+
+    /// The wait (ms) before a request of `cost` on this key could fit, if
+    /// the stored bytes say it cannot fit now; `None` when Redis must decide.
+    pub fn rejects(&self, stored: Option<&[u8]>, cost: u64, now_ms: u64) -> Option<(u64, u64)> {
+        let entry = Entry::decode(stored?)?;
+        (entry.digest == self.digest && cost >= entry.cost && now_ms < entry.until_ms)
+            .then(|| (entry.until_ms - now_ms, entry.remaining))
+    }
+}
+
+impl Entry {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(40);
+        out.extend_from_slice(&self.digest);
+        out.extend_from_slice(&self.until_ms.to_be_bytes());
+        out.extend_from_slice(&self.cost.to_be_bytes());
+        out.extend_from_slice(&self.remaining.to_be_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Entry> {
+        if bytes.len() != 40 {
+            return None;
+        }
+        let u64_at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&bytes[i..i + 8]);
+            u64::from_be_bytes(b)
+        };
+        let mut digest = [0u8; 16];
+        digest.copy_from_slice(&bytes[..16]);
+        Some(Entry {
+            digest,
+            until_ms: u64_at(16),
+            cost: u64_at(24),
+            remaining: u64_at(32),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_only_its_own_key_at_or_above_the_cost_before_the_deadline() {
+        let slot = Slot::of(b"rg:rl:{t}:a:tb.1.1.1000:1:x");
+        let stored = slot.entry(1_000, 2, 0).encode();
+        assert_eq!(slot.rejects(Some(&stored), 2, 400), Some((600, 0)));
+        assert_eq!(slot.rejects(Some(&stored), 5, 999), Some((1, 0)));
+        assert_eq!(slot.rejects(Some(&stored), 2, 1_000), None, "not at T");
+        assert_eq!(
+            slot.rejects(Some(&stored), 1, 400),
+            None,
+            "a cheaper request may fit"
+        );
+        assert_eq!(slot.rejects(None, 2, 400), None);
+        assert_eq!(slot.rejects(Some(b"short"), 2, 400), None);
+        // Another key in the same slot never answers for this one.
+        let other = Slot {
+            shared_key: slot.shared_key.clone(),
+            digest: [7; 16],
+        };
+        assert_eq!(other.rejects(Some(&stored), 2, 400), None);
+    }
+
+    #[test]
+    fn entries_round_trip_and_slots_stay_in_the_table() {
+        let slot = Slot::of(b"k");
+        let e = slot.entry(u64::MAX, 3, 9);
+        assert_eq!(Entry::decode(&e.encode()), Some(e));
+        for i in 0..1000u32 {
+            let s = Slot::of(&i.to_be_bytes());
+            let index: u32 = s
+                .shared_key
+                .trim_start_matches("redis-guard/over/")
+                .parse()
+                .unwrap();
+            assert!(index < SLOTS);
+        }
+    }
+}

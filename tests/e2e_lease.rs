@@ -1,0 +1,119 @@
+//! Token leases end to end, two Envoy processes (two workers each) sharing one
+//! bucket in Redis. A leased token leaves Redis before any request spends it,
+//! so the Envoys together never admit more than the bucket holds; an Envoy
+//! that stops getting traffic strands at most one batch (`tokens`) until its
+//! lease ends. Both bounds are asserted exactly, with no refill during the
+//! test (one token per hour).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use support::*;
+
+fn config(capacity: u64, tokens: u64, ttl_ms: u64) -> String {
+    format!(
+        r#"{{"redis":{{"cluster":"webdis","timeoutMs":2000}},"failureMode":"deny",
+          "limits":[{{"name":"leased","match":{{"pathPrefix":"/api/"}},
+            "descriptor":[{{"header":"x-user"}}],
+            "tokenBucket":{{"capacity":{capacity},"refill":1,"periodMs":3600000}},
+            "lease":{{"tokens":{tokens},"ttlMs":{ttl_ms}}}}}]}}"#
+    )
+}
+
+fn status(e: &Envoy) -> u16 {
+    get(&e.url("/api/x"), &[("x-user", "u")]).status
+}
+
+fn admitted(e: &Envoy, n: usize) -> usize {
+    (0..n).filter(|_| status(e) == 200).count()
+}
+
+#[test]
+fn an_envoy_that_stops_getting_traffic_strands_exactly_one_batch() {
+    // 20 tokens, batches of 5, leases that outlive the test.
+    let stack = Stack::start(&config(20, 5, 600_000), 2);
+    let (e1, e2) = (&stack.envoys[0], &stack.envoys[1]);
+
+    // e1 fetches: its request plus 5 tokens leave the bucket (14 left).
+    assert_eq!(admitted(e1, 1), 1);
+    assert_eq!(e1.counter("redis_guard.lease.fetches"), 1);
+    // All other traffic goes to e2, which can only get the 14 still in Redis.
+    assert_eq!(admitted(e2, 30), 14);
+    // 20 - 5: e1's unspent batch is the whole shortfall.
+    assert_eq!(stack.upstream.executed(), 15);
+
+    // Traffic back at e1: it spends its batch without Redis, then is refused.
+    let calls = e1.counter("redis_guard.redis.calls");
+    assert_eq!(admitted(e1, 5), 5);
+    assert_eq!(
+        e1.counter("redis_guard.redis.calls"),
+        calls,
+        "spent locally"
+    );
+    assert_eq!(e1.counter("redis_guard.lease.spent"), 5);
+    assert_eq!(admitted(e1, 3), 0);
+    // Exactly the bucket, no more.
+    assert_eq!(stack.upstream.executed(), 20);
+}
+
+#[test]
+fn an_unspent_batch_lapses_with_its_lease_and_is_never_spent_after() {
+    // Leases of 300 ms: e1's batch is void before it gets traffic again.
+    let stack = Stack::start(&config(10, 4, 300), 2);
+    let (e1, e2) = (&stack.envoys[0], &stack.envoys[1]);
+    assert_eq!(admitted(e1, 1), 1);
+    assert_eq!(admitted(e2, 20), 5, "10 - 1 - 4 held by e1");
+    // Wait out e1's lease on Redis' clock (no refill in an hour).
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert_eq!(admitted(e1, 5), 0, "the lapsed batch is gone");
+    assert_eq!(stack.upstream.executed(), 6);
+}
+
+#[test]
+fn two_envoys_under_concurrent_load_never_admit_more_than_the_bucket() {
+    let capacity = 40;
+    let stack = Arc::new(Stack::start(&config(capacity, 8, 600_000), 2));
+    let ok = Arc::new(AtomicU64::new(0));
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let stack = Arc::clone(&stack);
+            let ok = Arc::clone(&ok);
+            std::thread::spawn(move || {
+                let agent = agent();
+                let e = &stack.envoys[t % 2];
+                // Bounded: 15 requests per thread, 120 in all.
+                for _ in 0..15 {
+                    let r = http_with(&agent, "GET", &e.url("/api/x"), &[("x-user", "u")], None);
+                    assert!(r.status == 200 || r.status == 429, "{}", r.status);
+                    if r.status == 200 {
+                        ok.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let admitted = ok.load(Ordering::SeqCst);
+    assert_eq!(stack.upstream.executed(), admitted);
+    // Never more than the bucket; never fewer than the bucket minus one
+    // unspent batch per Envoy.
+    assert!(admitted <= capacity, "over-admitted: {admitted}");
+    assert!(admitted >= capacity - 2 * 8, "under-admitted: {admitted}");
+    // Whatever was not admitted is held by the Envoys, not lost in Redis:
+    // draining both (sequentially) reaches the bucket exactly.
+    let more = admitted_both(&stack, 40);
+    assert_eq!(admitted + more, capacity);
+}
+
+fn admitted_both(stack: &Stack, n: usize) -> u64 {
+    (0..n)
+        .map(|i| status(&stack.envoys[i % 2]))
+        .filter(|s| *s == 200)
+        .count() as u64
+}

@@ -1,0 +1,911 @@
+//! `lua/lease.lua` (with lua/token_bucket.lua joined in, exactly as the filter
+//! sends it) against a real redis-server: the KEYS/ARGV/reply contract in the
+//! script's header, the grant arithmetic, one budget shared with the strict
+//! `lua/ratelimit.lua` token bucket, TTLs, contract errors and EVALSHA.
+//!
+//! Redis TIME cannot be mocked, so exactness comes from the state:
+//! - a bucket written by hand with `t` in the future gets no refill, so the
+//!   next call's every number is a constant;
+//! - after an admitting call the stored `t` is the script's own clock, so the
+//!   reply is recomputed exactly from the state before and after (`expected`);
+//! - periods of an hour with one credit per ms keep every whole-token count
+//!   (remaining, granted) constant however long the test takes.
+//!
+//! Only what genuinely depends on when Redis ran the script is bounded: the
+//! retry of a rejection (nothing is written, so its clock is not recorded) and
+//! the key's expiry (PEXPIRE counts from the moment it runs, a moment after
+//! the script read TIME). Those bounds come from TIME read around the call,
+//! never from a fixed slack.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use redis::Connection;
+use redis_guard::scripts::{LEASE, RATELIMIT};
+
+/// One hour: with one credit per ms, a test never refills a whole token.
+const HOUR: i64 = 3_600_000;
+
+/// The script's one error reply, as the client sees it (code, detail).
+const BAD_ARGS: (&str, &str) = ("ERR", "redis-guard lease: one key and five numbers");
+
+// ---------------------------------------------------------------------------
+// The bucket and the contract's arithmetic
+
+/// A token bucket: `capacity` tokens, `refill` tokens every `period` ms.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    capacity: i64,
+    refill: i64,
+    period: i64,
+}
+
+fn bucket(capacity: i64, refill: i64, period: i64) -> Bucket {
+    Bucket {
+        capacity,
+        refill,
+        period,
+    }
+}
+
+/// A slow bucket: one token per hour (one credit per ms).
+fn hourly(capacity: i64) -> Bucket {
+    bucket(capacity, 1, HOUR)
+}
+
+/// Ceiling of `a / b` for `a >= 0`, `b > 0`.
+fn ceil_div(a: i64, b: i64) -> i64 {
+    assert!(a >= 0 && b > 0, "ceil_div({a}, {b})");
+    (a + b - 1) / b
+}
+
+/// The reply the header promises for one call, given the bucket's stored
+/// `(credits, t)` before it (None: a missing key, a full bucket) and the
+/// script's clock `now`; and the credits it leaves when it admits.
+///
+/// `lease = 0` is the strict token bucket of lua/ratelimit.lua: the same
+/// admission and numbers, without the grant.
+fn expected(
+    b: Bucket,
+    cost: i64,
+    lease: i64,
+    before: Option<(i64, i64)>,
+    now: i64,
+) -> ([i64; 6], Option<i64>) {
+    let full = b.capacity * b.period;
+    let credits = match before {
+        None => full,
+        Some((c, t)) if now > t => full.min(c + (now - t) * b.refill),
+        Some((c, _)) => full.min(c),
+    };
+    let need = cost * b.period;
+    if credits < need {
+        let retry = ceil_div(need - credits, b.refill);
+        return ([0, 0, credits / b.period, retry, retry, 0], None);
+    }
+    let granted = lease.min((credits - need) / b.period);
+    let left = credits - need - granted * b.period;
+    let reset = ceil_div(full - left, b.refill);
+    ([1, 1, left / b.period, 0, reset, granted], Some(left))
+}
+
+// ---------------------------------------------------------------------------
+// Calling the scripts
+
+fn lease_argv(b: Bucket, cost: i64, lease: i64) -> [String; 5] {
+    [b.capacity, b.refill, b.period, cost, lease].map(|v| v.to_string())
+}
+
+/// EVAL of lua/lease.lua, exactly the source the filter sends.
+fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> [i64; 6] {
+    let raw: Vec<i64> = redis::cmd("EVAL")
+        .arg(&LEASE.source)
+        .arg(1)
+        .arg(key)
+        .arg(&lease_argv(b, cost, lease)[..])
+        .query(con)
+        .unwrap_or_else(|e| panic!("lease EVAL on {key} ({b:?}, cost {cost}, lease {lease}): {e}"));
+    raw.try_into()
+        .unwrap_or_else(|raw| panic!("a lease reply is six integers: {raw:?}"))
+}
+
+/// EVALSHA by the SHA-1 the filter sends.
+fn evalsha_lease(
+    con: &mut Connection,
+    key: &str,
+    b: Bucket,
+    cost: i64,
+    lease: i64,
+) -> redis::RedisResult<Vec<i64>> {
+    redis::cmd("EVALSHA")
+        .arg(&LEASE.sha1)
+        .arg(1)
+        .arg(key)
+        .arg(&lease_argv(b, cost, lease)[..])
+        .query(con)
+}
+
+/// lua/lease.lua with hand-made KEYS and ARGV, for the contract errors.
+fn eval_lease_raw(
+    con: &mut Connection,
+    keys: &[&str],
+    argv: &[&str],
+) -> redis::RedisResult<redis::Value> {
+    redis::cmd("EVAL")
+        .arg(&LEASE.source)
+        .arg(keys.len())
+        .arg(keys)
+        .arg(argv)
+        .query(con)
+}
+
+/// The strict script (lua/ratelimit.lua) with one enforced token-bucket
+/// limit on `key`: [admitted, allowed, remaining, retry_ms, reset_ms].
+fn eval_strict(con: &mut Connection, key: &str, b: Bucket, cost: i64) -> [i64; 5] {
+    let raw: Vec<i64> = redis::cmd("EVAL")
+        .arg(&RATELIMIT.source)
+        .arg(1)
+        .arg(key)
+        .arg(strict_argv(b, cost))
+        .query(con)
+        .unwrap_or_else(|e| panic!("ratelimit EVAL on {key}: {e}"));
+    raw.try_into()
+        .unwrap_or_else(|raw| panic!("one limit's reply is five integers: {raw:?}"))
+}
+
+fn strict_argv(b: Bucket, cost: i64) -> Vec<String> {
+    ["1".to_string(), "tb".to_string()]
+        .into_iter()
+        .chain([b.capacity, b.refill, b.period, cost].map(|v| v.to_string()))
+        .chain(["1".to_string()])
+        .collect()
+}
+
+fn script_load(con: &mut Connection, source: &str) -> String {
+    redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(source)
+        .query(con)
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------
+// Reading and writing state directly
+
+/// Redis TIME in ms, computed exactly as the script does.
+fn now_ms(con: &mut Connection) -> i64 {
+    let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
+    s * 1000 + us / 1000
+}
+
+/// Polls Redis TIME until it reads at least `at_ms` (at most 2 s).
+fn wait_until(con: &mut Connection, at_ms: i64) {
+    let start = Instant::now();
+    while now_ms(con) < at_ms {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "Redis TIME did not reach {at_ms} within 2 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Writes a bucket's state: `credits` (one token = period credits) as of `t_ms`.
+fn set_state(con: &mut Connection, key: &str, credits: i64, t_ms: i64) {
+    redis::cmd("HSET")
+        .arg(key)
+        .arg("c")
+        .arg(credits)
+        .arg("t")
+        .arg(t_ms)
+        .query::<()>(con)
+        .unwrap();
+}
+
+/// The stored `(credits, t)` (HMGET c t), or None if the key is absent.
+fn state(con: &mut Connection, key: &str) -> Option<(i64, i64)> {
+    let v: Vec<Option<i64>> = redis::cmd("HMGET")
+        .arg(key)
+        .arg("c")
+        .arg("t")
+        .query(con)
+        .unwrap();
+    match (v[0], v[1]) {
+        (Some(c), Some(t)) => Some((c, t)),
+        (None, None) => None,
+        other => panic!("half-written bucket {key}: {other:?}"),
+    }
+}
+
+fn hgetall(con: &mut Connection, key: &str) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = redis::cmd("HGETALL").arg(key).query(con).unwrap();
+    v.sort();
+    v
+}
+
+fn exists(con: &mut Connection, key: &str) -> bool {
+    redis::cmd("EXISTS").arg(key).query::<i64>(con).unwrap() == 1
+}
+
+/// Absolute expiry in unix ms: -1 without a TTL, -2 without the key.
+fn pexpiretime(con: &mut Connection, key: &str) -> i64 {
+    redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap()
+}
+
+fn pttl(con: &mut Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(con).unwrap()
+}
+
+// ---------------------------------------------------------------------------
+// One lease call, checked against the whole contract
+
+/// A lease call with everything observed around it.
+#[derive(Debug)]
+struct Call {
+    reply: [i64; 6],
+    /// Stored (credits, t) before and after.
+    before: Option<(i64, i64)>,
+    after: Option<(i64, i64)>,
+    /// Redis TIME just before the EVAL and just after the reads that follow it.
+    t0: i64,
+    t1: i64,
+    /// PEXPIRETIME and PTTL read right after the call.
+    expire_at: i64,
+    pttl: i64,
+}
+
+impl Call {
+    fn granted(&self) -> i64 {
+        self.reply[5]
+    }
+}
+
+/// Runs lua/lease.lua once and asserts what holds for every call:
+///
+/// - admitted: the stored `t` is the script's clock (within TIME read around
+///   the call), and the reply and stored credits are exactly what the header
+///   computes from the state before and that clock; the key expires exactly
+///   `reset_ms` after the PEXPIRE ran (see `assert_expires_at_reset`);
+/// - rejected: nothing is written (state and absolute expiry unchanged), the
+///   grant is 0, reset equals retry, and the reply is the header's for a
+///   clock between the TIME reads around it.
+fn lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> Call {
+    let before = state(con, key);
+    let expire_before = pexpiretime(con, key);
+    let t0 = now_ms(con);
+    let reply = eval_lease(con, key, b, cost, lease);
+    let expire_at = pexpiretime(con, key);
+    let ttl = pttl(con, key);
+    let t1 = now_ms(con);
+    let after = state(con, key);
+    let call = Call {
+        reply,
+        before,
+        after,
+        t0,
+        t1,
+        expire_at,
+        pttl: ttl,
+    };
+
+    match reply[0] {
+        1 => {
+            let (c, t) = after.unwrap_or_else(|| panic!("admitted but nothing stored: {call:?}"));
+            assert!(
+                t0 <= t && t <= t1,
+                "stored t {t} is not the script's clock (TIME {t0}..{t1}): {call:?}"
+            );
+            let (want, left) = expected(b, cost, lease, before, t);
+            assert_eq!(
+                reply, want,
+                "reply for cost {cost}, lease {lease} from {before:?} at {t}"
+            );
+            assert_eq!(Some(c), left, "stored credits: {call:?}");
+            assert_expires_at_reset(&call);
+        }
+        0 => {
+            assert_eq!(after, before, "a rejection must not write: {call:?}");
+            assert_eq!(
+                expire_at, expire_before,
+                "a rejection must not touch the TTL: {call:?}"
+            );
+            let (early, _) = expected(b, cost, lease, before, t0);
+            let (late, _) = expected(b, cost, lease, before, t1);
+            assert_eq!(
+                early[..3],
+                late[..3],
+                "rejected whichever ms it ran: {call:?}"
+            );
+            assert_eq!(reply[..3], early[..3], "{call:?}");
+            // Refill between t0 and t1 can only shorten the wait.
+            assert!(
+                late[3] <= reply[3] && reply[3] <= early[3],
+                "retry_ms {} outside [{}, {}]: {call:?}",
+                reply[3],
+                late[3],
+                early[3]
+            );
+            assert!(reply[3] > 0, "{call:?}");
+            assert_eq!(reply[4], reply[3], "a rejection's reset is its retry");
+            assert_eq!(reply[5], 0, "a rejection grants nothing");
+        }
+        _ => panic!("admitted must be 0 or 1: {call:?}"),
+    }
+    call
+}
+
+/// The key's PEXPIRE equals the reset the call reported. PEXPIRE counts from
+/// the moment it runs inside the script, which Redis does not report (it may
+/// be a millisecond after the script read TIME), so the absolute expiry is
+/// bounded by TIME read before and after the call; PTTL, read a moment later
+/// still, is at most `reset_ms` and at least `reset_ms` less the time the
+/// call and reads took.
+#[track_caller]
+fn assert_expires_at_reset(call: &Call) {
+    let reset = call.reply[4];
+    assert!(
+        call.t0 + reset <= call.expire_at && call.expire_at <= call.t1 + reset,
+        "PEXPIRETIME {} is not reset_ms {reset} after the call ({}..{}): {call:?}",
+        call.expire_at,
+        call.t0,
+        call.t1
+    );
+    assert!(
+        reset - (call.t1 - call.t0) <= call.pttl && call.pttl <= reset,
+        "PTTL {} is not reset_ms {reset} less the {} ms the call took: {call:?}",
+        call.pttl,
+        call.t1 - call.t0
+    );
+}
+
+/// A strict (lua/ratelimit.lua) call on the same bucket, checked the same way
+/// against the shared arithmetic (a strict request is a lease of 0).
+fn strict(con: &mut Connection, key: &str, b: Bucket, cost: i64) -> [i64; 5] {
+    let before = state(con, key);
+    let t0 = now_ms(con);
+    let reply = eval_strict(con, key, b, cost);
+    let t1 = now_ms(con);
+    let after = state(con, key);
+    let [admitted, allowed, remaining, retry, reset] = reply;
+    if admitted == 1 {
+        let (c, t) = after.unwrap();
+        assert!(t0 <= t && t <= t1);
+        let (want, left) = expected(b, cost, 0, before, t);
+        assert_eq!(want[..5], reply[..], "strict reply from {before:?} at {t}");
+        assert_eq!(Some(c), left);
+    } else {
+        assert_eq!(after, before, "a strict rejection must not write");
+        let (early, _) = expected(b, cost, 0, before, t0);
+        let (late, _) = expected(b, cost, 0, before, t1);
+        assert_eq!((admitted, allowed, remaining), (0, 0, early[2]));
+        assert_eq!(early[2], late[2]);
+        assert!(late[3] <= retry && retry <= early[3] && retry == reset);
+    }
+    reply
+}
+
+// ---------------------------------------------------------------------------
+// The grant
+
+#[test]
+fn grants_the_full_lease_while_the_bucket_holds_it() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:lease:full";
+    let b = hourly(10);
+
+    // A missing key is a full bucket: 10 - 1 charged - 4 granted = 5 left,
+    // 5 tokens (5 hours at 1 credit/ms) until full again. Exact.
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(c.reply, [1, 1, 5, 0, 5 * HOUR, 4]);
+    assert_eq!(c.after.unwrap().0, 5 * HOUR);
+
+    // 5 tokens (plus a few ms of refill) still hold 1 + 4: granted in full,
+    // leaving only those few ms of credits.
+    let c = lease(&mut con, key, b, 1, 4);
+    let (left, t) = c.after.unwrap();
+    let elapsed = t - c.before.unwrap().1;
+    assert_eq!(left, elapsed, "5 tokens and the refill, less 5 tokens");
+    assert_eq!(c.reply, [1, 1, 0, 0, 10 * HOUR - elapsed, 4]);
+}
+
+#[test]
+fn grants_at_most_the_whole_tokens_left_after_the_charge() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:lease:partial";
+    let b = hourly(12);
+
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(c.reply, [1, 1, 7, 0, 5 * HOUR, 4]);
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!((c.reply[2], c.granted()), (2, 4));
+    // 2 whole tokens (and a few ms of credits): 1 charged, only 1 to grant.
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(
+        [c.reply[0], c.reply[1], c.reply[2], c.reply[3], c.reply[5]],
+        [1, 1, 0, 0, 1],
+        "partial grant: {c:?}"
+    );
+    let (left, _) = c.after.unwrap();
+    assert!(left < HOUR, "less than a token left: {left}");
+    assert_eq!(c.reply[4], 12 * HOUR - left);
+
+    // Less than a token: rejected, nothing granted, nothing written; the
+    // wait is the rest of a token (bounded by the refill while it ran).
+    let r = lease(&mut con, key, b, 1, 4);
+    assert_eq!(
+        [r.reply[0], r.reply[1], r.reply[2], r.reply[5]],
+        [0, 0, 0, 0]
+    );
+    let (c0, t) = r.before.unwrap();
+    assert!(HOUR - c0 - (r.t1 - t) <= r.reply[3] && r.reply[3] <= HOUR - c0 - (r.t0 - t));
+}
+
+#[test]
+fn admits_with_a_zero_grant_when_the_charge_leaves_no_whole_token() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:lease:zero";
+    let b = hourly(11);
+
+    assert_eq!(lease(&mut con, key, b, 1, 4).reply[..3], [1, 1, 6]);
+    assert_eq!(lease(&mut con, key, b, 1, 4).reply[..3], [1, 1, 1]);
+    // One whole token: the cost fits, nothing spare to lease.
+    let c = lease(&mut con, key, b, 1, 4);
+    let (left, _) = c.after.unwrap();
+    assert_eq!(c.reply, [1, 1, 0, 0, 11 * HOUR - left, 0]);
+    // Only the cost was charged: what is left is the refill since the last call.
+    assert_eq!(
+        left,
+        c.before.unwrap().0 - HOUR + (c.after.unwrap().1 - c.before.unwrap().1)
+    );
+
+    let r = lease(&mut con, key, b, 1, 4);
+    assert_eq!(
+        [r.reply[0], r.reply[1], r.reply[2], r.reply[5]],
+        [0, 0, 0, 0]
+    );
+}
+
+#[test]
+fn a_rejection_grants_nothing_and_writes_nothing() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:lease:reject";
+    // `t` in the future: no refill, every number exact.
+    let future = now_ms(&mut con) + HOUR;
+    set_state(&mut con, key, 2500, future);
+    // An expiry of its own, far from anything the script would set.
+    let expire_at = future + 10 * HOUR;
+    redis::cmd("PEXPIREAT")
+        .arg(key)
+        .arg(expire_at)
+        .query::<()>(&mut con)
+        .unwrap();
+    let stored = hgetall(&mut con, key);
+
+    // capacity 10, 1 credit/ms, 1 token = 1000 credits: 2.5 held, 3 needed,
+    // 500 credits short. The lease changes nothing about that.
+    let b = bucket(10, 1, 1000);
+    let r = lease(&mut con, key, b, 3, 4);
+    assert_eq!(r.reply, [0, 0, 2, 500, 500, 0]);
+    // 3 credits/ms: ceil(500 / 3) = 167 ms.
+    let r = lease(&mut con, key, bucket(10, 3, 1000), 3, 4);
+    assert_eq!(r.reply, [0, 0, 2, 167, 167, 0]);
+    // A lease of 1 and a lease of 1000 are rejected alike.
+    assert_eq!(lease(&mut con, key, b, 3, 1).reply, [0, 0, 2, 500, 500, 0]);
+    assert_eq!(
+        lease(&mut con, key, b, 3, 1000).reply,
+        [0, 0, 2, 500, 500, 0]
+    );
+
+    assert_eq!(hgetall(&mut con, key), stored, "a rejection must not write");
+    assert_eq!(state(&mut con, key), Some((2500, future)));
+    assert_eq!(pexpiretime(&mut con, key), expire_at, "TTL untouched");
+
+    // A key without a TTL keeps none.
+    redis::cmd("PERSIST")
+        .arg(key)
+        .query::<()>(&mut con)
+        .unwrap();
+    assert_eq!(lease(&mut con, key, b, 3, 4).reply, [0, 0, 2, 500, 500, 0]);
+    assert_eq!(pttl(&mut con, key), -1);
+}
+
+#[test]
+fn the_cost_is_charged_first_and_the_grant_comes_from_what_is_left() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:lease:cost";
+    // capacity 10, 1 credit/ms, 1 token = 1000 credits; 6.5 tokens held, no
+    // refill (t in the future, written again before each call).
+    let b = bucket(10, 1, 1000);
+    let call = |con: &mut Connection, cost: i64, lease_of: i64| {
+        let future = now_ms(con) + HOUR;
+        set_state(con, key, 6500, future);
+        lease(con, key, b, cost, lease_of)
+    };
+
+    // cost 4 > the 2.5 tokens it leaves: 2 granted, 500 credits left,
+    // 9500 ms to full.
+    let c = call(&mut con, 4, 5);
+    assert_eq!(c.reply, [1, 1, 0, 0, 9500, 2]);
+    assert_eq!(c.after.unwrap().0, 500);
+    // cost 5 leaves 1.5: 1 granted of the 4 asked.
+    let c = call(&mut con, 5, 4);
+    assert_eq!(c.reply, [1, 1, 0, 0, 9500, 1]);
+    assert_eq!(c.after.unwrap().0, 500);
+    // cost 6 leaves 0.5: admitted, nothing to grant.
+    let c = call(&mut con, 6, 4);
+    assert_eq!(c.reply, [1, 1, 0, 0, 9500, 0]);
+    assert_eq!(c.after.unwrap().0, 500);
+    // cost 1 leaves 5.5: a lease of 3 is granted in full, 2.5 left.
+    let c = call(&mut con, 1, 3);
+    assert_eq!(c.reply, [1, 1, 2, 0, 7500, 3]);
+    assert_eq!(c.after.unwrap().0, 2500);
+    // cost 7 > 6.5 held: a lease never makes an unaffordable request fit.
+    let c = call(&mut con, 7, 4);
+    assert_eq!(c.reply, [0, 0, 6, 500, 500, 0]);
+    assert_eq!(c.after.unwrap().0, 6500);
+}
+
+// ---------------------------------------------------------------------------
+// One budget with the strict script
+
+#[test]
+fn leased_and_strict_requests_spend_one_budget() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:lease:shared";
+    let b = hourly(20);
+    let mut charged = 0; // costs of admitted requests, leased or strict
+    let mut granted = 0;
+
+    // 20 - 1 - 4 = 15: the strict script sees the leased tokens gone.
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(c.reply, [1, 1, 15, 0, 5 * HOUR, 4]);
+    (charged, granted) = (charged + 1, granted + c.granted());
+    for left in [14, 13, 12] {
+        let r = strict(&mut con, key, b, 1);
+        assert_eq!(r[..4], [1, 1, left, 0]);
+        charged += 1;
+    }
+    // 12 - 2 - 5 = 5.
+    let c = lease(&mut con, key, b, 2, 5);
+    assert_eq!(c.reply[..4], [1, 1, 5, 0]);
+    assert_eq!(c.granted(), 5);
+    (charged, granted) = (charged + 2, granted + c.granted());
+    let r = strict(&mut con, key, b, 3);
+    assert_eq!(r[..4], [1, 1, 2, 0]);
+    charged += 3;
+    // 2 < 3: the strict script rejects, as it would without leases.
+    let r = strict(&mut con, key, b, 3);
+    assert_eq!(r[..3], [0, 0, 2]);
+    // The last 2 tokens: 1 charged, 1 granted (of 4 asked).
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(c.reply[..4], [1, 1, 0, 0]);
+    assert_eq!(c.granted(), 1);
+    (charged, granted) = (charged + 1, granted + c.granted());
+    // Empty for both.
+    assert_eq!(strict(&mut con, key, b, 1)[..3], [0, 0, 0]);
+    assert_eq!(lease(&mut con, key, b, 1, 4).reply[..3], [0, 0, 0]);
+
+    assert_eq!((charged, granted), (10, 10));
+    assert_eq!(
+        charged + granted,
+        b.capacity,
+        "every token spent exactly once"
+    );
+    let (left, _) = state(&mut con, key).unwrap();
+    assert!(left < HOUR, "less than a token left: {left}");
+}
+
+#[test]
+fn concurrent_leased_and_strict_calls_never_spend_more_than_the_capacity() {
+    let redis = support::Redis::start();
+    let key = "t:{x}:lease:race";
+    let b = hourly(150);
+    let (lease_sha, strict_sha) = {
+        let mut con = redis.conn();
+        (
+            script_load(&mut con, &LEASE.source),
+            script_load(&mut con, &RATELIMIT.source),
+        )
+    };
+    assert_eq!(lease_sha, LEASE.sha1);
+
+    // 8 connections race 400 calls: even-numbered calls lease (cost 1, up to
+    // 3 more), odd ones are strict (cost 2). Enough to drain the bucket.
+    const THREADS: usize = 8;
+    const TOTAL: usize = 400;
+    let next = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = mpsc::channel::<Result<[i64; 4], String>>();
+    for _ in 0..THREADS {
+        let mut con = redis.conn();
+        con.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let next = Arc::clone(&next);
+        let tx = tx.clone();
+        let (lease_sha, strict_sha) = (lease_sha.clone(), strict_sha.clone());
+        std::thread::spawn(move || {
+            // [charged, granted, admitted, rejected]
+            let mut sums = [0i64; 4];
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= TOTAL {
+                    break;
+                }
+                let leased = i % 2 == 0;
+                let (sha, argv, cost) = if leased {
+                    (&lease_sha, lease_argv(b, 1, 3).to_vec(), 1)
+                } else {
+                    (&strict_sha, strict_argv(b, 2), 2)
+                };
+                let raw: Vec<i64> = match redis::cmd("EVALSHA")
+                    .arg(sha)
+                    .arg(1)
+                    .arg(key)
+                    .arg(argv)
+                    .query(&mut con)
+                {
+                    Ok(raw) => raw,
+                    Err(e) => {
+                        let _ = tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                if raw[0] == 1 {
+                    sums[0] += cost;
+                    if leased {
+                        sums[1] += raw[5];
+                    }
+                    sums[2] += 1;
+                } else {
+                    sums[3] += 1;
+                }
+            }
+            let _ = tx.send(Ok(sums));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut totals = [0i64; 4];
+    for _ in 0..THREADS {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(Ok(sums)) => totals.iter_mut().zip(sums).for_each(|(t, s)| *t += s),
+            Ok(Err(e)) => panic!("a racing call failed: {e}"),
+            Err(e) => panic!("racing threads did not finish within 60 s: {e}"),
+        }
+    }
+    let [charged, granted, admitted, rejected] = totals;
+    assert_eq!(admitted + rejected, TOTAL as i64);
+    // Refill during the race is far below a token, and 400 calls drain 150
+    // tokens: every token went to exactly one request or one grant.
+    assert_eq!(
+        charged + granted,
+        b.capacity,
+        "charged {charged} + granted {granted} (admitted {admitted}, rejected {rejected})"
+    );
+    let mut con = redis.conn();
+    let (left, _) = state(&mut con, key).unwrap();
+    assert!(left < HOUR, "less than a token left: {left}");
+}
+
+// ---------------------------------------------------------------------------
+// TTL
+
+#[test]
+fn every_admission_expires_the_key_when_the_bucket_is_full_again() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    // `lease` asserts PEXPIRETIME and PTTL against reset_ms on every admission;
+    // here the cases where the key's TTL before the call differs.
+    let b = bucket(10, 7, 1000);
+
+    // A fresh key: 10 - 2 - 3 = 5 tokens left, 5000 credits at 7/ms -> 715 ms.
+    let fresh = "t:{x}:lease:ttl-fresh";
+    let c = lease(&mut con, fresh, b, 2, 3);
+    assert_eq!(c.reply, [1, 1, 5, 0, 715, 3]);
+
+    // A hand-written key without a TTL gets one.
+    let future = now_ms(&mut con) + HOUR;
+    let bare = "t:{x}:lease:ttl-bare";
+    set_state(&mut con, bare, 7500, future);
+    assert_eq!(pttl(&mut con, bare), -1);
+    // 7.5 - 1 - 4 = 2.5 tokens left: 7500 credits at 7/ms -> ceil(1071.4) = 1072 ms.
+    let c = lease(&mut con, bare, b, 1, 4);
+    assert_eq!(c.reply, [1, 1, 2, 0, 1072, 4]);
+
+    // A longer TTL set by hand is replaced, not kept.
+    let long = "t:{x}:lease:ttl-long";
+    set_state(&mut con, long, 7500, future);
+    redis::cmd("PEXPIRE")
+        .arg(long)
+        .arg(10 * HOUR)
+        .query::<()>(&mut con)
+        .unwrap();
+    let c = lease(&mut con, long, b, 1, 4);
+    assert_eq!(c.reply, [1, 1, 2, 0, 1072, 4]);
+
+    // A slow bucket: 5 hours to full, the same on the key.
+    let slow = "t:{x}:lease:ttl-slow";
+    let c = lease(&mut con, slow, hourly(10), 1, 4);
+    assert_eq!(c.reply, [1, 1, 5, 0, 5 * HOUR, 4]);
+    assert!(c.pttl > 4 * HOUR, "{c:?}");
+}
+
+// ---------------------------------------------------------------------------
+// Refill
+
+#[test]
+fn refills_by_redis_time_and_grants_what_the_state_holds() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:lease:refill";
+    // 3 tokens, one every 200 ms (1 credit/ms, 1 token = 200 credits).
+    let b = bucket(3, 1, 200);
+
+    // Fresh: 1 charged, 2 granted, empty; 600 ms until full.
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(c.reply, [1, 1, 0, 0, 600, 2]);
+    let (c0, t0) = c.after.unwrap();
+    assert_eq!(c0, 0);
+
+    // Wait until Redis has refilled 1.5 tokens: the cost fits, and the grant
+    // is whatever whole token the state holds when the script runs.
+    wait_until(&mut con, t0 + 300);
+    let c = lease(&mut con, key, b, 1, 4);
+    let (c1, t1) = c.after.unwrap();
+    let credits = (t1 - t0).min(600);
+    assert!(credits >= 300, "{c:?}");
+    let granted = 4.min((credits - 200) / 200);
+    assert_eq!(c.granted(), granted);
+    assert_eq!(c1, credits - 200 - granted * 200);
+    assert_eq!(c.reply, [1, 1, c1 / 200, 0, 600 - c1, granted]);
+
+    // Wait until it is full again: capped at 3 tokens, however long it took.
+    wait_until(&mut con, t1 + 600);
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(c.reply, [1, 1, 0, 0, 600, 2]);
+    assert_eq!(c.after.unwrap().0, 0);
+}
+
+// ---------------------------------------------------------------------------
+// Contract errors
+
+#[test]
+fn rejects_anything_but_one_key_and_five_numbers() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let (a, b) = ("t:{x}:lease:err-a", "t:{x}:lease:err-b");
+    let good = ["10", "1", "1000", "1", "4"];
+
+    let mut cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (vec![], good.to_vec()),
+        (vec![a, b], good.to_vec()),
+        (vec![a], good[..4].to_vec()),
+        (vec![a], vec![]),
+    ];
+    for i in 0..good.len() {
+        for bad in ["ten", "", "1x", "1,5"] {
+            let mut argv = good.to_vec();
+            argv[i] = bad;
+            cases.push((vec![a], argv));
+        }
+    }
+    for (keys, argv) in &cases {
+        let Err(err) = eval_lease_raw(&mut con, keys, argv) else {
+            panic!("KEYS {keys:?} ARGV {argv:?} must fail");
+        };
+        assert_eq!(
+            (err.code(), err.detail()),
+            (Some(BAD_ARGS.0), Some(BAD_ARGS.1)),
+            "KEYS {keys:?} ARGV {argv:?}: {err}"
+        );
+    }
+    assert!(
+        !exists(&mut con, a) && !exists(&mut con, b),
+        "errors write nothing"
+    );
+
+    // Nor do they touch a key that holds a bucket.
+    let future = now_ms(&mut con) + HOUR;
+    set_state(&mut con, a, 2500, future);
+    let stored = hgetall(&mut con, a);
+    for argv in [&["10", "1", "1000", "1", "four"][..], &good[..4]] {
+        assert!(eval_lease_raw(&mut con, &[a], argv).is_err());
+    }
+    assert!(eval_lease_raw(&mut con, &[a, b], &good).is_err());
+    assert_eq!(hgetall(&mut con, a), stored);
+    assert!(!exists(&mut con, b));
+}
+
+/// Redis' Lua `tonumber()` takes "nan", "inf", fractions and negatives; the
+/// script refuses all of them (the filter only sends whole numbers, so this
+/// needs a hand-made call), and a cost above the capacity.
+#[test]
+fn rejects_nan_infinity_fractions_and_numbers_out_of_range() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:lease:nan";
+    let good = ["10", "1", "1000", "1", "4"];
+    for i in 0..good.len() {
+        for bad in ["nan", "inf", "-inf", "2.5", "-3", "0"] {
+            let mut argv = good.to_vec();
+            argv[i] = bad;
+            let Err(err) = eval_lease_raw(&mut con, &[key], &argv) else {
+                panic!("ARGV {argv:?} must fail");
+            };
+            assert_eq!(
+                (err.code(), err.detail()),
+                (Some(BAD_ARGS.0), Some(BAD_ARGS.1))
+            );
+        }
+    }
+    let Err(err) = eval_lease_raw(&mut con, &[key], &["10", "1", "1000", "11", "4"]) else {
+        panic!("a cost above the capacity must fail");
+    };
+    assert_eq!(
+        (err.code(), err.detail()),
+        (Some(BAD_ARGS.0), Some(BAD_ARGS.1))
+    );
+    assert!(!exists(&mut con, key));
+}
+
+// ---------------------------------------------------------------------------
+// EVALSHA
+
+#[test]
+fn evalsha_by_the_filters_sha1_behaves_like_eval() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let b = bucket(10, 1, 1000);
+
+    let err = evalsha_lease(&mut con, "t:{x}:lease:sha-none", b, 1, 4).unwrap_err();
+    assert_eq!(err.kind(), redis::ErrorKind::NoScriptError, "{err}");
+    assert!(!exists(&mut con, "t:{x}:lease:sha-none"));
+
+    assert_eq!(script_load(&mut con, &LEASE.source), LEASE.sha1);
+    let loaded: Vec<i64> = redis::cmd("SCRIPT")
+        .arg("EXISTS")
+        .arg(&LEASE.sha1)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(loaded, [1]);
+
+    // Each case on two keys holding the same state (t in the future: no
+    // refill), one called by EVALSHA and one by EVAL: the same reply, the
+    // same credits left.
+    let future = now_ms(&mut con) + HOUR;
+    let cases: [(Option<i64>, i64, i64, [i64; 6]); 5] = [
+        (None, 1, 4, [1, 1, 5, 0, 5000, 4]),        // fresh: full grant
+        (Some(6500), 4, 5, [1, 1, 0, 0, 9500, 2]),  // partial grant
+        (Some(6500), 6, 4, [1, 1, 0, 0, 9500, 0]),  // cost fits, nothing spare
+        (Some(2500), 3, 4, [0, 0, 2, 500, 500, 0]), // rejected
+        (Some(10_000), 10, 4, [1, 1, 0, 0, 10_000, 0]), // cost = capacity
+    ];
+    for (i, (held, cost, lease_of, want)) in cases.into_iter().enumerate() {
+        let (by_sha, by_eval) = (
+            format!("t:{{x}}:lease:sha-{i}"),
+            format!("t:{{x}}:lease:eval-{i}"),
+        );
+        if let Some(c) = held {
+            set_state(&mut con, &by_sha, c, future);
+            set_state(&mut con, &by_eval, c, future);
+        }
+        let sha_reply = evalsha_lease(&mut con, &by_sha, b, cost, lease_of).unwrap();
+        let eval_reply = eval_lease(&mut con, &by_eval, b, cost, lease_of);
+        assert_eq!(sha_reply, want, "EVALSHA, case {i}");
+        assert_eq!(eval_reply, want, "EVAL, case {i}");
+        // No refill (t in the future): what is left is the contract's exactly,
+        // or what was held, for the rejection.
+        let (_, left) = expected(b, cost, lease_of, held.map(|c| (c, future)), future);
+        let credits = left.or(held);
+        assert_eq!(state(&mut con, &by_sha).map(|s| s.0), credits, "case {i}");
+        assert_eq!(state(&mut con, &by_eval).map(|s| s.0), credits, "case {i}");
+    }
+}
