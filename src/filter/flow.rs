@@ -79,8 +79,12 @@ enum Lock {
         expected: Option<usize>,
     },
     /// The COMPLETED record is on its way; the last chunk waits for it.
+    /// The call is kept for the one EVAL after a NOSCRIPT.
     Completing {
         token: u32,
+        eval: bool,
+        keys: Vec<Vec<u8>>,
+        argv: Vec<Vec<u8>>,
     },
     /// The lock is being released (the response will not be stored); the
     /// response streams, but the piece that ends it waits for the release so
@@ -713,7 +717,7 @@ impl Flow {
 
     pub fn on_callout_reply<H: Host>(&mut self, host: &mut H, token: u32, reply: CalloutReply) {
         match self.lock {
-            Lock::Completing { token: want } if token == want => {
+            Lock::Completing { token: want, .. } if token == want => {
                 self.on_complete_reply(host, reply);
                 return;
             }
@@ -1024,11 +1028,16 @@ impl Flow {
         // a large body takes longer to cross Envoy, Webdis and Redis.
         let transfer = Duration::from_millis((body.len() / 1024) as u64);
         self.deadline = host.now() + self.config.redis.timeout + transfer;
-        // EVAL, not EVALSHA: the script is small, and a NOSCRIPT here would
-        // cost the held response a second round trip.
-        match self.run(host, &IDEM_COMPLETE, true, &keys, &argv) {
+        // EVALSHA like every call: the body is the record, the script's
+        // source would only add to every request; a NOSCRIPT costs one EVAL.
+        match self.run(host, &IDEM_COMPLETE, false, &keys, &argv) {
             Ok(token) => {
-                self.lock = Lock::Completing { token };
+                self.lock = Lock::Completing {
+                    token,
+                    eval: false,
+                    keys,
+                    argv,
+                };
                 Action::Pause
             }
             Err((_, e)) => {
@@ -1042,9 +1051,33 @@ impl Flow {
     }
 
     fn on_complete_reply<H: Host>(&mut self, host: &mut H, reply: CalloutReply) {
-        let answer = (reply.status == Some(200))
-            .then(|| parse_reply(&reply.body).ok().and_then(|r| r.as_int()))
+        let parsed = (reply.status == Some(200))
+            .then(|| parse_reply(&reply.body).ok())
             .flatten();
+        if parsed.as_ref().and_then(Reply::error_kind) == Some("NOSCRIPT") {
+            if let Lock::Completing {
+                eval: false,
+                keys,
+                argv,
+                ..
+            } = std::mem::replace(&mut self.lock, Lock::Finished)
+            {
+                host.count(Counter::ScriptReloads);
+                if let Ok(token) = self.run(host, &IDEM_COMPLETE, true, &keys, &argv) {
+                    self.lock = Lock::Completing {
+                        token,
+                        eval: true,
+                        keys,
+                        argv,
+                    };
+                    return;
+                }
+                // Could not send: fall through to the failure below, which
+                // releases the key (the lock is still ours in Redis).
+                self.lock = Lock::Held;
+            }
+        }
+        let answer = parsed.as_ref().and_then(Reply::as_int);
         match answer {
             Some(1) => {
                 self.lock = Lock::Finished;
@@ -2067,9 +2100,9 @@ mod tests {
             .map(|(n, v)| ((*n).to_string(), v.to_vec()))
             .collect();
         text(command_body(
-            "EVAL",
+            "EVALSHA",
             &[
-                IDEM_COMPLETE.source.as_bytes(),
+                IDEM_COMPLETE.sha1.as_bytes(),
                 b"1",
                 key,
                 b"owner-1",
@@ -2380,7 +2413,7 @@ mod tests {
         // The chunk completing content-length is held, even without end_of_stream.
         assert_eq!(f.on_response_body(&mut h, 3, false), Action::Pause);
         assert_eq!(h.dispatched.len(), 2);
-        assert!(h.dispatched[1].starts_with("EVAL/"));
+        assert!(h.dispatched[1].starts_with("EVALSHA/"));
         assert!(h.dispatched[1].contains(&enc(b"hello world!")));
         assert_eq!(
             h.dispatched[1],
@@ -2433,6 +2466,34 @@ mod tests {
     }
 
     #[test]
+    fn a_store_meeting_noscript_is_sent_once_more_as_eval() {
+        let cfg = idem_config("deny");
+        let mut f = Flow::new(cfg.clone(), test_breaker());
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        let key = admitted(&mut f, &mut h, &cfg);
+        h.respond(&[(":status", "201")]);
+        assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+        h.response_chunks = vec![b"done".to_vec()];
+        assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
+        assert_eq!(h.dispatched[1], complete_call(&key, "201", &[], b"done"));
+        f.on_callout_reply(&mut h, 2, ok(b"-NOSCRIPT No matching script.\r\n"));
+        assert_eq!(h.dispatched.len(), 3);
+        let eval = complete_call(&key, "201", &[], b"done")
+            .replacen("EVALSHA/", "EVAL/", 1)
+            .replacen(
+                &IDEM_COMPLETE.sha1,
+                &enc(IDEM_COMPLETE.source.as_bytes()),
+                1,
+            );
+        assert_eq!(h.dispatched[2], eval);
+        assert_eq!(h.response_resumed, 0, "still held");
+        f.on_callout_reply(&mut h, 3, ok(b":1\r\n"));
+        assert_eq!(h.response_resumed, 1);
+        assert_eq!(count(&h, Counter::IdemStored), 1);
+        assert_eq!(count(&h, Counter::ScriptReloads), 1);
+    }
+
+    #[test]
     fn a_failed_store_releases_the_key_before_the_response_ends() {
         for reply in [
             ok(b"-ERR oops\r\n"),
@@ -2451,7 +2512,7 @@ mod tests {
             h.response_chunks = vec![b"done".to_vec()];
             assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
             assert_eq!(h.dispatched.len(), 2);
-            assert!(h.dispatched[1].starts_with("EVAL/"));
+            assert!(h.dispatched[1].starts_with("EVALSHA/"));
             f.on_callout_reply(&mut h, 2, reply.clone());
             assert_eq!(
                 h.response_resumed, 0,
