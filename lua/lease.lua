@@ -7,10 +7,11 @@ KEYS[1]  the bucket's hash (the same key and state as lua/ratelimit.lua's
 ARGV[1]  capacity (tokens)
 ARGV[2]  refill (tokens per period)
 ARGV[3]  period (ms)
-ARGV[4]  cost of this request (1 <= cost <= capacity)
+ARGV[4]  cost of this request (0 <= cost <= capacity); 0 is a prefetch: no
+         request rides on it, only the grant
 ARGV[5]  lease: the most extra tokens to hand out (>= 1)
-         Every ARGV is a whole number from 1 to 2^53; anything else is an
-         error reply and nothing is written.
+         Every ARGV is a whole number up to 2^53 (at least 1 but the cost);
+         anything else is an error reply and nothing is written.
 
 Returns a flat array, the layout of lua/ratelimit.lua's reply for one limit
 plus the grant:
@@ -39,21 +40,21 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- @@ALGORITHMS@@
 
--- Whole numbers from 1 up to 2^53 only: Redis' tonumber() also takes "nan",
--- "inf", fractions and negatives, any of which would corrupt the bucket.
-local function whole(v)
+-- Whole numbers up to 2^53 only: Redis' tonumber() also takes "nan", "inf",
+-- fractions and negatives, any of which would corrupt the bucket.
+local function whole(v, least)
   local x = tonumber(v)
-  if x and x == math.floor(x) and x >= 1 and x <= 9007199254740992 then
+  if x and x == math.floor(x) and x >= least and x <= 9007199254740992 then
     return x
   end
   return nil
 end
 
-local capacity = whole(ARGV[1])
-local refill = whole(ARGV[2])
-local period = whole(ARGV[3])
-local cost = whole(ARGV[4])
-local lease = whole(ARGV[5])
+local capacity = whole(ARGV[1], 1)
+local refill = whole(ARGV[2], 1)
+local period = whole(ARGV[3], 1)
+local cost = whole(ARGV[4], 0)
+local lease = whole(ARGV[5], 1)
 if #KEYS ~= 1 or #ARGV ~= 5 or not (capacity and refill and period and cost and lease)
     or cost > capacity then
   return redis.error_reply('ERR redis-guard lease: one key and five numbers')

@@ -57,11 +57,24 @@ impl State {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
     /// Write these bytes (compare-and-swap): the request spent leased tokens.
-    Spend(Vec<u8>),
-    /// Write these bytes (compare-and-swap), then fetch a lease from Redis.
-    Fetch(Vec<u8>),
-    /// Another worker is fetching: decide this request in Redis.
+    /// With `prefetch`, the write also claimed the fetch of that many more
+    /// tokens, to be sent in the background (the batch ran low).
+    Spend {
+        bytes: Vec<u8>,
+        prefetch: Option<u64>,
+    },
+    /// Write these bytes (compare-and-swap), then fetch `want` tokens from
+    /// Redis with this request (nothing left to spend here).
+    Fetch { bytes: Vec<u8>, want: u64 },
+    /// Nothing to spend and another worker is fetching (or no claim was
+    /// asked for): decide this request in Redis.
     Strict,
+}
+
+/// Below this many tokens a spending request starts the next fetch, so the
+/// grant usually lands before the batch runs out.
+pub fn low_water(batch: u64) -> u64 {
+    batch.div_ceil(4)
 }
 
 /// A bucket key's lease slot.
@@ -96,20 +109,46 @@ impl Slot {
             })
     }
 
-    /// Spend `cost` leased tokens, or claim the fetch, or leave it to Redis.
-    /// `fetch_for_ms` bounds the claim: a fetch that never answers (its
-    /// stream gone) frees the slot after it.
-    pub fn step(&self, stored: Option<&[u8]>, cost: u64, now_ms: u64, fetch_for_ms: u64) -> Step {
+    /// Spend `cost` leased tokens (claiming a background fetch when the batch
+    /// runs low), or (with `claim`) claim the fetch of a new batch by this
+    /// request, or leave it to Redis. Every fetch asks for what tops the tokens
+    /// held up to `batch`, so an Envoy never holds more than `batch`.
+    /// `fetch_for_ms` bounds a claim: a fetch that never answers (its stream
+    /// gone) frees the slot after it.
+    pub fn step(
+        &self,
+        stored: Option<&[u8]>,
+        cost: u64,
+        now_ms: u64,
+        fetch_for_ms: u64,
+        batch: u64,
+        claim: bool,
+    ) -> Step {
         let mut s = self.state(stored);
-        if now_ms < s.expires_ms && s.tokens >= cost {
-            s.tokens -= cost;
-            return Step::Spend(s.encode());
+        let usable = if now_ms < s.expires_ms { s.tokens } else { 0 };
+        let fetching = now_ms < s.fetching_until_ms;
+        if usable >= cost {
+            let left = usable - cost;
+            s.tokens = left;
+            let mut prefetch = None;
+            if left < low_water(batch) && !fetching {
+                s.fetching_until_ms = now_ms.saturating_add(fetch_for_ms);
+                prefetch = Some(batch - left);
+            }
+            return Step::Spend {
+                bytes: s.encode(),
+                prefetch,
+            };
         }
-        if now_ms < s.fetching_until_ms {
+        if fetching || !claim {
             return Step::Strict;
         }
+        s.tokens = usable;
         s.fetching_until_ms = now_ms.saturating_add(fetch_for_ms);
-        Step::Fetch(s.encode())
+        Step::Fetch {
+            bytes: s.encode(),
+            want: batch.saturating_sub(usable).max(1),
+        }
     }
 
     /// The fetch answered: `granted` tokens usable until `expires_ms`, added
@@ -153,7 +192,7 @@ mod tests {
 
     fn bytes(step: Step) -> Vec<u8> {
         match step {
-            Step::Spend(b) | Step::Fetch(b) => b,
+            Step::Spend { bytes, .. } | Step::Fetch { bytes, .. } => bytes,
             Step::Strict => panic!("expected a write"),
         }
     }
@@ -161,18 +200,23 @@ mod tests {
     #[test]
     fn an_empty_slot_claims_the_fetch_and_others_go_strict_meanwhile() {
         let slot = Slot::of(b"bucket");
-        let claimed = bytes(slot.step(None, 1, 1_000, 50));
-        assert!(matches!(slot.step(None, 1, 1_000, 50), Step::Fetch(_)));
-        assert_eq!(slot.step(Some(&claimed), 1, 1_020, 50), Step::Strict);
+        let claimed = slot.step(None, 1, 1_000, 50, 8, true);
+        assert!(matches!(claimed, Step::Fetch { want: 8, .. }));
+        let claimed = bytes(claimed);
+        assert_eq!(slot.step(None, 1, 1_000, 50, 8, false), Step::Strict);
+        assert_eq!(
+            slot.step(Some(&claimed), 1, 1_020, 50, 8, true),
+            Step::Strict
+        );
         // A claim nobody answers lapses.
         assert!(matches!(
-            slot.step(Some(&claimed), 1, 1_050, 50),
-            Step::Fetch(_)
+            slot.step(Some(&claimed), 1, 1_050, 50, 8, true),
+            Step::Fetch { .. }
         ));
         let freed = slot.fetch_failed(Some(&claimed));
         assert!(matches!(
-            slot.step(Some(&freed), 1, 1_020, 50),
-            Step::Fetch(_)
+            slot.step(Some(&freed), 1, 1_020, 50, 8, true),
+            Step::Fetch { .. }
         ));
     }
 
@@ -181,26 +225,52 @@ mod tests {
         let slot = Slot::of(b"bucket");
         let mut stored = slot.granted(None, 3, 0, 100);
         let mut spent = 0;
-        while let Step::Spend(next) = slot.step(Some(&stored), 1, 10, 50) {
-            stored = next;
+        while let Step::Spend { bytes, .. } = slot.step(Some(&stored), 1, 10, 50, 3, false) {
+            stored = bytes;
             spent += 1;
         }
         assert_eq!(spent, 3, "exactly the grant");
         assert_eq!(slot.tokens(Some(&stored), 10), 0);
         let stored = slot.granted(Some(&stored), 5, 20, 100);
         assert!(
-            matches!(slot.step(Some(&stored), 6, 30, 50), Step::Fetch(_)),
-            "cost above what is held"
+            matches!(
+                slot.step(Some(&stored), 6, 30, 50, 5, true),
+                Step::Fetch { want: 1, .. }
+            ),
+            "cost above what is held: fetch what tops it up to the batch"
         );
         assert!(matches!(
-            slot.step(Some(&stored), 5, 30, 50),
-            Step::Spend(_)
+            slot.step(Some(&stored), 5, 30, 50, 5, false),
+            Step::Spend { .. }
         ));
         assert_eq!(slot.tokens(Some(&stored), 100), 0, "lapsed at expiry");
         assert!(matches!(
-            slot.step(Some(&stored), 1, 100, 50),
-            Step::Fetch(_)
+            slot.step(Some(&stored), 1, 100, 50, 5, true),
+            Step::Fetch { want: 5, .. }
         ));
+    }
+
+    #[test]
+    fn a_batch_running_low_starts_the_next_fetch_once_and_never_holds_more() {
+        let slot = Slot::of(b"bucket");
+        // Batch of 8: the low-water mark is 2.
+        let mut stored = slot.granted(None, 8, 0, 1_000);
+        let mut prefetches = Vec::new();
+        for _ in 0..8 {
+            match slot.step(Some(&stored), 1, 10, 50, 8, true) {
+                Step::Spend { bytes, prefetch } => {
+                    stored = bytes;
+                    prefetches.extend(prefetch);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // One claim, at 1 left, for the 7 that top it up to 8.
+        assert_eq!(prefetches, vec![7]);
+        // While it is out, an empty slot sends requests to Redis.
+        assert_eq!(slot.step(Some(&stored), 1, 20, 50, 8, true), Step::Strict);
+        let stored = slot.granted(Some(&stored), 7, 30, 1_000);
+        assert_eq!(slot.tokens(Some(&stored), 30), 7);
     }
 
     #[test]
@@ -211,7 +281,10 @@ mod tests {
             shared_key: a.shared_key.clone(),
             digest: [9; 16],
         };
-        assert!(matches!(b.step(Some(&stored), 1, 10, 50), Step::Fetch(_)));
+        assert!(matches!(
+            b.step(Some(&stored), 1, 10, 50, 10, true),
+            Step::Fetch { .. }
+        ));
         assert_eq!(b.tokens(Some(&stored), 10), 0);
     }
 }

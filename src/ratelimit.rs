@@ -81,8 +81,15 @@ impl Plan {
         self.checks.is_empty()
     }
 
-    /// KEYS and ARGV of lua/lease.lua for check `i` (a leased token bucket).
-    pub fn lease_args(&self, config: &Config, i: usize, tokens: u64) -> Option<ScriptArgs> {
+    /// KEYS and ARGV of lua/lease.lua for check `i` (a leased token bucket):
+    /// the request's cost (0 for a background prefetch) and the tokens wanted.
+    pub fn lease_args(
+        &self,
+        config: &Config,
+        i: usize,
+        prefetch: bool,
+        tokens: u64,
+    ) -> Option<ScriptArgs> {
         let check = self.checks.get(i)?;
         let Algorithm::TokenBucket {
             capacity,
@@ -92,7 +99,8 @@ impl Plan {
         else {
             return None;
         };
-        let argv = [capacity, refill, period_ms, check.cost, tokens]
+        let cost = if prefetch { 0 } else { check.cost };
+        let argv = [capacity, refill, period_ms, cost, tokens]
             .iter()
             .map(|v| v.to_string().into_bytes())
             .collect();

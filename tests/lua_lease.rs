@@ -835,6 +835,9 @@ fn rejects_nan_infinity_fractions_and_numbers_out_of_range() {
     let good = ["10", "1", "1000", "1", "4"];
     for i in 0..good.len() {
         for bad in ["nan", "inf", "-inf", "2.5", "-3", "0"] {
+            if i == 3 && bad == "0" {
+                continue; // a cost of 0 is a prefetch: valid
+            }
             let mut argv = good.to_vec();
             argv[i] = bad;
             let Err(err) = eval_lease_raw(&mut con, &[key], &argv) else {

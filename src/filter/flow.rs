@@ -136,8 +136,9 @@ pub struct Flow {
     deadline: Duration,
     /// When the call being answered left: the over-limit cache counts from it.
     sent_at: Duration,
-    /// The call in flight fetches a token lease for this check (plan index).
-    leasing: Option<usize>,
+    /// The call in flight fetches a token lease for this check (plan index),
+    /// this many tokens.
+    leasing: Option<(usize, u64)>,
     /// This request is the open breaker's probe.
     probe: bool,
     response_headers: Vec<(String, String)>,
@@ -324,8 +325,8 @@ impl Flow {
             // Tokens this Envoy holds first: they left Redis already, so an
             // empty bucket there (and a cached rejection) does not void them.
             if let Some(i) = leased {
-                if self.lease_step(host, i, false) == Some(true) {
-                    return self.lease_spent(host, i);
+                if let Lease::Spent(prefetch) = self.lease_step(host, i, false) {
+                    return self.lease_spent(host, i, prefetch);
                 }
             }
             if let Some((reply, limits)) = self.cached_rejection(host) {
@@ -337,9 +338,9 @@ impl Flow {
             }
             if let Some(i) = leased {
                 match self.lease_step(host, i, true) {
-                    Some(true) => return self.lease_spent(host, i),
-                    Some(false) => self.leasing = Some(i),
-                    None => {}
+                    Lease::Spent(prefetch) => return self.lease_spent(host, i, prefetch),
+                    Lease::Fetch(want) => self.leasing = Some((i, want)),
+                    Lease::Strict => {}
                 }
             }
         }
@@ -364,10 +365,9 @@ impl Flow {
         eval: bool,
         retried: bool,
     ) -> Result<(), (ErrorKind, String)> {
-        let leased = self.leasing.and_then(|i| {
-            let limit = &self.config.limits[self.plan.checks.get(i)?.limit];
-            self.plan.lease_args(&self.config, i, limit.lease?.tokens)
-        });
+        let leased = self
+            .leasing
+            .and_then(|(i, want)| self.plan.lease_args(&self.config, i, false, want));
         let (script, (keys, argv)) = match leased {
             Some(args) => (&*LEASE, args),
             None => {
@@ -434,7 +434,7 @@ impl Flow {
     /// the request is waiting on us (callout) or still in a callback.
     fn fail<H: Host>(&mut self, host: &mut H, error: (ErrorKind, &str), paused: bool) -> Action {
         let (kind, why) = error;
-        if let Some(i) = self.leasing.take() {
+        if let Some((i, _)) = self.leasing.take() {
             self.release_lease_claim(host, i);
         }
         let dispatched = matches!(self.phase, Phase::AwaitingRedis { .. });
@@ -519,33 +519,77 @@ impl Flow {
         }
     }
 
-    fn lease_spent<H: Host>(&mut self, host: &mut H, i: usize) -> Action {
+    fn lease_spent<H: Host>(&mut self, host: &mut H, i: usize, prefetch: Option<u64>) -> Action {
+        if let Some(want) = prefetch {
+            self.prefetch(host, i, want);
+        }
         host.count(Counter::LeaseSpent);
         host.count(Counter::Allowed(self.plan.checks[i].limit));
         self.phase = Phase::Done;
         Action::Continue
     }
 
-    /// Spends leased tokens (`Some(true)`), or, with `claim`, claims the
-    /// fetch of a new lease (`Some(false)`); `None` leaves the request to
-    /// Redis (nothing to spend, another worker fetching, or contention).
-    fn lease_step<H: Host>(&self, host: &mut H, i: usize, claim: bool) -> Option<bool> {
+    /// Spends leased tokens (with a background fetch to start when the
+    /// batch ran low), or, with `claim`, claims the fetch of a new batch by
+    /// this request; `Strict` leaves the request to Redis (nothing to spend,
+    /// another worker fetching, or contention).
+    fn lease_step<H: Host>(&self, host: &mut H, i: usize, claim: bool) -> Lease {
         let check = &self.plan.checks[i];
+        let Some(batch) = self.config.limits[check.limit].lease.map(|l| l.tokens) else {
+            return Lease::Strict;
+        };
         let slot = lease::Slot::of(&check.key);
         let now_ms = millis(host.now());
         let fetch_for = millis(self.config.redis.timeout).saturating_add(1000);
         for _ in 0..8 {
             let (stored, cas) = host.shared_get(&slot.shared_key);
-            let (bytes, spent) = match slot.step(stored.as_deref(), check.cost, now_ms, fetch_for) {
-                lease::Step::Spend(b) => (b, true),
-                lease::Step::Fetch(b) if claim => (b, false),
-                lease::Step::Fetch(_) | lease::Step::Strict => return None,
+            let step = slot.step(
+                stored.as_deref(),
+                check.cost,
+                now_ms,
+                fetch_for,
+                batch,
+                claim,
+            );
+            let (bytes, next) = match step {
+                lease::Step::Spend { bytes, prefetch } => (bytes, Lease::Spent(prefetch)),
+                lease::Step::Fetch { bytes, want } => (bytes, Lease::Fetch(want)),
+                lease::Step::Strict => return Lease::Strict,
             };
             if host.shared_set(&slot.shared_key, &bytes, cas) {
-                return Some(spent);
+                return next;
             }
         }
-        None
+        Lease::Strict
+    }
+
+    /// Starts the background fetch this request's spend claimed. Its reply
+    /// goes to [`on_prefetch_reply`], whatever becomes of this stream.
+    fn prefetch<H: Host>(&self, host: &mut H, i: usize, want: u64) {
+        let Some(check) = self.plan.checks.get(i) else {
+            return;
+        };
+        let Some(lease) = self.config.limits[check.limit].lease else {
+            return;
+        };
+        let Some((keys, argv)) = self.plan.lease_args(&self.config, i, true, want) else {
+            return;
+        };
+        let mut args: Vec<&[u8]> = vec![LEASE.sha1.as_bytes(), b"1"];
+        args.extend(keys.iter().map(Vec::as_slice));
+        args.extend(argv.iter().map(Vec::as_slice));
+        let body = command_body("EVALSHA", &args);
+        let note = Prefetch {
+            limit_key: check.key.clone(),
+            ttl: lease.ttl,
+            sent_at: host.now(),
+        };
+        host.count(Counter::RedisCalls);
+        let timeout = self.config.redis.timeout;
+        if let Err(e) = host.dispatch_prefetch(&self.config.redis, &body, timeout, note) {
+            log::warn!("redis-guard: cannot prefetch a lease: {e}");
+            self.release_lease_claim(host, i);
+        }
     }
 
     /// Adds a fetched grant to this Envoy's lease, counted from when the
@@ -574,16 +618,8 @@ impl Flow {
     }
 
     fn release_lease_claim<H: Host>(&self, host: &mut H, i: usize) {
-        let Some(check) = self.plan.checks.get(i) else {
-            return;
-        };
-        let slot = lease::Slot::of(&check.key);
-        for _ in 0..8 {
-            let (stored, cas) = host.shared_get(&slot.shared_key);
-            let bytes = slot.fetch_failed(stored.as_deref());
-            if host.shared_set(&slot.shared_key, &bytes, cas) {
-                return;
-            }
+        if let Some(check) = self.plan.checks.get(i) {
+            release_claim(host, &check.key);
         }
     }
 
@@ -803,7 +839,7 @@ impl Flow {
             return;
         }
         let parsed_verdict = match self.leasing {
-            Some(i) => parse_lease(&parsed).map(|(outcome, granted)| {
+            Some((i, _)) => parse_lease(&parsed).map(|(outcome, granted)| {
                 host.count(Counter::LeaseFetched);
                 self.store_lease(host, i, granted);
                 Verdict::Limits(outcome)
@@ -1176,7 +1212,7 @@ impl Flow {
             if self.probe {
                 self.breaker.abandon_probe();
             }
-            if let Some(i) = self.leasing.take() {
+            if let Some((i, _)) = self.leasing.take() {
                 self.release_lease_claim(host, i);
             }
         }
@@ -1185,6 +1221,66 @@ impl Flow {
 
 fn full_path(view: &dyn crate::request::RequestView) -> Vec<u8> {
     view.header(":path").unwrap_or_default()
+}
+
+/// What a request on a leased limit does (see [`lease::Step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lease {
+    Spent(Option<u64>),
+    Fetch(u64),
+    Strict,
+}
+
+/// A background lease fetch in flight: where its grant goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prefetch {
+    pub limit_key: Vec<u8>,
+    pub ttl: Duration,
+    pub sent_at: Duration,
+}
+
+/// The answer to a background lease fetch: its grant joins the Envoy's
+/// tokens; whatever else happened, the claim is released so the next spend
+/// may try again.
+pub fn on_prefetch_reply<H: Host>(host: &mut H, note: &Prefetch, reply: CalloutReply) {
+    let granted = (reply.status == Some(200))
+        .then(|| parse_reply(&reply.body).ok())
+        .flatten()
+        .and_then(|r| parse_lease(&r).ok())
+        .map(|(_, granted)| granted);
+    let Some(granted) = granted else {
+        let kind = match reply.status {
+            None => ErrorKind::Timeout,
+            Some(200) => ErrorKind::Reply,
+            Some(504) if !reply.from_webdis => ErrorKind::Timeout,
+            Some(_) => ErrorKind::Http,
+        };
+        host.count(Counter::RedisError(kind));
+        release_claim(host, &note.limit_key);
+        return;
+    };
+    host.count(Counter::LeaseFetched);
+    let slot = lease::Slot::of(&note.limit_key);
+    let now_ms = millis(host.now());
+    let expires = millis(note.sent_at + note.ttl);
+    for _ in 0..8 {
+        let (stored, cas) = host.shared_get(&slot.shared_key);
+        let bytes = slot.granted(stored.as_deref(), granted, now_ms, expires);
+        if host.shared_set(&slot.shared_key, &bytes, cas) {
+            return;
+        }
+    }
+}
+
+fn release_claim<H: Host>(host: &mut H, limit_key: &[u8]) {
+    let slot = lease::Slot::of(limit_key);
+    for _ in 0..8 {
+        let (stored, cas) = host.shared_get(&slot.shared_key);
+        let bytes = slot.fetch_failed(stored.as_deref());
+        if host.shared_set(&slot.shared_key, &bytes, cas) {
+            return;
+        }
+    }
 }
 
 fn millis(d: Duration) -> u64 {
@@ -1223,6 +1319,7 @@ mod tests {
         shared: HashMap<String, (Vec<u8>, u32)>,
         retries_scheduled: Vec<Duration>,
         can_schedule: bool,
+        prefetched: Vec<(String, Prefetch)>,
     }
 
     impl FakeHost {
@@ -1284,6 +1381,17 @@ mod tests {
             self.detached
                 .push(String::from_utf8_lossy(body).into_owned());
             Ok(1000 + self.detached.len() as u32)
+        }
+        fn dispatch_prefetch(
+            &mut self,
+            _: &RedisTarget,
+            body: &[u8],
+            _: Duration,
+            note: Prefetch,
+        ) -> Result<(), String> {
+            self.prefetched
+                .push((String::from_utf8_lossy(body).into_owned(), note));
+            Ok(())
         }
         fn request_body(&mut self, size: usize) -> Vec<u8> {
             self.request_body[..size.min(self.request_body.len())].to_vec()
@@ -1842,16 +1950,28 @@ mod tests {
         assert_eq!(h.dispatched.len(), 2, "three requests, no call");
         assert_eq!(count(&h, Counter::LeaseSpent), 3);
         assert_eq!(count(&h, Counter::Allowed(0)), 4);
-        // The grant is spent: the next request fetches again.
+        // The last spend ran the batch below its low-water mark (1 of 3):
+        // it started a background fetch of a whole batch (cost 0).
+        assert_eq!(h.prefetched.len(), 1);
+        let (body, note) = h.prefetched[0].clone();
+        assert!(body.starts_with(&format!("EVALSHA/{}/1/", LEASE.sha1)));
+        assert!(body.ends_with("/100/1/1000/0/3.raw"), "{body}");
+        // Nothing to spend while it is out: Redis decides, strictly.
         let mut next = Flow::new(cfg.clone(), test_breaker());
         assert_eq!(next.on_request_headers(&mut h, true), Action::Pause);
-        assert!(h.dispatched[2].contains(&LEASE.sha1));
-        // A grant lapses with its lease.
-        next.on_callout_reply(
+        assert!(h.dispatched[2].contains(&RATELIMIT.sha1));
+        // The grant lands whatever became of the request that asked.
+        on_prefetch_reply(
             &mut h,
-            3,
+            &note,
             ok(b"*6\r\n:1\r\n:1\r\n:92\r\n:0\r\n:8000\r\n:3\r\n"),
         );
+        assert_eq!(count(&h, Counter::LeaseFetched), 2);
+        let mut spend = Flow::new(cfg.clone(), test_breaker());
+        assert_eq!(spend.on_request_headers(&mut h, true), Action::Continue);
+        assert_eq!(h.dispatched.len(), 3);
+        // A grant lapses with its lease (sent at 0, 500 ms): then this
+        // request fetches.
         h.clock_ms = 500;
         let mut late = Flow::new(cfg.clone(), test_breaker());
         assert_eq!(late.on_request_headers(&mut h, true), Action::Pause);
@@ -1908,6 +2028,43 @@ mod tests {
         assert_eq!(statuses[2], Action::Pause, "then the cached 429");
         assert_eq!(h.sent.last().map(|r| r.status), Some(429));
         assert_eq!(h.dispatched.len(), 1);
+    }
+
+    #[test]
+    fn a_failed_background_fetch_frees_the_claim() {
+        let note = Prefetch {
+            limit_key: b"k".to_vec(),
+            ttl: Duration::from_millis(500),
+            sent_at: Duration::ZERO,
+        };
+        let slot = lease::Slot::of(b"k");
+        let mut h = FakeHost::get("/");
+        let claimed = match slot.step(None, 1, 0, 1_000, 4, true) {
+            lease::Step::Fetch { bytes, .. } => bytes,
+            other => panic!("{other:?}"),
+        };
+        h.shared.insert(slot.shared_key.clone(), (claimed, 1));
+        let stored = || h.shared.get(&slot.shared_key).map(|(v, _)| v.clone());
+        assert_eq!(
+            slot.step(stored().as_deref(), 1, 10, 1_000, 4, true),
+            lease::Step::Strict
+        );
+        on_prefetch_reply(
+            &mut h,
+            &note,
+            CalloutReply {
+                status: None,
+                from_webdis: false,
+                body: vec![],
+            },
+        );
+        let stored = h.shared.get(&slot.shared_key).map(|(v, _)| v.clone());
+        assert!(matches!(
+            slot.step(stored.as_deref(), 1, 10, 1_000, 4, true),
+            lease::Step::Fetch { .. }
+        ));
+        assert_eq!(count(&h, Counter::RedisError(ErrorKind::Timeout)), 1);
+        assert_eq!(count(&h, Counter::LeaseFetched), 0);
     }
 
     #[test]

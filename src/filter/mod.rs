@@ -132,6 +132,16 @@ pub trait Host: RequestView {
     /// The current response body chunk (`size` bytes).
     fn response_body(&mut self, size: usize) -> Vec<u8>;
     fn resume_response(&mut self);
+    /// Sends a background lease fetch for this Envoy, soon, from the root
+    /// context (so it outlives the stream); the host hands its reply (or its
+    /// failure) to [`flow::on_prefetch_reply`] with `note`.
+    fn dispatch_prefetch(
+        &mut self,
+        target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+        note: flow::Prefetch,
+    ) -> Result<(), String>;
     /// Calls `Flow::on_retry_due` after `delay`; false if the host cannot.
     fn retry_later(&mut self, delay: Duration) -> bool;
     /// A token no other request of any Envoy will produce (lock owner).

@@ -14,7 +14,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Metr
 
 use crate::breaker::Breaker;
 use crate::config::{Config, RedisTarget};
-use crate::filter::flow::{Action as FlowAction, CalloutReply, Flow};
+use crate::filter::flow::{self, Action as FlowAction, CalloutReply, Flow, Prefetch};
 use crate::filter::{Counter, ErrorKind, Host};
 use crate::request::RequestView;
 use crate::response::LocalReply;
@@ -201,6 +201,12 @@ struct Shared {
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
     /// When each call in flight was sent, for the latency histogram.
     sent_at: RefCell<HashMap<u32, Duration>>,
+    /// Background lease fetches in flight (sent as the root): token -> note.
+    prefetches: RefCell<HashMap<u32, Prefetch>>,
+    /// Background lease fetches the root sends on its next tick: a call's
+    /// reply goes to the context that was running when it was sent, and
+    /// only the root outlives the request that asked.
+    to_prefetch: RefCell<Vec<(Vec<u8>, Duration, Prefetch)>>,
 }
 
 /// Calls in flight tracked for latency before stale entries are swept: a
@@ -282,6 +288,20 @@ impl Context for Root {
             return;
         };
         shared.note_reply(token_id);
+        let prefetch = shared
+            .prefetches
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut p| p.remove(&token_id));
+        if let Some(note) = prefetch {
+            if let Ok(mut routed) = shared.routed.try_borrow_mut() {
+                routed.remove(&token_id);
+            }
+            let reply = callout_reply(num_headers, body_size);
+            let mut host = Root::host_for(&shared, self.context_id, Weak::new());
+            flow::on_prefetch_reply(&mut host, &note, reply);
+            return;
+        }
         let entry = shared
             .routed
             .try_borrow_mut()
@@ -347,6 +367,8 @@ impl RootContext for Root {
                     waiting: RefCell::new(Vec::new()),
                     routed: RefCell::new(HashMap::new()),
                     sent_at: RefCell::new(HashMap::new()),
+                    prefetches: RefCell::new(HashMap::new()),
+                    to_prefetch: RefCell::new(Vec::new()),
                 }));
                 true
             }
@@ -380,6 +402,37 @@ impl RootContext for Root {
             return;
         };
         let now = host_now();
+        let prefetches: Vec<_> = match shared.to_prefetch.try_borrow_mut() {
+            Ok(mut queued) => queued.drain(..).collect(),
+            Err(_) => Vec::new(),
+        };
+        for (body, timeout, note) in prefetches {
+            let target = &shared.config.redis;
+            match hostcalls::dispatch_http_call(
+                &target.cluster,
+                callout_headers(target),
+                Some(&body),
+                vec![],
+                timeout,
+            ) {
+                Ok(token) => {
+                    shared.note_sent(token, now);
+                    if let Ok(mut inflight) = shared.prefetches.try_borrow_mut() {
+                        inflight.insert(token, note);
+                    }
+                }
+                Err(e) => {
+                    log::warn!("redis-guard: cannot prefetch a lease: {e:?}");
+                    let mut host = Root::host_for(&shared, self.context_id, Weak::new());
+                    let failed = CalloutReply {
+                        status: None,
+                        from_webdis: false,
+                        body: Vec::new(),
+                    };
+                    flow::on_prefetch_reply(&mut host, &note, failed);
+                }
+            }
+        }
         let due: Vec<(u32, FlowRef)> = match shared.waiting.try_borrow_mut() {
             Ok(mut waiting) => {
                 let (due, later): (Vec<_>, Vec<_>) =
@@ -496,6 +549,28 @@ impl Host for ProxyHost<'_> {
         let sent = self.dispatch_redis(target, body, timeout);
         let _ = hostcalls::set_effective_context(self.context_id);
         sent
+    }
+
+    fn dispatch_prefetch(
+        &mut self,
+        _target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+        note: Prefetch,
+    ) -> Result<(), String> {
+        let Some(shared) = self.shared else {
+            return Err("not configured".to_string());
+        };
+        shared
+            .to_prefetch
+            .try_borrow_mut()
+            .map_err(|_| "prefetch queue busy".to_string())?
+            .push((body.to_vec(), timeout, note));
+        // The root sends it on its next tick (the period it owns).
+        let _ = hostcalls::set_effective_context(shared.root_id);
+        let ticking = hostcalls::set_tick_period(TICK);
+        let _ = hostcalls::set_effective_context(self.context_id);
+        ticking.map_err(|e| format!("{e:?}"))
     }
 
     fn request_body(&mut self, size: usize) -> Vec<u8> {
