@@ -74,7 +74,7 @@ pub enum Step {
 /// Below this many tokens a spending request starts the next fetch, so the
 /// grant usually lands before the batch runs out.
 pub fn low_water(batch: u64) -> u64 {
-    batch.div_ceil(4)
+    batch.div_ceil(2)
 }
 
 /// A bucket key's lease slot.
@@ -253,7 +253,7 @@ mod tests {
     #[test]
     fn a_batch_running_low_starts_the_next_fetch_once_and_never_holds_more() {
         let slot = Slot::of(b"bucket");
-        // Batch of 8: the low-water mark is 2.
+        // Batch of 8: the low-water mark is 4.
         let mut stored = slot.granted(None, 8, 0, 1_000);
         let mut prefetches = Vec::new();
         for _ in 0..8 {
@@ -265,12 +265,12 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-        // One claim, at 1 left, for the 7 that top it up to 8.
-        assert_eq!(prefetches, vec![7]);
+        // One claim, at 3 left, for the 5 that top it up to 8.
+        assert_eq!(prefetches, vec![5]);
         // While it is out, an empty slot sends requests to Redis.
         assert_eq!(slot.step(Some(&stored), 1, 20, 50, 8, true), Step::Strict);
-        let stored = slot.granted(Some(&stored), 7, 30, 1_000);
-        assert_eq!(slot.tokens(Some(&stored), 30), 7);
+        let stored = slot.granted(Some(&stored), 5, 30, 1_000);
+        assert_eq!(slot.tokens(Some(&stored), 30), 5);
     }
 
     #[test]

@@ -1950,12 +1950,12 @@ mod tests {
         assert_eq!(h.dispatched.len(), 2, "three requests, no call");
         assert_eq!(count(&h, Counter::LeaseSpent), 3);
         assert_eq!(count(&h, Counter::Allowed(0)), 4);
-        // The last spend ran the batch below its low-water mark (1 of 3):
-        // it started a background fetch of a whole batch (cost 0).
+        // The second spend ran the batch below its low-water mark (2 of 3):
+        // it started a background fetch (cost 0) of the 2 that top it up.
         assert_eq!(h.prefetched.len(), 1);
         let (body, note) = h.prefetched[0].clone();
         assert!(body.starts_with(&format!("EVALSHA/{}/1/", LEASE.sha1)));
-        assert!(body.ends_with("/100/1/1000/0/3.raw"), "{body}");
+        assert!(body.ends_with("/100/1/1000/0/2.raw"), "{body}");
         // Nothing to spend while it is out: Redis decides, strictly.
         let mut next = Flow::new(cfg.clone(), test_breaker());
         assert_eq!(next.on_request_headers(&mut h, true), Action::Pause);

@@ -257,7 +257,8 @@ fn host_now() -> Duration {
 type FlowRef = Weak<RefCell<Flow>>;
 
 /// How often the root looks at `waiting` while something waits.
-const TICK: Duration = Duration::from_millis(5);
+/// Short: a background lease fetch waits for the next tick to be sent.
+const TICK: Duration = Duration::from_millis(1);
 
 struct Root {
     context_id: u32,
