@@ -510,6 +510,8 @@ pub struct Config {
     pub redis: RedisTarget,
     pub key_prefix: String,
     pub hash_tag: Vec<Part>,
+    /// The hash tag when `hash_tag` depends on no request value.
+    pub static_tag: Option<String>,
     pub headers_ietf: bool,
     pub headers_x: bool,
     pub limits: Vec<Limit>,
@@ -705,6 +707,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     Ok(Config {
         redis,
         key_prefix,
+        static_tag: crate::keys::static_hash_tag(&hash_tag),
         hash_tag,
         headers_ietf,
         headers_x,

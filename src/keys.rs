@@ -73,6 +73,9 @@ pub fn descriptor(parts: &[Part], line: &RequestLine, view: &dyn RequestView) ->
 /// The hash tag of this request (16 hex digits), from the configured parts; a
 /// missing header counts as an empty value so the tag always exists.
 pub fn hash_tag(config: &Config, line: &RequestLine, view: &dyn RequestView) -> String {
+    if let Some(tag) = &config.static_tag {
+        return tag.clone();
+    }
     let mut enc = Vec::new();
     for part in &config.hash_tag {
         push_value(&mut enc, &part_value(part, line, view).unwrap_or_default());
@@ -80,6 +83,20 @@ pub fn hash_tag(config: &Config, line: &RequestLine, view: &dyn RequestView) -> 
     }
     let digest = Sha256::digest(&enc);
     hex(&digest[..8])
+}
+
+/// The hash tag of a configuration whose `hashTag` depends on no request
+/// (none, or literals only): computed once, not per request.
+pub fn static_hash_tag(parts: &[Part]) -> Option<String> {
+    let mut enc = Vec::new();
+    for part in parts {
+        let Part::Literal(v) = part else {
+            return None;
+        };
+        push_value(&mut enc, v.as_bytes());
+        enc.push(b':');
+    }
+    Some(hex(&Sha256::digest(&enc)[..8]))
 }
 
 pub fn rate_limit_key(prefix: &str, tag: &str, limit: &Limit, descriptor: &[u8]) -> Vec<u8> {
@@ -98,6 +115,23 @@ pub fn rate_limit_key(prefix: &str, tag: &str, limit: &Limit, descriptor: &[u8])
 mod tests {
     use super::*;
     use crate::request::fake::FakeRequest;
+
+    #[test]
+    fn a_hash_tag_of_literals_is_computed_once_and_equals_the_per_request_one() {
+        for tags in [r#"[]"#, r#"[{"literal":"eu"},{"literal":"v2"}]"#] {
+            let json = format!(r#"{{"redis":{{"cluster":"w"}},"hashTag":{tags}}}"#);
+            let mut config = crate::config::Config::parse(json.as_bytes()).unwrap();
+            let fixed = config.static_tag.clone().expect("precomputed");
+            config.static_tag = None;
+            let req = FakeRequest::default();
+            let line = RequestLine::read(&req);
+            assert_eq!(hash_tag(&config, &line, &req), fixed);
+        }
+        let json = br#"{"redis":{"cluster":"w"},"hashTag":[{"header":"x-t"}],
+            "limits":[{"name":"a","descriptor":[{"header":"x-t"}],
+            "tokenBucket":{"capacity":1,"refill":1,"periodMs":1000}}]}"#;
+        assert_eq!(crate::config::Config::parse(json).unwrap().static_tag, None);
+    }
 
     #[test]
     fn length_prefixes_keep_distinct_descriptors_apart() {
