@@ -14,11 +14,12 @@ COMPOSE_PKG    := docker-compose==1.29.2
 COMPOSE_SCHEMA := $(VENV)/share/compose-spec/compose_spec.json
 COMPOSE_SCHEMA_SHA256 := 0dc04bd346dcfee1b1419628fff79937bbf076925f298f272a2b490e2b112bac
 COMPOSE        := docker compose -p redis-guard -f envoy/compose.yaml
+BENCH_PY_PKGS  := PyYAML==6.0.4 matplotlib==3.11.2
 # Integration tests start real processes; two at a time suits a 2-core box.
 TEST_THREADS ?= 2
 
 .PHONY: build deps apt-deps rust-deps envoy-dep compose-schema test unit lint demo demo-down \
-        compose-up compose-down compose-check oci schema clean
+        compose-up compose-down compose-check oci schema bench bench-deps clean
 
 build: rust-deps $(WASM)
 
@@ -98,6 +99,22 @@ compose-check:
 # OCI layout under target/oci/, built without a Docker engine.
 oci: apt-deps build
 	bash envoy/oci/build.sh
+
+# Measures the filter against Envoy without it, in one run, alternating
+# scenarios; writes target/bench/ (JSON, Markdown, PNG) and BENCHMARKS.md.
+bench: deps build bench-deps
+	$(VENV)/bin/python envoy/bench.py
+
+# wrk (Debian) drives the load; PyYAML removes the filter from envoy.yaml for
+# the baseline; matplotlib draws target/bench/latency.png.
+bench-deps: envoy-dep
+	@command -v wrk >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing: wrk"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; \
+	  else echo "wrk not found: run sudo apt-get install wrk"; exit 1; fi; }
+	@$(VENV)/bin/python -c 'import yaml, matplotlib' 2>/dev/null || \
+	  $(VENV)/bin/pip install -q --disable-pip-version-check $(BENCH_PY_PKGS)
 
 # Regenerates envoy/filter.schema.json from the configuration types.
 schema:
