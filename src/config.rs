@@ -512,6 +512,8 @@ pub struct Config {
     pub hash_tag: Vec<Part>,
     /// The hash tag when `hash_tag` depends on no request value.
     pub static_tag: Option<String>,
+    /// The parts of the request line some limit or rule looks at.
+    pub needs: crate::request::Needs,
     pub headers_ietf: bool,
     pub headers_x: bool,
     pub limits: Vec<Limit>,
@@ -707,6 +709,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     Ok(Config {
         redis,
         key_prefix,
+        needs: needs(&hash_tag, &limits, &idempotency),
         static_tag: crate::keys::static_hash_tag(&hash_tag),
         hash_tag,
         headers_ietf,
@@ -714,6 +717,35 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         limits,
         idempotency,
     })
+}
+
+/// What of the request line the compiled rules read (see `Needs`). Every
+/// idempotency rule matches on methods and fingerprints method and path.
+fn needs(
+    hash_tag: &[Part],
+    limits: &[Limit],
+    idempotency: &[Idempotency],
+) -> crate::request::Needs {
+    let matchers = limits
+        .iter()
+        .map(|l| &l.matcher)
+        .chain(idempotency.iter().map(|r| &r.matcher));
+    let parts: Vec<&Part> = hash_tag
+        .iter()
+        .chain(limits.iter().flat_map(|l| l.descriptor.iter()))
+        .chain(idempotency.iter().flat_map(|r| r.tenant.iter()))
+        .collect();
+    let mut n = crate::request::Needs {
+        method: !idempotency.is_empty() || parts.iter().any(|p| matches!(p, Part::Method)),
+        path: !idempotency.is_empty() || parts.iter().any(|p| matches!(p, Part::Path)),
+        host: false,
+    };
+    for m in matchers {
+        n.method |= !m.methods.is_empty();
+        n.path |= !matches!(m.path, PathMatch::Any);
+        n.host |= m.host.is_some();
+    }
+    n
 }
 
 fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {

@@ -21,18 +21,48 @@ pub struct RequestLine {
     pub host: String,
 }
 
+/// Which parts of the request line a configuration looks at: each one not
+/// needed is a header read (a host call, a VM exit) saved on every request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Needs {
+    pub method: bool,
+    pub path: bool,
+    pub host: bool,
+}
+
+impl Needs {
+    pub const ALL: Needs = Needs {
+        method: true,
+        path: true,
+        host: true,
+    };
+}
+
 impl RequestLine {
     pub fn read(view: &dyn RequestView) -> RequestLine {
-        let method = view
-            .header(":method")
+        RequestLine::read_needed(view, Needs::ALL)
+    }
+
+    /// The parts in `needs`; the others stay empty (nothing reads them).
+    pub fn read_needed(view: &dyn RequestView, needs: Needs) -> RequestLine {
+        let method = needs
+            .method
+            .then(|| view.header(":method"))
+            .flatten()
             .map(|m| String::from_utf8_lossy(&m).to_ascii_uppercase())
             .unwrap_or_default();
-        let mut path = view.header(":path").unwrap_or_default();
+        let mut path = needs
+            .path
+            .then(|| view.header(":path"))
+            .flatten()
+            .unwrap_or_default();
         if let Some(q) = path.iter().position(|&b| b == b'?') {
             path.truncate(q);
         }
-        let authority = view
-            .header(":authority")
+        let authority = needs
+            .host
+            .then(|| view.header(":authority"))
+            .flatten()
             .map(|a| String::from_utf8_lossy(&a).to_ascii_lowercase())
             .unwrap_or_default();
         RequestLine {
@@ -140,6 +170,72 @@ pub mod fake {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_config_reads_only_the_request_line_parts_it_uses() {
+        let needs = |json: &str| {
+            crate::config::Config::parse(
+                format!(r#"{{"redis":{{"cluster":"w"}},{json}}}"#).as_bytes(),
+            )
+            .unwrap()
+            .needs
+        };
+        let tb = r#""tokenBucket":{"capacity":1,"refill":1,"periodMs":1000}"#;
+        let none = Needs {
+            method: false,
+            path: false,
+            host: false,
+        };
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","descriptor":[{{"header":"x"}}],{tb}}}]"#
+            )),
+            none
+        );
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","match":{{"pathPrefix":"/a"}},{tb}}}]"#
+            )),
+            Needs { path: true, ..none }
+        );
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","match":{{"methods":["GET"]}},{tb}}}]"#
+            )),
+            Needs {
+                method: true,
+                ..none
+            }
+        );
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","match":{{"host":"h"}},{tb}}}]"#
+            )),
+            Needs { host: true, ..none }
+        );
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","descriptor":["method","path"],{tb}}}]"#
+            )),
+            Needs {
+                host: false,
+                ..Needs::ALL
+            }
+        );
+        assert_eq!(
+            needs(r#""idempotency":[{"name":"p"}]"#),
+            Needs {
+                host: false,
+                ..Needs::ALL
+            }
+        );
+        // What is not needed is not read.
+        let mut req = fake::FakeRequest::default();
+        req.headers.insert(":method".into(), b"GET".to_vec());
+        req.headers.insert(":path".into(), b"/x".to_vec());
+        let line = RequestLine::read_needed(&req, Needs { path: true, ..none });
+        assert_eq!((line.method.as_str(), &line.path[..]), ("", &b"/x"[..]));
+    }
     use super::fake::FakeRequest;
     use super::*;
 

@@ -171,7 +171,7 @@ impl Flow {
     }
 
     pub fn on_request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
-        let line = RequestLine::read(host);
+        let line = RequestLine::read_needed(host, self.config.needs);
         self.plan = match Plan::build(&self.config, &line, host) {
             Ok(plan) => plan,
             Err(bad) => return self.reply_locally(host, &bad_request(&bad.detail)),
@@ -556,7 +556,7 @@ impl Flow {
                 lease::Step::Fetch { bytes, want } => (bytes, Lease::Fetch(want)),
                 lease::Step::Strict => return Lease::Strict,
             };
-            if host.shared_set(&slot.shared_key, &bytes, cas) {
+            if host.shared_set(&slot.shared_key, &bytes, create_or_swap(cas)) {
                 return next;
             }
         }
@@ -607,7 +607,7 @@ impl Flow {
         for _ in 0..8 {
             let (stored, cas) = host.shared_get(&slot.shared_key);
             let bytes = slot.granted(stored.as_deref(), granted, now_ms, expires);
-            if host.shared_set(&slot.shared_key, &bytes, cas) {
+            if host.shared_set(&slot.shared_key, &bytes, create_or_swap(cas)) {
                 return;
             }
         }
@@ -699,7 +699,7 @@ impl Flow {
             for _ in 0..8 {
                 let (state, cas) = host.shared_get(&key);
                 let t = take(&bucket, state.as_deref(), now_ms, check.cost);
-                if host.shared_set(&key, &t.state, cas) {
+                if host.shared_set(&key, &t.state, create_or_swap(cas)) {
                     taken = Some(t);
                     break;
                 }
@@ -1266,7 +1266,7 @@ pub fn on_prefetch_reply<H: Host>(host: &mut H, note: &Prefetch, reply: CalloutR
     for _ in 0..8 {
         let (stored, cas) = host.shared_get(&slot.shared_key);
         let bytes = slot.granted(stored.as_deref(), granted, now_ms, expires);
-        if host.shared_set(&slot.shared_key, &bytes, cas) {
+        if host.shared_set(&slot.shared_key, &bytes, create_or_swap(cas)) {
             return;
         }
     }
@@ -1277,11 +1277,25 @@ fn release_claim<H: Host>(host: &mut H, limit_key: &[u8]) {
     for _ in 0..8 {
         let (stored, cas) = host.shared_get(&slot.shared_key);
         let bytes = slot.fetch_failed(stored.as_deref());
-        if host.shared_set(&slot.shared_key, &bytes, cas) {
+        if host.shared_set(&slot.shared_key, &bytes, create_or_swap(cas)) {
             return;
         }
     }
 }
+
+/// The compare-and-swap token for writing back what was read: the one read,
+/// or, when the key did not exist, one no existing key carries. Envoy checks a
+/// token only against a key that exists and writes a missing key whatever
+/// the token, so without this two workers that both found the key missing
+/// would both "create" it and one write would be lost (a local budget or a
+/// lease counted twice). With it, the second creator fails and reads again.
+fn create_or_swap(cas: Option<u32>) -> Option<u32> {
+    Some(cas.unwrap_or(CREATE_ONLY))
+}
+
+/// Envoy hands out tokens from one counter starting at 1: this one is
+/// reached only after four billion writes, and then matches one key at most.
+const CREATE_ONLY: u32 = u32::MAX;
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -1419,9 +1433,12 @@ mod tests {
             }
         }
         fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            // As Envoy: a token is checked only against a key that exists.
             let current = self.shared.get(key).map(|(_, c)| *c);
-            if cas.is_some() && current != cas {
-                return false;
+            if let (Some(want), Some(have)) = (cas, current) {
+                if want != have {
+                    return false;
+                }
             }
             let next = current.unwrap_or(0) + 1;
             self.shared.insert(key.to_string(), (value.to_vec(), next));
@@ -2028,6 +2045,22 @@ mod tests {
         assert_eq!(statuses[2], Action::Pause, "then the cached 429");
         assert_eq!(h.sent.last().map(|r| r.status), Some(429));
         assert_eq!(h.dispatched.len(), 1);
+    }
+
+    #[test]
+    fn a_worker_that_found_a_key_missing_cannot_overwrite_one_created_meanwhile() {
+        let mut h = FakeHost::get("/");
+        // Worker A read "missing", then worker B created the key.
+        let (stored, cas) = h.shared_get("k");
+        assert_eq!((stored, cas), (None, None));
+        assert!(h.shared_set("k", b"b", create_or_swap(None)));
+        assert!(
+            !h.shared_set("k", b"a", create_or_swap(cas)),
+            "A must read again"
+        );
+        let (stored, cas) = h.shared_get("k");
+        assert_eq!(stored.as_deref(), Some(&b"b"[..]));
+        assert!(h.shared_set("k", b"a", create_or_swap(cas)));
     }
 
     #[test]

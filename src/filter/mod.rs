@@ -148,8 +148,9 @@ pub trait Host: RequestView {
     fn unique_token(&mut self) -> String;
     /// Shared data of this Envoy (all workers): value and its CAS token.
     fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
-    /// Writes if the CAS token still matches (`None`: the key must be new or
-    /// is written unconditionally by the host); false on a lost race.
+    /// Writes if the CAS token still matches the key's (`None`: always; a
+    /// missing key is written whatever the token, as Envoy does); false on a
+    /// lost race.
     fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
     fn send_local(&mut self, reply: &LocalReply);
     fn resume_request(&mut self);
