@@ -96,6 +96,17 @@ impl Slot {
         }
     }
 
+    /// Whether the stored bytes are another key's live lease (tokens not yet
+    /// lapsed, or a fetch out): a key whose slot is taken is decided in Redis
+    /// rather than evict them (which would strand the other key's tokens and
+    /// let its fetch land twice).
+    fn taken_by_another(&self, stored: Option<&[u8]>, now_ms: u64) -> bool {
+        stored.and_then(State::decode).is_some_and(|s| {
+            s.digest != self.digest
+                && ((now_ms < s.expires_ms && s.tokens > 0) || now_ms < s.fetching_until_ms)
+        })
+    }
+
     /// This key's state in the stored bytes (another key's, or none: empty).
     fn state(&self, stored: Option<&[u8]>) -> State {
         stored
@@ -124,6 +135,9 @@ impl Slot {
         batch: u64,
         claim: bool,
     ) -> Step {
+        if self.taken_by_another(stored, now_ms) {
+            return Step::Strict;
+        }
         let mut s = self.state(stored);
         let usable = if now_ms < s.expires_ms { s.tokens } else { 0 };
         let fetching = now_ms < s.fetching_until_ms;
@@ -152,27 +166,38 @@ impl Slot {
     }
 
     /// The fetch answered: `granted` tokens usable until `expires_ms`, added
-    /// to whatever is left of the current lease; the fetch claim ends.
+    /// to whatever is left of the current lease, never more than `batch`;
+    /// the fetch claim ends. `None`: the slot went to another key meanwhile
+    /// (this key's claim lapsed): the grant is dropped, not merged.
     pub fn granted(
         &self,
         stored: Option<&[u8]>,
         granted: u64,
         now_ms: u64,
         expires_ms: u64,
-    ) -> Vec<u8> {
+        batch: u64,
+    ) -> Option<Vec<u8>> {
+        if self.taken_by_another(stored, now_ms) {
+            return None;
+        }
         let mut s = self.state(stored);
         let left = if now_ms < s.expires_ms { s.tokens } else { 0 };
-        s.tokens = left.saturating_add(granted);
+        s.tokens = left.saturating_add(granted).min(batch);
         s.expires_ms = expires_ms;
         s.fetching_until_ms = 0;
-        s.encode()
+        Some(s.encode())
     }
 
-    /// The fetch failed: release the claim so another worker may try.
-    pub fn fetch_failed(&self, stored: Option<&[u8]>) -> Vec<u8> {
-        let mut s = self.state(stored);
+    /// The fetch failed: release the claim so another worker may try
+    /// (`None`: the slot is not this key's any more).
+    pub fn fetch_failed(&self, stored: Option<&[u8]>) -> Option<Vec<u8>> {
+        let s = stored.and_then(State::decode)?;
+        if s.digest != self.digest {
+            return None;
+        }
+        let mut s = s;
         s.fetching_until_ms = 0;
-        s.encode()
+        Some(s.encode())
     }
 
     /// Tokens usable now (for tests and stats).
@@ -213,7 +238,7 @@ mod tests {
             slot.step(Some(&claimed), 1, 1_050, 50, 8, true),
             Step::Fetch { .. }
         ));
-        let freed = slot.fetch_failed(Some(&claimed));
+        let freed = slot.fetch_failed(Some(&claimed)).unwrap();
         assert!(matches!(
             slot.step(Some(&freed), 1, 1_020, 50, 8, true),
             Step::Fetch { .. }
@@ -223,7 +248,7 @@ mod tests {
     #[test]
     fn granted_tokens_are_spent_exactly_once_and_lapse() {
         let slot = Slot::of(b"bucket");
-        let mut stored = slot.granted(None, 3, 0, 100);
+        let mut stored = slot.granted(None, 3, 0, 100, 3).unwrap();
         let mut spent = 0;
         while let Step::Spend { bytes, .. } = slot.step(Some(&stored), 1, 10, 50, 3, false) {
             stored = bytes;
@@ -231,7 +256,7 @@ mod tests {
         }
         assert_eq!(spent, 3, "exactly the grant");
         assert_eq!(slot.tokens(Some(&stored), 10), 0);
-        let stored = slot.granted(Some(&stored), 5, 20, 100);
+        let stored = slot.granted(Some(&stored), 5, 20, 100, 5).unwrap();
         assert!(
             matches!(
                 slot.step(Some(&stored), 6, 30, 50, 5, true),
@@ -254,7 +279,7 @@ mod tests {
     fn a_batch_running_low_starts_the_next_fetch_once_and_never_holds_more() {
         let slot = Slot::of(b"bucket");
         // Batch of 8: the low-water mark is 4.
-        let mut stored = slot.granted(None, 8, 0, 1_000);
+        let mut stored = slot.granted(None, 8, 0, 1_000, 8).unwrap();
         let mut prefetches = Vec::new();
         for _ in 0..8 {
             match slot.step(Some(&stored), 1, 10, 50, 8, true) {
@@ -269,22 +294,35 @@ mod tests {
         assert_eq!(prefetches, vec![5]);
         // While it is out, an empty slot sends requests to Redis.
         assert_eq!(slot.step(Some(&stored), 1, 20, 50, 8, true), Step::Strict);
-        let stored = slot.granted(Some(&stored), 5, 30, 1_000);
+        let stored = slot.granted(Some(&stored), 5, 30, 1_000, 8).unwrap();
         assert_eq!(slot.tokens(Some(&stored), 30), 5);
     }
 
     #[test]
-    fn another_keys_slot_is_never_spent() {
+    fn a_key_whose_slot_holds_another_live_lease_goes_to_redis_and_evicts_nothing() {
         let a = Slot::of(b"a");
-        let stored = a.granted(None, 10, 0, 1_000);
+        let stored = a.granted(None, 10, 0, 1_000, 10).unwrap();
         let b = Slot {
             shared_key: a.shared_key.clone(),
             digest: [9; 16],
         };
+        assert_eq!(b.step(Some(&stored), 1, 10, 50, 10, true), Step::Strict);
+        assert_eq!(b.tokens(Some(&stored), 10), 0);
+        assert_eq!(b.granted(Some(&stored), 5, 10, 1_000, 10), None, "no merge");
+        assert_eq!(b.fetch_failed(Some(&stored)), None);
+        assert_eq!(a.tokens(Some(&stored), 10), 10, "a's lease intact");
+        // Once a's lease lapsed, b may take the slot.
         assert!(matches!(
-            b.step(Some(&stored), 1, 10, 50, 10, true),
+            b.step(Some(&stored), 1, 1_000, 50, 10, true),
             Step::Fetch { .. }
         ));
-        assert_eq!(b.tokens(Some(&stored), 10), 0);
+    }
+
+    #[test]
+    fn a_grant_never_lifts_an_envoy_above_one_batch() {
+        let slot = Slot::of(b"a");
+        let stored = slot.granted(None, 6, 0, 1_000, 8).unwrap();
+        let stored = slot.granted(Some(&stored), 6, 1, 1_000, 8).unwrap();
+        assert_eq!(slot.tokens(Some(&stored), 2), 8);
     }
 }

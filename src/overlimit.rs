@@ -21,6 +21,14 @@ use sha2::{Digest, Sha256};
 /// Entries per Envoy (each 40 bytes of shared data).
 pub const SLOTS: u32 = 4096;
 
+/// The longest an entry answers for Redis. Redis' answer holds until T only
+/// while Redis keeps the key's state: a flush, a failover to a replica that
+/// lagged, or a restart can free the budget early. Re-asking once a second
+/// bounds that error and still leaves a key under attack at about one call
+/// per second per Envoy. It also bounds the damage of the proxy's wall clock
+/// stepping back (an entry that claims more than this is ignored).
+pub const HOLD_MAX_MS: u64 = 1000;
+
 /// What the cache knows about one limit key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
@@ -51,10 +59,14 @@ impl Slot {
         }
     }
 
-    pub fn entry(&self, until_ms: u64, cost: u64, remaining: u64) -> Entry {
+    /// The entry for a rejection of `cost` whose call left at `sent_ms`, Redis
+    /// saying `retry_ms`. Redis reads its clock in whole milliseconds
+    /// (rounded down), so room may come back up to 1 ms before sent + retry:
+    /// the entry ends 1 ms earlier, and at most [`HOLD_MAX_MS`] after sending.
+    pub fn entry(&self, sent_ms: u64, retry_ms: u64, cost: u64, remaining: u64) -> Entry {
         Entry {
             digest: self.digest,
-            until_ms,
+            until_ms: sent_ms.saturating_add(retry_ms.saturating_sub(1).min(HOLD_MAX_MS)),
             cost,
             remaining,
         }
@@ -64,8 +76,10 @@ impl Slot {
     /// the stored bytes say it cannot fit now; `None` when Redis must decide.
     pub fn rejects(&self, stored: Option<&[u8]>, cost: u64, now_ms: u64) -> Option<(u64, u64)> {
         let entry = Entry::decode(stored?)?;
-        (entry.digest == self.digest && cost >= entry.cost && now_ms < entry.until_ms)
-            .then(|| (entry.until_ms - now_ms, entry.remaining))
+        let wait = entry.until_ms.checked_sub(now_ms).filter(|w| *w > 0)?;
+        // More than an entry can hold: the clock stepped back; ignore it.
+        (entry.digest == self.digest && cost >= entry.cost && wait <= HOLD_MAX_MS)
+            .then_some((wait, entry.remaining))
     }
 }
 
@@ -106,7 +120,8 @@ mod tests {
     #[test]
     fn rejects_only_its_own_key_at_or_above_the_cost_before_the_deadline() {
         let slot = Slot::of(b"rg:rl:{t}:a:tb.1.1.1000:1:x");
-        let stored = slot.entry(1_000, 2, 0).encode();
+        // Sent at 0, Redis said 1001 ms: held until 1000 (1 ms of rounding).
+        let stored = slot.entry(0, 1_001, 2, 0).encode();
         assert_eq!(slot.rejects(Some(&stored), 2, 400), Some((600, 0)));
         assert_eq!(slot.rejects(Some(&stored), 5, 999), Some((1, 0)));
         assert_eq!(slot.rejects(Some(&stored), 2, 1_000), None, "not at T");
@@ -126,9 +141,20 @@ mod tests {
     }
 
     #[test]
+    fn an_entry_holds_at_most_a_second_and_distrusts_a_clock_that_went_back() {
+        let slot = Slot::of(b"k");
+        // Redis said an hour: held one second.
+        let stored = slot.entry(5_000, 3_600_000, 1, 0).encode();
+        assert_eq!(slot.rejects(Some(&stored), 1, 5_999), Some((1, 0)));
+        assert_eq!(slot.rejects(Some(&stored), 1, 6_000), None);
+        // The clock jumped back 10 s: the entry would claim 11 s: ignored.
+        assert_eq!(slot.rejects(Some(&stored), 1, 0), None);
+    }
+
+    #[test]
     fn entries_round_trip_and_slots_stay_in_the_table() {
         let slot = Slot::of(b"k");
-        let e = slot.entry(u64::MAX, 3, 9);
+        let e = slot.entry(u64::MAX - 10, 3, 3, 9);
         assert_eq!(Entry::decode(&e.encode()), Some(e));
         for i in 0..1000u32 {
             let s = Slot::of(&i.to_be_bytes());

@@ -73,13 +73,14 @@ fn an_envoy_that_stops_getting_traffic_strands_exactly_one_batch() {
 
 #[test]
 fn an_unspent_batch_lapses_with_its_lease_and_is_never_spent_after() {
-    // Leases of 300 ms: e1's batch is void before it gets traffic again.
-    let stack = Stack::start(&config(10, 4, 300), 2);
+    // Leases of 2 s: e1's batch is void before it gets traffic again (and
+    // long enough for e2 to spend its own on a loaded machine).
+    let stack = Stack::start(&config(10, 4, 2_000), 2);
     let (e1, e2) = (&stack.envoys[0], &stack.envoys[1]);
     assert_eq!(admitted(e1, 1), 1);
     assert_eq!(admitted(e2, 20), 5, "10 - 1 - 4 held by e1");
-    // Wait out e1's lease on Redis' clock (no refill in an hour).
-    std::thread::sleep(std::time::Duration::from_millis(400));
+    // Wait out e1's lease (the proxy's clock; no refill in an hour).
+    std::thread::sleep(std::time::Duration::from_millis(2_100));
     assert_eq!(admitted(e1, 5), 0, "the lapsed batch is gone");
     assert_eq!(stack.upstream.executed(), 6);
 }

@@ -64,15 +64,21 @@ fn rejections_are_answered_locally_until_redis_said_and_by_redis_after() {
     // against Redis right after it: the bucket still cannot admit, so Redis
     // would have rejected it too. Bounded: 40 requests, and only while T is
     // more than a second away.
+    // An entry answers for at most a second (then Redis is asked again): the
+    // loop stays well inside it.
+    let since = Instant::now();
     let mut cached = 0;
-    while cached < 40 && redis_now(&stack.redis) + 1000 < t {
+    while cached < 40
+        && since.elapsed() < Duration::from_millis(500)
+        && redis_now(&stack.redis) + 1000 < t
+    {
         let r = get(&e1.url("/api/x"), &user);
         assert_eq!(r.status, 429);
         assert!(r.header("retry-after").is_some());
         assert!(redis_now(&stack.redis) < t, "answered 429 at or after T");
         cached += 1;
     }
-    assert!(cached >= 10, "only {cached} requests before T");
+    assert!(cached >= 3, "only {cached} requests before T");
     assert_eq!(calls(e1), base, "no Redis call for {cached} rejections");
     assert_eq!(
         e1.counter("redis_guard.overlimit_cache.rejected"),

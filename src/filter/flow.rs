@@ -583,6 +583,7 @@ impl Flow {
             limit_key: check.key.clone(),
             ttl: lease.ttl,
             sent_at: host.now(),
+            batch: lease.tokens,
         };
         host.count(Counter::RedisCalls);
         let timeout = self.config.redis.timeout;
@@ -606,7 +607,14 @@ impl Flow {
         let expires = millis(self.sent_at + lease.ttl);
         for _ in 0..8 {
             let (stored, cas) = host.shared_get(&slot.shared_key);
-            let bytes = slot.granted(stored.as_deref(), granted, now_ms, expires);
+            let Some(bytes) =
+                slot.granted(stored.as_deref(), granted, now_ms, expires, lease.tokens)
+            else {
+                log::info!(
+                    "redis-guard: lease slot taken by another key; {granted} tokens dropped"
+                );
+                return;
+            };
             if host.shared_set(&slot.shared_key, &bytes, create_or_swap(cas)) {
                 return;
             }
@@ -669,11 +677,7 @@ impl Flow {
                 continue;
             }
             let slot = Slot::of(&check.key);
-            let entry = slot.entry(
-                sent_ms.saturating_add(result.retry_ms),
-                check.cost,
-                result.remaining,
-            );
+            let entry = slot.entry(sent_ms, result.retry_ms, check.cost, result.remaining);
             host.shared_set(&slot.shared_key, &entry.encode(), None);
         }
     }
@@ -1237,6 +1241,8 @@ pub struct Prefetch {
     pub limit_key: Vec<u8>,
     pub ttl: Duration,
     pub sent_at: Duration,
+    /// The lease's batch: an Envoy never holds more.
+    pub batch: u64,
 }
 
 /// The answer to a background lease fetch: its grant joins the Envoy's
@@ -1265,18 +1271,25 @@ pub fn on_prefetch_reply<H: Host>(host: &mut H, note: &Prefetch, reply: CalloutR
     let expires = millis(note.sent_at + note.ttl);
     for _ in 0..8 {
         let (stored, cas) = host.shared_get(&slot.shared_key);
-        let bytes = slot.granted(stored.as_deref(), granted, now_ms, expires);
+        let Some(bytes) = slot.granted(stored.as_deref(), granted, now_ms, expires, note.batch)
+        else {
+            log::info!("redis-guard: lease slot taken by another key; {granted} tokens dropped");
+            return;
+        };
         if host.shared_set(&slot.shared_key, &bytes, create_or_swap(cas)) {
             return;
         }
     }
+    log::warn!("redis-guard: lease slot contended; {granted} tokens dropped");
 }
 
 fn release_claim<H: Host>(host: &mut H, limit_key: &[u8]) {
     let slot = lease::Slot::of(limit_key);
     for _ in 0..8 {
         let (stored, cas) = host.shared_get(&slot.shared_key);
-        let bytes = slot.fetch_failed(stored.as_deref());
+        let Some(bytes) = slot.fetch_failed(stored.as_deref()) else {
+            return;
+        };
         if host.shared_set(&slot.shared_key, &bytes, create_or_swap(cas)) {
             return;
         }
@@ -1864,8 +1877,9 @@ mod tests {
         f.on_callout_reply(&mut h, 1, ok(REJECT));
         assert_eq!(h.sent[0].status, 429);
         assert_eq!(h.shared.len(), 1, "one entry for the rejecting key");
-        // Until sent + retry_ms (0 + 400), every worker answers alone.
-        for at in [10, 200, 399] {
+        // Until sent + retry_ms - 1 (0 + 400 - 1: Redis' clock is whole ms),
+        // every worker answers alone.
+        for at in [10, 200, 398] {
             h.clock_ms = at;
             let mut g = flow("deny");
             assert_eq!(g.on_request_headers(&mut h, true), Action::Pause);
@@ -1882,7 +1896,7 @@ mod tests {
         assert_eq!(count(&h, Counter::OverLimitCached), 3);
         assert_eq!(count(&h, Counter::Rejected(0)), 4);
         // From T on, Redis decides again.
-        h.clock_ms = 400;
+        h.clock_ms = 399;
         let mut g = flow("deny");
         g.on_request_headers(&mut h, true);
         assert_eq!(h.dispatched.len(), 2);
@@ -2032,7 +2046,7 @@ mod tests {
         let slot = Slot::of(&key);
         h.shared.insert(
             slot.shared_key.clone(),
-            (slot.entry(10_000, 1, 0).encode(), 1),
+            (slot.entry(0, 1_000, 1, 0).encode(), 1),
         );
         let statuses: Vec<Action> = (0..3)
             .map(|_| Flow::new(cfg.clone(), test_breaker()).on_request_headers(&mut h, true))
@@ -2069,6 +2083,7 @@ mod tests {
             limit_key: b"k".to_vec(),
             ttl: Duration::from_millis(500),
             sent_at: Duration::ZERO,
+            batch: 4,
         };
         let slot = lease::Slot::of(b"k");
         let mut h = FakeHost::get("/");

@@ -562,16 +562,18 @@ impl Host for ProxyHost<'_> {
         let Some(shared) = self.shared else {
             return Err("not configured".to_string());
         };
+        // The root sends it on its next tick (the period it owns); queued
+        // only once a tick is sure to come.
+        let _ = hostcalls::set_effective_context(shared.root_id);
+        let ticking = hostcalls::set_tick_period(TICK);
+        let _ = hostcalls::set_effective_context(self.context_id);
+        ticking.map_err(|e| format!("{e:?}"))?;
         shared
             .to_prefetch
             .try_borrow_mut()
             .map_err(|_| "prefetch queue busy".to_string())?
             .push((body.to_vec(), timeout, note));
-        // The root sends it on its next tick (the period it owns).
-        let _ = hostcalls::set_effective_context(shared.root_id);
-        let ticking = hostcalls::set_tick_period(TICK);
-        let _ = hostcalls::set_effective_context(self.context_id);
-        ticking.map_err(|e| format!("{e:?}"))
+        Ok(())
     }
 
     fn request_body(&mut self, size: usize) -> Vec<u8> {
