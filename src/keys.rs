@@ -99,6 +99,28 @@ pub fn static_hash_tag(parts: &[Part]) -> Option<String> {
     Some(hex(&Sha256::digest(&enc)[..8]))
 }
 
+/// Where a limit key's record lives in a fixed table of `slots` entries of
+/// Envoy's shared data (which is never freed, so tables do not grow with the
+/// keys clients invent): the shared-data key `<table>/<index>`, and 16 bytes
+/// of the key's digest, stored in the record so a collision never answers
+/// for another key.
+pub fn shared_slot(table: &str, slots: u32, limit_key: &[u8]) -> (String, [u8; 16]) {
+    let full = Sha256::digest(limit_key);
+    let mut digest = [0u8; 16];
+    digest.copy_from_slice(&full[..16]);
+    let index = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % slots;
+    (format!("{table}/{index}"), digest)
+}
+
+/// Reads the `i`th big-endian u64 of a fixed-layout record after its
+/// 16-byte digest (the caller checked the length).
+pub fn record_u64(bytes: &[u8], i: usize) -> u64 {
+    let at = 16 + 8 * i;
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&bytes[at..at + 8]);
+    u64::from_be_bytes(b)
+}
+
 pub fn rate_limit_key(prefix: &str, tag: &str, limit: &Limit, descriptor: &[u8]) -> Vec<u8> {
     let mut key =
         Vec::with_capacity(prefix.len() + tag.len() + limit.key_infix.len() + descriptor.len() + 8);

@@ -8,7 +8,7 @@
 //! others decide their requests in Redis meanwhile (exact, just slower), so an
 //! Envoy holds at most one batch per key: the bound on tokens it can strand.
 
-use sha2::{Digest, Sha256};
+use crate::keys::{record_u64, shared_slot};
 
 /// Slots per Envoy (each 40 bytes of shared data).
 pub const SLOTS: u32 = 4096;
@@ -37,18 +37,13 @@ impl State {
         if bytes.len() != 40 {
             return None;
         }
-        let u64_at = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&bytes[i..i + 8]);
-            u64::from_be_bytes(b)
-        };
         let mut digest = [0u8; 16];
         digest.copy_from_slice(&bytes[..16]);
         Some(State {
             digest,
-            tokens: u64_at(16),
-            expires_ms: u64_at(24),
-            fetching_until_ms: u64_at(32),
+            tokens: record_u64(bytes, 0),
+            expires_ms: record_u64(bytes, 1),
+            fetching_until_ms: record_u64(bytes, 2),
         })
     }
 }
@@ -86,14 +81,8 @@ pub struct Slot {
 
 impl Slot {
     pub fn of(limit_key: &[u8]) -> Slot {
-        let full = Sha256::digest(limit_key);
-        let mut digest = [0u8; 16];
-        digest.copy_from_slice(&full[..16]);
-        let index = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % SLOTS;
-        Slot {
-            shared_key: format!("redis-guard/lease/{index}"),
-            digest,
-        }
+        let (shared_key, digest) = shared_slot("redis-guard/lease", SLOTS, limit_key);
+        Slot { shared_key, digest }
     }
 
     /// Whether the stored bytes are another key's live lease (tokens not yet

@@ -16,7 +16,7 @@
 //! keys clients invent. Each entry carries the key's digest, so a collision
 //! never answers for another key.
 
-use sha2::{Digest, Sha256};
+use crate::keys::{record_u64, shared_slot};
 
 /// Entries per Envoy (each 40 bytes of shared data).
 pub const SLOTS: u32 = 4096;
@@ -49,14 +49,8 @@ pub struct Slot {
 
 impl Slot {
     pub fn of(limit_key: &[u8]) -> Slot {
-        let full = Sha256::digest(limit_key);
-        let mut digest = [0u8; 16];
-        digest.copy_from_slice(&full[..16]);
-        let index = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % SLOTS;
-        Slot {
-            shared_key: format!("redis-guard/over/{index}"),
-            digest,
-        }
+        let (shared_key, digest) = shared_slot("redis-guard/over", SLOTS, limit_key);
+        Slot { shared_key, digest }
     }
 
     /// The entry for a rejection of `cost` whose call left at `sent_ms`, Redis
@@ -97,18 +91,13 @@ impl Entry {
         if bytes.len() != 40 {
             return None;
         }
-        let u64_at = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&bytes[i..i + 8]);
-            u64::from_be_bytes(b)
-        };
         let mut digest = [0u8; 16];
         digest.copy_from_slice(&bytes[..16]);
         Some(Entry {
             digest,
-            until_ms: u64_at(16),
-            cost: u64_at(24),
-            remaining: u64_at(32),
+            until_ms: record_u64(bytes, 0),
+            cost: record_u64(bytes, 1),
+            remaining: record_u64(bytes, 2),
         })
     }
 }

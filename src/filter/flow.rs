@@ -1678,15 +1678,18 @@ mod tests {
         assert_eq!(count(&h, Counter::RedisError(ErrorKind::Timeout)), 2);
     }
 
+    /// One token bucket of 5 on every path.
+    fn bucket_of_five(failure: &str) -> Rc<Config> {
+        let json = format!(
+            r#"{{"redis":{{"cluster":"w"}},"failureMode":"{failure}","limits":[
+            {{"name":"a","tokenBucket":{{"capacity":5,"refill":1,"periodMs":1000}}}}]}}"#
+        );
+        Rc::new(Config::parse(json.as_bytes()).unwrap())
+    }
+
     #[test]
     fn a_probe_whose_client_left_lets_the_next_request_probe() {
-        let cfg = Rc::new(
-            Config::parse(
-                br#"{"redis":{"cluster":"w"},"failureMode":"allow","limits":[
-                {"name":"a","tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
-            )
-            .unwrap(),
-        );
+        let cfg = bucket_of_five("allow");
         let breaker = Rc::new(Breaker::new(1, Duration::from_millis(100)));
         let mut h = FakeHost::get("/");
         let mut f = Flow::new(cfg.clone(), breaker.clone());
@@ -1712,13 +1715,7 @@ mod tests {
 
     #[test]
     fn each_failure_is_counted_by_its_kind() {
-        let cfg = Rc::new(
-            Config::parse(
-                br#"{"redis":{"cluster":"w"},"failureMode":"allow","limits":[
-                {"name":"a","tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
-            )
-            .unwrap(),
-        );
+        let cfg = bucket_of_five("allow");
         let reply = |status: Option<u32>, body: &[u8]| CalloutReply {
             status,
             from_webdis: status.is_some(),
@@ -1947,16 +1944,19 @@ mod tests {
         assert_eq!(k.dispatched.len(), 1);
     }
 
+    /// One token bucket of 100, leased 3 tokens at a time for 500 ms.
+    fn leased_config(failure: &str) -> Rc<Config> {
+        let json = format!(
+            r#"{{"redis":{{"cluster":"w"}},"failureMode":"{failure}","limits":[
+            {{"name":"a","tokenBucket":{{"capacity":100,"refill":1,"periodMs":1000}},
+             "lease":{{"tokens":3,"ttlMs":500}}}}]}}"#
+        );
+        Rc::new(Config::parse(json.as_bytes()).unwrap())
+    }
+
     #[test]
     fn a_leased_limit_spends_its_grant_locally_and_fetches_one_at_a_time() {
-        let cfg = Rc::new(
-            Config::parse(
-                br#"{"redis":{"cluster":"w"},"limits":[
-                {"name":"a","tokenBucket":{"capacity":100,"refill":1,"periodMs":1000},
-                 "lease":{"tokens":3,"ttlMs":500}}]}"#,
-            )
-            .unwrap(),
-        );
+        let cfg = leased_config("deny");
         let mut h = FakeHost::get("/x");
         let mut first = Flow::new(cfg.clone(), test_breaker());
         assert_eq!(first.on_request_headers(&mut h, true), Action::Pause);
@@ -2025,14 +2025,7 @@ mod tests {
 
     #[test]
     fn leased_tokens_are_spent_even_when_redis_is_known_to_be_empty() {
-        let cfg = Rc::new(
-            Config::parse(
-                br#"{"redis":{"cluster":"w"},"limits":[
-                {"name":"a","tokenBucket":{"capacity":100,"refill":1,"periodMs":1000},
-                 "lease":{"tokens":3,"ttlMs":500}}]}"#,
-            )
-            .unwrap(),
-        );
+        let cfg = leased_config("deny");
         let mut h = FakeHost::get("/x");
         let mut first = Flow::new(cfg.clone(), test_breaker());
         first.on_request_headers(&mut h, true);
@@ -2117,14 +2110,7 @@ mod tests {
 
     #[test]
     fn a_failed_lease_fetch_frees_the_claim() {
-        let cfg = Rc::new(
-            Config::parse(
-                br#"{"redis":{"cluster":"w"},"failureMode":"allow","limits":[
-                {"name":"a","tokenBucket":{"capacity":100,"refill":1,"periodMs":1000},
-                 "lease":{"tokens":3,"ttlMs":500}}]}"#,
-            )
-            .unwrap(),
-        );
+        let cfg = leased_config("allow");
         let mut h = FakeHost::get("/x");
         let mut f = Flow::new(cfg.clone(), test_breaker());
         f.on_request_headers(&mut h, true);
