@@ -172,8 +172,8 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     // 7 limit decisions, of which a's second 429 came from the over-limit
     // cache; k1 take+store, replay, mismatch, k2 take+store, conflict, k3
     // take+release; and an EVAL after the first NOSCRIPT of each script
-    // (the decision and the store) on a fresh Redis.
-    let calls = 6 + 9 + 2;
+    // (the decision, the store, the release) on a fresh Redis.
+    let calls = 6 + 9 + 3;
     let s = latency_count(envoy, calls);
     assert_eq!(
         (
@@ -196,7 +196,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     );
     assert_eq!(s.plain("redis_calls"), calls);
     assert_eq!(s.plain("overlimit_cache_rejected"), 1);
-    assert_eq!(s.plain("redis_script_reloads"), 2);
+    assert_eq!(s.plain("redis_script_reloads"), 3);
     assert_eq!(s.plain("redis_errors"), 0);
     for (stat, want) in [
         ("acquired", 3),

@@ -762,7 +762,7 @@ impl Flow {
                 return;
             }
             Lock::Releasing { token: want, .. } if token == want => {
-                self.on_release_reply(host);
+                self.on_release_reply(host, &reply);
                 return;
             }
             _ => {}
@@ -1163,7 +1163,23 @@ impl Flow {
         };
     }
 
-    fn on_release_reply<H: Host>(&mut self, host: &mut H) {
+    fn on_release_reply<H: Host>(&mut self, host: &mut H, reply: &CalloutReply) {
+        let noscript = reply.status == Some(200)
+            && parse_reply(&reply.body)
+                .ok()
+                .as_ref()
+                .and_then(Reply::error_kind)
+                == Some("NOSCRIPT");
+        if noscript {
+            // Redis lost its scripts since: once more as EVAL (it caches it).
+            if let Some(token) = self.send_release(host, false, true) {
+                if let Lock::Releasing { token: t, .. } = &mut self.lock {
+                    *t = token;
+                }
+                host.count(Counter::ScriptReloads);
+                return;
+            }
+        }
         let held = matches!(self.lock, Lock::Releasing { held: true, .. });
         self.lock = Lock::Finished;
         if held {
@@ -1175,16 +1191,23 @@ impl Flow {
     /// the stream may be ending, so the call is issued as the root context.
     fn release<H: Host>(&mut self, host: &mut H, detached: bool) -> Option<u32> {
         self.lock = Lock::Finished;
-        let keyed = self.keyed.as_ref()?;
-        let args: [&[u8]; 4] = [
-            IDEM_RELEASE.source.as_bytes(),
-            b"1",
-            &keyed.args.key,
-            keyed.args.owner.as_bytes(),
-        ];
-        let body = command_body("EVAL", &args);
-        host.count(Counter::RedisCalls);
+        self.keyed.as_ref()?;
         host.count(Counter::IdemReleased);
+        // EVALSHA when a reply will come back to fall back on after a
+        // NOSCRIPT; a detached release gets no reply, so it carries the script.
+        self.send_release(host, detached, detached)
+    }
+
+    fn send_release<H: Host>(&self, host: &mut H, detached: bool, eval: bool) -> Option<u32> {
+        let keyed = self.keyed.as_ref()?;
+        let script: &[u8] = if eval {
+            IDEM_RELEASE.source.as_bytes()
+        } else {
+            IDEM_RELEASE.sha1.as_bytes()
+        };
+        let args: [&[u8]; 4] = [script, b"1", &keyed.args.key, keyed.args.owner.as_bytes()];
+        let body = command_body(if eval { "EVAL" } else { "EVALSHA" }, &args);
+        host.count(Counter::RedisCalls);
         let sent = if detached {
             host.dispatch_redis_detached(&self.config.redis, &body, self.config.redis.timeout)
         } else {
@@ -2305,7 +2328,16 @@ mod tests {
         ))
     }
 
+    /// The release a response sends (a reply comes back: EVALSHA).
     fn release_call(key: &[u8]) -> String {
+        text(command_body(
+            "EVALSHA",
+            &[IDEM_RELEASE.sha1.as_bytes(), b"1", key, b"owner-1"],
+        ))
+    }
+
+    /// The release a stream's end sends as the root (no reply: EVAL).
+    fn detached_release_call(key: &[u8]) -> String {
         text(command_body(
             "EVAL",
             &[IDEM_RELEASE.source.as_bytes(), b"1", key, b"owner-1"],
@@ -2657,6 +2689,23 @@ mod tests {
     }
 
     #[test]
+    fn a_release_meeting_noscript_is_sent_once_more_as_eval() {
+        let cfg = idem_config("deny");
+        let mut f = Flow::new(cfg.clone(), test_breaker());
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        let key = admitted(&mut f, &mut h, &cfg);
+        h.respond(&[(":status", "500")]);
+        assert_eq!(f.on_response_headers(&mut h, true), Action::Pause);
+        assert_eq!(h.dispatched[1], release_call(&key));
+        f.on_callout_reply(&mut h, 2, ok(b"-NOSCRIPT No matching script.\r\n"));
+        assert_eq!(h.dispatched[2], detached_release_call(&key));
+        assert_eq!(h.response_resumed, 0, "held until the release lands");
+        f.on_callout_reply(&mut h, 3, ok(b":1\r\n"));
+        assert_eq!(h.response_resumed, 1);
+        assert_eq!(count(&h, Counter::IdemReleased), 1);
+    }
+
+    #[test]
     fn a_store_meeting_noscript_is_sent_once_more_as_eval() {
         let cfg = idem_config("deny");
         let mut f = Flow::new(cfg.clone(), test_breaker());
@@ -2812,7 +2861,7 @@ mod tests {
         let mut h = FakeHost::post("/pay", b"abc-123");
         let key = admitted(&mut f, &mut h, &cfg);
         f.on_stream_end(&mut h);
-        assert_eq!(h.detached, [release_call(&key)]);
+        assert_eq!(h.detached, [detached_release_call(&key)]);
         assert_eq!(h.dispatched.len(), 1, "not through dispatch_redis");
         assert_eq!(count(&h, Counter::IdemReleased), 1);
         f.on_stream_end(&mut h);
@@ -2827,7 +2876,7 @@ mod tests {
         h.response_chunks = vec![b"12345".to_vec()];
         assert_eq!(f.on_response_body(&mut h, 5, false), Action::Continue);
         f.on_stream_end(&mut h);
-        assert_eq!(h.detached, [release_call(&key)]);
+        assert_eq!(h.detached, [detached_release_call(&key)]);
         assert_eq!(h.dispatched.len(), 1);
         assert_eq!(count(&h, Counter::IdemReleased), 1);
 
