@@ -2368,6 +2368,15 @@ mod tests {
         key
     }
 
+    /// A keyed POST to /pay whose lock is held: the flow, its host, the key.
+    fn holding(failure: &str) -> (Flow, FakeHost, Vec<u8>) {
+        let cfg = idem_config(failure);
+        let mut f = Flow::new(cfg.clone(), test_breaker());
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        let key = admitted(&mut f, &mut h, &cfg);
+        (f, h, key)
+    }
+
     fn count(h: &FakeHost, c: Counter) -> usize {
         h.counters.iter().filter(|&&x| x == c).count()
     }
@@ -2617,10 +2626,7 @@ mod tests {
 
     #[test]
     fn admitted_response_is_stored_before_its_last_chunk_goes_out() {
-        let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("allow");
         h.respond(&[
             (":status", "200"),
             ("content-length", "12"),
@@ -2690,10 +2696,7 @@ mod tests {
 
     #[test]
     fn a_release_meeting_noscript_is_sent_once_more_as_eval() {
-        let cfg = idem_config("deny");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("deny");
         h.respond(&[(":status", "500")]);
         assert_eq!(f.on_response_headers(&mut h, true), Action::Pause);
         assert_eq!(h.dispatched[1], release_call(&key));
@@ -2707,10 +2710,7 @@ mod tests {
 
     #[test]
     fn a_store_meeting_noscript_is_sent_once_more_as_eval() {
-        let cfg = idem_config("deny");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("deny");
         h.respond(&[(":status", "201")]);
         assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
         h.response_chunks = vec![b"done".to_vec()];
@@ -2773,10 +2773,7 @@ mod tests {
 
     #[test]
     fn a_response_ending_at_its_headers_is_stored_at_once() {
-        let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("allow");
         h.respond(&[(":status", "204")]);
         assert_eq!(f.on_response_headers(&mut h, true), Action::Pause);
         assert_eq!(h.dispatched[1], complete_call(&key, "204", &[], b""));
@@ -2787,10 +2784,7 @@ mod tests {
 
     #[test]
     fn non_storable_status_releases_the_lock_and_continues() {
-        let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("allow");
         h.respond(&[(":status", "503"), ("content-length", "3")]);
         assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
         assert_eq!(h.dispatched.len(), 2);
@@ -2809,10 +2803,7 @@ mod tests {
 
     #[test]
     fn response_over_max_stored_body_is_released_not_stored() {
-        let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("allow");
         h.respond(&[(":status", "200"), ("content-length", "25")]);
         assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
         h.response_chunks = vec![vec![b'a'; 15], vec![b'b'; 6], vec![b'c'; 4]];
@@ -2838,10 +2829,7 @@ mod tests {
 
     #[test]
     fn response_of_exactly_max_stored_body_is_stored() {
-        let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("allow");
         h.respond(&[(":status", "200")]);
         assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
         h.response_chunks = vec![vec![b'a'; 20]];
@@ -2856,10 +2844,7 @@ mod tests {
     #[test]
     fn stream_end_releases_a_held_or_capturing_lock_detached() {
         // Held: the response never started.
-        let cfg = idem_config("allow");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("allow");
         f.on_stream_end(&mut h);
         assert_eq!(h.detached, [detached_release_call(&key)]);
         assert_eq!(h.dispatched.len(), 1, "not through dispatch_redis");
@@ -2868,9 +2853,7 @@ mod tests {
         assert_eq!(h.detached.len(), 1, "released once");
 
         // Capturing: part of the response went out.
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, key) = holding("allow");
         h.respond(&[(":status", "200"), ("content-length", "10")]);
         f.on_response_headers(&mut h, false);
         h.response_chunks = vec![b"12345".to_vec()];
@@ -2881,9 +2864,7 @@ mod tests {
         assert_eq!(count(&h, Counter::IdemReleased), 1);
 
         // Completing: the COMPLETED record is on its way; a release would race it.
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        admitted(&mut f, &mut h, &cfg);
+        let (mut f, mut h, _) = holding("allow");
         h.respond(&[(":status", "200")]);
         f.on_response_headers(&mut h, false);
         h.response_chunks = vec![b"12345".to_vec()];
