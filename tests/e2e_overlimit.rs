@@ -1,8 +1,10 @@
 //! The over-limit cache end to end: once Redis rejects a key until T, the
-//! Envoy that heard it answers 429 itself until T (no Redis call, on any of its
-//! workers), every such answer is one Redis would have given at that moment,
-//! and from T on Redis decides again. Not timed: the checks read Redis' own
-//! clock and state, never the test's.
+//! Envoy that heard it answers 429 itself until T (no Redis call), every such
+//! answer is one Redis would have given at that moment, and from T on Redis
+//! decides again. Not timed: the checks read Redis' own clock and state,
+//! never the test's. (That every worker of the Envoy reads the one entry is
+//! the flow's unit tests' to show: which worker takes a connection is Envoy's
+//! choice.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -60,7 +62,7 @@ fn rejections_are_answered_locally_until_redis_said_and_by_redis_after() {
     let t = refill_at(&stack.redis);
 
     // Every request now gets 429 from e1 itself: each `get` opens a new
-    // connection, so both workers answer (shared data). Each answer is checked
+    // connection, which Envoy gives to either worker. Each answer is checked
     // against Redis right after it: the bucket still cannot admit, so Redis
     // would have rejected it too. Bounded: 40 requests, and only while T is
     // more than a second away.
