@@ -21,25 +21,19 @@ const CONFIG: &str = r#"{"redis":{"cluster":"webdis","timeoutMs":2000},"failureM
              "tokenBucket":{"capacity":1,"refill":1,"periodMs":3000}}]}"#;
 
 /// Redis' clock, ms.
-fn redis_now(redis: &Redis) -> u64 {
-    let (s, us): (u64, u64) = redis::cmd("TIME").query(&mut redis.conn()).unwrap();
-    s * 1000 + us / 1000
+fn redis_now(redis: &Redis) -> i64 {
+    redis_now_ms(&mut redis.conn())
 }
 
 /// When, on Redis' clock, the bucket holds one token again (from its state:
 /// credits `c` at `t`, one token = 3000 credits, one credit per ms).
-fn refill_at(redis: &Redis) -> u64 {
-    let mut keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+fn refill_at(redis: &Redis) -> i64 {
+    let keys: Vec<String> = redis::cmd("KEYS")
         .arg("rg:rl:*")
         .query(&mut redis.conn())
         .unwrap();
     assert_eq!(keys.len(), 1);
-    let (c, t): (u64, u64) = redis::cmd("HMGET")
-        .arg(keys.pop().unwrap())
-        .arg("c")
-        .arg("t")
-        .query(&mut redis.conn())
-        .unwrap();
+    let (c, t) = read_bucket(&mut redis.conn(), &keys[0]).expect("the bucket");
     t + (3000 - c.min(3000))
 }
 

@@ -10,6 +10,8 @@
 
 mod support;
 
+use support::{key_exists as exists, key_pttl as pttl, redis_now_ms as now_ms};
+
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
@@ -226,20 +228,6 @@ fn completed(
         ("s".to_string(), b"C".to_vec()),
         ("st".to_string(), status.to_string().into_bytes()),
     ]
-}
-
-fn exists(con: &mut Connection, key: &str) -> bool {
-    redis::cmd("EXISTS").arg(key).query::<i64>(con).unwrap() == 1
-}
-
-fn pttl(con: &mut Connection, key: &str) -> i64 {
-    redis::cmd("PTTL").arg(key).query(con).unwrap()
-}
-
-/// Redis TIME in ms, computed exactly as the script does.
-fn now_ms(con: &mut Connection) -> i64 {
-    let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
-    s * 1000 + us / 1000
 }
 
 /// Asserts `lo <= v <= hi`.

@@ -20,6 +20,11 @@
 
 mod support;
 
+use support::{
+    hash_fields as hgetall, key_exists as exists, key_pttl as pttl, read_bucket as state,
+    redis_now_ms as now_ms, write_bucket as set_state,
+};
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -176,12 +181,6 @@ fn script_load(con: &mut Connection, source: &str) -> String {
 // ---------------------------------------------------------------------------
 // Reading and writing state directly
 
-/// Redis TIME in ms, computed exactly as the script does.
-fn now_ms(con: &mut Connection) -> i64 {
-    let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
-    s * 1000 + us / 1000
-}
-
 /// Polls Redis TIME until it reads at least `at_ms` (at most 2 s).
 fn wait_until(con: &mut Connection, at_ms: i64) {
     let start = Instant::now();
@@ -194,50 +193,9 @@ fn wait_until(con: &mut Connection, at_ms: i64) {
     }
 }
 
-/// Writes a bucket's state: `credits` (one token = period credits) as of `t_ms`.
-fn set_state(con: &mut Connection, key: &str, credits: i64, t_ms: i64) {
-    redis::cmd("HSET")
-        .arg(key)
-        .arg("c")
-        .arg(credits)
-        .arg("t")
-        .arg(t_ms)
-        .query::<()>(con)
-        .unwrap();
-}
-
-/// The stored `(credits, t)` (HMGET c t), or None if the key is absent.
-fn state(con: &mut Connection, key: &str) -> Option<(i64, i64)> {
-    let v: Vec<Option<i64>> = redis::cmd("HMGET")
-        .arg(key)
-        .arg("c")
-        .arg("t")
-        .query(con)
-        .unwrap();
-    match (v[0], v[1]) {
-        (Some(c), Some(t)) => Some((c, t)),
-        (None, None) => None,
-        other => panic!("half-written bucket {key}: {other:?}"),
-    }
-}
-
-fn hgetall(con: &mut Connection, key: &str) -> Vec<(String, String)> {
-    let mut v: Vec<(String, String)> = redis::cmd("HGETALL").arg(key).query(con).unwrap();
-    v.sort();
-    v
-}
-
-fn exists(con: &mut Connection, key: &str) -> bool {
-    redis::cmd("EXISTS").arg(key).query::<i64>(con).unwrap() == 1
-}
-
 /// Absolute expiry in unix ms: -1 without a TTL, -2 without the key.
 fn pexpiretime(con: &mut Connection, key: &str) -> i64 {
     redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap()
-}
-
-fn pttl(con: &mut Connection, key: &str) -> i64 {
-    redis::cmd("PTTL").arg(key).query(con).unwrap()
 }
 
 // ---------------------------------------------------------------------------

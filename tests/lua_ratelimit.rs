@@ -12,6 +12,11 @@
 
 mod support;
 
+use support::{
+    hash_fields as hgetall, key_exists as exists, key_pttl as pttl, read_bucket as bucket,
+    redis_now_ms as now_ms, write_bucket as set_bucket,
+};
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -201,45 +206,6 @@ fn eval_raw(
 // ---------------------------------------------------------------------------
 // Reading and writing state directly
 
-/// Redis TIME in ms, computed exactly as the script does.
-fn now_ms(con: &mut Connection) -> i64 {
-    let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
-    s * 1000 + us / 1000
-}
-
-/// Writes a token bucket's state: `credits` (one token = period credits) as of `t_ms`.
-fn set_bucket(con: &mut Connection, key: &str, credits: i64, t_ms: i64) {
-    redis::cmd("HSET")
-        .arg(key)
-        .arg("c")
-        .arg(credits)
-        .arg("t")
-        .arg(t_ms)
-        .query::<()>(con)
-        .unwrap();
-}
-
-/// A token bucket's stored `(credits, t)`, or `None` if the key is absent.
-fn bucket(con: &mut Connection, key: &str) -> Option<(i64, i64)> {
-    let v: Vec<Option<i64>> = redis::cmd("HMGET")
-        .arg(key)
-        .arg("c")
-        .arg("t")
-        .query(con)
-        .unwrap();
-    match (v[0], v[1]) {
-        (Some(c), Some(t)) => Some((c, t)),
-        (None, None) => None,
-        other => panic!("half-written bucket {key}: {other:?}"),
-    }
-}
-
-fn hgetall(con: &mut Connection, key: &str) -> Vec<(String, String)> {
-    let mut v: Vec<(String, String)> = redis::cmd("HGETALL").arg(key).query(con).unwrap();
-    v.sort();
-    v
-}
-
 fn zadd(con: &mut Connection, key: &str, score: i64, member: &str) {
     redis::cmd("ZADD")
         .arg(key)
@@ -263,14 +229,6 @@ fn members(con: &mut Connection, key: &str) -> Vec<(String, i64)> {
 
 fn zcard(con: &mut Connection, key: &str) -> i64 {
     redis::cmd("ZCARD").arg(key).query(con).unwrap()
-}
-
-fn exists(con: &mut Connection, key: &str) -> bool {
-    redis::cmd("EXISTS").arg(key).query::<i64>(con).unwrap() == 1
-}
-
-fn pttl(con: &mut Connection, key: &str) -> i64 {
-    redis::cmd("PTTL").arg(key).query(con).unwrap()
 }
 
 /// Asserts `lo <= v <= hi`.

@@ -593,3 +593,54 @@ pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8
     let status = status_line.split(' ').nth(1).unwrap().parse().unwrap();
     (status, out[head_end + 4..].to_vec())
 }
+
+// ---------------------------------------------------------------------------
+// Redis state, read and written directly by the script tests.
+
+/// Redis TIME in ms, computed exactly as the scripts do.
+pub fn redis_now_ms(con: &mut redis::Connection) -> i64 {
+    let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
+    s * 1000 + us / 1000
+}
+
+pub fn key_exists(con: &mut redis::Connection, key: &str) -> bool {
+    redis::cmd("EXISTS").arg(key).query::<i64>(con).unwrap() == 1
+}
+
+pub fn key_pttl(con: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(con).unwrap()
+}
+
+/// A hash's fields, sorted.
+pub fn hash_fields(con: &mut redis::Connection, key: &str) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = redis::cmd("HGETALL").arg(key).query(con).unwrap();
+    v.sort();
+    v
+}
+
+/// Writes a token bucket's state: `credits` (one token = period credits) as of `t_ms`.
+pub fn write_bucket(con: &mut redis::Connection, key: &str, credits: i64, t_ms: i64) {
+    redis::cmd("HSET")
+        .arg(key)
+        .arg("c")
+        .arg(credits)
+        .arg("t")
+        .arg(t_ms)
+        .query::<()>(con)
+        .unwrap();
+}
+
+/// A token bucket's stored `(credits, t)`, or `None` if the key is absent.
+pub fn read_bucket(con: &mut redis::Connection, key: &str) -> Option<(i64, i64)> {
+    let v: Vec<Option<i64>> = redis::cmd("HMGET")
+        .arg(key)
+        .arg("c")
+        .arg("t")
+        .query(con)
+        .unwrap();
+    match (v[0], v[1]) {
+        (Some(c), Some(t)) => Some((c, t)),
+        (None, None) => None,
+        other => panic!("half-written bucket {key}: {other:?}"),
+    }
+}
