@@ -838,16 +838,21 @@ fn idempotency_holds_over_the_cluster() {
     stack.assert_clean();
 }
 
+/// One sliding window of `limit` per tenant, ten minutes long.
+fn window_per_tenant(limit: usize) -> String {
+    config(
+        &format!(
+            r#"[{{"name":"w","descriptor":[{{"header":"x-tenant"}}],
+                 "slidingWindow":{{"limit":{limit},"windowMs":600000}}}}]"#
+        ),
+        "[]",
+    )
+}
+
 #[test]
 fn noscript_is_handled_per_node() {
     const LIMIT: usize = 6;
-    let cfg = config(
-        &format!(
-            r#"[{{"name":"w","descriptor":[{{"header":"x-tenant"}}],
-                 "slidingWindow":{{"limit":{LIMIT},"windowMs":600000}}}}]"#
-        ),
-        "[]",
-    );
+    let cfg = window_per_tenant(LIMIT);
     let stack = ClusterStack::start(&cfg);
     let tenants = tenants(12);
     placement(&stack.cluster, &tenants);
@@ -1023,13 +1028,7 @@ fn calls_with_several_keys_never_cross_slots() {
 #[test]
 fn a_tenant_whose_slot_moves_to_another_master_keeps_its_exact_budget() {
     const LIMIT: usize = 6;
-    let cfg = config(
-        &format!(
-            r#"[{{"name":"w","descriptor":[{{"header":"x-tenant"}}],
-                 "slidingWindow":{{"limit":{LIMIT},"windowMs":600000}}}}]"#
-        ),
-        "[]",
-    );
+    let cfg = window_per_tenant(LIMIT);
     let mut stack = ClusterStack::start(&cfg);
     let t = "tenant-moving";
     let slot = stack.cluster.slot_of(format!("{{{}}}", tag(t)).as_bytes());

@@ -73,6 +73,16 @@ fn acquire(con: &mut Connection, key: &'static str, owner: &str, lock_ms: i64) {
     );
 }
 
+/// Takes the free key for "owner-a" and completes it with a 201, `HEADERS`
+/// and `BINARY_BODY` for a day, asserting both steps.
+fn complete_as_owner_a(con: &mut Connection, key: &'static str) {
+    acquire(con, key, "owner-a", MINUTE);
+    assert_eq!(
+        complete(con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
+        1
+    );
+}
+
 /// The main script's reply, by verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Reply {
@@ -318,11 +328,7 @@ fn completed_key_with_another_fingerprint_is_a_mismatch() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    acquire(&mut con, key, "owner-a", MINUTE);
-    assert_eq!(
-        complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
-        1
-    );
+    complete_as_owner_a(&mut con, key);
 
     assert_eq!(
         request(&mut con, &[], &idem(key, "owner-b", "fp-2", MINUTE)),
@@ -493,11 +499,7 @@ fn a_completed_record_cannot_be_completed_again() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    acquire(&mut con, key, "owner-a", MINUTE);
-    assert_eq!(
-        complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
-        1
-    );
+    complete_as_owner_a(&mut con, key);
     assert_eq!(
         complete(&mut con, key, "owner-a", 500, b"", b"second", 1_000),
         0
@@ -545,11 +547,7 @@ fn a_completed_record_cannot_be_released() {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let key = "t:{x}:idem:k1";
-    acquire(&mut con, key, "owner-a", MINUTE);
-    assert_eq!(
-        complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
-        1
-    );
+    complete_as_owner_a(&mut con, key);
 
     assert_eq!(release(&mut con, key, "owner-a"), 0);
     assert_eq!(

@@ -2368,6 +2368,15 @@ mod tests {
         key
     }
 
+    /// A keyed POST to /pay (no body) whose decision (token 1) is in flight.
+    fn keyed_in_flight(failure: &str) -> (Flow, FakeHost) {
+        let mut f = idem_flow(failure);
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+        assert_eq!(h.dispatched.len(), 1);
+        (f, h)
+    }
+
     /// A keyed POST to /pay whose lock is held: the flow, its host, the key.
     fn holding(failure: &str) -> (Flow, FakeHost, Vec<u8>) {
         let cfg = idem_config(failure);
@@ -2552,9 +2561,7 @@ mod tests {
 
     #[test]
     fn busy_key_is_409_with_retry_after_and_not_resumed() {
-        let mut f = idem_flow("allow");
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = keyed_in_flight("allow");
         f.on_callout_reply(&mut h, 1, ok(b"*2\r\n$1\r\n2\r\n$4\r\n2900\r\n"));
         assert_eq!(h.resumed, 0);
         assert_eq!(h.sent.len(), 1);
@@ -2572,9 +2579,7 @@ mod tests {
 
     #[test]
     fn fingerprint_mismatch_is_422_and_not_resumed() {
-        let mut f = idem_flow("allow");
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = keyed_in_flight("allow");
         f.on_callout_reply(&mut h, 1, ok(b"*1\r\n$1\r\n4\r\n"));
         assert_eq!(h.resumed, 0);
         assert_eq!(h.sent.len(), 1);
@@ -2586,9 +2591,7 @@ mod tests {
 
     #[test]
     fn completed_key_replays_status_headers_and_exact_body() {
-        let mut f = idem_flow("allow");
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = keyed_in_flight("allow");
         let stored = encode_headers(&[
             ("content-type".to_string(), b"application/json".to_vec()),
             ("location".to_string(), b"/pay/7".to_vec()),
@@ -2615,9 +2618,7 @@ mod tests {
 
     #[test]
     fn unreadable_stored_headers_are_503_never_a_rerun() {
-        let mut f = idem_flow("allow");
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = keyed_in_flight("allow");
         f.on_callout_reply(&mut h, 1, ok(&resp(&[b"3", b"200", b"9:trunc", b"x"])));
         assert_eq!(h.resumed, 0, "failure mode allow does not apply");
         assert_eq!(h.sent.len(), 1);
@@ -2910,9 +2911,7 @@ mod tests {
         };
         // allow: forwarded without the guarantee. The timed-out script may
         // have taken the lock: it is released (owner-checked) at once.
-        let mut f = idem_flow("allow");
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = keyed_in_flight("allow");
         f.on_callout_reply(&mut h, 1, failed());
         assert_eq!(h.resumed, 1);
         assert!(h.sent.is_empty());
@@ -2932,9 +2931,7 @@ mod tests {
         assert_eq!(h.detached.len(), 1, "released once");
 
         // deny: 503, not forwarded; the possible lock is released too.
-        let mut f = idem_flow("deny");
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = keyed_in_flight("deny");
         f.on_callout_reply(&mut h, 1, failed());
         assert_eq!(h.resumed, 0);
         assert_eq!(h.sent.len(), 1);
@@ -2962,9 +2959,7 @@ mod tests {
 
     #[test]
     fn a_webdis_503_retry_keeps_the_same_owner() {
-        let mut f = idem_flow("deny");
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        f.on_request_headers(&mut h, true);
+        let (mut f, mut h) = keyed_in_flight("deny");
         f.on_callout_reply(
             &mut h,
             1,
