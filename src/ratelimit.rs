@@ -3,6 +3,7 @@
 
 use crate::config::{Algorithm, Config, Cost, FailureMode};
 use crate::keys;
+use crate::offload::ObjectRef;
 use crate::request::{RequestLine, RequestView};
 use crate::webdis::Reply;
 
@@ -197,6 +198,8 @@ pub enum Verdict {
         status: u32,
         headers: Vec<u8>,
         body: Vec<u8>,
+        /// The body is in the object store (`body` is empty).
+        object: Option<ObjectRef>,
     },
     /// The key was used with another request.
     Mismatch,
@@ -221,16 +224,36 @@ pub fn parse_verdict(reply: &Reply, n: usize) -> Result<Verdict, String> {
                 pttl_ms: pttl.unsigned_abs(),
             })
         }
-        (Some(3), 4) => {
+        (Some(3), len @ (4 | 7)) => {
             let status = items[1]
                 .as_int()
                 .and_then(|s| u32::try_from(s).ok())
                 .filter(|s| (100..600).contains(s))
                 .ok_or("bad stored status")?;
+            let object = if len == 7 {
+                let key = String::from_utf8(bulk(4)?).map_err(|_| "object key is not UTF-8")?;
+                let sha256 =
+                    String::from_utf8(bulk(5)?).map_err(|_| "object checksum is not UTF-8")?;
+                let size = items[6]
+                    .as_int()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or("bad object length")?;
+                if key.is_empty() || sha256.len() != 64 {
+                    return Err("bad object reference".to_string());
+                }
+                Some(ObjectRef {
+                    key,
+                    sha256,
+                    len: size,
+                })
+            } else {
+                None
+            };
             Ok(Verdict::Replay {
                 status,
                 headers: bulk(2)?,
                 body: bulk(3)?,
+                object,
             })
         }
         (Some(4), 1) => Ok(Verdict::Mismatch),
@@ -470,9 +493,44 @@ mod tests {
             Verdict::Replay {
                 status: 201,
                 headers: b"2:ab1:c".to_vec(),
-                body: b"\x00\r\n".to_vec()
+                body: b"\x00\r\n".to_vec(),
+                object: None,
             }
         );
+        let sha = "ab".repeat(32);
+        let offloaded = |key: &[u8], sha: &str, len: &[u8]| {
+            arr(vec![
+                bulk(b"3"),
+                bulk(b"200"),
+                bulk(b"12:content-type4:text"),
+                bulk(b""),
+                bulk(key),
+                bulk(sha.as_bytes()),
+                bulk(len),
+            ])
+        };
+        assert_eq!(
+            parse_verdict(&offloaded(b"rg/pay/x", &sha, b"1048576"), 0).unwrap(),
+            Verdict::Replay {
+                status: 200,
+                headers: b"12:content-type4:text".to_vec(),
+                body: Vec::new(),
+                object: Some(ObjectRef {
+                    key: "rg/pay/x".into(),
+                    sha256: sha.clone(),
+                    len: 1 << 20,
+                }),
+            }
+        );
+        for bad in [
+            offloaded(b"", &sha, b"1"),
+            offloaded(b"k", "abc", b"1"),
+            offloaded(b"k", &sha, b"-1"),
+            offloaded(b"k", &sha, b"x"),
+            offloaded(b"\xff", &sha, b"1"),
+        ] {
+            assert!(parse_verdict(&bad, 0).is_err(), "{bad:?}");
+        }
         assert_eq!(
             parse_verdict(&arr(vec![bulk(b"4")]), 0).unwrap(),
             Verdict::Mismatch

@@ -102,6 +102,44 @@ pub fn payload_too_large(max: usize) -> LocalReply {
     )
 }
 
+/// 502: the key completed, but its stored body is gone from the object store
+/// (deleted, or removed by a lifecycle rule shorter than the record). The
+/// request already ran: it is not run again, and retries get this until the
+/// record expires.
+pub fn stored_response_missing() -> LocalReply {
+    problem_reply(
+        502,
+        "Bad Gateway",
+        "the stored response for this idempotency key is missing from the object store; the request was executed and is not run again",
+        json!({ "storedResponse": "missing" }),
+    )
+}
+
+/// 502: the object store returned bytes that are not the stored body.
+pub fn stored_response_corrupt() -> LocalReply {
+    problem_reply(
+        502,
+        "Bad Gateway",
+        "the stored response for this idempotency key failed its checksum; the request was executed and is not run again",
+        json!({ "storedResponse": "corrupt" }),
+    )
+}
+
+/// 503: the stored body could not be fetched now (store unreachable, slow,
+/// or refusing the filter's signature); a retry may get the replay.
+pub fn stored_response_unavailable() -> LocalReply {
+    let mut reply = problem_reply(
+        503,
+        "Service Unavailable",
+        "the stored response for this idempotency key cannot be fetched from the object store now; the request was executed and is not run again",
+        json!({ "storedResponse": "unavailable", "retryAfter": 1 }),
+    );
+    reply
+        .headers
+        .push(("retry-after".to_string(), "1".to_string()));
+    reply
+}
+
 /// Fail-closed answer when Redis cannot decide.
 pub fn unavailable(detail: &str) -> LocalReply {
     problem_reply(503, "Service Unavailable", detail, json!({}))

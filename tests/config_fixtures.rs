@@ -11,8 +11,12 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use redis_guard::config::Config;
+use redis_guard::config::{
+    Config, ConfigError, DEFAULT_OBJECT_KEY_PREFIX, DEFAULT_OBJECT_TIMEOUT_MS, MAX_OFFLOADED_BODY,
+};
+use serde_json::{json, Value};
 
 /// (fixture file in `bad/`, expected `ConfigError::field`, substring of `reason`).
 /// An empty field means the error is about the document as a whole.
@@ -577,13 +581,147 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "idempotency_max_stored_body_too_large.json",
         "idempotency[0].maxStoredBodyBytes",
-        "at most 8388608",
+        "at most 8388608: larger responses do not belong in Redis (set offloadAboveBytes",
     ),
     // idempotency: failureMode.
     (
         "idempotency_failure_mode_unknown.json",
         "idempotency[0].failureMode",
         "unknown variant `closed`, expected one of `allow`, `deny`, `local`",
+    ), // objectStore: shape.
+    (
+        "object_store_unknown_field.json",
+        "objectStore.endpoint",
+        "unknown field `endpoint`",
+    ),
+    (
+        "object_store_cluster_missing.json",
+        "objectStore",
+        "missing field `cluster`",
+    ),
+    (
+        "object_store_credentials_missing.json",
+        "objectStore",
+        "missing field `credentials`",
+    ),
+    (
+        "object_store_credentials_unknown_field.json",
+        "objectStore.credentials.secretKey",
+        "unknown field `secretKey`",
+    ),
+    // objectStore: where requests go.
+    (
+        "object_store_cluster_space.json",
+        "objectStore.cluster",
+        "printable ASCII, no spaces",
+    ),
+    (
+        "object_store_authority_slash.json",
+        "objectStore.authority",
+        "without spaces or '/'",
+    ),
+    (
+        "object_store_bucket_too_short.json",
+        "objectStore.bucket",
+        "must be 3 to 63 of a-z 0-9 . - starting and ending with a letter or digit",
+    ),
+    (
+        "object_store_bucket_upper_case.json",
+        "objectStore.bucket",
+        "must be 3 to 63 of a-z 0-9 . -",
+    ),
+    (
+        "object_store_bucket_leading_dash.json",
+        "objectStore.bucket",
+        "starting and ending with a letter or digit",
+    ),
+    (
+        "object_store_bucket_underscore.json",
+        "objectStore.bucket",
+        "must be 3 to 63 of a-z 0-9 . -",
+    ),
+    (
+        "object_store_region_empty.json",
+        "objectStore.region",
+        "a region name such as us-east-1 (a-z 0-9 -)",
+    ),
+    (
+        "object_store_region_upper_case.json",
+        "objectStore.region",
+        "a region name such as us-east-1 (a-z 0-9 -)",
+    ),
+    (
+        "object_store_key_prefix_leading_slash.json",
+        "objectStore.keyPrefix",
+        "not starting with '/'",
+    ),
+    (
+        "object_store_key_prefix_space.json",
+        "objectStore.keyPrefix",
+        "printable ASCII characters without spaces",
+    ),
+    (
+        "object_store_key_prefix_too_long.json",
+        "objectStore.keyPrefix",
+        "at most 256",
+    ),
+    (
+        "object_store_timeout_zero.json",
+        "objectStore.timeoutMs",
+        "between 1 and 300000",
+    ),
+    (
+        "object_store_timeout_too_large.json",
+        "objectStore.timeoutMs",
+        "between 1 and 300000",
+    ),
+    // objectStore: credentials (fromEnvironment reads the process environment:
+    // see the parse_with_env tests below).
+    (
+        "object_store_credentials_environment_and_static.json",
+        "objectStore.credentials",
+        "set either fromEnvironment or accessKeyId/secretAccessKey, not both",
+    ),
+    (
+        "object_store_credentials_access_key_missing.json",
+        "objectStore.credentials.accessKeyId",
+        "is required (or set fromEnvironment: true)",
+    ),
+    (
+        "object_store_credentials_secret_missing.json",
+        "objectStore.credentials.secretAccessKey",
+        "is required with accessKeyId",
+    ),
+    (
+        "object_store_credentials_access_key_space.json",
+        "objectStore.credentials.accessKeyId",
+        "printable ASCII without spaces",
+    ),
+    (
+        "object_store_credentials_session_token_space.json",
+        "objectStore.credentials.sessionToken",
+        "printable ASCII without spaces",
+    ),
+    // idempotency: offloadAboveBytes.
+    (
+        "idempotency_offload_without_object_store.json",
+        "idempotency[0].offloadAboveBytes",
+        "needs a top-level objectStore",
+    ),
+    (
+        "idempotency_offload_not_below_max_stored.json",
+        "idempotency[0].offloadAboveBytes",
+        "must be below maxStoredBodyBytes (8388608)",
+    ),
+    (
+        "idempotency_offload_above_too_large.json",
+        "idempotency[0].offloadAboveBytes",
+        "at most 8388608: bodies up to it are kept in Redis",
+    ),
+    (
+        "idempotency_offload_max_stored_too_large.json",
+        "idempotency[0].maxStoredBodyBytes",
+        "at most 67108864: the filter holds a body this large in memory",
     ),
 ];
 
@@ -674,10 +812,16 @@ fn good_fixtures_parse() {
             problems.push(format!("good/{name}: {e}"));
         }
     }
-    // The demo config shipped with the Envoy setup, read where it lives.
+    // The demo config shipped with the Envoy setup, read where it lives. It
+    // takes object-store credentials from the environment the demo and
+    // compose give Envoy: here, a fake one.
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/filter.json");
     let bytes = fs::read(&demo).unwrap_or_else(|e| panic!("reading {}: {e}", demo.display()));
-    if let Err(e) = Config::parse(&bytes) {
+    let env = |name: &str| {
+        matches!(name, "AWS_ACCESS_KEY_ID" | "AWS_SECRET_ACCESS_KEY")
+            .then(|| "AKIDDEMO".to_string())
+    };
+    if let Err(e) = Config::parse_with_env(&bytes, &env) {
         problems.push(format!("envoy/filter.json: {e}"));
     }
     fail_if_any(&problems);
@@ -693,4 +837,399 @@ fn the_readme_configuration_example_parses() {
     let config = Config::parse(&section.as_bytes()[start..end]);
     assert!(config.is_ok(), "README example: {:?}", config.err());
     assert_eq!(config.unwrap().limits.len(), 2);
+}
+
+// ---------------------------------------------------------------------------
+// objectStore and offloadAboveBytes: compiled values, credentials from the
+// environment (given to `parse_with_env`, never the test process's own), and
+// secrets kept out of errors and debug output.
+
+/// Room `max_reply_body` leaves beside the largest stored body.
+const REPLY_SLACK: usize = 256 << 10;
+
+#[test]
+fn object_store_offload_fixture_compiles_every_field() {
+    let config = Config::parse(&read_fixture("good", "object_store_offload.json")).unwrap();
+    let store = config.object_store.clone().expect("objectStore compiled");
+    assert_eq!(store.cluster, "outbound|443||s3.eu-west-1.amazonaws.com");
+    assert_eq!(store.authority, "s3.eu-west-1.amazonaws.com");
+    assert_eq!(store.bucket, "acme.redis-guard-bodies-01");
+    assert_eq!(store.region, "eu-west-1");
+    assert_eq!(store.key_prefix, "prod/idempotency/");
+    assert_eq!(store.timeout, Duration::from_millis(300_000));
+    assert_eq!(store.credentials.access_key_id, "AKIAIOSFODNN7EXAMPLE");
+    assert_eq!(
+        store.credentials.secret_access_key,
+        "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    );
+    assert_eq!(
+        store.credentials.session_token.as_deref(),
+        Some("FwoGZXIvYXdzEXAMPLE/sessiontoken+/=")
+    );
+    let rules: Vec<(&str, Option<usize>, usize)> = config
+        .idempotency
+        .iter()
+        .map(|r| (r.name.as_str(), r.offload_above, r.max_stored_body))
+        .collect();
+    assert_eq!(
+        rules,
+        [
+            ("payments", Some(8 << 20), 64 << 20),
+            ("orders", Some(0), 1 << 20),
+            ("small", None, 8 << 20),
+        ]
+    );
+    assert_eq!(MAX_OFFLOADED_BODY, 64 << 20);
+    // The largest maxStoredBodyBytes of any rule, whichever rule it is in.
+    assert_eq!(config.max_reply_body(), (64 << 20) + REPLY_SLACK);
+}
+
+#[test]
+fn object_store_defaults_fixture_fills_in_defaults() {
+    let config = Config::parse(&read_fixture("good", "object_store_defaults.json")).unwrap();
+    let store = config.object_store.clone().expect("objectStore compiled");
+    assert_eq!(store.cluster, "minio");
+    assert_eq!(
+        store.authority, "minio",
+        "authority defaults to the cluster"
+    );
+    assert_eq!(store.key_prefix, "redis-guard/");
+    assert_eq!(store.key_prefix, DEFAULT_OBJECT_KEY_PREFIX);
+    assert_eq!(store.timeout, Duration::from_millis(5000));
+    assert_eq!(DEFAULT_OBJECT_TIMEOUT_MS, 5000);
+    assert_eq!(store.credentials.access_key_id, "minioadmin");
+    assert_eq!(store.credentials.secret_access_key, "minioadmin");
+    assert_eq!(store.credentials.session_token, None);
+    let rule = &config.idempotency[0];
+    assert_eq!(rule.offload_above, Some(32768));
+    assert_eq!(rule.max_stored_body, 64 << 10, "default maxStoredBodyBytes");
+    assert_eq!(config.max_reply_body(), (64 << 10) + REPLY_SLACK);
+
+    // Without idempotency rules there is no stored body to read.
+    let minimal = Config::parse(&read_fixture("good", "minimal.json")).unwrap();
+    assert_eq!(minimal.object_store, None);
+    assert_eq!(minimal.max_reply_body(), REPLY_SLACK);
+}
+
+/// `good/object_store_defaults.json` with its credentials replaced.
+fn with_credentials(credentials: Value) -> Value {
+    let mut doc: Value =
+        serde_json::from_slice(&read_fixture("good", "object_store_defaults.json")).unwrap();
+    doc["objectStore"]["credentials"] = credentials;
+    doc
+}
+
+/// Parses `doc` with `env` as the whole environment.
+fn parse_with_env(doc: &Value, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    let lookup = |name: &str| {
+        env.iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| (*v).to_string())
+    };
+    Config::parse_with_env(&serde_json::to_vec(doc).unwrap(), &lookup)
+}
+
+#[test]
+fn credentials_from_environment_fail_naming_the_missing_variable() {
+    let doc = with_credentials(json!({"fromEnvironment": true}));
+    let no_key_id: &[&[(&str, &str)]] = &[
+        &[],
+        &[("AWS_SECRET_ACCESS_KEY", "secret")],
+        &[
+            ("AWS_SESSION_TOKEN", "token"),
+            ("AWS_SECRET_ACCESS_KEY", "secret"),
+        ],
+        // Set but empty counts as unset.
+        &[
+            ("AWS_ACCESS_KEY_ID", ""),
+            ("AWS_SECRET_ACCESS_KEY", "secret"),
+        ],
+    ];
+    for env in no_key_id {
+        let e = parse_with_env(&doc, env).expect_err("no AWS_ACCESS_KEY_ID");
+        assert_eq!(
+            e.field, "objectStore.credentials.fromEnvironment",
+            "{env:?}: {e}"
+        );
+        assert!(e.reason.contains("AWS_ACCESS_KEY_ID"), "{env:?}: {e}");
+    }
+    for env in [
+        &[("AWS_ACCESS_KEY_ID", "AKIAIOSFODNN7EXAMPLE")][..],
+        &[
+            ("AWS_ACCESS_KEY_ID", "AKIAIOSFODNN7EXAMPLE"),
+            ("AWS_SECRET_ACCESS_KEY", ""),
+        ][..],
+    ] {
+        let e = parse_with_env(&doc, env).expect_err("no AWS_SECRET_ACCESS_KEY");
+        assert_eq!(
+            e.field, "objectStore.credentials.fromEnvironment",
+            "{env:?}: {e}"
+        );
+        assert!(e.reason.contains("AWS_SECRET_ACCESS_KEY"), "{env:?}: {e}");
+    }
+}
+
+#[test]
+fn credentials_from_environment_land_in_the_config() {
+    let doc = with_credentials(json!({"fromEnvironment": true}));
+    let credentials = |env: &[(&str, &str)]| {
+        let config = parse_with_env(&doc, env).unwrap_or_else(|e| panic!("{env:?}: {e}"));
+        config.object_store.unwrap().credentials
+    };
+
+    let c = credentials(&[
+        ("AWS_ACCESS_KEY_ID", "ASIAENVEXAMPLE"),
+        ("AWS_SECRET_ACCESS_KEY", "env/secret+key"),
+        ("AWS_SESSION_TOKEN", "env-session-token"),
+    ]);
+    assert_eq!(c.access_key_id, "ASIAENVEXAMPLE");
+    assert_eq!(c.secret_access_key, "env/secret+key");
+    assert_eq!(c.session_token.as_deref(), Some("env-session-token"));
+
+    // The session token is optional; empty counts as unset.
+    for token in [None, Some("")] {
+        let mut env = vec![
+            ("AWS_ACCESS_KEY_ID", "AKIAENVEXAMPLE"),
+            ("AWS_SECRET_ACCESS_KEY", "env-secret"),
+        ];
+        env.extend(token.map(|t| ("AWS_SESSION_TOKEN", t)));
+        let c = credentials(&env);
+        assert_eq!(c.access_key_id, "AKIAENVEXAMPLE");
+        assert_eq!(c.secret_access_key, "env-secret");
+        assert_eq!(c.session_token, None, "AWS_SESSION_TOKEN {token:?}");
+    }
+
+    // Static credentials (fromEnvironment false or absent) ignore the environment.
+    let env = [
+        ("AWS_ACCESS_KEY_ID", "ASIAENVEXAMPLE"),
+        ("AWS_SECRET_ACCESS_KEY", "env/secret+key"),
+        ("AWS_SESSION_TOKEN", "env-session-token"),
+    ];
+    for from_environment in [json!(false), Value::Null] {
+        let mut creds = json!({"accessKeyId": "AKIASTATIC", "secretAccessKey": "static"});
+        if !from_environment.is_null() {
+            creds["fromEnvironment"] = from_environment;
+        }
+        let config = parse_with_env(&with_credentials(creds), &env).unwrap();
+        let c = config.object_store.unwrap().credentials;
+        assert_eq!(c.access_key_id, "AKIASTATIC");
+        assert_eq!(c.secret_access_key, "static");
+        assert_eq!(c.session_token, None);
+    }
+}
+
+/// Part of every secret below; it must never be shown.
+const NEVER: &str = "NEVER-LOG-ME";
+const SECRET: &str = "wJalrXUtnFEMI-NEVER-LOG-ME";
+const TOKEN: &str = "FwoGZXIvYXdzEXAMPLE-NEVER-LOG-ME-TOKEN";
+/// The access key id is not secret: it is in every Authorization header.
+const KEY_ID: &str = "AKIAIOSFODNN7EXAMPLE";
+
+/// (what, config, environment).
+type Case<'a> = (&'a str, Value, &'a [(&'a str, &'a str)]);
+
+#[test]
+fn no_error_or_debug_output_contains_a_secret() {
+    let long = SECRET.repeat(200);
+    let static_creds =
+        json!({"accessKeyId": KEY_ID, "secretAccessKey": SECRET, "sessionToken": TOKEN});
+    let full_env: &[(&str, &str)] = &[
+        ("AWS_ACCESS_KEY_ID", KEY_ID),
+        ("AWS_SECRET_ACCESS_KEY", SECRET),
+        ("AWS_SESSION_TOKEN", TOKEN),
+    ];
+    let from_env = json!({"fromEnvironment": true});
+
+    // Accepted: the compiled config's debug form redacts the secret and token.
+    let accepted: Vec<Case> = vec![
+        ("static", with_credentials(static_creds.clone()), &[]),
+        ("environment", with_credentials(from_env.clone()), full_env),
+    ];
+    let mut problems = Vec::new();
+    for (what, doc, env) in &accepted {
+        match parse_with_env(doc, env) {
+            Err(e) => problems.push(format!("{what}: rejected: {e}")),
+            Ok(config) => {
+                let store = config.object_store.as_ref().unwrap();
+                assert_eq!(store.credentials.secret_access_key, SECRET);
+                assert_eq!(store.credentials.session_token.as_deref(), Some(TOKEN));
+                let shown = format!("{config:?}\n{config:#?}\n{:?}", store.credentials);
+                if shown.contains(NEVER) {
+                    problems.push(format!("{what}: Debug shows a secret"));
+                }
+                // The access key id may be shown.
+                if !shown.contains(KEY_ID) {
+                    problems.push(format!("{what}: Debug hides the access key id"));
+                }
+            }
+        }
+    }
+
+    // Rejected: neither the field, the reason, Display nor Debug carries it.
+    let rejected: Vec<Case> = vec![
+        (
+            "secret with a space",
+            with_credentials(
+                json!({"accessKeyId": KEY_ID, "secretAccessKey": format!("{SECRET} x")}),
+            ),
+            &[],
+        ),
+        (
+            "secret with a newline",
+            with_credentials(
+                json!({"accessKeyId": KEY_ID, "secretAccessKey": format!("{SECRET}\n")}),
+            ),
+            &[],
+        ),
+        (
+            "secret too long",
+            with_credentials(json!({"accessKeyId": KEY_ID, "secretAccessKey": long})),
+            &[],
+        ),
+        (
+            "secret without accessKeyId",
+            with_credentials(json!({"secretAccessKey": SECRET, "sessionToken": TOKEN})),
+            &[],
+        ),
+        (
+            "secret with fromEnvironment",
+            with_credentials(json!({"fromEnvironment": true, "secretAccessKey": SECRET})),
+            full_env,
+        ),
+        (
+            "token with a space",
+            with_credentials(
+                json!({"accessKeyId": KEY_ID, "secretAccessKey": SECRET, "sessionToken": format!("{TOKEN} x")}),
+            ),
+            &[],
+        ),
+        (
+            "secret under a misspelled name",
+            with_credentials(json!({"accessKeyId": KEY_ID, "secretKey": SECRET})),
+            &[],
+        ),
+        (
+            "valid credentials, bad bucket",
+            {
+                let mut doc = with_credentials(static_creds.clone());
+                doc["objectStore"]["bucket"] = json!("Bodies");
+                doc
+            },
+            &[],
+        ),
+        (
+            "valid credentials, later error",
+            {
+                let mut doc = with_credentials(static_creds.clone());
+                doc["keyPrefix"] = json!("r g");
+                doc
+            },
+            &[],
+        ),
+        (
+            "valid credentials, offload rule error",
+            {
+                let mut doc = with_credentials(static_creds.clone());
+                doc["idempotency"][0]["offloadAboveBytes"] = json!(1 << 20);
+                doc
+            },
+            &[],
+        ),
+        (
+            "environment secret with a space",
+            with_credentials(from_env.clone()),
+            &[
+                ("AWS_ACCESS_KEY_ID", KEY_ID),
+                ("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI-NEVER-LOG-ME x"),
+            ],
+        ),
+        (
+            "environment token with a space",
+            with_credentials(from_env.clone()),
+            &[
+                ("AWS_ACCESS_KEY_ID", KEY_ID),
+                ("AWS_SECRET_ACCESS_KEY", SECRET),
+                (
+                    "AWS_SESSION_TOKEN",
+                    "FwoGZXIvYXdzEXAMPLE-NEVER-LOG-ME-TOKEN x",
+                ),
+            ],
+        ),
+        (
+            "environment secret without its key id",
+            with_credentials(from_env.clone()),
+            &[
+                ("AWS_SECRET_ACCESS_KEY", SECRET),
+                ("AWS_SESSION_TOKEN", TOKEN),
+            ],
+        ),
+    ];
+    for (what, doc, env) in &rejected {
+        match parse_with_env(doc, env) {
+            Ok(_) => problems.push(format!("{what}: accepted")),
+            Err(e) => {
+                let shown = format!("{}\n{}\n{e}\n{e:?}", e.field, e.reason);
+                if shown.contains(NEVER) {
+                    problems.push(format!("{what}: the error shows a secret"));
+                }
+            }
+        }
+    }
+    fail_if_any(&problems);
+}
+
+/// A secret pasted where another type belongs ends up in serde's
+/// "invalid type: string \"...\"" reason, which `on_configure` logs.
+#[test]
+fn a_misplaced_secret_is_not_echoed() {
+    let cases = [
+        ("credentials as a string", with_credentials(json!(SECRET))),
+        (
+            "fromEnvironment as a string",
+            with_credentials(json!({"fromEnvironment": SECRET})),
+        ),
+        (
+            "accessKeyId as an object",
+            with_credentials(json!({"accessKeyId": {"id": KEY_ID}, "secretAccessKey": SECRET})),
+        ),
+    ];
+    let mut problems = Vec::new();
+    for (what, doc) in &cases {
+        match parse_with_env(doc, &[]) {
+            Ok(_) => problems.push(format!("{what}: accepted")),
+            Err(e) if format!("{e}\n{e:?}").contains(NEVER) => {
+                problems.push(format!("{what}: the error shows a secret: {}", e.reason))
+            }
+            Err(_) => {}
+        }
+    }
+    fail_if_any(&problems);
+}
+
+/// A bad value read from the environment is reported at the switch that
+/// read it, naming the variable: the config has no secretAccessKey field.
+#[test]
+fn a_bad_environment_value_names_its_variable() {
+    let doc = with_credentials(json!({"fromEnvironment": true}));
+    for (var, env) in [
+        (
+            "AWS_SECRET_ACCESS_KEY",
+            [
+                ("AWS_ACCESS_KEY_ID", KEY_ID),
+                ("AWS_SECRET_ACCESS_KEY", "has a space"),
+            ],
+        ),
+        (
+            "AWS_ACCESS_KEY_ID",
+            [
+                ("AWS_ACCESS_KEY_ID", "AKID\tTAB"),
+                ("AWS_SECRET_ACCESS_KEY", SECRET),
+            ],
+        ),
+    ] {
+        let e = parse_with_env(&doc, &env).expect_err(var);
+        assert_eq!(e.field, "objectStore.credentials.fromEnvironment");
+        assert!(e.reason.contains(var), "{e}");
+        assert!(!e.reason.contains("has a space"), "{e}");
+    }
 }

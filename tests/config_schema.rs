@@ -12,11 +12,24 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use redis_guard::config::{json_schema, Config};
+use redis_guard::config::{
+    json_schema, Config, ConfigError, ENV_ACCESS_KEY_ID, ENV_SECRET_ACCESS_KEY,
+};
 use serde_json::{json, Value};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The parser, with an environment of its own: examples with objectStore
+/// credentials `fromEnvironment` (envoy/filter.json) read AWS_* variables,
+/// and what the test process happens to have set must not decide the result.
+fn parse(json: &[u8]) -> Result<Config, ConfigError> {
+    Config::parse_with_env(json, &|name| match name {
+        ENV_ACCESS_KEY_ID => Some("AKIAIOSFODNN7EXAMPLE".to_string()),
+        ENV_SECRET_ACCESS_KEY => Some("wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY".to_string()),
+        _ => None,
+    })
 }
 
 fn schema_path() -> PathBuf {
@@ -116,7 +129,7 @@ fn every_example_config_in_the_repo_passes_schema_and_parser() {
     );
     let mut problems = Vec::new();
     for (name, bytes) in &examples {
-        if let Err(e) = Config::parse(bytes) {
+        if let Err(e) = parse(bytes) {
             problems.push(format!("{name}: parser: {e}"));
         }
         let doc: Value = serde_json::from_slice(bytes).unwrap();
@@ -148,7 +161,7 @@ fn schema_rejects_every_bad_fixture_whose_problem_is_its_shape() {
         let Ok(doc) = serde_json::from_slice::<Value>(&bytes) else {
             continue; // not JSON at all: no schema question
         };
-        let err = Config::parse(&bytes).expect_err("bad fixtures are rejected");
+        let err = parse(&bytes).expect_err("bad fixtures are rejected");
         if !SHAPE_REASONS.iter().any(|r| err.reason.contains(r)) {
             continue;
         }
@@ -239,7 +252,7 @@ fn schema_bounds_match_the_parser_at_and_past_each_edge() {
     let v = validator();
     let mut problems = Vec::new();
     let agree = |doc: &Value, what: &str, problems: &mut Vec<String>| {
-        let parser = Config::parse(&serde_json::to_vec(doc).unwrap());
+        let parser = parse(&serde_json::to_vec(doc).unwrap());
         let schema_ok = v.is_valid(doc);
         if parser.is_ok() != schema_ok {
             problems.push(format!(
@@ -307,6 +320,82 @@ fn schema_names_the_misspelled_field() {
         "{errors:?}"
     );
     // The parser says the same thing, in its own words.
-    let e = Config::parse(&serde_json::to_vec(&doc).unwrap()).unwrap_err();
+    let e = parse(&serde_json::to_vec(&doc).unwrap()).unwrap_err();
     assert_eq!(e.field, "limits[0].tokenBucket.periodMS");
+}
+
+/// `base()` with an object store and a rule that offloads.
+fn base_offload() -> Value {
+    let mut doc = base();
+    doc["objectStore"] = json!({
+        "cluster": "objectstore", "bucket": "redis-guard", "region": "us-east-1",
+        "timeoutMs": 5000,
+        "credentials": {"accessKeyId": "AKIDEXAMPLE", "secretAccessKey": "secret"}
+    });
+    doc["idempotency"][0]["maxStoredBodyBytes"] = json!(67_108_864u64);
+    doc["idempotency"][0]["offloadAboveBytes"] = json!(65_536);
+    doc
+}
+
+/// (base config, JSON pointer, value, whether it is valid).
+type Edge = (fn() -> Value, &'static str, u64, bool);
+
+/// The bounds that depend on another field (maxStoredBodyBytes: 8 MiB
+/// without offloadAboveBytes, 64 MiB with it) and the object store's: the
+/// schema (an if/then on the rule) and the parser agree at and past each.
+#[test]
+fn object_store_bounds_match_the_parser_at_and_past_each_edge() {
+    let v = validator();
+    let mut problems = Vec::new();
+    let cases: &[Edge] = &[
+        (base, "/idempotency/0/maxStoredBodyBytes", 8_388_608, true),
+        (base, "/idempotency/0/maxStoredBodyBytes", 8_388_609, false),
+        (base, "/idempotency/0/maxStoredBodyBytes", 67_108_864, false),
+        (
+            base_offload,
+            "/idempotency/0/maxStoredBodyBytes",
+            67_108_864,
+            true,
+        ),
+        (
+            base_offload,
+            "/idempotency/0/maxStoredBodyBytes",
+            67_108_865,
+            false,
+        ),
+        (base_offload, "/idempotency/0/offloadAboveBytes", 0, true),
+        (
+            base_offload,
+            "/idempotency/0/offloadAboveBytes",
+            8_388_608,
+            true,
+        ),
+        (
+            base_offload,
+            "/idempotency/0/offloadAboveBytes",
+            8_388_609,
+            false,
+        ),
+        (base_offload, "/objectStore/timeoutMs", 1, true),
+        (base_offload, "/objectStore/timeoutMs", 0, false),
+        (base_offload, "/objectStore/timeoutMs", 300_000, true),
+        (base_offload, "/objectStore/timeoutMs", 300_001, false),
+    ];
+    for &(make, pointer, value, valid) in cases {
+        let mut doc = make();
+        *doc.pointer_mut(pointer).unwrap() = json!(value);
+        let parser = parse(&serde_json::to_vec(&doc).unwrap());
+        let schema = v.is_valid(&doc);
+        if parser.is_ok() != valid || schema != valid {
+            problems.push(format!(
+                "{pointer} = {value}: want {}, parser {}, schema {}",
+                if valid { "accepted" } else { "rejected" },
+                parser
+                    .map(|_| "accepts".to_string())
+                    .unwrap_or_else(|e| format!("rejects ({e})")),
+                if schema { "accepts" } else { "rejects" }
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

@@ -207,6 +207,13 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         ("stored", 2),
         ("store_failed", 0),
         ("unguarded", 0),
+        ("too_large", 0),
+        ("offloaded", 0),
+        ("offload_failed", 0),
+        ("object_fetched", 0),
+        ("object_missing", 0),
+        ("object_corrupt", 0),
+        ("object_fetch_failed", 0),
     ] {
         assert_eq!(s.plain(&format!("idempotency_{stat}")), want, "{stat}");
     }

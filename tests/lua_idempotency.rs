@@ -98,6 +98,14 @@ enum Reply {
         headers: Vec<u8>,
         body: Vec<u8>,
     },
+    /// 3 with the body in the object store: the reference instead.
+    Offloaded {
+        status: i64,
+        headers: Vec<u8>,
+        object_key: Vec<u8>,
+        sha256: Vec<u8>,
+        len: i64,
+    },
     /// 4: the key was used with another fingerprint.
     Mismatch,
 }
@@ -127,6 +135,16 @@ fn parse(v: Value) -> Reply {
         2 => {
             assert_eq!(items.len(), 2, "busy reply: {items:?}");
             Reply::Busy(int(&items[1]))
+        }
+        3 if items.len() == 7 => {
+            assert_eq!(bytes(&items[3]), b"", "no body beside a reference");
+            Reply::Offloaded {
+                status: int(&items[1]),
+                headers: bytes(&items[2]),
+                object_key: bytes(&items[4]),
+                sha256: bytes(&items[5]),
+                len: int(&items[6]),
+            }
         }
         3 => {
             assert_eq!(items.len(), 4, "completed reply: {items:?}");
@@ -190,6 +208,31 @@ fn complete(
         .arg(headers)
         .arg(body)
         .arg(record_ms)
+        .query(con)
+        .unwrap()
+}
+
+/// lua/idempotency_complete.lua for a body in the object store: an empty
+/// body and the object's key, SHA-256 and length.
+fn complete_offloaded(
+    con: &mut Connection,
+    key: &str,
+    owner: &str,
+    object: (&str, &str, usize),
+    record_ms: i64,
+) -> i64 {
+    redis::cmd("EVAL")
+        .arg(&redis_guard::scripts::IDEM_COMPLETE.source)
+        .arg(1)
+        .arg(key)
+        .arg(owner)
+        .arg(200)
+        .arg(HEADERS)
+        .arg(b"")
+        .arg(record_ms)
+        .arg(object.0)
+        .arg(object.1)
+        .arg(object.2)
         .query(con)
         .unwrap()
 }
@@ -375,6 +418,46 @@ fn owner_completes_and_retries_replay_the_binary_response_byte_for_byte() {
         hash(&mut con, key),
         completed("fp-1", 201, HEADERS, BINARY_BODY),
         "a replay leaves the record alone"
+    );
+}
+
+#[test]
+fn an_offloaded_record_keeps_the_object_reference_and_no_body() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let key = "t:{x}:idem:k1";
+    let sha = "5f".repeat(32);
+    let object = ("idem/pay/20261203T000000Z/ab-cd", sha.as_str(), 4 << 20);
+    acquire(&mut con, key, "owner-a", MINUTE);
+    assert_eq!(
+        complete_offloaded(&mut con, key, "owner-b", object, DAY),
+        0,
+        "only the owner completes"
+    );
+    assert_eq!(complete_offloaded(&mut con, key, "owner-a", object, DAY), 1);
+    let mut want = completed("fp-1", 200, HEADERS, b"");
+    want.extend([
+        ("oc".to_string(), sha.as_bytes().to_vec()),
+        ("ok".to_string(), object.0.as_bytes().to_vec()),
+        ("ol".to_string(), b"4194304".to_vec()),
+    ]);
+    want.sort();
+    assert_eq!(hash(&mut con, key), want);
+    assert_within("record PTTL", pttl(&mut con, key), DAY - 5_000, DAY);
+    assert_eq!(
+        request(&mut con, &[], &idem(key, "owner-c", "fp-1", MINUTE)),
+        Reply::Offloaded {
+            status: 200,
+            headers: HEADERS.to_vec(),
+            object_key: object.0.as_bytes().to_vec(),
+            sha256: sha.as_bytes().to_vec(),
+            len: 4 << 20,
+        }
+    );
+    assert_eq!(
+        request(&mut con, &[], &idem(key, "owner-c", "fp-2", MINUTE)),
+        Reply::Mismatch,
+        "a reference is still checked against the fingerprint"
     );
 }
 

@@ -17,11 +17,13 @@ use crate::idempotency::{decode_headers, encode_headers, fingerprint, parse_key,
 use crate::keys;
 use crate::lease;
 use crate::local::{take, LocalBucket};
+use crate::offload::{self, check_fetch, check_put, Fetched, ObjectRef};
 use crate::overlimit::Slot;
 use crate::ratelimit::{parse_lease, parse_verdict, IdemArgs, LimitResult, Outcome, Plan, Verdict};
 use crate::request::RequestLine;
 use crate::response::{
     bad_request, idempotency_conflict, idempotency_mismatch, payload_too_large, rate_limit_headers,
+    stored_response_corrupt, stored_response_missing, stored_response_unavailable,
     too_many_requests, too_many_requests_locally, unavailable, LocalReply,
 };
 use crate::scripts::{Script, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT};
@@ -52,6 +54,11 @@ enum Phase {
     RetryPending {
         eval: bool,
     },
+    /// A replay whose body is in the object store: waiting for the fetch
+    /// (what to answer with is in `Flow::fetch`).
+    Fetching {
+        token: u32,
+    },
     /// Decided: forwarded, or answered locally.
     Done,
 }
@@ -78,6 +85,15 @@ enum Lock {
         body: Vec<u8>,
         expected: Option<usize>,
     },
+    /// The body is being uploaded to the object store; the last chunk waits
+    /// for it and then for the record. The body itself is not kept: Envoy
+    /// holds the upload's copy.
+    Uploading {
+        token: u32,
+        status: u32,
+        headers: Vec<(String, Vec<u8>)>,
+        object: ObjectRef,
+    },
     /// The COMPLETED record is on its way; the last chunk waits for it.
     /// The call is kept for the one EVAL after a NOSCRIPT.
     Completing {
@@ -85,6 +101,7 @@ enum Lock {
         eval: bool,
         keys: Vec<Vec<u8>>,
         argv: Vec<Vec<u8>>,
+        offloaded: bool,
     },
     /// The lock is being released (the response will not be stored); the
     /// response streams, but the piece that ends it waits for the release so
@@ -110,6 +127,14 @@ pub struct CalloutReply {
     /// Envoy on its behalf.
     pub from_webdis: bool,
     pub body: Vec<u8>,
+}
+
+/// A replay waiting for its body from the object store.
+#[derive(Debug, Clone)]
+struct Fetch {
+    status: u32,
+    headers: Vec<(String, String)>,
+    object: ObjectRef,
 }
 
 /// The idempotency key of this request, once validated.
@@ -142,6 +167,7 @@ pub struct Flow {
     /// This request is the open breaker's probe.
     probe: bool,
     response_headers: Vec<(String, String)>,
+    fetch: Option<Fetch>,
 }
 
 impl Flow {
@@ -161,6 +187,7 @@ impl Flow {
             leasing: None,
             probe: false,
             response_headers: Vec::new(),
+            fetch: None,
         }
     }
 
@@ -765,7 +792,17 @@ impl Flow {
                 self.on_release_reply(host, &reply);
                 return;
             }
+            Lock::Uploading { token: want, .. } if token == want => {
+                self.on_upload_reply(host, &reply);
+                return;
+            }
             _ => {}
+        }
+        if let Phase::Fetching { token: want } = self.phase {
+            if token == want {
+                self.on_fetch_reply(host, reply);
+            }
+            return;
         }
         let Phase::AwaitingRedis {
             token: want,
@@ -902,19 +939,25 @@ impl Flow {
                 status,
                 headers,
                 body,
+                object,
             } => match decode_headers(&headers) {
                 Ok(stored) => {
-                    host.count(Counter::IdemReplayed);
                     let mut headers: Vec<(String, String)> = stored
                         .into_iter()
                         .map(|(n, v)| (n, String::from_utf8_lossy(&v).into_owned()))
                         .collect();
                     headers.push(("idempotent-replayed".to_string(), "true".to_string()));
-                    host.send_local(&LocalReply {
-                        status,
-                        headers,
-                        body,
-                    });
+                    match object {
+                        None => {
+                            host.count(Counter::IdemReplayed);
+                            host.send_local(&LocalReply {
+                                status,
+                                headers,
+                                body,
+                            });
+                        }
+                        Some(object) => self.fetch_object(host, status, headers, object),
+                    }
                 }
                 // Never re-execute a completed key: a record we cannot read is
                 // an error, not a miss.
@@ -956,10 +999,13 @@ impl Flow {
         let replayable = headers.iter().all(|(_, v)| std::str::from_utf8(v).is_ok());
         match storable {
             Some(status) if replayable => {
+                // Sized from content-length once, so the copy never holds a
+                // doubled buffer; a length over the cap is not reserved.
+                let reserve = expected.filter(|n| *n <= rule.max_stored_body);
                 self.lock = Lock::Capturing {
                     status,
                     headers,
-                    body: Vec::new(),
+                    body: Vec::with_capacity(reserve.unwrap_or(0)),
                     expected,
                 };
                 if end_of_stream {
@@ -985,7 +1031,7 @@ impl Flow {
     ) -> Action {
         let max = match (&self.keyed, &self.lock) {
             (Some(k), Lock::Capturing { .. }) => self.config.idempotency[k.rule].max_stored_body,
-            (_, Lock::Completing { .. }) => return Action::Pause,
+            (_, Lock::Completing { .. } | Lock::Uploading { .. }) => return Action::Pause,
             (_, Lock::Releasing { .. }) => return self.hold_if_ended(end_of_stream, body_size),
             _ => return Action::Continue,
         };
@@ -993,13 +1039,21 @@ impl Flow {
         let mut complete = end_of_stream;
         if let Lock::Capturing { body, expected, .. } = &mut self.lock {
             if body.len() + chunk.len() > max {
-                // Too large to keep in Redis: released like a failure, so a
-                // retry runs again (large-payload offload is a later feature).
+                // Over the cap (in Redis, or in the object store when the
+                // rule offloads): released like a failure, so a retry runs
+                // again; the copy is dropped at once.
                 log::info!("redis-guard: response over maxStoredBodyBytes ({max}), not stored");
                 host.count(Counter::IdemTooLarge);
                 let (expected, seen) = (*expected, body.len());
                 self.release_before_end(host, expected, seen);
                 return self.hold_if_ended(end_of_stream, chunk.len());
+            }
+            let needed = body.len() + chunk.len();
+            if needed > body.capacity() {
+                // Without a content-length: grow by doubling, but never
+                // reserve past the cap.
+                let target = needed.max(body.capacity().saturating_mul(2)).min(max);
+                body.reserve_exact(target - body.len());
             }
             body.extend_from_slice(&chunk);
             complete |= expected.is_some_and(|n| body.len() >= n);
@@ -1015,7 +1069,7 @@ impl Flow {
     pub fn on_response_trailers<H: Host>(&mut self, host: &mut H) -> Action {
         match self.lock {
             Lock::Capturing { .. } => self.complete(host),
-            Lock::Completing { .. } => Action::Pause,
+            Lock::Completing { .. } | Lock::Uploading { .. } => Action::Pause,
             Lock::Releasing { .. } => self.hold_if_ended(true, 0),
             _ => Action::Continue,
         }
@@ -1041,32 +1095,139 @@ impl Flow {
         Action::Continue
     }
 
-    /// Stores the captured response; the stream's end waits for the answer.
+    /// Stores the captured response (a large body first goes to the object
+    /// store); the stream's end waits for the answer.
     fn complete<H: Host>(&mut self, host: &mut H) -> Action {
-        let (
-            Some(keyed),
-            Lock::Capturing {
-                status,
-                headers,
-                body,
-                ..
-            },
-        ) = (&self.keyed, &self.lock)
+        let Some(keyed) = &self.keyed else {
+            return Action::Continue;
+        };
+        let above = self.config.idempotency[keyed.rule].offload_above;
+        let Lock::Capturing {
+            status,
+            headers,
+            body,
+            ..
+        } = std::mem::replace(&mut self.lock, Lock::Held)
         else {
+            return Action::Continue;
+        };
+        match (above, &self.config.object_store) {
+            (Some(above), Some(_)) if body.len() > above => {
+                self.upload(host, status, headers, body)
+            }
+            _ => self.store_record(host, status, &headers, body, None),
+        }
+    }
+
+    /// Sends the body to the object store; the record follows once it is
+    /// there, so a record never points at an object that was not stored.
+    fn upload<H: Host>(
+        &mut self,
+        host: &mut H,
+        status: u32,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    ) -> Action {
+        let config = Rc::clone(&self.config);
+        let (Some(keyed), Some(store)) = (&self.keyed, &config.object_store) else {
+            return Action::Continue;
+        };
+        let rule = &config.idempotency[keyed.rule];
+        let now = host.now();
+        let expires = offload::expires_at(now, rule.record_ttl_ms, store.timeout);
+        let object = ObjectRef {
+            key: offload::object_key(
+                store,
+                &rule.name,
+                &keyed.args.key,
+                &keyed.args.owner,
+                expires,
+            ),
+            sha256: crate::sigv4::sha256_hex(&body),
+            len: body.len(),
+        };
+        let request = offload::put_headers(store, &object, now);
+        match host.dispatch_object(store, &request, Some(&body), store.timeout) {
+            Ok(token) => {
+                // `body` is dropped here: Envoy has its own copy for the upload.
+                self.lock = Lock::Uploading {
+                    token,
+                    status,
+                    headers,
+                    object,
+                };
+                Action::Pause
+            }
+            Err(e) => {
+                log::warn!("redis-guard: cannot upload the response to the object store: {e}");
+                host.count(Counter::IdemOffloadFailed);
+                self.release_before_end(host, None, 0);
+                self.hold_if_ended(true, 0)
+            }
+        }
+    }
+
+    fn on_upload_reply<H: Host>(&mut self, host: &mut H, reply: &CalloutReply) {
+        let Lock::Uploading {
+            status,
+            headers,
+            object,
+            ..
+        } = std::mem::replace(&mut self.lock, Lock::Held)
+        else {
+            return;
+        };
+        match check_put(reply.status) {
+            Ok(()) => {
+                if self.store_record(host, status, &headers, Vec::new(), Some(object))
+                    == Action::Continue
+                {
+                    host.resume_response();
+                }
+            }
+            Err(e) => {
+                // Nothing to point at: the key is freed so a retry runs again,
+                // as after any failed store; the response still goes out.
+                log::warn!("redis-guard: response not offloaded ({e}); key released");
+                host.count(Counter::IdemOffloadFailed);
+                self.release_before_end(host, None, 0);
+                if self.hold_if_ended(true, 0) == Action::Continue {
+                    host.resume_response();
+                }
+            }
+        }
+    }
+
+    /// Writes the COMPLETED record: the body itself, or the object's reference.
+    fn store_record<H: Host>(
+        &mut self,
+        host: &mut H,
+        status: u32,
+        headers: &[(String, Vec<u8>)],
+        body: Vec<u8>,
+        object: Option<ObjectRef>,
+    ) -> Action {
+        let Some(keyed) = &self.keyed else {
             return Action::Continue;
         };
         let rule = &self.config.idempotency[keyed.rule];
         let keys = vec![keyed.args.key.clone()];
-        let argv = vec![
-            keyed.args.owner.as_bytes().to_vec(),
-            status.to_string().into_bytes(),
-            encode_headers(headers),
-            body.clone(),
-            rule.record_ttl_ms.to_string().into_bytes(),
-        ];
         // The store gets its own timeout, counted from now, plus 1 ms per KiB:
         // a large body takes longer to cross Envoy, Webdis and Redis.
         let transfer = Duration::from_millis((body.len() / 1024) as u64);
+        let mut argv = vec![
+            keyed.args.owner.as_bytes().to_vec(),
+            status.to_string().into_bytes(),
+            encode_headers(headers),
+            body,
+            rule.record_ttl_ms.to_string().into_bytes(),
+        ];
+        let offloaded = object.is_some();
+        if let Some(object) = object {
+            argv.push(object.key.into_bytes());
+            argv.push(object.sha256.into_bytes());
+            argv.push(object.len.to_string().into_bytes());
+        }
         self.deadline = host.now() + self.config.redis.timeout + transfer;
         // EVALSHA like every call: the body is the record, the script's
         // source would only add to every request; a NOSCRIPT costs one EVAL.
@@ -1077,6 +1238,7 @@ impl Flow {
                     eval: false,
                     keys,
                     argv,
+                    offloaded,
                 };
                 Action::Pause
             }
@@ -1099,6 +1261,7 @@ impl Flow {
                 eval: false,
                 keys,
                 argv,
+                offloaded,
                 ..
             } = std::mem::replace(&mut self.lock, Lock::Finished)
             {
@@ -1109,6 +1272,7 @@ impl Flow {
                         eval: true,
                         keys,
                         argv,
+                        offloaded,
                     };
                     return;
                 }
@@ -1118,10 +1282,20 @@ impl Flow {
             }
         }
         let answer = parsed.as_ref().and_then(Reply::as_int);
+        let offloaded = matches!(
+            self.lock,
+            Lock::Completing {
+                offloaded: true,
+                ..
+            }
+        );
         match answer {
             Some(1) => {
                 self.lock = Lock::Finished;
                 host.count(Counter::IdemStored);
+                if offloaded {
+                    host.count(Counter::IdemOffloaded);
+                }
                 host.resume_response();
             }
             Some(0) => {
@@ -1146,6 +1320,83 @@ impl Flow {
                 } else {
                     host.resume_response();
                 }
+            }
+        }
+    }
+
+    /// A replay whose body is in the object store: fetch it, then answer.
+    fn fetch_object<H: Host>(
+        &mut self,
+        host: &mut H,
+        status: u32,
+        headers: Vec<(String, String)>,
+        object: ObjectRef,
+    ) {
+        let config = Rc::clone(&self.config);
+        // The record says the request ran: whatever happens here, it is
+        // answered, never forwarded.
+        let Some(store) = &config.object_store else {
+            log::warn!("redis-guard: record points into an object store, but none is configured");
+            host.count(Counter::IdemObjectFetchFailed);
+            host.send_local(&stored_response_unavailable());
+            return;
+        };
+        let request = offload::get_headers(store, &object, host.now());
+        match host.dispatch_object(store, &request, None, store.timeout) {
+            Ok(token) => {
+                self.phase = Phase::Fetching { token };
+                self.fetch = Some(Fetch {
+                    status,
+                    headers,
+                    object,
+                });
+            }
+            Err(e) => {
+                log::warn!("redis-guard: cannot fetch a stored response: {e}");
+                host.count(Counter::IdemObjectFetchFailed);
+                host.send_local(&stored_response_unavailable());
+            }
+        }
+    }
+
+    fn on_fetch_reply<H: Host>(&mut self, host: &mut H, reply: CalloutReply) {
+        self.phase = Phase::Done;
+        let Some(fetch) = self.fetch.take() else {
+            return;
+        };
+        match check_fetch(reply.status, reply.body, &fetch.object) {
+            Fetched::Body(body) => {
+                host.count(Counter::IdemReplayed);
+                host.count(Counter::IdemObjectFetched);
+                host.send_local(&LocalReply {
+                    status: fetch.status,
+                    headers: fetch.headers,
+                    body,
+                });
+            }
+            Fetched::Missing => {
+                log::warn!(
+                    "redis-guard: stored response object `{}` is missing",
+                    fetch.object.key
+                );
+                host.count(Counter::IdemObjectMissing);
+                host.send_local(&stored_response_missing());
+            }
+            Fetched::Corrupt(why) => {
+                log::warn!(
+                    "redis-guard: stored response object `{}` is corrupt: {why}",
+                    fetch.object.key
+                );
+                host.count(Counter::IdemObjectCorrupt);
+                host.send_local(&stored_response_corrupt());
+            }
+            Fetched::Failed(why) => {
+                log::warn!(
+                    "redis-guard: cannot fetch stored response object `{}`: {why}",
+                    fetch.object.key
+                );
+                host.count(Counter::IdemObjectFetchFailed);
+                host.send_local(&stored_response_unavailable());
             }
         }
     }
@@ -1227,7 +1478,12 @@ impl Flow {
     /// The stream is over (done, reset or aborted). A lock still held was
     /// never completed: release it now rather than at its TTL.
     pub fn on_stream_end<H: Host>(&mut self, host: &mut H) {
-        if matches!(self.lock, Lock::Held | Lock::Capturing { .. }) {
+        // An upload's reply would come to this stream, which is gone: the
+        // record will never be written, so the key is freed now.
+        if matches!(
+            self.lock,
+            Lock::Held | Lock::Capturing { .. } | Lock::Uploading { .. }
+        ) {
             self.release(host, true);
         }
         if matches!(
@@ -1370,7 +1626,14 @@ mod tests {
         retries_scheduled: Vec<Duration>,
         can_schedule: bool,
         prefetched: Vec<(String, Prefetch)>,
+        /// Object-store calls; tokens from OBJECT_TOKENS.
+        objects: Vec<ObjectCall>,
     }
+
+    /// An object-store call's headers and body.
+    type ObjectCall = (Vec<(String, String)>, Option<Vec<u8>>);
+
+    const OBJECT_TOKENS: u32 = 10_000;
 
     impl FakeHost {
         fn get(path: &str) -> FakeHost {
@@ -1406,6 +1669,21 @@ mod tests {
             self.dispatched
                 .push(String::from_utf8_lossy(body).into_owned());
             Ok(self.dispatched.len() as u32)
+        }
+        fn dispatch_object(
+            &mut self,
+            _: &crate::config::ObjectStore,
+            headers: &[(String, String)],
+            body: Option<&[u8]>,
+            timeout: Duration,
+        ) -> Result<u32, String> {
+            self.timeouts.push(timeout);
+            if self.dispatch_fails {
+                return Err("no cluster".into());
+            }
+            self.objects
+                .push((headers.to_vec(), body.map(<[u8]>::to_vec)));
+            Ok(OBJECT_TOKENS + self.objects.len() as u32)
         }
         fn send_local(&mut self, reply: &LocalReply) {
             self.sent.push(reply.clone());
@@ -2975,5 +3253,262 @@ mod tests {
         f.on_callout_reply(&mut h, 2, ok(IDEM_ADMIT));
         assert_eq!(h.resumed, 1);
         assert!(h.counters.contains(&Counter::IdemAcquired));
+    }
+
+    // ---- large responses in the object store --------------------------------
+
+    const OFFLOAD_CONFIG: &str = r#"{"redis":{"cluster":"webdis"},
+        "objectStore":{"cluster":"s3","authority":"127.0.0.1:9000","bucket":"rg-test",
+          "region":"us-east-1","keyPrefix":"t/","timeoutMs":4000,
+          "credentials":{"accessKeyId":"AKIDTEST","secretAccessKey":"s3cr3t"}},
+        "idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"},
+          "maxStoredBodyBytes":64,"offloadAboveBytes":8,"failureMode":"allow"}]}"#;
+
+    /// A keyed POST to /pay, lock held, under OFFLOAD_CONFIG.
+    fn offload_holding() -> (Flow, FakeHost, Vec<u8>) {
+        let cfg = Rc::new(Config::parse(OFFLOAD_CONFIG.as_bytes()).unwrap());
+        let mut f = Flow::new(cfg.clone(), test_breaker());
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        h.clock_ms = 1_796_232_360_000;
+        let key = admitted(&mut f, &mut h, &cfg);
+        (f, h, key)
+    }
+
+    fn header<'a>(headers: &'a [(String, String)], name: &str) -> &'a str {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+            .unwrap()
+    }
+
+    fn object_reply(status: u32, body: &[u8]) -> CalloutReply {
+        CalloutReply {
+            status: Some(status),
+            from_webdis: false,
+            body: body.to_vec(),
+        }
+    }
+
+    /// Streams `body` (over the 8-byte threshold) as a 201; returns the PUT.
+    fn respond_large(
+        f: &mut Flow,
+        h: &mut FakeHost,
+        body: &[u8],
+    ) -> (Vec<(String, String)>, Vec<u8>) {
+        h.respond(&[(":status", "201"), ("content-type", "text/plain")]);
+        assert_eq!(f.on_response_headers(h, false), Action::Continue);
+        h.response_chunks = vec![body[..5].to_vec(), body[5..].to_vec()];
+        assert_eq!(f.on_response_body(h, 5, false), Action::Continue);
+        assert_eq!(f.on_response_body(h, body.len() - 5, true), Action::Pause);
+        assert_eq!(
+            h.dispatched.len(),
+            1,
+            "no Redis call before the upload is done"
+        );
+        assert_eq!(h.objects.len(), 1);
+        let (headers, sent) = h.objects[0].clone();
+        (headers, sent.unwrap())
+    }
+
+    #[test]
+    fn a_large_response_is_uploaded_then_recorded_by_reference() {
+        let (mut f, mut h, key) = offload_holding();
+        let body = b"0123456789 a large body";
+        let (put, sent) = respond_large(&mut f, &mut h, body);
+        assert_eq!(sent, body);
+        let sha = crate::sigv4::sha256_hex(body);
+        assert_eq!(header(&put, ":method"), "PUT");
+        assert_eq!(header(&put, ":authority"), "127.0.0.1:9000");
+        assert_eq!(header(&put, "x-amz-content-sha256"), sha);
+        let digest = keys::hex(&Sha256::digest(&key));
+        // Expiry: the proxy's now + recordTtlMs (1 day) + the store's timeout.
+        let object_key = format!("t/pay/20261203T172604Z/{digest}-owner-1");
+        assert_eq!(header(&put, ":path"), format!("/rg-test/{object_key}"));
+        assert!(header(&put, "authorization").starts_with(
+            "AWS4-HMAC-SHA256 Credential=AKIDTEST/20261202/us-east-1/s3/aws4_request"
+        ));
+        assert_eq!(h.timeouts.last(), Some(&Duration::from_secs(4)));
+        assert_eq!(h.response_resumed, 0, "the end waits for the upload");
+        f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, object_reply(200, b""));
+        assert_eq!(h.response_resumed, 0, "and then for the record");
+        let record = text(command_body(
+            "EVALSHA",
+            &[
+                IDEM_COMPLETE.sha1.as_bytes(),
+                b"1",
+                &key,
+                b"owner-1",
+                b"201",
+                &encode_headers(&[("content-type".to_string(), b"text/plain".to_vec())]),
+                b"",
+                b"86400000",
+                object_key.as_bytes(),
+                sha.as_bytes(),
+                body.len().to_string().as_bytes(),
+            ],
+        ));
+        assert_eq!(h.dispatched[1], record, "the record holds no body");
+        f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
+        assert_eq!(h.response_resumed, 1);
+        assert_eq!(count(&h, Counter::IdemStored), 1);
+        assert_eq!(count(&h, Counter::IdemOffloaded), 1);
+        f.on_stream_end(&mut h);
+        assert!(h.detached.is_empty());
+    }
+
+    #[test]
+    fn a_response_at_the_threshold_stays_in_redis() {
+        let (mut f, mut h, key) = offload_holding();
+        h.respond(&[(":status", "201"), ("content-type", "text/plain")]);
+        assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+        h.response_chunks = vec![b"8 bytes!".to_vec()];
+        assert_eq!(f.on_response_body(&mut h, 8, true), Action::Pause);
+        assert!(h.objects.is_empty());
+        assert_eq!(
+            h.dispatched[1],
+            complete_call(&key, "201", &[("content-type", b"text/plain")], b"8 bytes!")
+        );
+        f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
+        assert_eq!(count(&h, Counter::IdemOffloaded), 0);
+        assert_eq!(count(&h, Counter::IdemStored), 1);
+    }
+
+    #[test]
+    fn a_failed_upload_releases_the_key_before_the_response_ends() {
+        for reply in [
+            object_reply(403, b"<Code>SignatureDoesNotMatch</Code>"),
+            object_reply(503, b""),
+            CalloutReply {
+                status: None,
+                from_webdis: false,
+                body: vec![],
+            },
+        ] {
+            let (mut f, mut h, key) = offload_holding();
+            respond_large(&mut f, &mut h, b"0123456789 a large body");
+            f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, reply.clone());
+            assert_eq!(h.dispatched.len(), 2, "{reply:?}");
+            assert_eq!(h.dispatched[1], release_call(&key), "no record: {reply:?}");
+            assert_eq!(h.response_resumed, 0, "held until the release lands");
+            f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
+            assert_eq!(h.response_resumed, 1);
+            assert_eq!(count(&h, Counter::IdemOffloadFailed), 1);
+            assert_eq!(count(&h, Counter::IdemReleased), 1);
+            assert_eq!(count(&h, Counter::IdemStored), 0);
+            assert!(h.sent.is_empty(), "the client gets the upstream's response");
+        }
+    }
+
+    #[test]
+    fn a_stream_that_ends_during_the_upload_frees_the_key() {
+        let (mut f, mut h, key) = offload_holding();
+        respond_large(&mut f, &mut h, b"0123456789 a large body");
+        f.on_stream_end(&mut h);
+        assert_eq!(h.detached, vec![detached_release_call(&key)]);
+    }
+
+    /// A keyed retry whose record says the body is in the object store.
+    fn offloaded_replay(body: &[u8]) -> (Flow, FakeHost) {
+        let cfg = Rc::new(Config::parse(OFFLOAD_CONFIG.as_bytes()).unwrap());
+        let mut f = Flow::new(cfg, test_breaker());
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        h.clock_ms = 1_796_232_360_000;
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+        let stored = encode_headers(&[("content-type".to_string(), b"text/plain".to_vec())]);
+        let sha = crate::sigv4::sha256_hex(body);
+        let len = body.len().to_string();
+        let record = resp(&[
+            b"3",
+            b"201",
+            &stored,
+            b"",
+            b"t/pay/20261203T172604Z/d-o",
+            sha.as_bytes(),
+            len.as_bytes(),
+        ]);
+        f.on_callout_reply(&mut h, 1, ok(&record));
+        assert!(h.sent.is_empty(), "nothing is answered before the fetch");
+        assert_eq!(h.objects.len(), 1);
+        let (get, body) = &h.objects[0];
+        assert_eq!(header(get, ":method"), "GET");
+        assert_eq!(header(get, ":path"), "/rg-test/t/pay/20261203T172604Z/d-o");
+        assert!(body.is_none());
+        (f, h)
+    }
+
+    #[test]
+    fn an_offloaded_record_is_replayed_from_the_object_store() {
+        let body = b"0123456789 a large body";
+        let (mut f, mut h) = offloaded_replay(body);
+        f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, object_reply(200, body));
+        assert_eq!(h.sent.len(), 1);
+        assert_eq!(h.sent[0].status, 201);
+        assert_eq!(h.sent[0].body, body);
+        assert_eq!(
+            h.sent[0].headers,
+            vec![
+                ("content-type".to_string(), "text/plain".to_string()),
+                ("idempotent-replayed".to_string(), "true".to_string()),
+            ]
+        );
+        assert_eq!(count(&h, Counter::IdemReplayed), 1);
+        assert_eq!(count(&h, Counter::IdemObjectFetched), 1);
+        assert_eq!(h.resumed, 0);
+    }
+
+    #[test]
+    fn a_lost_corrupt_or_unreachable_object_is_an_error_never_a_rerun() {
+        let body = b"0123456789 a large body";
+        let cases = [
+            (
+                object_reply(404, b"<Code>NoSuchKey</Code>"),
+                502,
+                Counter::IdemObjectMissing,
+            ),
+            (
+                object_reply(200, b"0123456789 a LARGE body"),
+                502,
+                Counter::IdemObjectCorrupt,
+            ),
+            (
+                object_reply(200, b"truncated"),
+                502,
+                Counter::IdemObjectCorrupt,
+            ),
+            (
+                object_reply(403, b"<Code>SignatureDoesNotMatch</Code>"),
+                503,
+                Counter::IdemObjectFetchFailed,
+            ),
+            (
+                CalloutReply {
+                    status: None,
+                    from_webdis: false,
+                    body: vec![],
+                },
+                503,
+                Counter::IdemObjectFetchFailed,
+            ),
+        ];
+        for (reply, status, counter) in cases {
+            let (mut f, mut h) = offloaded_replay(body);
+            f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, reply.clone());
+            assert_eq!(h.sent.len(), 1, "{reply:?}");
+            assert_eq!(h.sent[0].status, status, "{reply:?}");
+            assert_eq!(count(&h, counter), 1, "{reply:?}");
+            assert_eq!(h.resumed, 0, "never forwarded: {reply:?}");
+            assert_eq!(count(&h, Counter::IdemReplayed), 0);
+            let doc: serde_json::Value = serde_json::from_slice(&h.sent[0].body).unwrap();
+            assert_eq!(doc["status"], status);
+            assert!(doc["storedResponse"].is_string());
+            assert_eq!(
+                h.sent[0]
+                    .headers
+                    .iter()
+                    .any(|(n, v)| n == "retry-after" && v == "1"),
+                status == 503
+            );
+        }
     }
 }

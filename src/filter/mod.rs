@@ -8,7 +8,7 @@ pub mod proxy;
 
 use std::time::Duration;
 
-use crate::config::RedisTarget;
+use crate::config::{ObjectStore, RedisTarget};
 use crate::request::RequestView;
 use crate::response::LocalReply;
 
@@ -66,6 +66,20 @@ pub enum Counter {
     LeaseSpent,
     /// A call that fetched a token lease.
     LeaseFetched,
+    /// A response body uploaded to the object store and its record stored.
+    IdemOffloaded,
+    /// The upload failed (refused, unreachable, timed out): the lock was
+    /// released like a failed request's.
+    IdemOffloadFailed,
+    /// A replay served from the object store (checksum verified).
+    IdemObjectFetched,
+    /// A replay whose object is gone from the store: 502, never re-executed.
+    IdemObjectMissing,
+    /// A replay whose object does not match the record's checksum: 502.
+    IdemObjectCorrupt,
+    /// A replay whose object could not be fetched (refused, unreachable,
+    /// timed out): 503 with Retry-After, never re-executed.
+    IdemObjectFetchFailed,
 }
 
 /// Why a Redis call did not decide a request: one stat each.
@@ -142,6 +156,16 @@ pub trait Host: RequestView {
         timeout: Duration,
         note: flow::Prefetch,
     ) -> Result<(), String>;
+    /// Sends one request to the object store's cluster (`headers` include
+    /// the pseudo-headers); the reply comes to `Flow::on_callout_reply` like
+    /// a Redis call's. Its body is read only up to `Config::max_reply_body`.
+    fn dispatch_object(
+        &mut self,
+        store: &ObjectStore,
+        headers: &[(String, String)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, String>;
     /// Calls `Flow::on_retry_due` after `delay`; false if the host cannot.
     fn retry_later(&mut self, delay: Duration) -> bool;
     /// A token no other request of any Envoy will produce (lock owner).

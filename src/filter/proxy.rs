@@ -13,7 +13,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 
 use crate::breaker::Breaker;
-use crate::config::{Config, RedisTarget};
+use crate::config::{Config, ObjectStore, RedisTarget};
 use crate::filter::flow::{self, Action as FlowAction, CalloutReply, Flow, Prefetch};
 use crate::filter::{Counter, ErrorKind, Host};
 use crate::request::RequestView;
@@ -46,7 +46,7 @@ struct Metrics {
     errors_by_kind: [u32; ErrorKind::ALL.len()],
     failure_allowed: u32,
     failure_denied: u32,
-    idem: [u32; 9],
+    idem: [u32; 15],
     circuit_opened: u32,
     circuit_closed: u32,
     circuit_short_circuited: u32,
@@ -110,6 +110,12 @@ impl Metrics {
                 "store_failed",
                 "too_large",
                 "unguarded",
+                "offloaded",
+                "offload_failed",
+                "object_fetched",
+                "object_missing",
+                "object_corrupt",
+                "object_fetch_failed",
             ]
             .map(|n| counter(&format!("redis_guard.idempotency.{n}"))),
             circuit_opened: counter("redis_guard.circuit.opened"),
@@ -171,6 +177,12 @@ impl Metrics {
             Counter::IdemStoreFailed => Some(self.idem[6]),
             Counter::IdemTooLarge => Some(self.idem[7]),
             Counter::IdemUnguarded => Some(self.idem[8]),
+            Counter::IdemOffloaded => Some(self.idem[9]),
+            Counter::IdemOffloadFailed => Some(self.idem[10]),
+            Counter::IdemObjectFetched => Some(self.idem[11]),
+            Counter::IdemObjectMissing => Some(self.idem[12]),
+            Counter::IdemObjectCorrupt => Some(self.idem[13]),
+            Counter::IdemObjectFetchFailed => Some(self.idem[14]),
             Counter::CircuitOpened => Some(self.circuit_opened),
             Counter::CircuitShortCircuited => Some(self.circuit_short_circuited),
             Counter::OverLimitCached => Some(self.over_limit_cached),
@@ -207,6 +219,8 @@ struct Shared {
     /// reply goes to the context that was running when it was sent, and
     /// only the root outlives the request that asked.
     to_prefetch: RefCell<Vec<(Vec<u8>, Duration, Prefetch)>>,
+    /// Callout reply bodies larger than this are not read into the VM.
+    max_reply_body: usize,
 }
 
 /// Calls in flight tracked for latency before stale entries are swept: a
@@ -298,7 +312,7 @@ impl Context for Root {
             if let Ok(mut routed) = shared.routed.try_borrow_mut() {
                 routed.remove(&token_id);
             }
-            let reply = callout_reply(num_headers, body_size);
+            let reply = callout_reply(num_headers, body_size, shared.max_reply_body);
             let mut host = Root::host_for(&shared, self.context_id, Weak::new());
             flow::on_prefetch_reply(&mut host, &note, reply);
             return;
@@ -314,7 +328,7 @@ impl Context for Root {
         let Some(rc) = weak.upgrade() else {
             return; // the stream is gone
         };
-        let reply = callout_reply(num_headers, body_size);
+        let reply = callout_reply(num_headers, body_size, shared.max_reply_body);
         if hostcalls::set_effective_context(context_id).is_err() {
             return;
         }
@@ -358,6 +372,7 @@ impl RootContext for Root {
                     config.redis.breaker_failures,
                     config.redis.breaker_cool_down,
                 ));
+                let max_reply_body = config.max_reply_body();
                 self.shared = Some(Rc::new(Shared {
                     config: Rc::new(config),
                     metrics,
@@ -370,6 +385,7 @@ impl RootContext for Root {
                     sent_at: RefCell::new(HashMap::new()),
                     prefetches: RefCell::new(HashMap::new()),
                     to_prefetch: RefCell::new(Vec::new()),
+                    max_reply_body,
                 }));
                 true
             }
@@ -502,6 +518,18 @@ impl RequestView for ProxyHost<'_> {
     }
 }
 
+impl ProxyHost<'_> {
+    fn route_reply(&self, token: u32) {
+        if self.via_root {
+            // Sent while the root runs: the SDK hands the reply to the root,
+            // which passes it on to this stream's flow.
+            if let Some(Ok(mut routed)) = self.shared.map(|s| s.routed.try_borrow_mut()) {
+                routed.insert(token, (self.context_id, self.me.clone()));
+            }
+        }
+    }
+}
+
 impl Host for ProxyHost<'_> {
     fn now(&self) -> Duration {
         host_now()
@@ -524,13 +552,26 @@ impl Host for ProxyHost<'_> {
         if let Some(shared) = self.shared {
             shared.note_sent(token, host_now());
         }
-        if self.via_root {
-            // Sent while the root runs: the SDK hands the reply to the root,
-            // which passes it on to this stream's flow.
-            if let Some(Ok(mut routed)) = self.shared.map(|s| s.routed.try_borrow_mut()) {
-                routed.insert(token, (self.context_id, self.me.clone()));
-            }
-        }
+        self.route_reply(token);
+        Ok(token)
+    }
+
+    fn dispatch_object(
+        &mut self,
+        store: &ObjectStore,
+        headers: &[(String, String)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, String> {
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        // Not timed: the latency histogram is about Redis calls.
+        let token =
+            hostcalls::dispatch_http_call(&store.cluster, headers, body, vec![], timeout)
+                .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", store.cluster))?;
+        self.route_reply(token);
         Ok(token)
     }
 
@@ -712,7 +753,7 @@ impl Http {
 }
 
 /// Reads the current callout's answer (headers may be absent on failure).
-fn callout_reply(num_headers: usize, body_size: usize) -> CalloutReply {
+fn callout_reply(num_headers: usize, body_size: usize, max_body: usize) -> CalloutReply {
     // A failed call (reset, timeout) arrives with no headers, and reading
     // a missing map makes the SDK panic: do not read what is not there.
     if num_headers == 0 {
@@ -731,6 +772,11 @@ fn callout_reply(num_headers: usize, body_size: usize) -> CalloutReply {
     let status = header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
     let from_webdis = header("server").is_some_and(|s| s.eq_ignore_ascii_case(b"webdis"));
     let body = if body_size == 0 {
+        Vec::new()
+    } else if body_size > max_body {
+        // Larger than anything the filter stores: not copied into the VM
+        // (the flow then sees a body that does not match what it expects).
+        log::warn!("redis-guard: callout reply of {body_size} bytes not read (limit {max_body})");
         Vec::new()
     } else {
         hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
@@ -760,10 +806,14 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        if let Some(shared) = self.shared.as_deref() {
-            shared.note_reply(token_id);
-        }
-        let reply = callout_reply(num_headers, body_size);
+        let max_body = match self.shared.as_deref() {
+            Some(shared) => {
+                shared.note_reply(token_id);
+                shared.max_reply_body
+            }
+            None => 0,
+        };
+        let reply = callout_reply(num_headers, body_size, max_body);
         self.with_flow((), |flow, host| {
             flow.on_callout_reply(host, token_id, reply)
         });

@@ -12,6 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod s3;
+
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -179,7 +181,13 @@ pub fn render(template: &str, vars: &[(&str, String)]) -> String {
     for (name, value) in vars {
         text = text.replace(&format!("{{{{{name}}}}}"), value);
     }
-    for name in ["BIND_ADDRESS", "UPSTREAM_HOST", "WEBDIS_HOST", "REDIS_HOST"] {
+    for name in [
+        "BIND_ADDRESS",
+        "UPSTREAM_HOST",
+        "WEBDIS_HOST",
+        "REDIS_HOST",
+        "OBJECT_STORE_HOST",
+    ] {
         text = text.replace(&format!("{{{{{name}}}}}"), "127.0.0.1");
     }
     assert!(!text.contains("{{"), "unrendered placeholder in {template}");
@@ -366,6 +374,20 @@ impl Envoy {
         upstream_port: u16,
         edit: impl FnOnce(String) -> String,
     ) -> Envoy {
+        Envoy::start_full(filter_config, webdis_port, upstream_port, None, &[], edit)
+    }
+
+    /// The same, with the `objectstore` cluster pointing at `store_port`
+    /// (otherwise at a port nothing listens on) and `env` added to Envoy's
+    /// environment (which the filter's VM gets the AWS_* variables of).
+    pub fn start_full(
+        filter_config: &str,
+        webdis_port: u16,
+        upstream_port: u16,
+        store_port: Option<u16>,
+        env: &[(&str, &str)],
+        edit: impl FnOnce(String) -> String,
+    ) -> Envoy {
         let dir = Scratch::new("envoy");
         let port = free_port();
         let admin_port = free_port();
@@ -376,6 +398,10 @@ impl Envoy {
                 ("LISTEN_PORT", port.to_string()),
                 ("UPSTREAM_PORT", upstream_port.to_string()),
                 ("WEBDIS_PORT", webdis_port.to_string()),
+                (
+                    "OBJECT_STORE_PORT",
+                    store_port.unwrap_or_else(free_port).to_string(),
+                ),
                 ("WASM_PATH", wasm_path().display().to_string()),
                 (
                     "FILTER_CONFIG",
@@ -394,6 +420,7 @@ impl Envoy {
                 .args(["--concurrency", "2", "--disable-hot-restart", "--log-level"])
                 // REDIS_GUARD_ENVOY_LOG=debug to see the filter at work.
                 .arg(std::env::var("REDIS_GUARD_ENVOY_LOG").unwrap_or_else(|_| "warn".into()))
+                .envs(env.iter().copied())
                 .stdout(log.try_clone().unwrap())
                 .stderr(log),
         );
