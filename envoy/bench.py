@@ -524,9 +524,13 @@ class Stack:
 
     def start(self, scenarios):
         # Every port at once, so no two can be the same.
-        ports = free_ports(4 + 2 * len(scenarios))
+        ports = free_ports(5 + 2 * len(scenarios))
         (self.redis_port, self.webdis_port, self.up_port, self.up_admin) = ports[:4]
-        self.spare_ports = ports[4:]
+        # envoy.yaml's objectstore cluster needs an endpoint, but no bench
+        # config offloads (no objectStore), so Envoy never connects to it:
+        # a port nothing listens on will do.
+        self.store_port = ports[4]
+        self.spare_ports = ports[5:]
         # Redis: no persistence, private dir.
         self.redis = spawn("redis-server", [
             "redis-server", "--port", str(self.redis_port), "--bind", HOST, "--save", "",
@@ -566,6 +570,7 @@ class Stack:
             "BIND_ADDRESS": HOST, "ADMIN_PORT": admin, "LISTEN_PORT": port,
             "UPSTREAM_HOST": HOST, "UPSTREAM_PORT": self.up_port,
             "WEBDIS_HOST": HOST, "WEBDIS_PORT": self.webdis_port, "WASM_PATH": WASM,
+            "OBJECT_STORE_HOST": HOST, "OBJECT_STORE_PORT": self.store_port,
         }
         templates = ["envoy/envoy.yaml"]
         if with_webdis:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Starts Redis, Webdis, the demo upstream and Envoy with the filter on
-# loopback, shows the filter at work, and leaves the stack running.
+# Starts Redis, Webdis, the demo upstream, an S3 object store (moto) and Envoy
+# with the filter on loopback, shows the filter at work, and leaves the stack
+# running.
 # `make demo-down` stops it. Ports can be overridden from the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,18 +11,20 @@ ADMIN_PORT=${ADMIN_PORT:-9901}
 WEBDIS_PORT=${WEBDIS_PORT:-17379}
 REDIS_PORT=${REDIS_PORT:-16379}
 UPSTREAM_PORT=${UPSTREAM_PORT:-18080}
+OBJECT_STORE_PORT=${OBJECT_STORE_PORT:-17900}
 STACK=.stack
 WASM=target/wasm32-wasip1/release/redis_guard.wasm
 ENVOY=$(ls .venv/lib/python3*/site-packages/envoy/_bin/envoy 2>/dev/null | head -n1)
 
 [ -f "$WASM" ] || { echo "missing $WASM: run 'make build'"; exit 1; }
 [ -x "$ENVOY" ] || { echo "missing Envoy in .venv: run 'make deps'"; exit 1; }
+[ -x .venv/bin/moto_server ] || { echo "missing moto_server in .venv: run 'make deps'"; exit 1; }
 
 bash envoy/demo-down.sh >/dev/null 2>&1 || true
 mkdir -p "$STACK"
-for p in $ENVOY_PORT $ADMIN_PORT $WEBDIS_PORT $REDIS_PORT $UPSTREAM_PORT; do
+for p in $ENVOY_PORT $ADMIN_PORT $WEBDIS_PORT $REDIS_PORT $UPSTREAM_PORT $OBJECT_STORE_PORT; do
   if (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; then
-    echo "port $p on 127.0.0.1 is in use; set ENVOY_PORT/ADMIN_PORT/WEBDIS_PORT/REDIS_PORT/UPSTREAM_PORT"; exit 1
+    echo "port $p on 127.0.0.1 is in use; set ENVOY_PORT/ADMIN_PORT/WEBDIS_PORT/REDIS_PORT/UPSTREAM_PORT/OBJECT_STORE_PORT"; exit 1
   fi
 done
 
@@ -36,6 +39,7 @@ python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json \
   --set UPSTREAM_HOST=127.0.0.1 --set UPSTREAM_PORT="$UPSTREAM_PORT" \
   --set WEBDIS_HOST=127.0.0.1 --set WEBDIS_PORT="$WEBDIS_PORT" --set WASM_PATH="$PWD/$WASM" \
   --set REDIS_HOST=127.0.0.1 --set REDIS_PORT="$REDIS_PORT" --set WEBDIS_LOG="$PWD/$STACK/webdis.log" \
+  --set OBJECT_STORE_HOST=127.0.0.1 --set OBJECT_STORE_PORT="$OBJECT_STORE_PORT" \
   envoy/envoy.yaml envoy/webdis.json
 
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
@@ -48,8 +52,42 @@ echo $! > "$STACK/webdis.pid"; wait_port "$WEBDIS_PORT" webdis
 python3 envoy/upstream.py --port "$UPSTREAM_PORT" </dev/null > "$STACK/upstream.log" 2>&1 &
 echo $! > "$STACK/upstream.pid"; wait_port "$UPSTREAM_PORT" upstream
 
-"$ENVOY" -c "$STACK/envoy.yaml" --concurrency 2 --disable-hot-restart --log-level ${ENVOY_LOG_LEVEL:-warn} \
-  </dev/null > "$STACK/envoy.log" 2>&1 &
+# The object store: moto's S3 server, as in the tests. A finite
+# INITIAL_NO_AUTH_ACTION_COUNT turns its IAM access control on, so it checks
+# the filter's SigV4 signatures; 0 lets nothing unsigned through until
+# s3ctl.py bootstrap opens its own window. wait_port only connects: an HTTP
+# probe would count as an action.
+INITIAL_NO_AUTH_ACTION_COUNT=0 .venv/bin/moto_server -H 127.0.0.1 -p "$OBJECT_STORE_PORT" \
+  </dev/null > "$STACK/moto.log" 2>&1 &
+echo $! > "$STACK/moto.pid"; wait_port "$OBJECT_STORE_PORT" moto_server
+# Bucket and key prefix as filter.json names them; the lifecycle rule expires
+# objects ceil(recordTtlMs / 1 day) + 1 days after upload (longest offloading
+# rule), so no object goes before the record that points at it.
+read -r BUCKET KEY_PREFIX LIFECYCLE_DAYS < <(python3 -c '
+import json, sys
+c = json.load(open(sys.argv[1]))
+ttl = max(r.get("recordTtlMs", 86400000) for r in c["idempotency"] if "offloadAboveBytes" in r)
+print(c["objectStore"]["bucket"], c["objectStore"].get("keyPrefix", "redis-guard/"), -(-ttl // 86400000) + 1)
+' envoy/filter.json)
+s3ctl() { .venv/bin/python envoy/s3ctl.py "$@"; }
+# Only the lifecycle rule read back is kept from its output (the key is in
+# the env file).
+LIFECYCLE=$(s3ctl bootstrap "$OBJECT_STORE_PORT" "$BUCKET" --env-file "$STACK/objectstore.env" \
+  --lifecycle-days "$LIFECYCLE_DAYS" --lifecycle-prefix "$KEY_PREFIX" | python3 -c '
+import json, sys
+r = json.load(sys.stdin)["lifecycle"][0]
+print("expire after %d days under %s" % (r["Expiration"]["Days"], r["Filter"]["Prefix"]))')
+# s3ctl.py with the demo's key, which stays out of this shell's environment.
+s3ctl_signed() { # cmd, args before the key...
+  ( . "$STACK/objectstore.env"
+    s3ctl "$1" "$OBJECT_STORE_PORT" "$BUCKET" "${@:2}" "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" )
+}
+
+# filter.json takes the object store's key fromEnvironment: it goes into
+# Envoy's environment only, and envoy.yaml passes it on to the filter's VM.
+( set -a; . "$STACK/objectstore.env"; set +a
+  exec "$ENVOY" -c "$STACK/envoy.yaml" --concurrency 2 --disable-hot-restart \
+    --log-level "${ENVOY_LOG_LEVEL:-warn}" ) </dev/null > "$STACK/envoy.log" 2>&1 &
 echo $! > "$STACK/envoy.pid"; wait_port "$ENVOY_PORT" envoy
 for _ in $(seq 1 100); do curl -sf "http://127.0.0.1:$ADMIN_PORT/ready" >/dev/null && break; sleep 0.1; done
 
@@ -81,6 +119,28 @@ pay() { curl -s -D "$STACK/last-headers" -X POST -H "Idempotency-Key: $1" -d "$2
 echo "  first:   $(pay demo-pay-1 '{"amount":10}')"
 echo "  retry:   $(pay demo-pay-1 '{"amount":10}')  ($(grep -i '^idempotent-replayed' "$STACK/last-headers" | tr -d '\r'))"
 echo "  422:     $(pay demo-pay-1 '{"amount":99}')"
+echo "large responses: above offloadAboveBytes (64 KiB) the body goes to the object store, Redis"
+echo "keeps a reference and its SHA-256. A keyed POST answered with 1 MiB of random bytes, twice:"
+BIG_PATH=/api/payments/statement
+big() { # label
+  local out; out=$(curl -s -o "$STACK/offload-$1.bin" -D "$STACK/last-headers" -w '%{http_code}' -X POST \
+    -H 'Idempotency-Key: demo-offload-1' -H 'x-upstream-binary-bytes: 1048576' -d '{"month":"2026-11"}' "$URL$BIG_PATH")
+  local replayed; replayed=$(grep -i '^idempotent-replayed' "$STACK/last-headers" | tr -d '\r' || true)
+  printf '  %-7s %s  %s bytes  sha256 %s  %s\n' "$1:" "$out" "$(stat -c %s "$STACK/offload-$1.bin")" \
+    "$(sha256sum "$STACK/offload-$1.bin" | cut -c1-16)..." "${replayed:-(executed)}"
+}
+big first
+big retry
+echo "  upstream executions of POST $BIG_PATH: $(curl -s "http://127.0.0.1:$UPSTREAM_PORT/__stats" |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["byPath"].get(sys.argv[1], 0))' "$BIG_PATH")"
+redis-cli -p "$REDIS_PORT" --scan --pattern '*demo-offload-1*' | while read -r k; do
+  echo "  Redis record $k: MEMORY USAGE $(redis-cli -p "$REDIS_PORT" memory usage "$k") bytes, for a 1 MiB body"
+done
+echo "  in bucket $BUCKET (lifecycle rule, as the store reports it: $LIFECYCLE):"
+s3ctl_signed list | python3 -c '
+import json, sys
+for o in json.load(sys.stdin):
+    print("    %s  %d bytes" % (o["key"], o["size"]))'
 echo "the filter's Envoy stats:"
 curl -s "http://127.0.0.1:$ADMIN_PORT/stats?filter=wasmcustom" | sed 's/^/  /'
 echo "keys in Redis (every one with a TTL):"
@@ -91,6 +151,8 @@ The stack keeps running. Try:
   curl -i -H 'x-user: alice' $URL/api/orders
   curl -i -H 'x-user: dave' -H 'x-tenant: acme' $URL/api/orders
   curl -i -X POST -H 'Idempotency-Key: my-key-1' -d '{"amount":5}' $URL/api/payments
+  curl -s -X POST -H 'Idempotency-Key: my-key-2' -H 'x-upstream-binary-bytes: 200000' $URL/api/payments | sha256sum
+  (. $STACK/objectstore.env; .venv/bin/python envoy/s3ctl.py list $OBJECT_STORE_PORT $BUCKET \$AWS_ACCESS_KEY_ID \$AWS_SECRET_ACCESS_KEY)
   curl -s http://127.0.0.1:$ADMIN_PORT/stats/prometheus | grep redis_guard
   redis-cli -p $REDIS_PORT --scan
 Logs are in $STACK/. Stop it with: make demo-down

@@ -4,7 +4,9 @@
 //! render service's command, run here with the real renderer, yields an
 //! envoy.yaml whose listener, admin port, clusters, wasm path and filter config
 //! agree with the services, the published ports and the mounts, and that the
-//! real Envoy binary accepts (`--mode validate`).
+//! real Envoy binary accepts (`--mode validate`); the object store is the moto
+//! release the tests run, bootstrapped for the bucket, key prefix and record
+//! lifetime envoy/filter.json names, and its key reaches Envoy's environment.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -14,7 +16,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 
-use redis_guard::config::Config;
+use redis_guard::config::{Config, ConfigError, ENV_ACCESS_KEY_ID, ENV_SECRET_ACCESS_KEY};
 use serde_json::Value;
 use support::{envoy_bin, root, Scratch};
 
@@ -152,6 +154,46 @@ fn published(svc: &Value) -> Vec<(String, u64, u64)> {
         .collect()
 }
 
+/// The environment the envoy service gets from the file objectstore-init
+/// writes: these names, with values known only once the store issued a key.
+const STACK_ENV: [(&str, &str); 2] = [
+    (ENV_ACCESS_KEY_ID, "AKIAIOSFODNN7EXAMPLE"),
+    (
+        ENV_SECRET_ACCESS_KEY,
+        "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    ),
+];
+
+fn parse_as_in_the_stack(json: &[u8]) -> Result<Config, ConfigError> {
+    Config::parse_with_env(json, &|name| {
+        STACK_ENV
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.to_string())
+    })
+}
+
+/// A service's `depends_on` condition on `other`.
+fn condition<'a>(c: &'a Value, svc: &str, other: &str) -> &'a str {
+    service(c, svc)["depends_on"][other]["condition"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{svc} does not wait for {other} with a condition"))
+}
+
+/// The version pinned by a `NAME := pkg==VERSION` line of the Makefile.
+fn makefile_pin(var: &str) -> String {
+    let makefile = std::fs::read_to_string(root().join("Makefile")).unwrap();
+    let line = makefile
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(var))
+        .unwrap_or_else(|| panic!("Makefile has no {var}"));
+    line.split_once("==")
+        .unwrap_or_else(|| panic!("{line}: not pinned with =="))
+        .1
+        .trim()
+        .to_string()
+}
+
 fn wasm_filter_config(envoy: &Value) -> &Value {
     let filters = envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         ["typed_config"]["http_filters"]
@@ -201,7 +243,7 @@ fn every_bind_mount_exists_and_named_volumes_are_declared() {
             }
         }
     }
-    assert!(binds >= 6, "only {binds} bind mounts");
+    assert!(binds >= 7, "only {binds} bind mounts");
     // The filter comes from the build output, not a copy that could go stale.
     let envoy_mounts = mounts(service(&c, "envoy"));
     let wasm = envoy_mounts
@@ -234,6 +276,14 @@ fn rendered_stack_agrees_with_the_services_ports_and_mounts() {
     for (ip, host_port, container_port) in &ports {
         assert_eq!(ip, "127.0.0.1", "published beyond loopback");
         assert_eq!(host_port, container_port);
+    }
+    // Nothing else is published, not even on loopback: Webdis runs whatever
+    // Lua it is sent, and the object store lets unsigned IAM calls through
+    // while objectstore-init bootstraps it.
+    for (name, svc) in c["services"].as_object().unwrap() {
+        if name != "envoy" {
+            assert!(svc.get("ports").is_none(), "{name} publishes ports");
+        }
     }
 
     // Envoy and Webdis read the files the render service wrote: its --out
@@ -299,11 +349,121 @@ fn rendered_stack_agrees_with_the_services_ports_and_mounts() {
         filter_json,
         std::fs::read_to_string(envoy_dir().join("filter.json")).unwrap()
     );
-    let parsed = Config::parse(filter_json.as_bytes()).unwrap();
+    let parsed = parse_as_in_the_stack(filter_json.as_bytes()).unwrap();
     cluster_endpoint(&envoy, &parsed.redis.cluster);
 
+    // The object store: its cluster points at the objectstore service, on
+    // the port moto listens on, on every interface of its container.
+    let store = parsed
+        .object_store
+        .as_ref()
+        .expect("filter.json has an objectStore");
+    let moto = strings(&service(&c, "objectstore")["entrypoint"]);
+    assert_eq!(moto[0], "moto_server");
+    assert_eq!(flag_values(&moto, "-H"), vec!["0.0.0.0"]);
+    let moto_port: u64 = flag_values(&moto, "-p")[0].parse().unwrap();
+    assert_eq!(
+        cluster_endpoint(&envoy, &store.cluster),
+        ("objectstore".to_string(), moto_port)
+    );
+    assert_eq!(
+        (
+            sets["OBJECT_STORE_HOST"].as_str(),
+            sets["OBJECT_STORE_PORT"].parse::<u64>().unwrap()
+        ),
+        ("objectstore", moto_port)
+    );
+    // IAM access control is on only with a finite INITIAL_NO_AUTH_ACTION_COUNT.
+    let no_auth = &service(&c, "objectstore")["environment"]["INITIAL_NO_AUTH_ACTION_COUNT"];
+    assert!(
+        no_auth.as_str().is_some_and(|n| n.parse::<u32>().is_ok()),
+        "objectstore runs without IAM access control: INITIAL_NO_AUTH_ACTION_COUNT = {no_auth}"
+    );
+    let health = strings(&service(&c, "objectstore")["healthcheck"]["test"]).join(" ");
+    assert!(
+        health.contains(&format!("'127.0.0.1', {moto_port})")),
+        "the healthcheck probes another port: {health}"
+    );
+
+    // objectstore-init bootstraps that server for the bucket and key prefix
+    // the filter uses, with a lifecycle rule that outlives every offloading
+    // rule's records.
+    let init = service(&c, "objectstore-init");
+    let init_cmd: Vec<String> = strings(&init["entrypoint"])
+        .into_iter()
+        .chain(strings(&init["command"]))
+        .collect();
+    let (py, script) = (&init_cmd[0], &init_cmd[1]);
+    assert_eq!(py, "python3");
+    let s3ctl = envoy_dir().join("s3ctl.py").canonicalize().unwrap();
+    assert!(mounts(init).iter().any(|(src, dst)| {
+        dst == script && envoy_dir().join(src).canonicalize().ok() == Some(s3ctl.clone())
+    }));
+    assert_eq!(flag_values(&init_cmd, "--host"), vec!["objectstore"]);
+    let at = init_cmd
+        .iter()
+        .position(|a| a == "bootstrap")
+        .expect("objectstore-init runs s3ctl.py bootstrap");
+    assert_eq!(init_cmd[at + 1], moto_port.to_string());
+    assert_eq!(init_cmd[at + 2], store.bucket);
+    assert_eq!(
+        flag_values(&init_cmd, "--lifecycle-prefix"),
+        vec![store.key_prefix.clone()]
+    );
+    let longest_ttl = parsed
+        .idempotency
+        .iter()
+        .filter(|r| r.offload_above.is_some())
+        .map(|r| r.record_ttl_ms)
+        .max()
+        .expect("a rule in filter.json offloads");
+    assert_eq!(
+        flag_values(&init_cmd, "--lifecycle-days"),
+        vec![redis_guard::offload::lifecycle_days(longest_ttl).to_string()]
+    );
+
+    // Its key reaches the filter: written into the rendered volume, loaded
+    // into Envoy's environment before the image's entrypoint runs `command`
+    // (so the `-c` above is what starts), and passed on to the VM by envoy.yaml.
+    let env_file = &flag_values(&init_cmd, "--env-file")[0];
+    let env_dir = env_file.rsplit_once('/').unwrap().0;
+    assert_eq!(env_dir, out_dir);
+    assert_eq!(volume_of("objectstore-init", out_dir), rendered_volume);
+    let entrypoint = strings(&service(&c, "envoy")["entrypoint"]);
+    assert_eq!(&entrypoint[..2], ["/bin/sh", "-c"]);
+    assert!(
+        entrypoint[2].starts_with(&format!("set -a && . {env_file} && set +a && "))
+            && entrypoint[2].ends_with(r#"exec /docker-entrypoint.sh "$$@""#),
+        "envoy's entrypoint does not load {env_file} and run the image's entrypoint: {}",
+        entrypoint[2]
+    );
+    let raw: Value = serde_json::from_str(filter_json).unwrap();
+    assert_eq!(
+        raw["objectStore"]["credentials"],
+        serde_json::json!({"fromEnvironment": true}),
+        "the stack hands filter.json its key through the environment only"
+    );
+    let host_env = strings(&config["vm_config"]["environment_variables"]["host_env_keys"]);
+    for name in [ENV_ACCESS_KEY_ID, ENV_SECRET_ACCESS_KEY] {
+        assert!(
+            host_env.iter().any(|k| k == name),
+            "{name} not passed to the VM"
+        );
+    }
+
+    // Started in that order: the key exists before Envoy reads it.
+    assert_eq!(
+        condition(&c, "objectstore-init", "objectstore"),
+        "service_healthy"
+    );
+    assert_eq!(
+        condition(&c, "envoy", "objectstore-init"),
+        "service_completed_successfully"
+    );
+
     // The rendered file is a config the real Envoy accepts (the wasm path
-    // swapped for the build output, which is where compose mounts it from).
+    // swapped for the build output, which is where compose mounts it from),
+    // in the environment the envoy service has: the filter reads its key there.
     let local = out.0.join("envoy-local.yaml");
     let text = std::fs::read_to_string(out.0.join("envoy.yaml")).unwrap();
     let wasm = support::wasm_path();
@@ -315,6 +475,7 @@ fn rendered_stack_agrees_with_the_services_ports_and_mounts() {
     let validated = Command::new(envoy_bin())
         .args(["--mode", "validate", "-c"])
         .arg(&local)
+        .envs(STACK_ENV)
         .output()
         .unwrap();
     assert!(
@@ -342,6 +503,17 @@ fn compose_runs_the_envoy_release_the_tests_run() {
         .unwrap_or_else(|| panic!("unexpected --version output: {version}"));
     let major_minor = |v: &str| v.split('.').take(2).collect::<Vec<_>>().join(".");
     assert_eq!(major_minor(tag), major_minor(tested), "{image} vs {tested}");
+}
+
+#[test]
+fn compose_runs_the_moto_release_the_tests_run() {
+    let c = compose();
+    // The tests' S3 server is `moto[server]` from PyPI; its official image
+    // is tagged with the same version.
+    let want = format!("motoserver/moto:{}", makefile_pin("S3_PKG"));
+    for svc in ["objectstore", "objectstore-init"] {
+        assert_eq!(service(&c, svc)["image"], want.as_str(), "{svc}");
+    }
 }
 
 #[test]
