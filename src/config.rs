@@ -672,19 +672,6 @@ impl Config {
         only_listed_arrays(&shape, "", false)?;
         compile(raw, env)
     }
-
-    /// The largest callout reply body the filter reads: a replayed record or
-    /// a fetched object is at most one stored body (plus the record's
-    /// headers and framing); anything larger is not read into the VM.
-    pub fn max_reply_body(&self) -> usize {
-        let stored = self
-            .idempotency
-            .iter()
-            .map(|r| r.max_stored_body)
-            .max()
-            .unwrap_or(0);
-        stored.saturating_add(REPLY_SLACK)
-    }
 }
 
 /// The JSON Schema of the configuration, derived from the types the parser
@@ -751,10 +738,6 @@ fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<
     }
     Ok(())
 }
-
-/// Room in a reply for what comes with a stored body: status, stored
-/// headers, RESP framing, and the rate-limit results of a large plan.
-const REPLY_SLACK: usize = 256 << 10;
 
 fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
     let redis = compile_redis(raw.redis)?;
@@ -839,11 +822,37 @@ fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Confi
                 format!("must include every hashTag part (missing {part}): the hash tag is part of the record's key"),
             ));
         }
-        if rule.offload_above.is_some() && object_store.is_none() {
-            return Err(ConfigError::new(
-                format!("{at}.offloadAboveBytes"),
-                "needs a top-level objectStore to offload to",
-            ));
+        match (rule.offload_above, &object_store) {
+            (Some(_), None) => {
+                return Err(ConfigError::new(
+                    format!("{at}.offloadAboveBytes"),
+                    "needs a top-level objectStore to offload to",
+                ));
+            }
+            (Some(_), Some(store)) => {
+                // The lock is held through the upload and the record's
+                // write: expiring first would let a retry run the request
+                // again while the first response is still being stored.
+                let held = store.timeout + redis.timeout;
+                if Duration::from_millis(rule.lock_ttl_ms) <= held {
+                    return Err(ConfigError::new(
+                        format!("{at}.lockTtlMs"),
+                        format!(
+                            "must be above objectStore.timeoutMs + redis.timeoutMs ({} ms) plus the upstream's time: the lock is held while the response is uploaded and recorded",
+                            held.as_millis()
+                        ),
+                    ));
+                }
+                // The name is a segment of every object key; stores and
+                // proxies resolve these, so the key signed is not the key used.
+                if rule.name == "." || rule.name == ".." {
+                    return Err(ConfigError::new(
+                        format!("{at}.name"),
+                        "`.` and `..` cannot name a rule that offloads: the name is an object key segment",
+                    ));
+                }
+            }
+            (None, _) => {}
         }
         idempotency.push(rule);
     }
@@ -1471,6 +1480,18 @@ fn compile_object_store(
         return Err(ConfigError::new(
             "objectStore.keyPrefix",
             "must be at most 256 printable ASCII characters without spaces, not starting with '/'",
+        ));
+    }
+    // Path segments that stores and proxies normalise (`a//b`, `.`, `..`)
+    // would make the key used differ from the key signed.
+    let segments: Vec<&str> = key_prefix.split('/').collect();
+    let (_, inner) = segments.split_last().unwrap_or((&"", &[]));
+    if inner.iter().any(|seg| matches!(*seg, "" | "." | ".."))
+        || matches!(segments.last(), Some(&("." | "..")))
+    {
+        return Err(ConfigError::new(
+            "objectStore.keyPrefix",
+            "must not contain empty, `.` or `..` path segments",
         ));
     }
     let timeout_ms = raw.timeout_ms.unwrap_or(DEFAULT_OBJECT_TIMEOUT_MS);

@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 pub struct ObjectRef {
     pub key: String,
     /// Lower-case hex SHA-256 of the body (also the upload's signed payload
-    /// hash, so the store itself rejects an upload that was altered).
+    /// hash, which S3 checks against the body it receives).
     pub sha256: String,
     pub len: usize,
 }
@@ -41,13 +41,13 @@ pub fn object_key(
 
 /// When the record written after this upload expires at the latest, by the
 /// proxy's clock: the record's TTL starts when the COMPLETED script runs,
-/// which is after the upload, which ends within the store's timeout. Rounded
-/// up to the second.
-pub fn expires_at(now: Duration, record_ttl_ms: u64, timeout: Duration) -> u64 {
+/// which is within `within` (the upload's and the write's deadlines) from
+/// `now`. Rounded up to the second.
+pub fn expires_at(now: Duration, record_ttl_ms: u64, within: Duration) -> u64 {
     let ms = now
         .as_millis()
         .saturating_add(u128::from(record_ttl_ms))
-        .saturating_add(timeout.as_millis());
+        .saturating_add(within.as_millis());
     u64::try_from(ms.div_ceil(1000)).unwrap_or(u64::MAX)
 }
 

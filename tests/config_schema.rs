@@ -334,6 +334,8 @@ fn base_offload() -> Value {
     });
     doc["idempotency"][0]["maxStoredBodyBytes"] = json!(67_108_864u64);
     doc["idempotency"][0]["offloadAboveBytes"] = json!(65_536);
+    // Above the longest upload the store's timeout allows.
+    doc["idempotency"][0]["lockTtlMs"] = json!(400_000);
     doc
 }
 

@@ -31,7 +31,7 @@ fn config(s3: &S3, secret: Option<&str>) -> String {
             "idempotency":[{{"name":"pay","match":{{"pathPrefix":"/pay"}},
               "tenant":[{{"header":"x-tenant"}}],"storeHeaders":["content-type"],
               "recordTtlMs":{RECORD_TTL_MS},
-              "maxStoredBodyBytes":8388608,"offloadAboveBytes":{THRESHOLD}}}]}}"#,
+              "maxStoredBodyBytes":16777216,"offloadAboveBytes":{THRESHOLD}}}]}}"#,
         port = s3.port,
         bucket = s3.bucket,
     )
@@ -234,6 +234,17 @@ fn the_redis_record_stays_small_whatever_the_body_size_and_outlives_no_object() 
     // About 1 KiB: the object key is longer than Redis' 64-byte listpack
     // value limit, so the record is a small hashtable (984 B measured).
     assert!(usage[0] < 2048, "record of {} bytes", usage[0]);
+
+    // At the rule's cap (16 MiB, the demo's): still one execution and an
+    // exact replay through Envoy's callouts.
+    let first = pay(&e, "big-cap", 16 << 20);
+    assert_eq!(first.status, 200);
+    assert_eq!(first.body.len(), 16 << 20);
+    let again = pay(&e, "big-cap", 16 << 20);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert!(again.body == first.body);
+    assert_eq!(world.upstream.executed(), 3);
+    assert_eq!(e.counter("redis_guard.idempotency.offloaded"), 3);
 }
 
 #[test]

@@ -63,6 +63,9 @@ enum Phase {
     Done,
 }
 
+/// An upload's answer is empty or a short XML error; more is not read.
+pub const UPLOAD_REPLY_LIMIT: usize = 64 << 10;
+
 /// Webdis needs a moment to reconnect to a restarted Redis (measured: about
 /// 30 ms); an immediate retry would meet the same 503.
 pub const RETRY_DELAY: Duration = Duration::from_millis(25);
@@ -889,6 +892,20 @@ impl Flow {
         };
         let verdict = match parsed_verdict {
             Ok(v) => v,
+            // The key completed but its record cannot be read: answering
+            // from the failure mode could forward it, and a completed key
+            // is never run again. Redis itself answered, so the breaker
+            // learns nothing bad.
+            Err(e) if completed_reply(&parsed) => {
+                self.phase = Phase::Done;
+                if self.breaker.success() {
+                    host.count(Counter::CircuitClosed);
+                }
+                log::warn!("redis-guard: unreadable idempotency record: {e}");
+                host.count(Counter::RedisError(ErrorKind::Reply));
+                host.send_local(&unavailable("stored idempotent response is unreadable"));
+                return;
+            }
             Err(e) => {
                 let why = format!("unexpected script reply: {e}");
                 self.fail(host, (ErrorKind::Reply, &why), true);
@@ -997,15 +1014,24 @@ impl Flow {
         // A replay is a local reply, whose header values must be text: a
         // response that cannot be replayed exactly is not stored.
         let replayable = headers.iter().all(|(_, v)| std::str::from_utf8(v).is_ok());
+        if storable.is_some() && expected.is_some_and(|n| n > rule.max_stored_body) {
+            // Announced too large: released at once, without copying any of it.
+            log::info!(
+                "redis-guard: response over maxStoredBodyBytes ({}), not stored",
+                rule.max_stored_body
+            );
+            host.count(Counter::IdemTooLarge);
+            self.release_before_end(host, expected, 0);
+            return self.hold_if_ended(end_of_stream, 0);
+        }
         match storable {
             Some(status) if replayable => {
-                // Sized from content-length once, so the copy never holds a
-                // doubled buffer; a length over the cap is not reserved.
-                let reserve = expected.filter(|n| *n <= rule.max_stored_body);
+                // Sized from content-length once (at most the cap, checked
+                // above), so the copy is never reallocated.
                 self.lock = Lock::Capturing {
                     status,
                     headers,
-                    body: Vec::with_capacity(reserve.unwrap_or(0)),
+                    body: Vec::with_capacity(expected.unwrap_or(0)),
                     expected,
                 };
                 if end_of_stream {
@@ -1133,8 +1159,15 @@ impl Flow {
             return Action::Continue;
         };
         let rule = &config.idempotency[keyed.rule];
+        let sha256 = crate::sigv4::sha256_hex(&body);
+        // Read after hashing (a large body takes a while): the record is
+        // written within the upload's and then the write's deadline from now.
         let now = host.now();
-        let expires = offload::expires_at(now, rule.record_ttl_ms, store.timeout);
+        let expires = offload::expires_at(
+            now,
+            rule.record_ttl_ms,
+            store.timeout + config.redis.timeout,
+        );
         let object = ObjectRef {
             key: offload::object_key(
                 store,
@@ -1143,7 +1176,7 @@ impl Flow {
                 &keyed.args.owner,
                 expires,
             ),
-            sha256: crate::sigv4::sha256_hex(&body),
+            sha256,
             len: body.len(),
         };
         let request = offload::put_headers(store, &object, now);
@@ -1321,6 +1354,19 @@ impl Flow {
                     host.resume_response();
                 }
             }
+        }
+    }
+
+    /// How much of the answer to `token` the host should read into the VM:
+    /// an object fetch needs exactly the stored length (a longer answer is
+    /// not the object, and is not copied), an upload's answer is a short
+    /// status document. Redis replies are read whole: a record cut short
+    /// must not look like a failure that forwards a completed key.
+    pub fn reply_limit(&self, token: u32) -> usize {
+        match (&self.phase, &self.fetch, &self.lock) {
+            (Phase::Fetching { token: t }, Some(fetch), _) if *t == token => fetch.object.len,
+            (_, _, Lock::Uploading { token: t, .. }) if *t == token => UPLOAD_REPLY_LIMIT,
+            _ => usize::MAX,
         }
     }
 
@@ -1502,6 +1548,11 @@ impl Flow {
     }
 }
 
+/// The request script said "completed" (verdict 3), whatever else it said.
+fn completed_reply(reply: &Reply) -> bool {
+    matches!(reply, Reply::Array(Some(items)) if items.first().and_then(Reply::as_int) == Some(3))
+}
+
 fn full_path(view: &dyn crate::request::RequestView) -> Vec<u8> {
     view.header(":path").unwrap_or_default()
 }
@@ -1628,6 +1679,7 @@ mod tests {
         prefetched: Vec<(String, Prefetch)>,
         /// Object-store calls; tokens from OBJECT_TOKENS.
         objects: Vec<ObjectCall>,
+        object_dispatch_fails: bool,
     }
 
     /// An object-store call's headers and body.
@@ -1678,7 +1730,7 @@ mod tests {
             timeout: Duration,
         ) -> Result<u32, String> {
             self.timeouts.push(timeout);
-            if self.dispatch_fails {
+            if self.dispatch_fails || self.object_dispatch_fails {
                 return Err("no cluster".into());
             }
             self.objects
@@ -3083,7 +3135,8 @@ mod tests {
     #[test]
     fn response_over_max_stored_body_is_released_not_stored() {
         let (mut f, mut h, key) = holding("allow");
-        h.respond(&[(":status", "200"), ("content-length", "25")]);
+        // No content-length: found out while copying.
+        h.respond(&[(":status", "200")]);
         assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
         h.response_chunks = vec![vec![b'a'; 15], vec![b'b'; 6], vec![b'c'; 4]];
         assert_eq!(f.on_response_body(&mut h, 15, false), Action::Continue);
@@ -3322,8 +3375,9 @@ mod tests {
         assert_eq!(header(&put, ":authority"), "127.0.0.1:9000");
         assert_eq!(header(&put, "x-amz-content-sha256"), sha);
         let digest = keys::hex(&Sha256::digest(&key));
-        // Expiry: the proxy's now + recordTtlMs (1 day) + the store's timeout.
-        let object_key = format!("t/pay/20261203T172604Z/{digest}-owner-1");
+        // Expiry: the proxy's now + recordTtlMs (1 day) + the store's and
+        // Redis' timeouts (4 s + 50 ms), rounded up to the second.
+        let object_key = format!("t/pay/20261203T172605Z/{digest}-owner-1");
         assert_eq!(header(&put, ":path"), format!("/rg-test/{object_key}"));
         assert!(header(&put, "authorization").starts_with(
             "AWS4-HMAC-SHA256 Credential=AKIDTEST/20261202/us-east-1/s3/aws4_request"
@@ -3509,6 +3563,113 @@ mod tests {
                     .any(|(n, v)| n == "retry-after" && v == "1"),
                 status == 503
             );
+        }
+    }
+
+    #[test]
+    fn a_response_announced_over_the_cap_is_released_at_its_headers() {
+        let (mut f, mut h, key) = holding("allow");
+        h.respond(&[(":status", "200"), ("content-length", "21")]);
+        assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+        assert_eq!(h.dispatched[1], release_call(&key), "nothing copied first");
+        assert_eq!(count(&h, Counter::IdemTooLarge), 1);
+        h.response_chunks = vec![vec![b'a'; 21]];
+        assert_eq!(f.on_response_body(&mut h, 21, true), Action::Pause);
+        f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
+        assert_eq!(h.response_resumed, 1);
+        assert_eq!(count(&h, Counter::IdemStored), 0);
+    }
+
+    #[test]
+    fn an_upload_that_cannot_be_sent_releases_the_key() {
+        let (mut f, mut h, key) = offload_holding();
+        h.object_dispatch_fails = true;
+        h.respond(&[(":status", "201")]);
+        assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+        h.response_chunks = vec![b"0123456789 large".to_vec()];
+        assert_eq!(f.on_response_body(&mut h, 16, true), Action::Pause);
+        assert_eq!(h.dispatched[1], release_call(&key));
+        assert_eq!(count(&h, Counter::IdemOffloadFailed), 1);
+        f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
+        assert_eq!(h.response_resumed, 1);
+        assert!(h.sent.is_empty());
+    }
+
+    #[test]
+    fn a_record_that_fails_after_the_upload_releases_the_key() {
+        let (mut f, mut h, key) = offload_holding();
+        respond_large(&mut f, &mut h, b"0123456789 a large body");
+        f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, object_reply(200, b""));
+        assert!(h.dispatched[1].starts_with("EVALSHA/"));
+        f.on_callout_reply(&mut h, 2, ok(b"-OOM no memory\r\n"));
+        assert_eq!(h.dispatched[2], release_call(&key));
+        assert_eq!(h.response_resumed, 0, "held until the release lands");
+        f.on_callout_reply(&mut h, 3, ok(b":1\r\n"));
+        assert_eq!(h.response_resumed, 1);
+        assert_eq!(count(&h, Counter::IdemStoreFailed), 1);
+        assert_eq!(count(&h, Counter::IdemOffloaded), 0);
+    }
+
+    #[test]
+    fn only_object_replies_are_read_up_to_a_limit() {
+        let (mut f, mut h, _) = offload_holding();
+        assert_eq!(f.reply_limit(2), usize::MAX, "a Redis reply is read whole");
+        respond_large(&mut f, &mut h, b"0123456789 a large body");
+        assert_eq!(f.reply_limit(OBJECT_TOKENS + 1), UPLOAD_REPLY_LIMIT);
+        assert_eq!(f.reply_limit(7), usize::MAX);
+        let (f, _) = offloaded_replay(b"0123456789 a large body");
+        assert_eq!(f.reply_limit(OBJECT_TOKENS + 1), 23, "exactly the object");
+        assert_eq!(f.reply_limit(1), usize::MAX);
+    }
+
+    #[test]
+    fn a_fetch_that_cannot_be_sent_is_a_503_not_a_rerun() {
+        let cfg = Rc::new(Config::parse(OFFLOAD_CONFIG.as_bytes()).unwrap());
+        let mut f = Flow::new(cfg, test_breaker());
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        h.object_dispatch_fails = true;
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+        let sha = "ab".repeat(32);
+        let record = resp(&[b"3", b"201", b"", b"", b"t/pay/x", sha.as_bytes(), b"23"]);
+        f.on_callout_reply(&mut h, 1, ok(&record));
+        assert_eq!(h.sent.len(), 1);
+        assert_eq!(h.sent[0].status, 503);
+        assert_eq!(count(&h, Counter::IdemObjectFetchFailed), 1);
+        assert_eq!(h.resumed, 0);
+    }
+
+    #[test]
+    fn a_record_in_an_object_store_this_filter_lacks_is_a_503_not_a_rerun() {
+        // The rule once offloaded; this configuration has no objectStore.
+        let (mut f, mut h) = keyed_in_flight("allow");
+        let sha = "ab".repeat(32);
+        let record = resp(&[b"3", b"201", b"", b"", b"t/pay/x", sha.as_bytes(), b"23"]);
+        f.on_callout_reply(&mut h, 1, ok(&record));
+        assert_eq!(h.sent.len(), 1);
+        assert_eq!(h.sent[0].status, 503);
+        assert_eq!(count(&h, Counter::IdemObjectFetchFailed), 1);
+        assert!(h.objects.is_empty());
+        assert_eq!(h.resumed, 0);
+    }
+
+    #[test]
+    fn an_unreadable_completed_record_is_a_503_even_when_failing_open() {
+        for record in [
+            // An object reference cut short (no length).
+            resp(&[b"3", b"201", b"", b"", b"t/pay/x", b"ab"]),
+            // A checksum that is not SHA-256.
+            resp(&[b"3", b"201", b"", b"", b"t/pay/x", b"abc", b"23"]),
+            // A status out of range.
+            resp(&[b"3", b"99", b"", b"body"]),
+        ] {
+            let (mut f, mut h) = keyed_in_flight("allow");
+            f.on_callout_reply(&mut h, 1, ok(&record));
+            assert_eq!(h.resumed, 0, "a completed key is never forwarded");
+            assert_eq!(h.sent.len(), 1);
+            assert_eq!(h.sent[0].status, 503);
+            assert_eq!(count(&h, Counter::RedisError(ErrorKind::Reply)), 1);
+            assert_eq!(count(&h, Counter::IdemUnguarded), 0);
+            assert_eq!(count(&h, Counter::FailureAllowed), 0);
         }
     }
 }

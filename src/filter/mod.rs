@@ -158,7 +158,7 @@ pub trait Host: RequestView {
     ) -> Result<(), String>;
     /// Sends one request to the object store's cluster (`headers` include
     /// the pseudo-headers); the reply comes to `Flow::on_callout_reply` like
-    /// a Redis call's. Its body is read only up to `Config::max_reply_body`.
+    /// a Redis call's. Its body is read only up to `Flow::reply_limit`.
     fn dispatch_object(
         &mut self,
         store: &ObjectStore,

@@ -219,8 +219,6 @@ struct Shared {
     /// reply goes to the context that was running when it was sent, and
     /// only the root outlives the request that asked.
     to_prefetch: RefCell<Vec<(Vec<u8>, Duration, Prefetch)>>,
-    /// Callout reply bodies larger than this are not read into the VM.
-    max_reply_body: usize,
 }
 
 /// Calls in flight tracked for latency before stale entries are swept: a
@@ -312,7 +310,8 @@ impl Context for Root {
             if let Ok(mut routed) = shared.routed.try_borrow_mut() {
                 routed.remove(&token_id);
             }
-            let reply = callout_reply(num_headers, body_size, shared.max_reply_body);
+            // A lease reply: read whole.
+            let reply = callout_reply(num_headers, body_size, usize::MAX);
             let mut host = Root::host_for(&shared, self.context_id, Weak::new());
             flow::on_prefetch_reply(&mut host, &note, reply);
             return;
@@ -328,12 +327,12 @@ impl Context for Root {
         let Some(rc) = weak.upgrade() else {
             return; // the stream is gone
         };
-        let reply = callout_reply(num_headers, body_size, shared.max_reply_body);
         if hostcalls::set_effective_context(context_id).is_err() {
             return;
         }
         let borrowed = rc.try_borrow_mut();
         if let Ok(mut flow) = borrowed {
+            let reply = callout_reply(num_headers, body_size, flow.reply_limit(token_id));
             let mut host = Root::host_for(&shared, context_id, Rc::downgrade(&rc));
             flow.on_callout_reply(&mut host, token_id, reply);
         };
@@ -372,7 +371,6 @@ impl RootContext for Root {
                     config.redis.breaker_failures,
                     config.redis.breaker_cool_down,
                 ));
-                let max_reply_body = config.max_reply_body();
                 self.shared = Some(Rc::new(Shared {
                     config: Rc::new(config),
                     metrics,
@@ -385,7 +383,6 @@ impl RootContext for Root {
                     sent_at: RefCell::new(HashMap::new()),
                     prefetches: RefCell::new(HashMap::new()),
                     to_prefetch: RefCell::new(Vec::new()),
-                    max_reply_body,
                 }));
                 true
             }
@@ -774,8 +771,9 @@ fn callout_reply(num_headers: usize, body_size: usize, max_body: usize) -> Callo
     let body = if body_size == 0 {
         Vec::new()
     } else if body_size > max_body {
-        // Larger than anything the filter stores: not copied into the VM
-        // (the flow then sees a body that does not match what it expects).
+        // Larger than the call can legitimately answer (an object fetch
+        // longer than the stored object): not copied into the VM; the flow
+        // sees a body that does not match what it expects.
         log::warn!("redis-guard: callout reply of {body_size} bytes not read (limit {max_body})");
         Vec::new()
     } else {
@@ -806,15 +804,11 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let max_body = match self.shared.as_deref() {
-            Some(shared) => {
-                shared.note_reply(token_id);
-                shared.max_reply_body
-            }
-            None => 0,
-        };
-        let reply = callout_reply(num_headers, body_size, max_body);
+        if let Some(shared) = self.shared.as_deref() {
+            shared.note_reply(token_id);
+        }
         self.with_flow((), |flow, host| {
+            let reply = callout_reply(num_headers, body_size, flow.reply_limit(token_id));
             flow.on_callout_reply(host, token_id, reply)
         });
     }
