@@ -105,6 +105,20 @@ fn pay(e: &Envoy, key: &str, bytes: usize) -> Resp {
     )
 }
 
+/// A keyed POST that runs upstream, then its retry, which must replay it
+/// exactly. Returns the first response.
+fn run_then_replay(e: &Envoy, key: &str, bytes: usize) -> Resp {
+    let first = pay(e, key, bytes);
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert_eq!(first.body.len(), bytes);
+    let again = pay(e, key, bytes);
+    assert_eq!(again.status, 200);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert!(again.body == first.body, "the replay is the stored body");
+    first
+}
+
 fn sha256_hex(data: &[u8]) -> String {
     Sha256::digest(data)
         .iter()
@@ -167,11 +181,8 @@ fn a_large_response_runs_once_and_its_retries_replay_byte_for_byte_from_the_obje
     assert_eq!(e.counter("redis_guard.idempotency.offload_failed"), 0);
 
     // At the threshold the body stays in Redis: no second object.
-    let small = pay(&e, "order-2", THRESHOLD);
-    assert_eq!(small.status, 200);
+    run_then_replay(&e, "order-2", THRESHOLD);
     assert_eq!(world.s3.keys().len(), 1);
-    let replay = pay(&e, "order-2", THRESHOLD);
-    assert!(replay.body == small.body);
     assert_eq!(e.counter("redis_guard.idempotency.offloaded"), 1);
     assert_eq!(e.counter("redis_guard.idempotency.object_fetched"), 2);
 }
@@ -192,9 +203,7 @@ fn the_redis_record_stays_small_whatever_the_body_size_and_outlives_no_object() 
     // nothing but the object key's digest and owner.
     for (i, bytes) in [1 << 20, 4 << 20].into_iter().enumerate() {
         let key = format!("big-{i}");
-        let first = pay(&e, &key, bytes);
-        assert_eq!(first.status, 200);
-        assert_eq!(first.body.len(), bytes);
+        run_then_replay(&e, &key, bytes);
         let mut con = world.redis.conn();
         let keys: Vec<String> = redis::cmd("KEYS")
             .arg(format!("rg:idem:*{key}"))
@@ -221,10 +230,6 @@ fn the_redis_record_stays_small_whatever_the_body_size_and_outlives_no_object() 
             "object expiry {expiry} is the record's, not a guess ({})",
             stamp(record_ends_ms)
         );
-
-        let again = pay(&e, &key, bytes);
-        assert_eq!(again.header("idempotent-replayed"), Some("true"));
-        assert!(again.body == first.body);
     }
     assert_eq!(world.upstream.executed(), 2);
     assert_eq!(
@@ -237,12 +242,7 @@ fn the_redis_record_stays_small_whatever_the_body_size_and_outlives_no_object() 
 
     // At the rule's cap (16 MiB, the demo's): still one execution and an
     // exact replay through Envoy's callouts.
-    let first = pay(&e, "big-cap", 16 << 20);
-    assert_eq!(first.status, 200);
-    assert_eq!(first.body.len(), 16 << 20);
-    let again = pay(&e, "big-cap", 16 << 20);
-    assert_eq!(again.header("idempotent-replayed"), Some("true"));
-    assert!(again.body == first.body);
+    run_then_replay(&e, "big-cap", 16 << 20);
     assert_eq!(world.upstream.executed(), 3);
     assert_eq!(e.counter("redis_guard.idempotency.offloaded"), 3);
 }
@@ -263,14 +263,8 @@ fn a_failed_upload_releases_the_key_so_the_retry_runs_again() {
     // The store is back: the retry runs (the first was never completed),
     // and from then on the key replays.
     world.s3.restart();
-    let second = pay(&e, "order-1", 256 << 10);
-    assert_eq!(second.status, 200);
-    assert_eq!(second.header("idempotent-replayed"), None);
-    assert_eq!(world.upstream.executed(), 2);
+    let second = run_then_replay(&e, "order-1", 256 << 10);
     assert!(second.body != first.body, "a second execution");
-    let third = pay(&e, "order-1", 256 << 10);
-    assert_eq!(third.header("idempotent-replayed"), Some("true"));
-    assert!(third.body == second.body);
     assert_eq!(world.upstream.executed(), 2);
     assert_eq!(e.counter("redis_guard.idempotency.offloaded"), 1);
 }

@@ -199,17 +199,29 @@ fn complete(
     body: &[u8],
     record_ms: i64,
 ) -> i64 {
-    redis::cmd("EVAL")
-        .arg(&redis_guard::scripts::IDEM_COMPLETE.source)
+    complete_cmd(key, owner, status, headers, body, record_ms)
+        .query(con)
+        .unwrap()
+}
+
+fn complete_cmd(
+    key: &str,
+    owner: &str,
+    status: i64,
+    headers: &[u8],
+    body: &[u8],
+    record_ms: i64,
+) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(&redis_guard::scripts::IDEM_COMPLETE.source)
         .arg(1)
         .arg(key)
         .arg(owner)
         .arg(status)
         .arg(headers)
         .arg(body)
-        .arg(record_ms)
-        .query(con)
-        .unwrap()
+        .arg(record_ms);
+    cmd
 }
 
 /// lua/idempotency_complete.lua for a body in the object store: an empty
@@ -221,15 +233,7 @@ fn complete_offloaded(
     object: (&str, &str, usize),
     record_ms: i64,
 ) -> i64 {
-    redis::cmd("EVAL")
-        .arg(&redis_guard::scripts::IDEM_COMPLETE.source)
-        .arg(1)
-        .arg(key)
-        .arg(owner)
-        .arg(200)
-        .arg(HEADERS)
-        .arg(b"")
-        .arg(record_ms)
+    complete_cmd(key, owner, 200, HEADERS, b"", record_ms)
         .arg(object.0)
         .arg(object.1)
         .arg(object.2)

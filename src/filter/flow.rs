@@ -1420,31 +1420,44 @@ impl Flow {
                     body,
                 });
             }
-            Fetched::Missing => {
-                log::warn!(
-                    "redis-guard: stored response object `{}` is missing",
-                    fetch.object.key
-                );
-                host.count(Counter::IdemObjectMissing);
-                host.send_local(&stored_response_missing());
-            }
-            Fetched::Corrupt(why) => {
-                log::warn!(
-                    "redis-guard: stored response object `{}` is corrupt: {why}",
-                    fetch.object.key
-                );
-                host.count(Counter::IdemObjectCorrupt);
-                host.send_local(&stored_response_corrupt());
-            }
-            Fetched::Failed(why) => {
-                log::warn!(
-                    "redis-guard: cannot fetch stored response object `{}`: {why}",
-                    fetch.object.key
-                );
-                host.count(Counter::IdemObjectFetchFailed);
-                host.send_local(&stored_response_unavailable());
-            }
+            Fetched::Missing => self.stored_response_error(
+                host,
+                &fetch.object,
+                "is missing".to_string(),
+                (Counter::IdemObjectMissing, stored_response_missing()),
+            ),
+            Fetched::Corrupt(why) => self.stored_response_error(
+                host,
+                &fetch.object,
+                format!("is corrupt: {why}"),
+                (Counter::IdemObjectCorrupt, stored_response_corrupt()),
+            ),
+            Fetched::Failed(why) => self.stored_response_error(
+                host,
+                &fetch.object,
+                format!("cannot be fetched: {why}"),
+                (
+                    Counter::IdemObjectFetchFailed,
+                    stored_response_unavailable(),
+                ),
+            ),
         }
+    }
+
+    /// A replay that cannot be served: logged, counted, answered (never run).
+    fn stored_response_error<H: Host>(
+        &self,
+        host: &mut H,
+        object: &ObjectRef,
+        what: String,
+        (counter, reply): (Counter, LocalReply),
+    ) {
+        log::warn!(
+            "redis-guard: stored response object `{}` {what}",
+            object.key
+        );
+        host.count(counter);
+        host.send_local(&reply);
     }
 
     /// Sends the release; the response's end waits for it (`hold_if_ended`).
