@@ -2733,6 +2733,20 @@ mod tests {
         h.counters.iter().filter(|&&x| x == c).count()
     }
 
+    /// The last call is the owner's release of `key`, the response's end
+    /// waits for it, and goes out once it lands; the client gets the
+    /// upstream's response, not a local one.
+    #[track_caller]
+    fn release_lands(f: &mut Flow, h: &mut FakeHost, key: &[u8]) {
+        let token = h.dispatched.len();
+        assert_eq!(h.dispatched[token - 1], release_call(key));
+        assert_eq!(count(h, Counter::IdemReleased), 1);
+        assert_eq!(h.response_resumed, 0, "held until the release lands");
+        f.on_callout_reply(h, token as u32, ok(b":1\r\n"));
+        assert_eq!(h.response_resumed, 1);
+        assert!(h.sent.is_empty());
+    }
+
     #[test]
     fn keyed_post_without_body_dispatches_one_evalsha_with_record_key_and_fingerprint() {
         let cfg = idem_config("allow");
@@ -3098,18 +3112,10 @@ mod tests {
             assert_eq!(h.dispatched.len(), 2);
             assert!(h.dispatched[1].starts_with("EVALSHA/"));
             f.on_callout_reply(&mut h, 2, reply.clone());
-            assert_eq!(
-                h.response_resumed, 0,
-                "held until the release lands: {reply:?}"
-            );
-            assert_eq!(h.dispatched.len(), 3);
-            assert_eq!(h.dispatched[2], release_call(&key));
-            assert_eq!(count(&h, Counter::IdemReleased), 1);
-            f.on_callout_reply(&mut h, 3, ok(b":1\r\n"));
-            assert_eq!(h.response_resumed, 1);
+            assert_eq!(h.dispatched.len(), 3, "{reply:?}");
+            release_lands(&mut f, &mut h, &key);
             assert_eq!(count(&h, Counter::IdemStoreFailed), 1);
             assert!(!h.counters.contains(&Counter::IdemStored));
-            assert!(h.sent.is_empty());
             f.on_stream_end(&mut h);
             assert!(h.detached.is_empty());
         }
@@ -3377,6 +3383,13 @@ mod tests {
         (headers, sent.unwrap())
     }
 
+    /// A held key whose large 201 is being uploaded (the PUT in flight).
+    fn uploading() -> (Flow, FakeHost, Vec<u8>) {
+        let (mut f, mut h, key) = offload_holding();
+        respond_large(&mut f, &mut h, b"0123456789 a large body");
+        (f, h, key)
+    }
+
     #[test]
     fn a_large_response_is_uploaded_then_recorded_by_reference() {
         let (mut f, mut h, key) = offload_holding();
@@ -3452,25 +3465,18 @@ mod tests {
                 body: vec![],
             },
         ] {
-            let (mut f, mut h, key) = offload_holding();
-            respond_large(&mut f, &mut h, b"0123456789 a large body");
+            let (mut f, mut h, key) = uploading();
             f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, reply.clone());
-            assert_eq!(h.dispatched.len(), 2, "{reply:?}");
-            assert_eq!(h.dispatched[1], release_call(&key), "no record: {reply:?}");
-            assert_eq!(h.response_resumed, 0, "held until the release lands");
-            f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
-            assert_eq!(h.response_resumed, 1);
+            assert_eq!(h.dispatched.len(), 2, "no record: {reply:?}");
+            release_lands(&mut f, &mut h, &key);
             assert_eq!(count(&h, Counter::IdemOffloadFailed), 1);
-            assert_eq!(count(&h, Counter::IdemReleased), 1);
             assert_eq!(count(&h, Counter::IdemStored), 0);
-            assert!(h.sent.is_empty(), "the client gets the upstream's response");
         }
     }
 
     #[test]
     fn a_stream_that_ends_during_the_upload_frees_the_key() {
-        let (mut f, mut h, key) = offload_holding();
-        respond_large(&mut f, &mut h, b"0123456789 a large body");
+        let (mut f, mut h, key) = uploading();
         f.on_stream_end(&mut h);
         assert_eq!(h.detached, vec![detached_release_call(&key)]);
     }
@@ -3601,33 +3607,28 @@ mod tests {
         assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
         h.response_chunks = vec![b"0123456789 large".to_vec()];
         assert_eq!(f.on_response_body(&mut h, 16, true), Action::Pause);
-        assert_eq!(h.dispatched[1], release_call(&key));
+        assert_eq!(h.dispatched.len(), 2);
+        release_lands(&mut f, &mut h, &key);
         assert_eq!(count(&h, Counter::IdemOffloadFailed), 1);
-        f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
-        assert_eq!(h.response_resumed, 1);
-        assert!(h.sent.is_empty());
     }
 
     #[test]
     fn a_record_that_fails_after_the_upload_releases_the_key() {
-        let (mut f, mut h, key) = offload_holding();
-        respond_large(&mut f, &mut h, b"0123456789 a large body");
+        let (mut f, mut h, key) = uploading();
         f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, object_reply(200, b""));
         assert!(h.dispatched[1].starts_with("EVALSHA/"));
         f.on_callout_reply(&mut h, 2, ok(b"-OOM no memory\r\n"));
-        assert_eq!(h.dispatched[2], release_call(&key));
-        assert_eq!(h.response_resumed, 0, "held until the release lands");
-        f.on_callout_reply(&mut h, 3, ok(b":1\r\n"));
-        assert_eq!(h.response_resumed, 1);
+        assert_eq!(h.dispatched.len(), 3);
+        release_lands(&mut f, &mut h, &key);
         assert_eq!(count(&h, Counter::IdemStoreFailed), 1);
         assert_eq!(count(&h, Counter::IdemOffloaded), 0);
     }
 
     #[test]
     fn only_object_replies_are_read_up_to_a_limit() {
-        let (mut f, mut h, _) = offload_holding();
+        let (f, _, _) = offload_holding();
         assert_eq!(f.reply_limit(2), usize::MAX, "a Redis reply is read whole");
-        respond_large(&mut f, &mut h, b"0123456789 a large body");
+        let (f, _, _) = uploading();
         assert_eq!(f.reply_limit(OBJECT_TOKENS + 1), UPLOAD_REPLY_LIMIT);
         assert_eq!(f.reply_limit(7), usize::MAX);
         let (f, _) = offloaded_replay(b"0123456789 a large body");
