@@ -1484,10 +1484,11 @@ fn compile_object_store(
     }
     // Path segments that stores and proxies normalise (`a//b`, `.`, `..`)
     // would make the key used differ from the key signed.
-    let segments: Vec<&str> = key_prefix.split('/').collect();
-    let (_, inner) = segments.split_last().unwrap_or((&"", &[]));
-    if inner.iter().any(|seg| matches!(*seg, "" | "." | ".."))
-        || matches!(segments.last(), Some(&("." | "..")))
+    let segments = key_prefix.strip_suffix('/').unwrap_or(&key_prefix);
+    if !segments.is_empty()
+        && segments
+            .split('/')
+            .any(|seg| matches!(seg, "" | "." | ".."))
     {
         return Err(ConfigError::new(
             "objectStore.keyPrefix",

@@ -32,11 +32,16 @@ pub fn hex(bytes: &[u8]) -> String {
     s
 }
 
+/// Lower-case hex SHA-256: digests in keys, object names and checksums.
+pub fn sha256_hex(data: &[u8]) -> String {
+    hex(&Sha256::digest(data))
+}
+
 /// Appends one descriptor value: `<len>:<bytes>`, or `#<sha256 hex>` when long.
 pub fn push_value(out: &mut Vec<u8>, value: &[u8]) {
     if value.len() > MAX_RAW_VALUE {
         out.push(b'#');
-        out.extend_from_slice(hex(&Sha256::digest(value)).as_bytes());
+        out.extend_from_slice(sha256_hex(value).as_bytes());
     } else {
         out.extend_from_slice(value.len().to_string().as_bytes());
         out.push(b':');

@@ -6,9 +6,8 @@
 use std::time::Duration;
 
 use crate::config::ObjectStore;
-use crate::keys::hex;
+use crate::keys::sha256_hex;
 use crate::sigv4::{self, Request};
-use sha2::{Digest, Sha256};
 
 /// What the COMPLETED record keeps of an offloaded body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,7 +33,7 @@ pub fn object_key(
     owner: &str,
     expires_unix: u64,
 ) -> String {
-    let digest = hex(&Sha256::digest(record_key));
+    let digest = sha256_hex(record_key);
     let (stamp, _) = sigv4::amz_date(expires_unix);
     format!("{}{rule}/{stamp}/{digest}-{owner}", store.key_prefix)
 }
@@ -115,7 +114,7 @@ pub fn get_headers(
     object: &ObjectRef,
     now: Duration,
 ) -> Vec<(String, String)> {
-    signed(store, "GET", &object.key, &sigv4::sha256_hex(b""), &[], now)
+    signed(store, "GET", &object.key, &sha256_hex(b""), &[], now)
 }
 
 /// What an object fetch for a replay came to.
@@ -149,7 +148,7 @@ pub fn check_fetch(status: Option<u32>, body: Vec<u8>, want: &ObjectRef) -> Fetc
             want.len
         ));
     }
-    let got = sigv4::sha256_hex(&body);
+    let got = sha256_hex(&body);
     if got != want.sha256 {
         return Fetched::Corrupt(format!(
             "object's SHA-256 is {got}, the record says {}",
@@ -194,7 +193,7 @@ mod tests {
     fn object(body: &[u8]) -> ObjectRef {
         ObjectRef {
             key: "rg/pay/20261203T000000Z/ab-cd".into(),
-            sha256: sigv4::sha256_hex(body),
+            sha256: sha256_hex(body),
             len: body.len(),
         }
     }
@@ -203,7 +202,7 @@ mod tests {
     fn object_keys_carry_rule_expiry_record_digest_and_owner() {
         // 2026-12-02T17:26:00Z
         let key = object_key(&store(), "pay", b"rg:idem:{t}:pay:x", "00ff", 1_796_232_360);
-        let digest = hex(&Sha256::digest(b"rg:idem:{t}:pay:x"));
+        let digest = sha256_hex(b"rg:idem:{t}:pay:x");
         assert_eq!(key, format!("rg/pay/20261202T172600Z/{digest}-00ff"));
         let other = object_key(&store(), "pay", b"rg:idem:{t}:pay:y", "00ff", 1_796_232_360);
         assert_ne!(key, other, "another record, another object");
@@ -258,7 +257,7 @@ mod tests {
         assert!(!auth.contains("secret"));
         let fetch = get_headers(&store(), &obj, now);
         assert_eq!(get(&fetch, ":method"), "GET");
-        assert_eq!(get(&fetch, "x-amz-content-sha256"), sigv4::sha256_hex(b""));
+        assert_eq!(get(&fetch, "x-amz-content-sha256"), sha256_hex(b""));
     }
 
     #[test]

@@ -9,9 +9,9 @@ use std::fmt;
 
 use hmac::{Hmac, Mac};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
-use crate::keys::hex;
+use crate::keys::{hex, sha256_hex};
 
 const ALGORITHM: &str = "AWS4-HMAC-SHA256";
 
@@ -105,10 +105,6 @@ pub fn object_path(bucket: &str, key: &str) -> String {
         utf8_percent_encode(bucket, UNRESERVED),
         utf8_percent_encode(key, KEY_SET)
     )
-}
-
-pub fn sha256_hex(data: &[u8]) -> String {
-    hex(&Sha256::digest(data))
 }
 
 fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {

@@ -73,19 +73,20 @@ impl World {
         )
     }
 
-    /// The one idempotency record in Redis: its key and fields.
-    fn record(&self) -> (String, std::collections::HashMap<String, String>) {
+    /// The idempotency records in Redis.
+    fn record_keys(&self) -> Vec<String> {
         let mut con = self.redis.conn();
-        let keys: Vec<String> = redis::cmd("KEYS").arg("rg:idem:*").query(&mut con).unwrap();
-        assert_eq!(keys.len(), 1, "one record: {keys:?}");
-        let fields = hash_fields(&mut con, &keys[0]).into_iter().collect();
-        (keys[0].clone(), fields)
+        redis::cmd("KEYS").arg("rg:idem:*").query(&mut con).unwrap()
     }
 
-    fn records(&self) -> usize {
-        let mut con = self.redis.conn();
-        let keys: Vec<String> = redis::cmd("KEYS").arg("rg:idem:*").query(&mut con).unwrap();
-        keys.len()
+    /// The one idempotency record in Redis: its key and fields.
+    fn record(&self) -> (String, std::collections::HashMap<String, String>) {
+        let keys = self.record_keys();
+        assert_eq!(keys.len(), 1, "one record: {keys:?}");
+        let fields = hash_fields(&mut self.redis.conn(), &keys[0])
+            .into_iter()
+            .collect();
+        (keys[0].clone(), fields)
     }
 }
 
@@ -258,7 +259,7 @@ fn a_failed_upload_releases_the_key_so_the_retry_runs_again() {
     assert_eq!(e.counter("redis_guard.idempotency.offload_failed"), 1);
     assert_eq!(e.counter("redis_guard.idempotency.released"), 1);
     assert_eq!(e.counter("redis_guard.idempotency.stored"), 0);
-    assert_eq!(world.records(), 0, "the lock is gone, no record");
+    assert_eq!(world.record_keys().len(), 0, "the lock is gone, no record");
 
     // The store is back: the retry runs (the first was never completed),
     // and from then on the key replays.
@@ -289,7 +290,7 @@ fn a_wrong_signature_key_stores_nothing_and_never_reruns_a_completed_key() {
     let first = pay(&wrong, "order-1", 128 << 10);
     assert_eq!(first.status, 200);
     assert_eq!(wrong.counter("redis_guard.idempotency.offload_failed"), 1);
-    assert_eq!(world.records(), 0);
+    assert_eq!(world.record_keys().len(), 0);
     assert!(world.s3.keys().is_empty(), "nothing was stored");
 
     // Completed through the Envoy with the right key...

@@ -82,6 +82,11 @@ impl Scrape {
         )
     }
 
+    /// A limit's checked, allowed, rejected and shadow_rejected counters.
+    fn verdicts(&self, limit: &str) -> [u64; 4] {
+        ["checked", "allowed", "rejected", "shadow_rejected"].map(|stat| self.limit(stat, limit))
+    }
+
     fn plain(&self, name: &str) -> u64 {
         self.get(&format!("redis_guard_{name}"), "")
     }
@@ -175,25 +180,9 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     // (the decision, the store, the release) on a fresh Redis.
     let calls = 6 + 9 + 3;
     let s = latency_count(envoy, calls);
-    assert_eq!(
-        (
-            s.limit("checked", "burst"),
-            s.limit("allowed", "burst"),
-            s.limit("rejected", "burst"),
-            s.limit("shadow_rejected", "burst"),
-        ),
-        (7, 5, 2, 0)
-    );
+    assert_eq!(s.verdicts("burst"), [7, 5, 2, 0]);
     // A limit name with a dot stays whole in its label.
-    assert_eq!(
-        (
-            s.limit("checked", "trial.v2"),
-            s.limit("allowed", "trial.v2"),
-            s.limit("rejected", "trial.v2"),
-            s.limit("shadow_rejected", "trial.v2"),
-        ),
-        (2, 1, 0, 1)
-    );
+    assert_eq!(s.verdicts("trial.v2"), [2, 1, 0, 1]);
     assert_eq!(s.plain("redis_calls"), calls);
     assert_eq!(s.plain("overlimit_cache_rejected"), 1);
     assert_eq!(s.plain("redis_script_reloads"), 3);

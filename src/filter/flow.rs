@@ -28,7 +28,6 @@ use crate::response::{
 };
 use crate::scripts::{Script, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT};
 use crate::webdis::{command_body, parse_reply, Reply};
-use sha2::{Digest, Sha256};
 
 /// What the host should do after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -723,10 +722,7 @@ impl Flow {
                 continue;
             }
             let bucket = LocalBucket::for_limit(&limit.algorithm, limit.local_per_mille);
-            let key = format!(
-                "redis-guard/local/{}",
-                keys::hex(&Sha256::digest(&check.key))
-            );
+            let key = format!("redis-guard/local/{}", keys::sha256_hex(&check.key));
             let mut taken = None;
             // Bounded: under contention a worker retries a few times, then
             // counts the request as admitted rather than spin.
@@ -1159,7 +1155,7 @@ impl Flow {
             return Action::Continue;
         };
         let rule = &config.idempotency[keyed.rule];
-        let sha256 = crate::sigv4::sha256_hex(&body);
+        let sha256 = keys::sha256_hex(&body);
         // Read after hashing (a large body takes a while): the record is
         // written within the upload's and then the write's deadline from now.
         let now = host.now();
@@ -1194,8 +1190,7 @@ impl Flow {
             Err(e) => {
                 log::warn!("redis-guard: cannot upload the response to the object store: {e}");
                 host.count(Counter::IdemOffloadFailed);
-                self.release_before_end(host, None, 0);
-                self.hold_if_ended(true, 0)
+                self.release_held_end(host)
             }
         }
     }
@@ -1223,8 +1218,7 @@ impl Flow {
                 // as after any failed store; the response still goes out.
                 log::warn!("redis-guard: response not offloaded ({e}); key released");
                 host.count(Counter::IdemOffloadFailed);
-                self.release_before_end(host, None, 0);
-                if self.hold_if_ended(true, 0) == Action::Continue {
+                if self.release_held_end(host) == Action::Continue {
                     host.resume_response();
                 }
             }
@@ -1347,10 +1341,7 @@ impl Flow {
                     reply.status
                 );
                 host.count(Counter::IdemStoreFailed);
-                self.release_before_end(host, None, 0);
-                if matches!(self.lock, Lock::Releasing { .. }) {
-                    self.hold_if_ended(true, 0);
-                } else {
+                if self.release_held_end(host) == Action::Continue {
                     host.resume_response();
                 }
             }
@@ -1458,6 +1449,14 @@ impl Flow {
         );
         host.count(counter);
         host.send_local(&reply);
+    }
+
+    /// The response's last piece is being held (its store failed): free the
+    /// key first; the piece goes out when the release lands, or at once
+    /// (`Continue`) if it could not be sent.
+    fn release_held_end<H: Host>(&mut self, host: &mut H) -> Action {
+        self.release_before_end(host, None, 0);
+        self.hold_if_ended(true, 0)
     }
 
     /// Sends the release; the response's end waits for it (`hold_if_ended`).
@@ -1861,6 +1860,15 @@ mod tests {
         }
     }
 
+    /// A call that got no answer (timeout, reset, connection refused).
+    fn no_answer() -> CalloutReply {
+        CalloutReply {
+            status: None,
+            from_webdis: false,
+            body: vec![],
+        }
+    }
+
     const ADMIT: &[u8] = b"*5\r\n$1\r\n1\r\n$1\r\n1\r\n$1\r\n1\r\n$1\r\n0\r\n$4\r\n1000\r\n";
     const REJECT: &[u8] = b"*5\r\n$1\r\n0\r\n$1\r\n0\r\n$1\r\n0\r\n$3\r\n400\r\n$3\r\n400\r\n";
 
@@ -1931,11 +1939,7 @@ mod tests {
     #[test]
     fn failures_follow_the_failure_mode() {
         let bad_replies = [
-            CalloutReply {
-                status: None,
-                from_webdis: false,
-                body: vec![],
-            },
+            no_answer(),
             CalloutReply {
                 status: Some(502),
                 from_webdis: false,
@@ -2001,16 +2005,11 @@ mod tests {
         .unwrap();
         let cfg = Rc::new(cfg);
         let breaker = Rc::new(Breaker::new(2, Duration::from_millis(100)));
-        let failed = || CalloutReply {
-            status: None,
-            from_webdis: false,
-            body: vec![],
-        };
         let mut h = FakeHost::get("/");
         for token in 1..=2 {
             let mut f = Flow::new(cfg.clone(), breaker.clone());
             assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
-            f.on_callout_reply(&mut h, token, failed());
+            f.on_callout_reply(&mut h, token, no_answer());
         }
         assert_eq!(count(&h, Counter::CircuitOpened), 1);
         assert_eq!(
@@ -2060,15 +2059,7 @@ mod tests {
         let mut h = FakeHost::get("/");
         let mut f = Flow::new(cfg.clone(), breaker.clone());
         f.on_request_headers(&mut h, true);
-        f.on_callout_reply(
-            &mut h,
-            1,
-            CalloutReply {
-                status: None,
-                from_webdis: false,
-                body: vec![],
-            },
-        );
+        f.on_callout_reply(&mut h, 1, no_answer());
         h.clock_ms = 100;
         let mut probe = Flow::new(cfg.clone(), breaker.clone());
         assert_eq!(probe.on_request_headers(&mut h, true), Action::Pause);
@@ -2456,15 +2447,7 @@ mod tests {
             slot.step(stored().as_deref(), 1, 10, 1_000, 4, true),
             lease::Step::Strict
         );
-        on_prefetch_reply(
-            &mut h,
-            &note,
-            CalloutReply {
-                status: None,
-                from_webdis: false,
-                body: vec![],
-            },
-        );
+        on_prefetch_reply(&mut h, &note, no_answer());
         let stored = h.shared.get(&slot.shared_key).map(|(v, _)| v.clone());
         assert!(matches!(
             slot.step(stored.as_deref(), 1, 10, 1_000, 4, true),
@@ -2480,15 +2463,7 @@ mod tests {
         let mut h = FakeHost::get("/x");
         let mut f = Flow::new(cfg.clone(), test_breaker());
         f.on_request_headers(&mut h, true);
-        f.on_callout_reply(
-            &mut h,
-            1,
-            CalloutReply {
-                status: None,
-                from_webdis: false,
-                body: vec![],
-            },
-        );
+        f.on_callout_reply(&mut h, 1, no_answer());
         let mut g = Flow::new(cfg, test_breaker());
         g.on_request_headers(&mut h, true);
         assert!(
@@ -2498,7 +2473,7 @@ mod tests {
     }
 
     #[test]
-    fn a_cluster_refusal_before_the_script_ran_is_retried_not_failed() {
+    fn a_cluster_refusal_before_the_script_ran_is_retried_not_no_answer() {
         for refusal in [
             &b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n"[..],
             b"-CLUSTERDOWN The cluster is down\r\n",
@@ -3093,14 +3068,7 @@ mod tests {
 
     #[test]
     fn a_failed_store_releases_the_key_before_the_response_ends() {
-        for reply in [
-            ok(b"-ERR oops\r\n"),
-            CalloutReply {
-                status: None,
-                from_webdis: false,
-                body: vec![],
-            },
-        ] {
+        for reply in [ok(b"-ERR oops\r\n"), no_answer()] {
             let cfg = idem_config("deny");
             let mut f = Flow::new(cfg.clone(), test_breaker());
             let mut h = FakeHost::post("/pay", b"abc-123");
@@ -3254,15 +3222,10 @@ mod tests {
 
     #[test]
     fn redis_failure_on_a_keyed_request_follows_the_rule_failure_mode() {
-        let failed = || CalloutReply {
-            status: None,
-            from_webdis: false,
-            body: vec![],
-        };
         // allow: forwarded without the guarantee. The timed-out script may
         // have taken the lock: it is released (owner-checked) at once.
         let (mut f, mut h) = keyed_in_flight("allow");
-        f.on_callout_reply(&mut h, 1, failed());
+        f.on_callout_reply(&mut h, 1, no_answer());
         assert_eq!(h.resumed, 1);
         assert!(h.sent.is_empty());
         assert_eq!(count(&h, Counter::IdemUnguarded), 1);
@@ -3282,7 +3245,7 @@ mod tests {
 
         // deny: 503, not forwarded; the possible lock is released too.
         let (mut f, mut h) = keyed_in_flight("deny");
-        f.on_callout_reply(&mut h, 1, failed());
+        f.on_callout_reply(&mut h, 1, no_answer());
         assert_eq!(h.resumed, 0);
         assert_eq!(h.sent.len(), 1);
         assert_eq!(h.sent[0].status, 503);
@@ -3396,11 +3359,11 @@ mod tests {
         let body = b"0123456789 a large body";
         let (put, sent) = respond_large(&mut f, &mut h, body);
         assert_eq!(sent, body);
-        let sha = crate::sigv4::sha256_hex(body);
+        let sha = keys::sha256_hex(body);
         assert_eq!(header(&put, ":method"), "PUT");
         assert_eq!(header(&put, ":authority"), "127.0.0.1:9000");
         assert_eq!(header(&put, "x-amz-content-sha256"), sha);
-        let digest = keys::hex(&Sha256::digest(&key));
+        let digest = keys::sha256_hex(&key);
         // Expiry: the proxy's now + recordTtlMs (1 day) + the store's and
         // Redis' timeouts (4 s + 50 ms), rounded up to the second.
         let object_key = format!("t/pay/20261203T172605Z/{digest}-owner-1");
@@ -3459,11 +3422,7 @@ mod tests {
         for reply in [
             object_reply(403, b"<Code>SignatureDoesNotMatch</Code>"),
             object_reply(503, b""),
-            CalloutReply {
-                status: None,
-                from_webdis: false,
-                body: vec![],
-            },
+            no_answer(),
         ] {
             let (mut f, mut h, key) = uploading();
             f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, reply.clone());
@@ -3489,7 +3448,7 @@ mod tests {
         h.clock_ms = 1_796_232_360_000;
         assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
         let stored = encode_headers(&[("content-type".to_string(), b"text/plain".to_vec())]);
-        let sha = crate::sigv4::sha256_hex(body);
+        let sha = keys::sha256_hex(body);
         let len = body.len().to_string();
         let record = resp(&[
             b"3",
@@ -3554,15 +3513,7 @@ mod tests {
                 503,
                 Counter::IdemObjectFetchFailed,
             ),
-            (
-                CalloutReply {
-                    status: None,
-                    from_webdis: false,
-                    body: vec![],
-                },
-                503,
-                Counter::IdemObjectFetchFailed,
-            ),
+            (no_answer(), 503, Counter::IdemObjectFetchFailed),
         ];
         for (reply, status, counter) in cases {
             let (mut f, mut h) = offloaded_replay(body);
