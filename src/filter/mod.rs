@@ -1,10 +1,20 @@
-//! The host-facing layer. [`flow`] drives one request through the rate-limit
-//! decision over the small [`Host`] trait; [`proxy`] (wasm only) implements
-//! that trait with proxy-wasm calls, so everything above it is tested natively.
+//! The host-facing layer. [`flow`] drives one request through the stages
+//! ([`stage`]) over the small [`Host`] trait; every script call goes through
+//! [`call`], every shared-data update through [`cas`]. [`proxy`] (wasm only)
+//! implements the trait with proxy-wasm calls, so everything above it is
+//! tested natively against the one fake host in [`testing`].
 
+pub mod call;
+pub mod cas;
+pub mod counter;
 pub mod flow;
 #[cfg(target_arch = "wasm32")]
 pub mod proxy;
+pub mod stage;
+#[cfg(test)]
+pub mod testing;
+#[cfg(test)]
+mod tests;
 
 use std::time::Duration;
 
@@ -12,110 +22,41 @@ use crate::config::{ObjectStore, RedisTarget};
 use crate::request::RequestView;
 use crate::response::LocalReply;
 
-/// Counters the filter reports; the host maps them to Envoy stats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Counter {
-    /// Requests a limit applied to (index into `Config::limits`).
-    Checked(usize),
-    Allowed(usize),
-    Rejected(usize),
-    /// A shadow limit that would have rejected.
-    ShadowRejected(usize),
-    RedisCalls,
-    /// EVALSHA found no script and the filter fell back to EVAL.
-    ScriptReloads,
-    /// A call repeated after Webdis answered 503 (command not executed).
-    RedisRetries,
-    /// A Redis decision that failed, by why (the total is their sum).
-    RedisError(ErrorKind),
-    FailureAllowed,
-    FailureDenied,
-    /// Idempotency: lock taken and request forwarded.
-    IdemAcquired,
-    /// Answered from a COMPLETED record.
-    IdemReplayed,
-    /// 409: another request holds the key.
-    IdemConflicts,
-    /// 422: the key was used with another request.
-    IdemMismatches,
-    /// Lock released so a retry runs again (failure, non-storable, too large).
-    IdemReleased,
-    /// COMPLETED record written.
-    IdemStored,
-    /// The COMPLETED record could not be written (lock lost, Redis failed).
-    IdemStoreFailed,
-    /// Response over maxStoredBodyBytes: not stored, lock released.
-    IdemTooLarge,
-    /// Forwarded without the guarantee because Redis failed (failure mode allow).
-    IdemUnguarded,
-    /// Redis failed and the request was decided by the local budget.
-    FailureLocal,
-    LocalAllowed,
-    LocalRejected,
-    /// The circuit breaker opened after consecutive failures (or a failed probe).
-    CircuitOpened,
-    /// This worker's breaker went from closed to open (the open gauge rises).
-    CircuitTripped,
-    /// A probe succeeded and closed this worker's breaker (the gauge falls).
-    CircuitClosed,
-    /// A request sent to its failure mode by the open breaker, without a call.
-    CircuitShortCircuited,
-    /// 429 answered from the over-limit cache, without a call.
-    OverLimitCached,
-    /// A request admitted by spending leased tokens, without a call.
-    LeaseSpent,
-    /// A call that fetched a token lease.
-    LeaseFetched,
-    /// A response body uploaded to the object store and its record stored.
-    IdemOffloaded,
-    /// The upload failed (refused, unreachable, timed out): the lock was
-    /// released like a failed request's.
-    IdemOffloadFailed,
-    /// A replay served from the object store (checksum verified).
-    IdemObjectFetched,
-    /// A replay whose object is gone from the store: 502, never re-executed.
-    IdemObjectMissing,
-    /// A replay whose object does not match the record's checksum: 502.
-    IdemObjectCorrupt,
-    /// A replay whose object could not be fetched (refused, unreachable,
-    /// timed out): 503 with Retry-After, never re-executed.
-    IdemObjectFetchFailed,
+pub use counter::{Counter, ErrorKind};
+
+/// What the host should do after a callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    Pause,
 }
 
-/// Why a Redis call did not decide a request: one stat each.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ErrorKind {
-    /// No reply within the deadline, or the connection was reset.
-    Timeout,
-    /// The host refused to send the call (unknown cluster, no capacity).
-    Dispatch,
-    /// Webdis or Envoy answered with an HTTP error status.
-    Http,
-    /// Redis answered with an error (OOM, CROSSSLOT, script error).
-    Redis,
-    /// A reply the filter cannot read (gateway or script mismatch, corrupt record).
-    Reply,
+/// The answer of a callout, as the host saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CalloutReply {
+    /// The HTTP status of the answer; `None` when the call failed (timeout,
+    /// connection refused, reset).
+    pub status: Option<u32>,
+    /// The answer came from Webdis itself (its `server` header), not from
+    /// Envoy on its behalf.
+    pub from_webdis: bool,
+    pub body: Vec<u8>,
 }
 
-impl ErrorKind {
-    pub const ALL: [ErrorKind; 5] = [
-        ErrorKind::Timeout,
-        ErrorKind::Dispatch,
-        ErrorKind::Http,
-        ErrorKind::Redis,
-        ErrorKind::Reply,
-    ];
-
-    /// The stat name's last segment.
-    pub fn name(self) -> &'static str {
-        match self {
-            ErrorKind::Timeout => "timeout",
-            ErrorKind::Dispatch => "dispatch",
-            ErrorKind::Http => "http",
-            ErrorKind::Redis => "redis",
-            ErrorKind::Reply => "reply",
+impl CalloutReply {
+    /// A call that got no answer (timeout, reset, connection refused).
+    pub fn none() -> CalloutReply {
+        CalloutReply {
+            status: None,
+            from_webdis: false,
+            body: Vec::new(),
         }
     }
+}
+
+/// Whole milliseconds of a host time (the shared-data records' unit).
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// What the filter needs from the proxy for one request.
@@ -148,13 +89,13 @@ pub trait Host: RequestView {
     fn resume_response(&mut self);
     /// Sends a background lease fetch for this Envoy, soon, from the root
     /// context (so it outlives the stream); the host hands its reply (or its
-    /// failure) to [`flow::on_prefetch_reply`] with `note`.
+    /// failure) to [`stage::lease::on_prefetch_reply`] with `note`.
     fn dispatch_prefetch(
         &mut self,
         target: &RedisTarget,
         body: &[u8],
         timeout: Duration,
-        note: flow::Prefetch,
+        note: stage::lease::Prefetch,
     ) -> Result<(), String>;
     /// Sends one request to the object store's cluster (`headers` include
     /// the pseudo-headers); the reply comes to `Flow::on_callout_reply` like

@@ -10,14 +10,19 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::breaker::Breaker;
-use crate::config::{Config, ObjectStore, RedisTarget};
-use crate::filter::flow::{self, Action as FlowAction, CalloutReply, Flow, Prefetch};
-use crate::filter::{Counter, ErrorKind, Host};
-use crate::request::RequestView;
-use crate::response::LocalReply;
+use crate::config::Config;
+use crate::filter::flow::Flow;
+use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
+use crate::filter::{Action as FlowAction, CalloutReply};
+
+mod host;
+mod metrics;
+
+use host::{callout_headers, ProxyHost};
+use metrics::{Metrics, UNDEFINED};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -33,170 +38,7 @@ proxy_wasm::main! {{
     });
 }}
 
-/// Envoy stat ids, defined once per configuration. Envoy shows them under
-/// `wasmcustom.`; names carry the limit or error kind as a dotted segment that
-/// `stats_tags` in envoy.yaml turn into Prometheus labels.
-#[derive(Default)]
-struct Metrics {
-    per_limit: Vec<[u32; 4]>,
-    redis_calls: u32,
-    script_reloads: u32,
-    redis_retries: u32,
-    redis_errors: u32,
-    errors_by_kind: [u32; ErrorKind::ALL.len()],
-    failure_allowed: u32,
-    failure_denied: u32,
-    idem: [u32; 15],
-    circuit_opened: u32,
-    circuit_closed: u32,
-    circuit_short_circuited: u32,
-    over_limit_cached: u32,
-    lease_spent: u32,
-    lease_fetched: u32,
-    /// Gauge: workers of this Envoy whose breaker is open (or probing).
-    circuit_open_workers: u32,
-    local: [u32; 3],
-    /// Histogram of callout round trips, in microseconds (loopback calls
-    /// take well under a millisecond, which a ms histogram would show as 0).
-    callout_latency_us: u32,
-}
-
-fn define(kind: MetricType, name: &str) -> u32 {
-    match hostcalls::define_metric(kind, name) {
-        Ok(id) => id,
-        Err(e) => {
-            log::warn!("redis-guard: cannot define metric {name}: {e:?}");
-            u32::MAX
-        }
-    }
-}
-
-fn counter(name: &str) -> u32 {
-    define(MetricType::Counter, name)
-}
-
-impl Metrics {
-    fn define(config: &Config) -> Metrics {
-        let per_limit = config
-            .limits
-            .iter()
-            .map(|l| {
-                let base = format!("redis_guard.ratelimit.{}", l.name);
-                [
-                    counter(&format!("{base}.checked")),
-                    counter(&format!("{base}.allowed")),
-                    counter(&format!("{base}.rejected")),
-                    counter(&format!("{base}.shadow_rejected")),
-                ]
-            })
-            .collect();
-        Metrics {
-            per_limit,
-            redis_calls: counter("redis_guard.redis.calls"),
-            script_reloads: counter("redis_guard.redis.script_reloads"),
-            redis_retries: counter("redis_guard.redis.retries"),
-            redis_errors: counter("redis_guard.redis.errors"),
-            errors_by_kind: ErrorKind::ALL
-                .map(|k| counter(&format!("redis_guard.redis.errors_by_kind.{}", k.name()))),
-            failure_allowed: counter("redis_guard.failure_mode.allowed"),
-            failure_denied: counter("redis_guard.failure_mode.denied"),
-            idem: [
-                "acquired",
-                "replayed",
-                "conflicted",
-                "mismatched",
-                "released",
-                "stored",
-                "store_failed",
-                "too_large",
-                "unguarded",
-                "offloaded",
-                "offload_failed",
-                "object_fetched",
-                "object_missing",
-                "object_corrupt",
-                "object_fetch_failed",
-            ]
-            .map(|n| counter(&format!("redis_guard.idempotency.{n}"))),
-            circuit_opened: counter("redis_guard.circuit.opened"),
-            circuit_closed: counter("redis_guard.circuit.closed"),
-            over_limit_cached: counter("redis_guard.overlimit_cache.rejected"),
-            lease_spent: counter("redis_guard.lease.spent"),
-            lease_fetched: counter("redis_guard.lease.fetches"),
-            circuit_open_workers: define(MetricType::Gauge, "redis_guard.circuit.open_workers"),
-            callout_latency_us: define(
-                MetricType::Histogram,
-                "redis_guard.redis.callout_latency_us",
-            ),
-            circuit_short_circuited: counter("redis_guard.circuit.short_circuited"),
-            local: [
-                counter("redis_guard.failure_mode.local"),
-                counter("redis_guard.local.allowed"),
-                counter("redis_guard.local.rejected"),
-            ],
-        }
-    }
-
-    /// The (metric, increment) pairs a counter event moves.
-    fn updates(&self, c: Counter) -> [Option<(u32, i64)>; 2] {
-        match c {
-            Counter::RedisError(kind) => {
-                let i = ErrorKind::ALL.iter().position(|k| *k == kind);
-                [
-                    Some((self.redis_errors, 1)),
-                    i.map(|i| (self.errors_by_kind[i], 1)),
-                ]
-            }
-            Counter::CircuitTripped => [Some((self.circuit_open_workers, 1)), None],
-            Counter::CircuitClosed => [
-                Some((self.circuit_closed, 1)),
-                Some((self.circuit_open_workers, -1)),
-            ],
-            other => [self.id(other).map(|id| (id, 1)), None],
-        }
-    }
-
-    fn id(&self, c: Counter) -> Option<u32> {
-        let limit = |i: usize, k: usize| self.per_limit.get(i).map(|ids| ids[k]);
-        match c {
-            Counter::Checked(i) => limit(i, 0),
-            Counter::Allowed(i) => limit(i, 1),
-            Counter::Rejected(i) => limit(i, 2),
-            Counter::ShadowRejected(i) => limit(i, 3),
-            Counter::RedisCalls => Some(self.redis_calls),
-            Counter::ScriptReloads => Some(self.script_reloads),
-            Counter::RedisRetries => Some(self.redis_retries),
-            Counter::FailureAllowed => Some(self.failure_allowed),
-            Counter::FailureDenied => Some(self.failure_denied),
-            Counter::IdemAcquired => Some(self.idem[0]),
-            Counter::IdemReplayed => Some(self.idem[1]),
-            Counter::IdemConflicts => Some(self.idem[2]),
-            Counter::IdemMismatches => Some(self.idem[3]),
-            Counter::IdemReleased => Some(self.idem[4]),
-            Counter::IdemStored => Some(self.idem[5]),
-            Counter::IdemStoreFailed => Some(self.idem[6]),
-            Counter::IdemTooLarge => Some(self.idem[7]),
-            Counter::IdemUnguarded => Some(self.idem[8]),
-            Counter::IdemOffloaded => Some(self.idem[9]),
-            Counter::IdemOffloadFailed => Some(self.idem[10]),
-            Counter::IdemObjectFetched => Some(self.idem[11]),
-            Counter::IdemObjectMissing => Some(self.idem[12]),
-            Counter::IdemObjectCorrupt => Some(self.idem[13]),
-            Counter::IdemObjectFetchFailed => Some(self.idem[14]),
-            Counter::CircuitOpened => Some(self.circuit_opened),
-            Counter::CircuitShortCircuited => Some(self.circuit_short_circuited),
-            Counter::OverLimitCached => Some(self.over_limit_cached),
-            Counter::LeaseSpent => Some(self.lease_spent),
-            Counter::LeaseFetched => Some(self.lease_fetched),
-            Counter::RedisError(_) | Counter::CircuitTripped | Counter::CircuitClosed => None,
-            Counter::FailureLocal => Some(self.local[0]),
-            Counter::LocalAllowed => Some(self.local[1]),
-            Counter::LocalRejected => Some(self.local[2]),
-        }
-    }
-}
-
-struct Shared {
+pub(super) struct Shared {
     config: Rc<Config>,
     metrics: Metrics,
     /// One breaker per worker (VM): what it learns about Redis is shared by
@@ -250,7 +92,7 @@ impl Shared {
             .and_then(|mut sent| sent.remove(&token));
         if let Some(at) = at {
             let us = u64::try_from(host_now().saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
-            if self.metrics.callout_latency_us != u32::MAX {
+            if self.metrics.callout_latency_us != UNDEFINED {
                 let _ = hostcalls::record_metric(self.metrics.callout_latency_us, us);
             }
         }
@@ -258,7 +100,7 @@ impl Shared {
 }
 
 /// The proxy's clock (deadlines, retry pauses, local buckets).
-fn host_now() -> Duration {
+pub(super) fn host_now() -> Duration {
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -266,11 +108,11 @@ fn host_now() -> Duration {
 }
 
 /// A stream's flow as the root holds it: gone when the stream is.
-type FlowRef = Weak<RefCell<Flow>>;
+pub(super) type FlowRef = Weak<RefCell<Flow>>;
 
 /// How often the root looks at `waiting` while something waits.
 /// Short: a background lease fetch waits for the next tick to be sent.
-const TICK: Duration = Duration::from_millis(1);
+pub(super) const TICK: Duration = Duration::from_millis(1);
 
 struct Root {
     context_id: u32,
@@ -313,7 +155,7 @@ impl Context for Root {
             // A lease reply: read whole.
             let reply = callout_reply(num_headers, body_size, usize::MAX);
             let mut host = Root::host_for(&shared, self.context_id, Weak::new());
-            flow::on_prefetch_reply(&mut host, &note, reply);
+            on_prefetch_reply(&mut host, &note, reply);
             return;
         }
         let entry = shared
@@ -362,7 +204,7 @@ impl RootContext for Root {
                 // A new configuration brings new breakers: an open old one
                 // no longer counts in the gauge.
                 if let Some(old) = &self.shared {
-                    if old.breaker.tripped() && old.metrics.circuit_open_workers != u32::MAX {
+                    if old.breaker.tripped() && old.metrics.circuit_open_workers != UNDEFINED {
                         let _ = hostcalls::increment_metric(old.metrics.circuit_open_workers, -1);
                     }
                 }
@@ -443,7 +285,7 @@ impl RootContext for Root {
                         from_webdis: false,
                         body: Vec::new(),
                     };
-                    flow::on_prefetch_reply(&mut host, &note, failed);
+                    on_prefetch_reply(&mut host, &note, failed);
                 }
             }
         }
@@ -481,249 +323,6 @@ struct Http {
     /// Shared with the root, which resumes the flow after a retry pause.
     flow: Option<Rc<RefCell<Flow>>>,
     shared: Option<Rc<Shared>>,
-}
-
-/// The [`Host`] over proxy-wasm calls, for the current stream.
-struct ProxyHost<'a> {
-    shared: Option<&'a Shared>,
-    context_id: u32,
-    /// This stream's flow, for callbacks the root delivers later.
-    me: Weak<RefCell<Flow>>,
-    /// Calls are being sent from the root's tick: route their replies.
-    via_root: bool,
-}
-
-fn callout_headers(target: &RedisTarget) -> Vec<(&str, &str)> {
-    vec![
-        (":method", "POST"),
-        (":path", "/"),
-        (":authority", &target.authority),
-        ("content-type", "text/plain"),
-    ]
-}
-
-impl RequestView for ProxyHost<'_> {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
-    }
-
-    fn client_address(&self) -> Option<String> {
-        let raw = hostcalls::get_property(vec!["source", "address"]).ok()??;
-        String::from_utf8(raw).ok()
-    }
-}
-
-impl ProxyHost<'_> {
-    fn route_reply(&self, token: u32) {
-        if self.via_root {
-            // Sent while the root runs: the SDK hands the reply to the root,
-            // which passes it on to this stream's flow.
-            if let Some(Ok(mut routed)) = self.shared.map(|s| s.routed.try_borrow_mut()) {
-                routed.insert(token, (self.context_id, self.me.clone()));
-            }
-        }
-    }
-}
-
-impl Host for ProxyHost<'_> {
-    fn now(&self) -> Duration {
-        host_now()
-    }
-
-    fn dispatch_redis(
-        &mut self,
-        target: &RedisTarget,
-        body: &[u8],
-        timeout: Duration,
-    ) -> Result<u32, String> {
-        let token = hostcalls::dispatch_http_call(
-            &target.cluster,
-            callout_headers(target),
-            Some(body),
-            vec![],
-            timeout,
-        )
-        .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
-        if let Some(shared) = self.shared {
-            shared.note_sent(token, host_now());
-        }
-        self.route_reply(token);
-        Ok(token)
-    }
-
-    fn dispatch_object(
-        &mut self,
-        store: &ObjectStore,
-        headers: &[(String, String)],
-        body: Option<&[u8]>,
-        timeout: Duration,
-    ) -> Result<u32, String> {
-        let headers: Vec<(&str, &str)> = headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
-            .collect();
-        // Not timed: the latency histogram is about Redis calls.
-        let token =
-            hostcalls::dispatch_http_call(&store.cluster, headers, body, vec![], timeout)
-                .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", store.cluster))?;
-        self.route_reply(token);
-        Ok(token)
-    }
-
-    fn dispatch_redis_detached(
-        &mut self,
-        target: &RedisTarget,
-        body: &[u8],
-        timeout: Duration,
-    ) -> Result<u32, String> {
-        // A stream that is going away must not own the call: issue it as the
-        // root context. Its reply finds no stream and is dropped, which is
-        // fine: the release is owner-checked and the lock expires regardless.
-        let Some(root) = self.shared.map(|s| s.root_id) else {
-            return Err("not configured".to_string());
-        };
-        hostcalls::set_effective_context(root).map_err(|e| format!("{e:?}"))?;
-        let sent = self.dispatch_redis(target, body, timeout);
-        let _ = hostcalls::set_effective_context(self.context_id);
-        sent
-    }
-
-    fn dispatch_prefetch(
-        &mut self,
-        _target: &RedisTarget,
-        body: &[u8],
-        timeout: Duration,
-        note: Prefetch,
-    ) -> Result<(), String> {
-        let Some(shared) = self.shared else {
-            return Err("not configured".to_string());
-        };
-        // The root sends it on its next tick (the period it owns); queued
-        // only once a tick is sure to come.
-        let _ = hostcalls::set_effective_context(shared.root_id);
-        let ticking = hostcalls::set_tick_period(TICK);
-        let _ = hostcalls::set_effective_context(self.context_id);
-        ticking.map_err(|e| format!("{e:?}"))?;
-        shared
-            .to_prefetch
-            .try_borrow_mut()
-            .map_err(|_| "prefetch queue busy".to_string())?
-            .push((body.to_vec(), timeout, note));
-        Ok(())
-    }
-
-    fn request_body(&mut self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
-            .ok()
-            .flatten()
-            .unwrap_or_default()
-    }
-
-    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
-        hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
-            .ok()
-            .flatten()
-    }
-
-    fn response_header_values(&self, name: &str) -> Vec<Vec<u8>> {
-        hostcalls::get_map_bytes(MapType::HttpResponseHeaders)
-            .map(|all| {
-                all.into_iter()
-                    .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-                    .map(|(_, v)| v)
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    fn response_body(&mut self, size: usize) -> Vec<u8> {
-        if size == 0 {
-            return Vec::new();
-        }
-        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
-            .ok()
-            .flatten()
-            .unwrap_or_default()
-    }
-
-    fn resume_response(&mut self) {
-        if let Err(e) = hostcalls::resume_http_response() {
-            log::warn!("redis-guard: cannot resume response: {e:?}");
-        }
-    }
-
-    fn retry_later(&mut self, delay: Duration) -> bool {
-        let Some(shared) = self.shared else {
-            return false;
-        };
-        let Ok(mut waiting) = shared.waiting.try_borrow_mut() else {
-            return false;
-        };
-        waiting.push((self.context_id, self.now() + delay, self.me.clone()));
-        drop(waiting);
-        // The tick runs on the root context, which owns the period.
-        let _ = hostcalls::set_effective_context(shared.root_id);
-        let ok = hostcalls::set_tick_period(TICK).is_ok();
-        let _ = hostcalls::set_effective_context(self.context_id);
-        ok
-    }
-
-    fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        hostcalls::get_shared_data(key).unwrap_or((None, None))
-    }
-
-    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
-        hostcalls::set_shared_data(key, Some(value), cas).is_ok()
-    }
-
-    fn unique_token(&mut self) -> String {
-        use std::hash::BuildHasher;
-        let Some(shared) = self.shared else {
-            return String::new();
-        };
-        let n = shared.token_counter.get().wrapping_add(1);
-        shared.token_counter.set(n);
-        let nanos = self.now().as_nanos();
-        let a = shared.token_seed.hash_one((n, nanos, self.context_id));
-        let b = shared.token_seed.hash_one((nanos, n, 0x9e37_79b9_u32));
-        format!("{a:016x}{b:016x}")
-    }
-
-    fn send_local(&mut self, reply: &LocalReply) {
-        let headers: Vec<(&str, &str)> = reply
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
-            .collect();
-        if let Err(e) = hostcalls::send_http_response(reply.status, headers, Some(&reply.body)) {
-            log::warn!("redis-guard: cannot send local reply: {e:?}");
-        }
-    }
-
-    fn resume_request(&mut self) {
-        if let Err(e) = hostcalls::resume_http_request() {
-            log::warn!("redis-guard: cannot resume request: {e:?}");
-        }
-    }
-
-    fn add_response_header(&mut self, name: &str, value: &str) {
-        if let Err(e) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value) {
-            log::warn!("redis-guard: cannot add response header {name}: {e:?}");
-        }
-    }
-
-    fn count(&mut self, counter: Counter) {
-        let Some(shared) = self.shared else {
-            return;
-        };
-        for (id, by) in shared.metrics.updates(counter).into_iter().flatten() {
-            if id != u32::MAX {
-                let _ = hostcalls::increment_metric(id, by);
-            }
-        }
-    }
 }
 
 impl Http {

@@ -1,0 +1,219 @@
+//! One script call to Redis through Webdis, the only place that writes one:
+//! EVALSHA first, EVAL once after a NOSCRIPT, and every answer classified
+//! into what the caller can act on. No stage reads HTTP statuses or RESP.
+
+use std::time::Duration;
+
+use crate::config::RedisTarget;
+use crate::filter::stage::lease::Prefetch;
+use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
+use crate::scripts::Script;
+use crate::webdis::{command_body, parse_reply, Reply};
+
+/// How long each attempt of a call may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    /// Every attempt (retry, NOSCRIPT fallback) shares one deadline: the
+    /// request waits for the decision, and the configured timeout is what
+    /// the operator promised it would wait at most.
+    Until(Duration),
+    /// Each attempt gets the whole timeout (a release nobody waits on).
+    Each(Duration),
+}
+
+/// Why a call did not produce an answer: its error kind (one stat each) and
+/// a line for the log.
+pub type Failure = (ErrorKind, String);
+
+/// What a reply to a script call means for its caller.
+#[derive(Debug)]
+pub enum Answer {
+    /// The script ran and answered.
+    Ran(Reply),
+    /// Redis had lost the script: it went again as EVAL, under this token.
+    Resent(u32),
+    /// Refused before the script ran (Webdis' own 503, a cluster's TRYAGAIN,
+    /// CLUSTERDOWN or LOADING): nothing was charged, it may be sent again.
+    Refused(Failure),
+    /// Failed; the script may or may not have run.
+    Failed(Failure),
+}
+
+/// How the transport (Webdis, or Envoy on its behalf) answered.
+#[derive(Debug)]
+pub enum Transport {
+    /// HTTP 200: the body is Redis' reply.
+    Answered,
+    /// Webdis' own 503 says the command never reached Redis (e.g. the first
+    /// call on a pooled connection to a restarted Redis), so it can run
+    /// again without charging twice. Envoy's 503 (reset after sending)
+    /// carries no such promise and is a failure.
+    Refused,
+    Failed(Failure),
+}
+
+/// Classifies a callout's HTTP outcome, for script calls and lease fetches.
+pub fn transport(reply: &CalloutReply) -> Transport {
+    match reply.status {
+        Some(200) => Transport::Answered,
+        Some(503) if reply.from_webdis => Transport::Refused,
+        // Envoy answers a callout that ran out of time with its own 504.
+        Some(504) if !reply.from_webdis => {
+            Transport::Failed((ErrorKind::Timeout, "webdis answered HTTP 504".to_string()))
+        }
+        Some(s) => Transport::Failed((ErrorKind::Http, format!("webdis answered HTTP {s}"))),
+        None => Transport::Failed((
+            ErrorKind::Timeout,
+            "redis call failed or timed out".to_string(),
+        )),
+    }
+}
+
+/// One script call, kept for as long as its answer may send it again.
+#[derive(Debug, Clone)]
+pub struct ScriptCall {
+    script: &'static Script,
+    keys: Vec<Vec<u8>>,
+    argv: Vec<Vec<u8>>,
+    eval: bool,
+    budget: Budget,
+}
+
+impl ScriptCall {
+    pub fn new(
+        script: &'static Script,
+        (keys, argv): (Vec<Vec<u8>>, Vec<Vec<u8>>),
+        budget: Budget,
+    ) -> ScriptCall {
+        ScriptCall {
+            script,
+            keys,
+            argv,
+            eval: false,
+            budget,
+        }
+    }
+
+    /// Sends the script's source from the start: for a call whose reply
+    /// nobody reads, so there is no NOSCRIPT to fall back on.
+    pub fn with_source(mut self) -> ScriptCall {
+        self.eval = true;
+        self
+    }
+
+    pub fn budget(&self) -> Budget {
+        self.budget
+    }
+
+    fn body(&self) -> Vec<u8> {
+        let nkeys = self.keys.len().to_string();
+        let mut args: Vec<&[u8]> = Vec::with_capacity(2 + self.keys.len() + self.argv.len());
+        let command = if self.eval {
+            args.push(self.script.source.as_bytes());
+            "EVAL"
+        } else {
+            args.push(self.script.sha1.as_bytes());
+            "EVALSHA"
+        };
+        args.push(nkeys.as_bytes());
+        args.extend(self.keys.iter().map(Vec::as_slice));
+        args.extend(self.argv.iter().map(Vec::as_slice));
+        command_body(command, &args)
+    }
+
+    fn timeout<H: Host>(&self, host: &H) -> Result<Duration, Failure> {
+        match self.budget {
+            Budget::Each(timeout) => Ok(timeout),
+            Budget::Until(deadline) => {
+                let left = deadline.saturating_sub(host.now());
+                if left < Duration::from_millis(1) {
+                    return Err((ErrorKind::Timeout, "redis timeout spent".to_string()));
+                }
+                Ok(left)
+            }
+        }
+    }
+
+    /// Sends the call within its budget; the reply comes with the token.
+    pub fn send<H: Host>(&self, host: &mut H, target: &RedisTarget) -> Result<u32, Failure> {
+        let body = self.body();
+        let timeout = self.timeout(host)?;
+        host.count(Counter::RedisCalls);
+        host.dispatch_redis(target, &body, timeout)
+            .map_err(|e| (ErrorKind::Dispatch, e))
+    }
+
+    /// Sends the call as the root context: the stream may be ending, and
+    /// its reply is dropped.
+    pub fn send_detached<H: Host>(
+        &self,
+        host: &mut H,
+        target: &RedisTarget,
+    ) -> Result<u32, Failure> {
+        let body = self.body();
+        let timeout = self.timeout(host)?;
+        host.count(Counter::RedisCalls);
+        host.dispatch_redis_detached(target, &body, timeout)
+            .map_err(|e| (ErrorKind::Dispatch, e))
+    }
+
+    /// Hands the call to the root context, which sends it on its next tick
+    /// (a background lease fetch outlives the stream that asked for it).
+    pub fn send_prefetch<H: Host>(
+        &self,
+        host: &mut H,
+        target: &RedisTarget,
+        note: Prefetch,
+    ) -> Result<(), String> {
+        let body = self.body();
+        let timeout = self.timeout(host).map_err(|(_, why)| why)?;
+        host.count(Counter::RedisCalls);
+        host.dispatch_prefetch(target, &body, timeout, note)
+    }
+
+    /// What `reply` (to this call) means. A NOSCRIPT sends the call again
+    /// as EVAL, once: scripts vanish when Redis restarts or a cluster node
+    /// is new, and EVAL both runs and caches the script.
+    pub fn answer<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        reply: &CalloutReply,
+    ) -> Answer {
+        match transport(reply) {
+            Transport::Answered => {}
+            Transport::Refused => {
+                return Answer::Refused((
+                    ErrorKind::Http,
+                    "webdis answered HTTP 503 until the timeout".to_string(),
+                ))
+            }
+            Transport::Failed(failure) => return Answer::Failed(failure),
+        }
+        let parsed = match parse_reply(&reply.body) {
+            Ok(r) => r,
+            Err(e) => return Answer::Failed((ErrorKind::Reply, format!("unreadable reply: {e}"))),
+        };
+        let Reply::Error(msg) = &parsed else {
+            return Answer::Ran(parsed);
+        };
+        match parsed.error_kind() {
+            Some("NOSCRIPT") if !self.eval => {
+                host.count(Counter::ScriptReloads);
+                self.eval = true;
+                match self.send(host, target) {
+                    Ok(token) => Answer::Resent(token),
+                    Err(failure) => Answer::Failed(failure),
+                }
+            }
+            // Redis Cluster refuses these before the script runs (keys split
+            // while a slot migrates, no quorum, a node still loading):
+            // nothing was charged, and the condition passes in milliseconds.
+            Some("TRYAGAIN" | "CLUSTERDOWN" | "LOADING") => Answer::Refused((
+                ErrorKind::Redis,
+                format!("redis refused the call until the timeout: {msg}"),
+            )),
+            _ => Answer::Failed((ErrorKind::Redis, format!("redis error: {msg}"))),
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! What the filter counts, and the one place that names each Envoy stat:
+//! the proxy defines its metrics from [`Counter::stats`], so a counter and
+//! its stat cannot disagree.
+
+/// Counters the filter reports; the host maps them to Envoy stats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Counter {
+    /// Requests a limit applied to (index into `Config::limits`).
+    Checked(usize),
+    Allowed(usize),
+    Rejected(usize),
+    /// A shadow limit that would have rejected.
+    ShadowRejected(usize),
+    RedisCalls,
+    /// EVALSHA found no script and the filter fell back to EVAL.
+    ScriptReloads,
+    /// A call repeated after Webdis answered 503 (command not executed).
+    RedisRetries,
+    /// A Redis decision that failed, by why (the total is their sum).
+    RedisError(ErrorKind),
+    FailureAllowed,
+    FailureDenied,
+    /// Idempotency: lock taken and request forwarded.
+    IdemAcquired,
+    /// Answered from a COMPLETED record.
+    IdemReplayed,
+    /// 409: another request holds the key.
+    IdemConflicts,
+    /// 422: the key was used with another request.
+    IdemMismatches,
+    /// Lock released so a retry runs again (failure, non-storable, too large).
+    IdemReleased,
+    /// COMPLETED record written.
+    IdemStored,
+    /// The COMPLETED record could not be written (lock lost, Redis failed).
+    IdemStoreFailed,
+    /// Response over maxStoredBodyBytes: not stored, lock released.
+    IdemTooLarge,
+    /// Forwarded without the guarantee because Redis failed (failure mode allow).
+    IdemUnguarded,
+    /// Redis failed and the request was decided by the local budget.
+    FailureLocal,
+    LocalAllowed,
+    LocalRejected,
+    /// The circuit breaker opened after consecutive failures (or a failed probe).
+    CircuitOpened,
+    /// This worker's breaker went from closed to open (the open gauge rises).
+    CircuitTripped,
+    /// A probe succeeded and closed this worker's breaker (the gauge falls).
+    CircuitClosed,
+    /// A request sent to its failure mode by the open breaker, without a call.
+    CircuitShortCircuited,
+    /// 429 answered from the over-limit cache, without a call.
+    OverLimitCached,
+    /// A request admitted by spending leased tokens, without a call.
+    LeaseSpent,
+    /// A call that fetched a token lease.
+    LeaseFetched,
+    /// A response body uploaded to the object store and its record stored.
+    IdemOffloaded,
+    /// The upload failed (refused, unreachable, timed out): the lock was
+    /// released like a failed request's.
+    IdemOffloadFailed,
+    /// A replay served from the object store (checksum verified).
+    IdemObjectFetched,
+    /// A replay whose object is gone from the store: 502, never re-executed.
+    IdemObjectMissing,
+    /// A replay whose object does not match the record's checksum: 502.
+    IdemObjectCorrupt,
+    /// A replay whose object could not be fetched (refused, unreachable,
+    /// timed out): 503 with Retry-After, never re-executed.
+    IdemObjectFetchFailed,
+}
+
+/// Why a Redis call did not decide a request: one stat each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// No reply within the deadline, or the connection was reset.
+    Timeout,
+    /// The host refused to send the call (unknown cluster, no capacity).
+    Dispatch,
+    /// Webdis or Envoy answered with an HTTP error status.
+    Http,
+    /// Redis answered with an error (OOM, CROSSSLOT, script error).
+    Redis,
+    /// A reply the filter cannot read (gateway or script mismatch, corrupt record).
+    Reply,
+}
+
+impl ErrorKind {
+    pub const ALL: [ErrorKind; 5] = [
+        ErrorKind::Timeout,
+        ErrorKind::Dispatch,
+        ErrorKind::Http,
+        ErrorKind::Redis,
+        ErrorKind::Reply,
+    ];
+
+    /// The stat name's last segment.
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Dispatch => "dispatch",
+            ErrorKind::Http => "http",
+            ErrorKind::Redis => "redis",
+            ErrorKind::Reply => "reply",
+        }
+    }
+}
+
+/// How Envoy keeps a stat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StatKind {
+    Counter,
+    Gauge,
+}
+
+/// One stat a counter event moves: its name (Envoy shows it under
+/// `wasmcustom.`), its kind and by how much. Names carry the limit or the
+/// error kind as a dotted segment that `stats_tags` in envoy.yaml turn into
+/// Prometheus labels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat {
+    pub name: String,
+    pub kind: StatKind,
+    pub by: i64,
+}
+
+/// The histogram of callout round trips, in microseconds (loopback calls
+/// take well under a millisecond, which a ms histogram would show as 0).
+pub const CALLOUT_LATENCY_US: &str = "redis_guard.redis.callout_latency_us";
+
+impl Counter {
+    /// Every counter event a configuration with `limits` limits can raise.
+    pub fn all(limits: usize) -> Vec<Counter> {
+        let mut all = Vec::with_capacity(4 * limits + 40);
+        for i in 0..limits {
+            all.extend([
+                Counter::Checked(i),
+                Counter::Allowed(i),
+                Counter::Rejected(i),
+                Counter::ShadowRejected(i),
+            ]);
+        }
+        all.extend(ErrorKind::ALL.map(Counter::RedisError));
+        all.extend([
+            Counter::RedisCalls,
+            Counter::ScriptReloads,
+            Counter::RedisRetries,
+            Counter::FailureAllowed,
+            Counter::FailureDenied,
+            Counter::FailureLocal,
+            Counter::LocalAllowed,
+            Counter::LocalRejected,
+            Counter::IdemAcquired,
+            Counter::IdemReplayed,
+            Counter::IdemConflicts,
+            Counter::IdemMismatches,
+            Counter::IdemReleased,
+            Counter::IdemStored,
+            Counter::IdemStoreFailed,
+            Counter::IdemTooLarge,
+            Counter::IdemUnguarded,
+            Counter::IdemOffloaded,
+            Counter::IdemOffloadFailed,
+            Counter::IdemObjectFetched,
+            Counter::IdemObjectMissing,
+            Counter::IdemObjectCorrupt,
+            Counter::IdemObjectFetchFailed,
+            Counter::CircuitOpened,
+            Counter::CircuitTripped,
+            Counter::CircuitClosed,
+            Counter::CircuitShortCircuited,
+            Counter::OverLimitCached,
+            Counter::LeaseSpent,
+            Counter::LeaseFetched,
+        ]);
+        all
+    }
+
+    /// The stats this event moves; `limit_name` names a limit by index.
+    pub fn stats(self, limit_name: impl Fn(usize) -> String) -> Vec<Stat> {
+        let count = |name: String| Stat {
+            name,
+            kind: StatKind::Counter,
+            by: 1,
+        };
+        let open_workers = |by| Stat {
+            name: "redis_guard.circuit.open_workers".to_string(),
+            kind: StatKind::Gauge,
+            by,
+        };
+        let per_limit =
+            |i: usize, what: &str| count(format!("redis_guard.ratelimit.{}.{what}", limit_name(i)));
+        let fixed = |name: &str| vec![count(format!("redis_guard.{name}"))];
+        match self {
+            Counter::Checked(i) => vec![per_limit(i, "checked")],
+            Counter::Allowed(i) => vec![per_limit(i, "allowed")],
+            Counter::Rejected(i) => vec![per_limit(i, "rejected")],
+            Counter::ShadowRejected(i) => vec![per_limit(i, "shadow_rejected")],
+            // The total and the kind: the total is their sum.
+            Counter::RedisError(kind) => vec![
+                count("redis_guard.redis.errors".to_string()),
+                count(format!("redis_guard.redis.errors_by_kind.{}", kind.name())),
+            ],
+            // The gauge counts workers whose breaker is open (or probing).
+            Counter::CircuitTripped => vec![open_workers(1)],
+            Counter::CircuitClosed => vec![
+                count("redis_guard.circuit.closed".to_string()),
+                open_workers(-1),
+            ],
+            Counter::RedisCalls => fixed("redis.calls"),
+            Counter::ScriptReloads => fixed("redis.script_reloads"),
+            Counter::RedisRetries => fixed("redis.retries"),
+            Counter::FailureAllowed => fixed("failure_mode.allowed"),
+            Counter::FailureDenied => fixed("failure_mode.denied"),
+            Counter::FailureLocal => fixed("failure_mode.local"),
+            Counter::LocalAllowed => fixed("local.allowed"),
+            Counter::LocalRejected => fixed("local.rejected"),
+            Counter::IdemAcquired => fixed("idempotency.acquired"),
+            Counter::IdemReplayed => fixed("idempotency.replayed"),
+            Counter::IdemConflicts => fixed("idempotency.conflicted"),
+            Counter::IdemMismatches => fixed("idempotency.mismatched"),
+            Counter::IdemReleased => fixed("idempotency.released"),
+            Counter::IdemStored => fixed("idempotency.stored"),
+            Counter::IdemStoreFailed => fixed("idempotency.store_failed"),
+            Counter::IdemTooLarge => fixed("idempotency.too_large"),
+            Counter::IdemUnguarded => fixed("idempotency.unguarded"),
+            Counter::IdemOffloaded => fixed("idempotency.offloaded"),
+            Counter::IdemOffloadFailed => fixed("idempotency.offload_failed"),
+            Counter::IdemObjectFetched => fixed("idempotency.object_fetched"),
+            Counter::IdemObjectMissing => fixed("idempotency.object_missing"),
+            Counter::IdemObjectCorrupt => fixed("idempotency.object_corrupt"),
+            Counter::IdemObjectFetchFailed => fixed("idempotency.object_fetch_failed"),
+            Counter::CircuitOpened => fixed("circuit.opened"),
+            Counter::CircuitShortCircuited => fixed("circuit.short_circuited"),
+            Counter::OverLimitCached => fixed("overlimit_cache.rejected"),
+            Counter::LeaseSpent => fixed("lease.spent"),
+            Counter::LeaseFetched => fixed("lease.fetches"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn names(limits: usize) -> BTreeSet<String> {
+        Counter::all(limits)
+            .into_iter()
+            .flat_map(|c| c.stats(|i| format!("l{i}")))
+            .map(|s| s.name)
+            .collect()
+    }
+
+    #[test]
+    fn every_counter_event_names_the_stats_it_moves() {
+        // The stat list as the README and tests/e2e_stats.rs know it: 36
+        // fixed stats (the gauge included) and four per limit.
+        assert_eq!(names(0).len(), 36);
+        assert_eq!(names(2).len(), 36 + 8);
+        assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
+        assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
+        assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));
+    }
+
+    #[test]
+    fn a_stat_has_one_kind_whatever_event_moves_it() {
+        let mut kinds = std::collections::HashMap::new();
+        for stat in Counter::all(1)
+            .into_iter()
+            .flat_map(|c| c.stats(|_| "a".into()))
+        {
+            assert_eq!(
+                *kinds.entry(stat.name.clone()).or_insert(stat.kind),
+                stat.kind
+            );
+        }
+        assert_eq!(kinds["redis_guard.circuit.open_workers"], StatKind::Gauge);
+    }
+
+    #[test]
+    fn closing_a_breaker_counts_once_and_lowers_the_open_gauge() {
+        let stats = Counter::CircuitClosed.stats(|_| String::new());
+        let moves: Vec<(&str, i64)> = stats.iter().map(|s| (s.name.as_str(), s.by)).collect();
+        assert_eq!(
+            moves,
+            [
+                ("redis_guard.circuit.closed", 1),
+                ("redis_guard.circuit.open_workers", -1)
+            ]
+        );
+    }
+}

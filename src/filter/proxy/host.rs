@@ -1,0 +1,257 @@
+//! The [`Host`] over proxy-wasm calls, for the current stream.
+
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType};
+
+use crate::config::{ObjectStore, RedisTarget};
+use crate::filter::stage::lease::Prefetch;
+use crate::filter::{Counter, Host};
+use crate::request::RequestView;
+use crate::response::LocalReply;
+
+use super::metrics::UNDEFINED;
+use super::{host_now, FlowRef, Shared, TICK};
+
+pub(super) struct ProxyHost<'a> {
+    pub shared: Option<&'a Shared>,
+    pub context_id: u32,
+    /// This stream's flow, for callbacks the root delivers later.
+    pub me: FlowRef,
+    /// Calls are being sent from the root's tick: route their replies.
+    pub via_root: bool,
+}
+
+pub(super) fn callout_headers(target: &RedisTarget) -> Vec<(&str, &str)> {
+    vec![
+        (":method", "POST"),
+        (":path", "/"),
+        (":authority", &target.authority),
+        ("content-type", "text/plain"),
+    ]
+}
+
+impl RequestView for ProxyHost<'_> {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn client_address(&self) -> Option<String> {
+        let raw = hostcalls::get_property(vec!["source", "address"]).ok()??;
+        String::from_utf8(raw).ok()
+    }
+}
+
+impl ProxyHost<'_> {
+    fn route_reply(&self, token: u32) {
+        if self.via_root {
+            // Sent while the root runs: the SDK hands the reply to the root,
+            // which passes it on to this stream's flow.
+            if let Some(Ok(mut routed)) = self.shared.map(|s| s.routed.try_borrow_mut()) {
+                routed.insert(token, (self.context_id, self.me.clone()));
+            }
+        }
+    }
+}
+
+impl Host for ProxyHost<'_> {
+    fn now(&self) -> Duration {
+        host_now()
+    }
+
+    fn dispatch_redis(
+        &mut self,
+        target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, String> {
+        let token = hostcalls::dispatch_http_call(
+            &target.cluster,
+            callout_headers(target),
+            Some(body),
+            vec![],
+            timeout,
+        )
+        .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
+        if let Some(shared) = self.shared {
+            shared.note_sent(token, host_now());
+        }
+        self.route_reply(token);
+        Ok(token)
+    }
+
+    fn dispatch_object(
+        &mut self,
+        store: &ObjectStore,
+        headers: &[(String, String)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, String> {
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        // Not timed: the latency histogram is about Redis calls.
+        let token =
+            hostcalls::dispatch_http_call(&store.cluster, headers, body, vec![], timeout)
+                .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", store.cluster))?;
+        self.route_reply(token);
+        Ok(token)
+    }
+
+    fn dispatch_redis_detached(
+        &mut self,
+        target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, String> {
+        // A stream that is going away must not own the call: issue it as the
+        // root context. Its reply finds no stream and is dropped, which is
+        // fine: the release is owner-checked and the lock expires regardless.
+        let Some(root) = self.shared.map(|s| s.root_id) else {
+            return Err("not configured".to_string());
+        };
+        hostcalls::set_effective_context(root).map_err(|e| format!("{e:?}"))?;
+        let sent = self.dispatch_redis(target, body, timeout);
+        let _ = hostcalls::set_effective_context(self.context_id);
+        sent
+    }
+
+    fn dispatch_prefetch(
+        &mut self,
+        _target: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+        note: Prefetch,
+    ) -> Result<(), String> {
+        let Some(shared) = self.shared else {
+            return Err("not configured".to_string());
+        };
+        // The root sends it on its next tick (the period it owns); queued
+        // only once a tick is sure to come.
+        let _ = hostcalls::set_effective_context(shared.root_id);
+        let ticking = hostcalls::set_tick_period(TICK);
+        let _ = hostcalls::set_effective_context(self.context_id);
+        ticking.map_err(|e| format!("{e:?}"))?;
+        shared
+            .to_prefetch
+            .try_borrow_mut()
+            .map_err(|_| "prefetch queue busy".to_string())?
+            .push((body.to_vec(), timeout, note));
+        Ok(())
+    }
+
+    fn request_body(&mut self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn response_header_values(&self, name: &str) -> Vec<Vec<u8>> {
+        hostcalls::get_map_bytes(MapType::HttpResponseHeaders)
+            .map(|all| {
+                all.into_iter()
+                    .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                    .map(|(_, v)| v)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn response_body(&mut self, size: usize) -> Vec<u8> {
+        if size == 0 {
+            return Vec::new();
+        }
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    fn resume_response(&mut self) {
+        if let Err(e) = hostcalls::resume_http_response() {
+            log::warn!("redis-guard: cannot resume response: {e:?}");
+        }
+    }
+
+    fn retry_later(&mut self, delay: Duration) -> bool {
+        let Some(shared) = self.shared else {
+            return false;
+        };
+        let Ok(mut waiting) = shared.waiting.try_borrow_mut() else {
+            return false;
+        };
+        waiting.push((self.context_id, self.now() + delay, self.me.clone()));
+        drop(waiting);
+        // The tick runs on the root context, which owns the period.
+        let _ = hostcalls::set_effective_context(shared.root_id);
+        let ok = hostcalls::set_tick_period(TICK).is_ok();
+        let _ = hostcalls::set_effective_context(self.context_id);
+        ok
+    }
+
+    fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        hostcalls::get_shared_data(key).unwrap_or((None, None))
+    }
+
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+        hostcalls::set_shared_data(key, Some(value), cas).is_ok()
+    }
+
+    fn unique_token(&mut self) -> String {
+        use std::hash::BuildHasher;
+        let Some(shared) = self.shared else {
+            return String::new();
+        };
+        let n = shared.token_counter.get().wrapping_add(1);
+        shared.token_counter.set(n);
+        let nanos = self.now().as_nanos();
+        let a = shared.token_seed.hash_one((n, nanos, self.context_id));
+        let b = shared.token_seed.hash_one((nanos, n, 0x9e37_79b9_u32));
+        format!("{a:016x}{b:016x}")
+    }
+
+    fn send_local(&mut self, reply: &LocalReply) {
+        let headers: Vec<(&str, &str)> = reply
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        if let Err(e) = hostcalls::send_http_response(reply.status, headers, Some(&reply.body)) {
+            log::warn!("redis-guard: cannot send local reply: {e:?}");
+        }
+    }
+
+    fn resume_request(&mut self) {
+        if let Err(e) = hostcalls::resume_http_request() {
+            log::warn!("redis-guard: cannot resume request: {e:?}");
+        }
+    }
+
+    fn add_response_header(&mut self, name: &str, value: &str) {
+        if let Err(e) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value) {
+            log::warn!("redis-guard: cannot add response header {name}: {e:?}");
+        }
+    }
+
+    fn count(&mut self, counter: Counter) {
+        let Some(shared) = self.shared else {
+            return;
+        };
+        for &(id, by) in shared.metrics.updates(counter) {
+            if id != UNDEFINED {
+                let _ = hostcalls::increment_metric(id, by);
+            }
+        }
+    }
+}

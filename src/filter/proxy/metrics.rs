@@ -1,0 +1,77 @@
+//! Envoy stat ids, defined once per configuration from the names the
+//! counters give themselves ([`Counter::stats`]).
+
+use std::collections::HashMap;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+use crate::config::Config;
+use crate::filter::counter::{StatKind, CALLOUT_LATENCY_US};
+use crate::filter::Counter;
+
+/// An id Envoy refused to define: updates to it are skipped.
+pub const UNDEFINED: u32 = u32::MAX;
+
+#[derive(Default)]
+pub struct Metrics {
+    /// What each counter event moves: (metric id, increment).
+    moves: HashMap<Counter, Vec<(u32, i64)>>,
+    /// Gauge: workers of this Envoy whose breaker is open (or probing).
+    pub circuit_open_workers: u32,
+    pub callout_latency_us: u32,
+}
+
+fn define(kind: MetricType, name: &str) -> u32 {
+    match hostcalls::define_metric(kind, name) {
+        Ok(id) => id,
+        Err(e) => {
+            log::warn!("redis-guard: cannot define metric {name}: {e:?}");
+            UNDEFINED
+        }
+    }
+}
+
+impl Metrics {
+    pub fn define(config: &Config) -> Metrics {
+        let mut ids: HashMap<String, u32> = HashMap::new();
+        let mut moves = HashMap::new();
+        let limit_name = |i: usize| {
+            config
+                .limits
+                .get(i)
+                .map_or_else(String::new, |l| l.name.clone())
+        };
+        for counter in Counter::all(config.limits.len()) {
+            let stats = counter.stats(limit_name);
+            let ids_moved = stats
+                .into_iter()
+                .map(|stat| {
+                    let kind = match stat.kind {
+                        StatKind::Counter => MetricType::Counter,
+                        StatKind::Gauge => MetricType::Gauge,
+                    };
+                    let id = *ids
+                        .entry(stat.name.clone())
+                        .or_insert_with(|| define(kind, &stat.name));
+                    (id, stat.by)
+                })
+                .collect();
+            moves.insert(counter, ids_moved);
+        }
+        let circuit_open_workers = ids
+            .get("redis_guard.circuit.open_workers")
+            .copied()
+            .unwrap_or(UNDEFINED);
+        Metrics {
+            moves,
+            circuit_open_workers,
+            callout_latency_us: define(MetricType::Histogram, CALLOUT_LATENCY_US),
+        }
+    }
+
+    /// The (metric, increment) pairs a counter event moves.
+    pub fn updates(&self, counter: Counter) -> &[(u32, i64)] {
+        self.moves.get(&counter).map_or(&[], Vec::as_slice)
+    }
+}

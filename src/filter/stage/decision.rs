@@ -1,0 +1,221 @@
+//! The decision stage: the request's one script call, its retries after a
+//! refusal, and the circuit breaker that keeps a dead Redis from costing
+//! every request its timeout.
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::breaker::Breaker;
+use crate::config::RedisTarget;
+use crate::filter::call::{Answer, Budget, Failure, ScriptCall};
+use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
+use crate::webdis::Reply;
+
+/// Webdis needs a moment to reconnect to a restarted Redis (measured: about
+/// 30 ms); an immediate retry would meet the same 503.
+pub const RETRY_DELAY: Duration = Duration::from_millis(25);
+/// Pauses one request may take: enough for a reconnect, few enough that a
+/// dead Redis costs at most 1 + MAX_PAUSES calls per request.
+pub const MAX_PAUSES: u8 = 3;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Idle,
+    /// The call is out; its reply is owned by this stage.
+    Sent,
+    /// Refused before it ran: the same call goes again after a pause.
+    Waiting,
+    Done,
+}
+
+/// What became of the decision.
+#[derive(Debug)]
+pub enum Step {
+    /// A call left under this token (first, retried, or EVAL after NOSCRIPT).
+    Sent(u32),
+    /// Waiting out a pause before the next attempt.
+    Waiting,
+    /// Redis answered.
+    Answered(Reply),
+    /// Redis could not decide. `sent`: a call had left whose script may
+    /// have run (a timeout, a reset), so what it took must be given back.
+    Failed { failure: Failure, sent: bool },
+}
+
+pub struct Decision {
+    breaker: Rc<Breaker>,
+    call: Option<ScriptCall>,
+    state: State,
+    /// The single immediate retry (when the host cannot pause) was spent.
+    retried: bool,
+    /// Pauses taken after refusals.
+    pauses: u8,
+    /// When the call being answered left: the over-limit cache and a lease
+    /// count from it.
+    sent_at: Duration,
+    /// This request is the open breaker's probe.
+    probe: bool,
+    /// The breaker sent this request to its failure mode without a call.
+    short_circuited: bool,
+}
+
+impl Decision {
+    pub fn new(breaker: Rc<Breaker>) -> Decision {
+        Decision {
+            breaker,
+            call: None,
+            state: State::Idle,
+            retried: false,
+            pauses: 0,
+            sent_at: Duration::ZERO,
+            probe: false,
+            short_circuited: false,
+        }
+    }
+
+    /// The request's deadline: every attempt shares the one configured
+    /// timeout, counted from now.
+    pub fn budget<H: Host>(host: &H, target: &RedisTarget) -> Budget {
+        Budget::Until(host.now() + target.timeout)
+    }
+
+    /// Sends the call, unless the breaker is open.
+    pub fn start<H: Host>(&mut self, host: &mut H, target: &RedisTarget, call: ScriptCall) -> Step {
+        let now = host.now();
+        let tripped = self.breaker.tripped();
+        if !self.breaker.allow(now) {
+            self.short_circuited = true;
+            host.count(Counter::CircuitShortCircuited);
+            return self.failed((ErrorKind::Dispatch, "circuit breaker open".to_string()));
+        }
+        self.probe = tripped;
+        self.call = Some(call);
+        self.send(host, target)
+    }
+
+    fn send<H: Host>(&mut self, host: &mut H, target: &RedisTarget) -> Step {
+        let Some(call) = &self.call else {
+            return self.failed((ErrorKind::Dispatch, "no call".to_string()));
+        };
+        self.sent_at = host.now();
+        match call.send(host, target) {
+            Ok(token) => {
+                self.state = State::Sent;
+                Step::Sent(token)
+            }
+            Err(failure) => self.failed(failure),
+        }
+    }
+
+    fn failed(&mut self, failure: Failure) -> Step {
+        let sent = self.state == State::Sent;
+        self.state = State::Done;
+        Step::Failed { failure, sent }
+    }
+
+    /// The call is out or waiting to go again: the request must wait.
+    pub fn pending(&self) -> bool {
+        matches!(self.state, State::Sent | State::Waiting)
+    }
+
+    pub fn sent_at(&self) -> Duration {
+        self.sent_at
+    }
+
+    pub fn on_reply<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        reply: &CalloutReply,
+    ) -> Step {
+        let Some(call) = self.call.as_mut() else {
+            return Step::Waiting;
+        };
+        match call.answer(host, target, reply) {
+            Answer::Ran(reply) => {
+                self.state = State::Done;
+                Step::Answered(reply)
+            }
+            Answer::Resent(token) => {
+                self.sent_at = host.now();
+                Step::Sent(token)
+            }
+            Answer::Refused(failure) => self.retry(host, target, failure),
+            Answer::Failed(failure) => self.failed(failure),
+        }
+    }
+
+    /// A call refused before it ran: sent again after a pause, up to
+    /// MAX_PAUSES times within the timeout (Webdis reconnects within tens of
+    /// ms), or at once, once, if the host cannot wait; then `exhausted`.
+    fn retry<H: Host>(&mut self, host: &mut H, target: &RedisTarget, exhausted: Failure) -> Step {
+        let deadline = match self.call.as_ref().map(|c| c.budget()) {
+            Some(Budget::Until(deadline)) => deadline,
+            _ => Duration::ZERO,
+        };
+        let left = deadline.saturating_sub(host.now());
+        if self.pauses < MAX_PAUSES && left > RETRY_DELAY && host.retry_later(RETRY_DELAY) {
+            host.count(Counter::RedisRetries);
+            self.pauses += 1;
+            self.state = State::Waiting;
+            Step::Waiting
+        } else if !self.retried {
+            host.count(Counter::RedisRetries);
+            self.retried = true;
+            self.send(host, target)
+        } else {
+            self.failed(exhausted)
+        }
+    }
+
+    /// The pause after a refusal is over: send the call again.
+    pub fn on_retry_due<H: Host>(&mut self, host: &mut H, target: &RedisTarget) -> Option<Step> {
+        if self.state != State::Waiting {
+            return None;
+        }
+        self.retried = true;
+        Some(self.send(host, target))
+    }
+
+    /// Tells the breaker Redis answered.
+    pub fn succeeded<H: Host>(&self, host: &mut H, log_it: bool) {
+        if self.breaker.success() {
+            if log_it {
+                log::info!("redis-guard: circuit breaker closed: Redis answers again");
+            }
+            host.count(Counter::CircuitClosed);
+        }
+    }
+
+    /// Counts a failure (one a call met, not the open breaker's) and tells
+    /// the breaker; returns the level to log it at: one line per burst of
+    /// failures (the first since a success), every request still counted.
+    pub fn count_failure<H: Host>(&self, host: &mut H, kind: ErrorKind) -> log::Level {
+        if !self.short_circuited {
+            host.count(Counter::RedisError(kind));
+            let was_tripped = self.breaker.tripped();
+            if self.breaker.failure(host.now()) {
+                log::warn!("redis-guard: circuit breaker open: Redis calls paused");
+                host.count(Counter::CircuitOpened);
+                if !was_tripped {
+                    host.count(Counter::CircuitTripped);
+                }
+            }
+        }
+        if self.breaker.consecutive_failures() <= 1 && !self.short_circuited {
+            log::Level::Warn
+        } else {
+            log::Level::Debug
+        }
+    }
+
+    /// The stream is gone: a probe whose answer will find no one must not
+    /// keep the breaker waiting for it. True if the call was pending.
+    pub fn on_stream_end(&mut self) -> bool {
+        let pending = self.pending();
+        if pending && self.probe {
+            self.breaker.abandon_probe();
+        }
+        pending
+    }
+}

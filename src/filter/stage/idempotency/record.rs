@@ -1,0 +1,470 @@
+//! Idempotency record: the lock a request took, the copy of its response,
+//! and the COMPLETED record written before the response's last piece goes
+//! out, so a retry sent after the client saw the whole response is always a
+//! replay; or the lock released, so a retry runs again.
+
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::filter::call::{Answer, Budget, ScriptCall};
+use crate::filter::flow::{Calls, Owner};
+use crate::filter::{Action, CalloutReply, Counter, Host};
+use crate::idempotency::encode_headers;
+use crate::offload::ObjectRef;
+use crate::scripts::{IDEM_COMPLETE, IDEM_RELEASE};
+
+use super::intake::Keyed;
+
+/// The idempotency lock of this request, once it has one.
+#[derive(Debug)]
+pub(super) enum Lock {
+    None,
+    /// Taken; the response has not started.
+    Held,
+    /// A storable response is streaming; the copy so far. `expected` is its
+    /// content-length: the chunk that completes it is the one to hold, since
+    /// the client has the whole response as soon as that chunk is out.
+    Capturing {
+        status: u32,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+        expected: Option<usize>,
+    },
+    /// The body is being uploaded to the object store; the last chunk waits
+    /// for it and then for the record. The body itself is not kept: Envoy
+    /// holds the upload's copy.
+    Uploading {
+        status: u32,
+        headers: Vec<(String, Vec<u8>)>,
+        object: ObjectRef,
+    },
+    /// The COMPLETED record is on its way; the last chunk waits for it.
+    Completing {
+        call: ScriptCall,
+        offloaded: bool,
+    },
+    /// The lock is being released (the response will not be stored); the
+    /// response streams, but the piece that ends it waits for the release so
+    /// a retry after it never meets our lock. `seen` counts body bytes
+    /// against `expected` (content-length); `held` once that piece waits.
+    Releasing {
+        call: ScriptCall,
+        expected: Option<usize>,
+        seen: usize,
+        held: bool,
+    },
+    /// Completed, released, or left to expire: nothing more to do.
+    Finished,
+}
+
+#[derive(Debug)]
+pub struct Record {
+    pub(super) keyed: Option<Keyed>,
+    pub(super) lock: Lock,
+}
+
+impl Default for Record {
+    fn default() -> Record {
+        Record {
+            keyed: None,
+            lock: Lock::None,
+        }
+    }
+}
+
+impl Record {
+    /// The request carries a key: its lock may be taken by the decision.
+    pub fn arm(&mut self, keyed: Keyed) {
+        self.keyed = Some(keyed);
+    }
+
+    /// The decision admitted the request and took its lock.
+    pub fn acquired<H: Host>(&mut self, host: &mut H) {
+        if self.keyed.is_some() {
+            self.lock = Lock::Held;
+            host.count(Counter::IdemAcquired);
+        }
+    }
+
+    pub fn on_response_headers<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+        end_of_stream: bool,
+    ) -> Action {
+        let Some(keyed) = &self.keyed else {
+            return Action::Continue;
+        };
+        if !matches!(self.lock, Lock::Held) {
+            return Action::Continue;
+        }
+        let rule = &config.idempotency[keyed.rule];
+        let status = host
+            .response_header(":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+        let expected = host
+            .response_header("content-length")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
+        let storable = status.filter(|s| rule.stores(*s));
+        let mut headers = Vec::new();
+        for name in &rule.store_headers {
+            for value in host.response_header_values(name) {
+                headers.push((name.clone(), value));
+            }
+        }
+        // A replay is a local reply, whose header values must be text: a
+        // response that cannot be replayed exactly is not stored.
+        let replayable = headers.iter().all(|(_, v)| std::str::from_utf8(v).is_ok());
+        if storable.is_some() && expected.is_some_and(|n| n > rule.max_stored_body) {
+            // Announced too large: released at once, without copying any of it.
+            log::info!(
+                "redis-guard: response over maxStoredBodyBytes ({}), not stored",
+                rule.max_stored_body
+            );
+            host.count(Counter::IdemTooLarge);
+            self.release_before_end(host, config, calls, expected, 0);
+            return self.hold_if_ended(end_of_stream, 0);
+        }
+        match storable {
+            Some(status) if replayable => {
+                // Sized from content-length once (at most the cap, checked
+                // above), so the copy is never reallocated.
+                self.lock = Lock::Capturing {
+                    status,
+                    headers,
+                    body: Vec::with_capacity(expected.unwrap_or(0)),
+                    expected,
+                };
+                if end_of_stream {
+                    return self.complete(host, config, calls);
+                }
+                Action::Continue
+            }
+            _ => {
+                // Not storable (5xx, 4xx unless configured, not replayable):
+                // a retry must run again, so free the key before the client
+                // has the whole response.
+                self.release_before_end(host, config, calls, expected, 0);
+                self.hold_if_ended(end_of_stream, 0)
+            }
+        }
+    }
+
+    pub fn on_response_body<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let max = match (&self.keyed, &self.lock) {
+            (Some(k), Lock::Capturing { .. }) => config.idempotency[k.rule].max_stored_body,
+            (_, Lock::Completing { .. } | Lock::Uploading { .. }) => return Action::Pause,
+            (_, Lock::Releasing { .. }) => return self.hold_if_ended(end_of_stream, body_size),
+            _ => return Action::Continue,
+        };
+        let chunk = host.response_body(body_size);
+        let mut complete = end_of_stream;
+        if let Lock::Capturing { body, expected, .. } = &mut self.lock {
+            if body.len() + chunk.len() > max {
+                // Over the cap (in Redis, or in the object store when the
+                // rule offloads): released like a failure, so a retry runs
+                // again; the copy is dropped at once.
+                log::info!("redis-guard: response over maxStoredBodyBytes ({max}), not stored");
+                host.count(Counter::IdemTooLarge);
+                let (expected, seen) = (*expected, body.len());
+                self.release_before_end(host, config, calls, expected, seen);
+                return self.hold_if_ended(end_of_stream, chunk.len());
+            }
+            let needed = body.len() + chunk.len();
+            if needed > body.capacity() {
+                // Without a content-length: grow by doubling, but never
+                // reserve past the cap.
+                let target = needed.max(body.capacity().saturating_mul(2)).min(max);
+                body.reserve_exact(target - body.len());
+            }
+            body.extend_from_slice(&chunk);
+            complete |= expected.is_some_and(|n| body.len() >= n);
+        }
+        if complete {
+            return self.complete(host, config, calls);
+        }
+        Action::Continue
+    }
+
+    /// Trailers end a response that had no content-length: the captured body
+    /// is complete, and a pending release must land before they go out.
+    pub fn on_response_trailers<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+    ) -> Action {
+        match self.lock {
+            Lock::Capturing { .. } => self.complete(host, config, calls),
+            Lock::Completing { .. } | Lock::Uploading { .. } => Action::Pause,
+            Lock::Releasing { .. } => self.hold_if_ended(true, 0),
+            _ => Action::Continue,
+        }
+    }
+
+    /// While a release is in flight, lets the response stream until the piece
+    /// that ends it (end of stream, or content-length reached), which waits.
+    fn hold_if_ended(&mut self, end_of_stream: bool, chunk: usize) -> Action {
+        let Lock::Releasing {
+            expected,
+            seen,
+            held,
+            ..
+        } = &mut self.lock
+        else {
+            return Action::Continue;
+        };
+        *seen += chunk;
+        if end_of_stream || expected.is_some_and(|n| *seen >= n) {
+            *held = true;
+            return Action::Pause;
+        }
+        Action::Continue
+    }
+
+    /// Stores the captured response (a large body first goes to the object
+    /// store); the stream's end waits for the answer.
+    fn complete<H: Host>(&mut self, host: &mut H, config: &Config, calls: &mut Calls) -> Action {
+        let Some(keyed) = &self.keyed else {
+            return Action::Continue;
+        };
+        let above = config.idempotency[keyed.rule].offload_above;
+        let Lock::Capturing {
+            status,
+            headers,
+            body,
+            ..
+        } = std::mem::replace(&mut self.lock, Lock::Held)
+        else {
+            return Action::Continue;
+        };
+        match (above, &config.object_store) {
+            (Some(above), Some(_)) if body.len() > above => {
+                self.upload(host, config, calls, status, headers, body)
+            }
+            _ => self.store_record(host, config, calls, status, &headers, body, None),
+        }
+    }
+
+    /// Writes the COMPLETED record: the body itself, or the object's reference.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn store_record<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+        status: u32,
+        headers: &[(String, Vec<u8>)],
+        body: Vec<u8>,
+        object: Option<ObjectRef>,
+    ) -> Action {
+        let Some(keyed) = &self.keyed else {
+            return Action::Continue;
+        };
+        let rule = &config.idempotency[keyed.rule];
+        let keys = vec![keyed.args.key.clone()];
+        // The store gets its own timeout, counted from now, plus 1 ms per KiB:
+        // a large body takes longer to cross Envoy, Webdis and Redis.
+        let transfer = Duration::from_millis((body.len() / 1024) as u64);
+        let mut argv = vec![
+            keyed.args.owner.as_bytes().to_vec(),
+            status.to_string().into_bytes(),
+            encode_headers(headers),
+            body,
+            rule.record_ttl_ms.to_string().into_bytes(),
+        ];
+        let offloaded = object.is_some();
+        if let Some(object) = object {
+            argv.push(object.key.into_bytes());
+            argv.push(object.sha256.into_bytes());
+            argv.push(object.len.to_string().into_bytes());
+        }
+        let deadline = host.now() + config.redis.timeout + transfer;
+        // EVALSHA like every call: the body is the record, the script's
+        // source would only add to every request; a NOSCRIPT costs one EVAL.
+        let call = ScriptCall::new(&IDEM_COMPLETE, (keys, argv), Budget::Until(deadline));
+        match call.send(host, &config.redis) {
+            Ok(token) => {
+                calls.expect(token, Owner::Record);
+                self.lock = Lock::Completing { call, offloaded };
+                Action::Pause
+            }
+            Err((_, e)) => {
+                log::warn!("redis-guard: cannot store idempotent response: {e}");
+                host.count(Counter::IdemStoreFailed);
+                // Try to free the key all the same (it expires by itself otherwise).
+                self.release(host, config, true);
+                Action::Continue
+            }
+        }
+    }
+
+    /// The answer to the record's write, or to the lock's release.
+    pub fn on_reply<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+        reply: &CalloutReply,
+    ) {
+        match &mut self.lock {
+            Lock::Completing { call, offloaded } => {
+                let offloaded = *offloaded;
+                match call.answer(host, &config.redis, reply) {
+                    Answer::Resent(token) => calls.expect(token, Owner::Record),
+                    Answer::Ran(answer) => match answer.as_int() {
+                        Some(1) => {
+                            self.lock = Lock::Finished;
+                            host.count(Counter::IdemStored);
+                            if offloaded {
+                                host.count(Counter::IdemOffloaded);
+                            }
+                            host.resume_response();
+                        }
+                        Some(0) => {
+                            // The lock expired (upstream slower than
+                            // lockTtlMs) and may be another request's now:
+                            // leave it; the response still goes out.
+                            log::warn!(
+                                "redis-guard: idempotency lock lost before the response; not stored"
+                            );
+                            host.count(Counter::IdemStoreFailed);
+                            self.lock = Lock::Finished;
+                            host.resume_response();
+                        }
+                        _ => self.store_failed(host, config, calls, reply.status),
+                    },
+                    Answer::Refused(_) | Answer::Failed(_) => {
+                        self.store_failed(host, config, calls, reply.status)
+                    }
+                }
+            }
+            Lock::Releasing { call, held, .. } => {
+                let held = *held;
+                if let Answer::Resent(token) = call.answer(host, &config.redis, reply) {
+                    // Redis lost its scripts since: once more as EVAL.
+                    calls.expect(token, Owner::Record);
+                    return;
+                }
+                self.lock = Lock::Finished;
+                if held {
+                    host.resume_response();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Redis failed to store: free the key (owner-checked) so a retry is not
+    /// answered 409 until the lock expires; the response waits for it.
+    fn store_failed<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+        status: Option<u32>,
+    ) {
+        log::warn!("redis-guard: idempotent response not stored ({status:?})");
+        host.count(Counter::IdemStoreFailed);
+        if self.release_held_end(host, config, calls) == Action::Continue {
+            host.resume_response();
+        }
+    }
+
+    /// The response's last piece is being held (its store failed): free the
+    /// key first; the piece goes out when the release lands, or at once
+    /// (`Continue`) if it could not be sent.
+    pub(super) fn release_held_end<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+    ) -> Action {
+        self.release_before_end(host, config, calls, None, 0);
+        self.hold_if_ended(true, 0)
+    }
+
+    /// Sends the release; the response's end waits for it (`hold_if_ended`).
+    fn release_before_end<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+        expected: Option<usize>,
+        seen: usize,
+    ) {
+        self.lock = match self.release_call(host, config, false) {
+            Some((token, call)) => {
+                calls.expect(token, Owner::Record);
+                Lock::Releasing {
+                    call,
+                    expected,
+                    seen,
+                    held: false,
+                }
+            }
+            None => Lock::Finished,
+        };
+    }
+
+    /// Frees the lock (only if still ours) so a retry runs again, from the
+    /// root context: the stream may be ending, and nobody reads the reply.
+    pub fn release<H: Host>(&mut self, host: &mut H, config: &Config, detached: bool) {
+        self.release_call(host, config, detached);
+    }
+
+    fn release_call<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        detached: bool,
+    ) -> Option<(u32, ScriptCall)> {
+        self.lock = Lock::Finished;
+        let keyed = self.keyed.as_ref()?;
+        host.count(Counter::IdemReleased);
+        let args = (
+            vec![keyed.args.key.clone()],
+            vec![keyed.args.owner.as_bytes().to_vec()],
+        );
+        let call = ScriptCall::new(&IDEM_RELEASE, args, Budget::Each(config.redis.timeout));
+        // EVALSHA when a reply will come back to fall back on after a
+        // NOSCRIPT; a detached release gets no reply, so it carries the script.
+        let sent = if detached {
+            call.clone()
+                .with_source()
+                .send_detached(host, &config.redis)
+        } else {
+            call.send(host, &config.redis)
+        };
+        match sent {
+            Ok(token) => Some((token, call)),
+            Err((_, e)) => {
+                log::warn!(
+                    "redis-guard: cannot release idempotency lock (it expires by itself): {e}"
+                );
+                None
+            }
+        }
+    }
+
+    /// The stream is over (done, reset or aborted). A lock still held was
+    /// never completed: release it now rather than at its TTL. An upload's
+    /// reply would come to this stream, which is gone: the record will never
+    /// be written, so the key is freed now too.
+    pub fn on_stream_end<H: Host>(&mut self, host: &mut H, config: &Config) {
+        if matches!(
+            self.lock,
+            Lock::Held | Lock::Capturing { .. } | Lock::Uploading { .. }
+        ) {
+            self.release(host, config, true);
+        }
+    }
+}

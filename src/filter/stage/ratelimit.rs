@@ -1,0 +1,80 @@
+//! The rate-limit stage: which limits apply, what Redis decided for each
+//! (stats, the 429) and the RateLimit headers an admitted response carries.
+
+use crate::config::{Config, FailureMode};
+use crate::filter::{Counter, Host};
+use crate::ratelimit::{IdemArgs, Outcome, Plan, ScriptArgs};
+use crate::request::RequestLine;
+use crate::response::{bad_request, rate_limit_headers, too_many_requests, LocalReply};
+
+#[derive(Debug, Default)]
+pub struct RateLimit {
+    plan: Plan,
+    /// Added to the response once it starts.
+    headers: Vec<(String, String)>,
+}
+
+impl RateLimit {
+    /// Collects the limits that apply; a bad cost header is a 400.
+    pub fn on_request<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        line: &RequestLine,
+    ) -> Result<(), LocalReply> {
+        self.plan = Plan::build(config, line, host).map_err(|bad| bad_request(&bad.detail))?;
+        for check in &self.plan.checks {
+            host.count(Counter::Checked(check.limit));
+        }
+        Ok(())
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The request's hash tag, if the limits computed it already.
+    pub fn tag(&self) -> Option<&str> {
+        self.plan.tag.as_deref()
+    }
+
+    /// KEYS and ARGV of the request script, with the idempotency acquire.
+    pub fn script_args(&self, config: &Config, idem: Option<&IdemArgs>) -> ScriptArgs {
+        self.plan.script_args(config, idem)
+    }
+
+    pub fn failure_mode(&self, config: &Config) -> FailureMode {
+        self.plan.failure_mode(config)
+    }
+
+    /// Counts what Redis decided per limit; `Err` is the 429 to send.
+    pub fn on_outcome<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        outcome: &Outcome,
+    ) -> Result<(), LocalReply> {
+        for (check, result) in self.plan.checks.iter().zip(&outcome.results) {
+            let limit = &config.limits[check.limit];
+            match (limit.shadow, result.allowed) {
+                (true, false) => {
+                    log::info!("redis-guard: shadow limit `{}` would reject", limit.name);
+                    host.count(Counter::ShadowRejected(check.limit));
+                }
+                (_, true) => host.count(Counter::Allowed(check.limit)),
+                (false, false) => host.count(Counter::Rejected(check.limit)),
+            }
+        }
+        if !outcome.admitted {
+            return Err(too_many_requests(config, &self.plan, outcome));
+        }
+        self.headers = rate_limit_headers(config, &self.plan, outcome);
+        Ok(())
+    }
+
+    pub fn on_response_headers<H: Host>(&mut self, host: &mut H) {
+        for (name, value) in self.headers.drain(..) {
+            host.add_response_header(&name, &value);
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! The one fake host every unit test of the filter runs against. It does
+//! what Envoy does where a test must see it: callout tokens, shared data
+//! with compare-and-swap (and races lost on demand), refused dispatches,
+//! repeated and non-UTF-8 response headers, a clock the test moves.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::breaker::Breaker;
+use crate::config::RedisTarget;
+use crate::filter::stage::lease::Prefetch;
+use crate::filter::{CalloutReply, Counter, Host};
+use crate::request::RequestView;
+use crate::response::LocalReply;
+
+pub fn test_breaker() -> Rc<Breaker> {
+    Rc::new(Breaker::new(1000, Duration::from_millis(1000)))
+}
+
+#[derive(Default)]
+pub struct FakeHost {
+    pub headers: HashMap<String, Vec<u8>>,
+    pub dispatched: Vec<String>,
+    pub dispatch_fails: bool,
+    pub sent: Vec<LocalReply>,
+    pub resumed: usize,
+    pub added: Vec<(String, String)>,
+    pub counters: Vec<Counter>,
+    pub clock_ms: u64,
+    pub timeouts: Vec<Duration>,
+    pub detached: Vec<String>,
+    pub request_body: Vec<u8>,
+    pub response: HashMap<String, Vec<u8>>,
+    pub response_chunks: Vec<Vec<u8>>,
+    pub response_resumed: usize,
+    pub tokens: u32,
+    pub shared: HashMap<String, (Vec<u8>, u32)>,
+    pub retries_scheduled: Vec<Duration>,
+    pub can_schedule: bool,
+    pub prefetched: Vec<(String, Prefetch)>,
+    /// Object-store calls; tokens from OBJECT_TOKENS.
+    pub objects: Vec<ObjectCall>,
+    pub object_dispatch_fails: bool,
+}
+
+/// An object-store call's headers and body.
+pub type ObjectCall = (Vec<(String, String)>, Option<Vec<u8>>);
+
+pub const OBJECT_TOKENS: u32 = 10_000;
+
+impl FakeHost {
+    pub fn get(path: &str) -> FakeHost {
+        let mut h = FakeHost::default();
+        h.headers.insert(":method".into(), b"GET".to_vec());
+        h.headers.insert(":path".into(), path.as_bytes().to_vec());
+        h.headers
+            .insert(":authority".into(), b"example.com".to_vec());
+        h
+    }
+}
+
+impl RequestView for FakeHost {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.headers.get(name).cloned()
+    }
+    fn client_address(&self) -> Option<String> {
+        Some("127.0.0.1:1234".into())
+    }
+}
+
+impl Host for FakeHost {
+    fn dispatch_redis(
+        &mut self,
+        _: &RedisTarget,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, String> {
+        self.timeouts.push(timeout);
+        if self.dispatch_fails {
+            return Err("no cluster".into());
+        }
+        self.dispatched
+            .push(String::from_utf8_lossy(body).into_owned());
+        Ok(self.dispatched.len() as u32)
+    }
+    fn dispatch_object(
+        &mut self,
+        _: &crate::config::ObjectStore,
+        headers: &[(String, String)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, String> {
+        self.timeouts.push(timeout);
+        if self.dispatch_fails || self.object_dispatch_fails {
+            return Err("no cluster".into());
+        }
+        self.objects
+            .push((headers.to_vec(), body.map(<[u8]>::to_vec)));
+        Ok(OBJECT_TOKENS + self.objects.len() as u32)
+    }
+    fn send_local(&mut self, reply: &LocalReply) {
+        self.sent.push(reply.clone());
+    }
+    fn resume_request(&mut self) {
+        self.resumed += 1;
+    }
+    fn add_response_header(&mut self, name: &str, value: &str) {
+        self.added.push((name.into(), value.into()));
+    }
+    fn count(&mut self, counter: Counter) {
+        self.counters.push(counter);
+    }
+    fn now(&self) -> Duration {
+        Duration::from_millis(self.clock_ms)
+    }
+    fn dispatch_redis_detached(
+        &mut self,
+        _: &RedisTarget,
+        body: &[u8],
+        _: Duration,
+    ) -> Result<u32, String> {
+        self.detached
+            .push(String::from_utf8_lossy(body).into_owned());
+        Ok(1000 + self.detached.len() as u32)
+    }
+    fn dispatch_prefetch(
+        &mut self,
+        _: &RedisTarget,
+        body: &[u8],
+        _: Duration,
+        note: Prefetch,
+    ) -> Result<(), String> {
+        self.prefetched
+            .push((String::from_utf8_lossy(body).into_owned(), note));
+        Ok(())
+    }
+    fn request_body(&mut self, size: usize) -> Vec<u8> {
+        self.request_body[..size.min(self.request_body.len())].to_vec()
+    }
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.response.get(name).cloned()
+    }
+    fn response_header_values(&self, name: &str) -> Vec<Vec<u8>> {
+        self.response.get(name).cloned().into_iter().collect()
+    }
+    fn response_body(&mut self, _size: usize) -> Vec<u8> {
+        if self.response_chunks.is_empty() {
+            Vec::new()
+        } else {
+            self.response_chunks.remove(0)
+        }
+    }
+    fn resume_response(&mut self) {
+        self.response_resumed += 1;
+    }
+    fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        match self.shared.get(key) {
+            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+            None => (None, None),
+        }
+    }
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+        // As Envoy: a token is checked only against a key that exists.
+        let current = self.shared.get(key).map(|(_, c)| *c);
+        if let (Some(want), Some(have)) = (cas, current) {
+            if want != have {
+                return false;
+            }
+        }
+        let next = current.unwrap_or(0) + 1;
+        self.shared.insert(key.to_string(), (value.to_vec(), next));
+        true
+    }
+    fn retry_later(&mut self, delay: Duration) -> bool {
+        self.retries_scheduled.push(delay);
+        self.can_schedule
+    }
+    fn unique_token(&mut self) -> String {
+        self.tokens += 1;
+        format!("owner-{}", self.tokens)
+    }
+}
+
+pub fn ok(body: &[u8]) -> CalloutReply {
+    CalloutReply {
+        status: Some(200),
+        from_webdis: true,
+        body: body.to_vec(),
+    }
+}
+
+/// A call that got no answer (timeout, reset, connection refused).
+pub fn no_answer() -> CalloutReply {
+    CalloutReply {
+        status: None,
+        from_webdis: false,
+        body: vec![],
+    }
+}
+
+impl FakeHost {
+    pub fn keyed(method: &str, path: &str, key: Option<&[u8]>) -> FakeHost {
+        let mut h = FakeHost::get(path);
+        h.headers
+            .insert(":method".into(), method.as_bytes().to_vec());
+        if let Some(key) = key {
+            h.headers.insert("idempotency-key".into(), key.to_vec());
+        }
+        h
+    }
+
+    pub fn post(path: &str, key: &[u8]) -> FakeHost {
+        FakeHost::keyed("POST", path, Some(key))
+    }
+
+    pub fn respond(&mut self, headers: &[(&str, &str)]) {
+        for (name, value) in headers {
+            self.response
+                .insert((*name).to_string(), value.as_bytes().to_vec());
+        }
+    }
+}
+
+/// A RESP array of bulk strings, as Webdis' `.raw` output carries it.
+pub fn resp(items: &[&[u8]]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", items.len()).into_bytes();
+    for item in items {
+        out.extend_from_slice(format!("${}\r\n", item.len()).as_bytes());
+        out.extend_from_slice(item);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+pub fn count(h: &FakeHost, c: Counter) -> usize {
+    h.counters.iter().filter(|&&x| x == c).count()
+}
