@@ -16,26 +16,12 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::codec::{hex, sha256_hex};
 use crate::config::{Config, Limit, Part};
 use crate::request::{client_ip, RequestLine, RequestView};
 
 /// Longest descriptor value kept verbatim in a key.
 pub const MAX_RAW_VALUE: usize = 128;
-
-pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 0x0f) as usize] as char);
-    }
-    s
-}
-
-/// Lower-case hex SHA-256: digests in keys, object names and checksums.
-pub fn sha256_hex(data: &[u8]) -> String {
-    hex(&Sha256::digest(data))
-}
 
 /// Appends one descriptor value: `<len>:<bytes>`, or `#<sha256 hex>` when long.
 pub fn push_value(out: &mut Vec<u8>, value: &[u8]) {
@@ -204,10 +190,5 @@ mod tests {
             descriptor(&[Part::ClientAddress, Part::Method, Part::Path], &line, &r),
             Some(b"9:127.0.0.9:3:GET:2:/x".to_vec())
         );
-    }
-
-    #[test]
-    fn hex_encodes_lowercase() {
-        assert_eq!(hex(&[0x00, 0xab, 0xff]), "00abff");
     }
 }

@@ -11,6 +11,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use crate::breaker::Breaker;
+use crate::codec;
 use crate::config::{Config, FailureMode};
 use crate::filter::{Counter, ErrorKind, Host};
 use crate::idempotency::{decode_headers, encode_headers, fingerprint, parse_key, record_key};
@@ -722,7 +723,7 @@ impl Flow {
                 continue;
             }
             let bucket = LocalBucket::for_limit(&limit.algorithm, limit.local_per_mille);
-            let key = format!("redis-guard/local/{}", keys::sha256_hex(&check.key));
+            let key = format!("redis-guard/local/{}", codec::sha256_hex(&check.key));
             let mut taken = None;
             // Bounded: under contention a worker retries a few times, then
             // counts the request as admitted rather than spin.
@@ -1155,7 +1156,7 @@ impl Flow {
             return Action::Continue;
         };
         let rule = &config.idempotency[keyed.rule];
-        let sha256 = keys::sha256_hex(&body);
+        let sha256 = codec::sha256_hex(&body);
         // Read after hashing (a large body takes a while): the record is
         // written within the upload's and then the write's deadline from now.
         let now = host.now();
@@ -3359,11 +3360,11 @@ mod tests {
         let body = b"0123456789 a large body";
         let (put, sent) = respond_large(&mut f, &mut h, body);
         assert_eq!(sent, body);
-        let sha = keys::sha256_hex(body);
+        let sha = codec::sha256_hex(body);
         assert_eq!(header(&put, ":method"), "PUT");
         assert_eq!(header(&put, ":authority"), "127.0.0.1:9000");
         assert_eq!(header(&put, "x-amz-content-sha256"), sha);
-        let digest = keys::sha256_hex(&key);
+        let digest = codec::sha256_hex(&key);
         // Expiry: the proxy's now + recordTtlMs (1 day) + the store's and
         // Redis' timeouts (4 s + 50 ms), rounded up to the second.
         let object_key = format!("t/pay/20261203T172605Z/{digest}-owner-1");
@@ -3448,7 +3449,7 @@ mod tests {
         h.clock_ms = 1_796_232_360_000;
         assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
         let stored = encode_headers(&[("content-type".to_string(), b"text/plain".to_vec())]);
-        let sha = keys::sha256_hex(body);
+        let sha = codec::sha256_hex(body);
         let len = body.len().to_string();
         let record = resp(&[
             b"3",
