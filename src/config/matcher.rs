@@ -4,6 +4,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::{header_name, valid_header_name, ConfigError};
+use crate::request::{RequestLine, RequestView};
 
 /// Conditions that must all hold; an empty match covers every request.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
@@ -58,6 +59,41 @@ pub struct Matcher {
     /// Lower-case, without port.
     pub host: Option<String>,
     pub headers: Vec<(String, HeaderCondition)>,
+}
+
+// Evaluated beside the conditions it reads, so that `request` (the request as
+// the core sees it) knows nothing of configuration.
+impl Matcher {
+    pub fn matches(&self, line: &RequestLine, view: &dyn RequestView) -> bool {
+        match &self.path {
+            PathMatch::Any => {}
+            PathMatch::Prefix(p) => {
+                if !line.path.starts_with(p.as_bytes()) {
+                    return false;
+                }
+            }
+            PathMatch::Exact(p) => {
+                if line.path != p.as_bytes() {
+                    return false;
+                }
+            }
+        }
+        if !self.methods.is_empty() && !self.methods.contains(&line.method) {
+            return false;
+        }
+        if let Some(host) = &self.host {
+            if *host != line.host {
+                return false;
+            }
+        }
+        self.headers.iter().all(|(name, cond)| {
+            let value = view.header(name);
+            match cond {
+                HeaderCondition::Present(want) => value.is_some() == *want,
+                HeaderCondition::Exact(v) => value.as_deref() == Some(v.as_bytes()),
+            }
+        })
+    }
 }
 
 pub(super) fn compile_match(raw: RawMatch, at: &str) -> Result<Matcher, ConfigError> {

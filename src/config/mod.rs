@@ -442,3 +442,74 @@ fn header_name(name: &str, field: &str) -> Result<String, ConfigError> {
     // Envoy keeps header names lower-case.
     Ok(name.to_ascii_lowercase())
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::request::{fake, Needs, RequestLine};
+
+    #[test]
+    fn a_config_reads_only_the_request_line_parts_it_uses() {
+        let needs = |json: &str| {
+            crate::config::Config::parse(
+                format!(r#"{{"redis":{{"cluster":"w"}},{json}}}"#).as_bytes(),
+            )
+            .unwrap()
+            .needs
+        };
+        let tb = r#""tokenBucket":{"capacity":1,"refill":1,"periodMs":1000}"#;
+        let none = Needs {
+            method: false,
+            path: false,
+            host: false,
+        };
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","descriptor":[{{"header":"x"}}],{tb}}}]"#
+            )),
+            none
+        );
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","match":{{"pathPrefix":"/a"}},{tb}}}]"#
+            )),
+            Needs { path: true, ..none }
+        );
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","match":{{"methods":["GET"]}},{tb}}}]"#
+            )),
+            Needs {
+                method: true,
+                ..none
+            }
+        );
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","match":{{"host":"h"}},{tb}}}]"#
+            )),
+            Needs { host: true, ..none }
+        );
+        assert_eq!(
+            needs(&format!(
+                r#""limits":[{{"name":"a","descriptor":["method","path"],{tb}}}]"#
+            )),
+            Needs {
+                host: false,
+                ..Needs::ALL
+            }
+        );
+        assert_eq!(
+            needs(r#""idempotency":[{"name":"p"}]"#),
+            Needs {
+                host: false,
+                ..Needs::ALL
+            }
+        );
+        // What is not needed is not read.
+        let mut req = fake::FakeRequest::default();
+        req.headers.insert(":method".into(), b"GET".to_vec());
+        req.headers.insert(":path".into(), b"/x".to_vec());
+        let line = RequestLine::read_needed(&req, Needs { path: true, ..none });
+        assert_eq!((line.method.as_str(), &line.path[..]), ("", &b"/x"[..]));
+    }
+}
