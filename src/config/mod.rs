@@ -19,6 +19,8 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use crate::request::{RequestLine, RequestView};
+
 pub use idempotency::{
     Idempotency, DEFAULT_IDEMPOTENCY_HEADER, DEFAULT_LOCK_TTL_MS, DEFAULT_MAX_REQUEST_BODY,
     DEFAULT_MAX_STORED_BODY, DEFAULT_RECORD_TTL_MS, MAX_OFFLOADED_BODY,
@@ -29,7 +31,7 @@ pub use object_store::{
     ObjectStore, DEFAULT_OBJECT_KEY_PREFIX, DEFAULT_OBJECT_TIMEOUT_MS, ENV_ACCESS_KEY_ID,
     ENV_SECRET_ACCESS_KEY, ENV_SESSION_TOKEN,
 };
-pub use parts::Part;
+pub use parts::{descriptor, Part};
 pub use redis::{
     RedisTarget, DEFAULT_BREAKER_COOL_DOWN_MS, DEFAULT_BREAKER_FAILURES, DEFAULT_TIMEOUT_MS,
 };
@@ -37,7 +39,7 @@ pub use redis::{
 use idempotency::{compile_idempotency, RawIdempotency};
 use limit::{compile_limit, RawLimit};
 use object_store::{compile_object_store, RawObjectStore};
-use parts::{compile_parts, RawPart};
+use parts::{compile_parts, static_hash_tag, RawPart};
 use redis::{compile_redis, RawRedis};
 
 /// A rejected configuration: which field, and why.
@@ -198,6 +200,19 @@ impl Config {
             .map_err(|e| ConfigError::new("", format!("not valid JSON: {e}")))?;
         only_listed_arrays(&shape, "", false)?;
         compile(raw, env)
+    }
+
+    /// The hash tag of this request (16 hex digits), from the configured parts; a
+    /// missing header counts as an empty value so the tag always exists.
+    pub fn hash_tag_for(&self, line: &RequestLine, view: &dyn RequestView) -> String {
+        if let Some(tag) = &self.static_tag {
+            return tag.clone();
+        }
+        crate::keys::hash_tag_of(
+            self.hash_tag
+                .iter()
+                .map(|part| part.value(line, view).unwrap_or_default()),
+        )
     }
 }
 
@@ -376,7 +391,7 @@ fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Confi
         redis,
         key_prefix,
         needs: needs(&hash_tag, &limits, &idempotency),
-        static_tag: crate::keys::static_hash_tag(&hash_tag),
+        static_tag: static_hash_tag(&hash_tag),
         hash_tag,
         headers_ietf,
         headers_x,
@@ -445,6 +460,7 @@ fn header_name(name: &str, field: &str) -> Result<String, ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    use crate::request::fake::FakeRequest;
     use crate::request::{fake, Needs, RequestLine};
 
     #[test]
@@ -511,5 +527,22 @@ mod tests {
         req.headers.insert(":path".into(), b"/x".to_vec());
         let line = RequestLine::read_needed(&req, Needs { path: true, ..none });
         assert_eq!((line.method.as_str(), &line.path[..]), ("", &b"/x"[..]));
+    }
+
+    #[test]
+    fn a_hash_tag_of_literals_is_computed_once_and_equals_the_per_request_one() {
+        for tags in [r#"[]"#, r#"[{"literal":"eu"},{"literal":"v2"}]"#] {
+            let json = format!(r#"{{"redis":{{"cluster":"w"}},"hashTag":{tags}}}"#);
+            let mut config = crate::config::Config::parse(json.as_bytes()).unwrap();
+            let fixed = config.static_tag.clone().expect("precomputed");
+            config.static_tag = None;
+            let req = FakeRequest::default();
+            let line = RequestLine::read(&req);
+            assert_eq!(config.hash_tag_for(&line, &req), fixed);
+        }
+        let json = br#"{"redis":{"cluster":"w"},"hashTag":[{"header":"x-t"}],
+            "limits":[{"name":"a","descriptor":[{"header":"x-t"}],
+            "tokenBucket":{"capacity":1,"refill":1,"periodMs":1000}}]}"#;
+        assert_eq!(crate::config::Config::parse(json).unwrap().static_tag, None);
     }
 }

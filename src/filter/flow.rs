@@ -242,7 +242,7 @@ impl Flow {
                     // Computed once per request: the limits may have it already.
                     let tag = match &self.plan.tag {
                         Some(t) => t.clone(),
-                        None => keys::hash_tag(&self.config, &line, host),
+                        None => self.config.hash_tag_for(&line, host),
                     };
                     let mut tenant = Vec::new();
                     for (j, part) in rule.tenant.iter().enumerate() {
@@ -251,7 +251,7 @@ impl Flow {
                         }
                         // No tenant, no scope: an absent or empty tenant must
                         // not share one key space with every other such request.
-                        let value = keys::part_value(part, &line, host).unwrap_or_default();
+                        let value = part.value(&line, host).unwrap_or_default();
                         if value.is_empty() {
                             let detail = format!(
                                 "requests with `{}` need their tenant ({part})",
@@ -2597,7 +2597,7 @@ mod tests {
     /// The record key the filter must use for this request.
     fn expected_record_key(cfg: &Config, h: &FakeHost, key: &[u8]) -> Vec<u8> {
         let line = RequestLine::read(h);
-        let tag = keys::hash_tag(cfg, &line, h);
+        let tag = cfg.hash_tag_for(&line, h);
         record_key(&cfg.key_prefix, &tag, &cfg.idempotency[0], b"", key)
     }
 
