@@ -3,8 +3,9 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::codec::hex;
 use crate::config::Idempotency;
-use crate::keys::{hex, push_value};
+use crate::keys::push_value;
 
 /// Longest key accepted (draft-ietf-httpapi-idempotency-key-header leaves the
 /// length to the resource; 255 keeps keys UUID-sized and records small).

@@ -16,26 +16,10 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::config::{Config, Limit, Part};
-use crate::request::{client_ip, RequestLine, RequestView};
+use crate::codec::{hex, sha256_hex};
 
 /// Longest descriptor value kept verbatim in a key.
 pub const MAX_RAW_VALUE: usize = 128;
-
-pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 0x0f) as usize] as char);
-    }
-    s
-}
-
-/// Lower-case hex SHA-256: digests in keys, object names and checksums.
-pub fn sha256_hex(data: &[u8]) -> String {
-    hex(&Sha256::digest(data))
-}
 
 /// Appends one descriptor value: `<len>:<bytes>`, or `#<sha256 hex>` when long.
 pub fn push_value(out: &mut Vec<u8>, value: &[u8]) {
@@ -49,59 +33,15 @@ pub fn push_value(out: &mut Vec<u8>, value: &[u8]) {
     }
 }
 
-/// The value of one part for this request; `None` when a header is missing.
-pub fn part_value(part: &Part, line: &RequestLine, view: &dyn RequestView) -> Option<Vec<u8>> {
-    match part {
-        Part::Header(name) => view.header(name),
-        Part::Literal(v) => Some(v.as_bytes().to_vec()),
-        Part::ClientAddress => view
-            .client_address()
-            .map(|a| client_ip(&a).as_bytes().to_vec()),
-        Part::Path => Some(line.path.clone()),
-        Part::Method => Some(line.method.as_bytes().to_vec()),
-    }
-}
-
-/// The encoded descriptor of `parts`, or `None` when a header it names is
-/// missing (as with Envoy's rate-limit actions, the limit then does not apply).
-pub fn descriptor(parts: &[Part], line: &RequestLine, view: &dyn RequestView) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    for (i, part) in parts.iter().enumerate() {
-        if i > 0 {
-            out.push(b':');
-        }
-        push_value(&mut out, &part_value(part, line, view)?);
-    }
-    Some(out)
-}
-
-/// The hash tag of this request (16 hex digits), from the configured parts; a
-/// missing header counts as an empty value so the tag always exists.
-pub fn hash_tag(config: &Config, line: &RequestLine, view: &dyn RequestView) -> String {
-    if let Some(tag) = &config.static_tag {
-        return tag.clone();
-    }
+/// The hash tag (16 hex digits) of the values of the configured `hashTag`
+/// parts, in order.
+pub fn hash_tag_of<V: AsRef<[u8]>>(values: impl IntoIterator<Item = V>) -> String {
     let mut enc = Vec::new();
-    for part in &config.hash_tag {
-        push_value(&mut enc, &part_value(part, line, view).unwrap_or_default());
+    for value in values {
+        push_value(&mut enc, value.as_ref());
         enc.push(b':');
     }
-    let digest = Sha256::digest(&enc);
-    hex(&digest[..8])
-}
-
-/// The hash tag of a configuration whose `hashTag` depends on no request
-/// (none, or literals only): computed once, not per request.
-pub fn static_hash_tag(parts: &[Part]) -> Option<String> {
-    let mut enc = Vec::new();
-    for part in parts {
-        let Part::Literal(v) = part else {
-            return None;
-        };
-        push_value(&mut enc, v.as_bytes());
-        enc.push(b':');
-    }
-    Some(hex(&Sha256::digest(&enc)[..8]))
+    hex(&Sha256::digest(&enc)[..8])
 }
 
 /// Where a limit key's record lives in a fixed table of `slots` entries of
@@ -126,14 +66,15 @@ pub fn record_u64(bytes: &[u8], i: usize) -> u64 {
     u64::from_be_bytes(b)
 }
 
-pub fn rate_limit_key(prefix: &str, tag: &str, limit: &Limit, descriptor: &[u8]) -> Vec<u8> {
+/// `key_infix` is the limit's precomputed `:<name>:<signature>:`.
+pub fn rate_limit_key(prefix: &str, tag: &str, key_infix: &str, descriptor: &[u8]) -> Vec<u8> {
     let mut key =
-        Vec::with_capacity(prefix.len() + tag.len() + limit.key_infix.len() + descriptor.len() + 8);
+        Vec::with_capacity(prefix.len() + tag.len() + key_infix.len() + descriptor.len() + 8);
     key.extend_from_slice(prefix.as_bytes());
     key.extend_from_slice(b":rl:{");
     key.extend_from_slice(tag.as_bytes());
     key.push(b'}');
-    key.extend_from_slice(limit.key_infix.as_bytes());
+    key.extend_from_slice(key_infix.as_bytes());
     key.extend_from_slice(descriptor);
     key
 }
@@ -141,24 +82,6 @@ pub fn rate_limit_key(prefix: &str, tag: &str, limit: &Limit, descriptor: &[u8])
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::fake::FakeRequest;
-
-    #[test]
-    fn a_hash_tag_of_literals_is_computed_once_and_equals_the_per_request_one() {
-        for tags in [r#"[]"#, r#"[{"literal":"eu"},{"literal":"v2"}]"#] {
-            let json = format!(r#"{{"redis":{{"cluster":"w"}},"hashTag":{tags}}}"#);
-            let mut config = crate::config::Config::parse(json.as_bytes()).unwrap();
-            let fixed = config.static_tag.clone().expect("precomputed");
-            config.static_tag = None;
-            let req = FakeRequest::default();
-            let line = RequestLine::read(&req);
-            assert_eq!(hash_tag(&config, &line, &req), fixed);
-        }
-        let json = br#"{"redis":{"cluster":"w"},"hashTag":[{"header":"x-t"}],
-            "limits":[{"name":"a","descriptor":[{"header":"x-t"}],
-            "tokenBucket":{"capacity":1,"refill":1,"periodMs":1000}}]}"#;
-        assert_eq!(crate::config::Config::parse(json).unwrap().static_tag, None);
-    }
 
     #[test]
     fn length_prefixes_keep_distinct_descriptors_apart() {
@@ -184,30 +107,5 @@ mod tests {
         let mut exact = Vec::new();
         push_value(&mut exact, &long[..MAX_RAW_VALUE]);
         assert_eq!(exact.len(), 4 + MAX_RAW_VALUE);
-    }
-
-    #[test]
-    fn missing_header_means_no_descriptor() {
-        let r = FakeRequest::new("GET", "/x");
-        let line = RequestLine::read(&r);
-        let parts = vec![Part::Header("x-user".into())];
-        assert_eq!(descriptor(&parts, &line, &r), None);
-        let r = r.with("x-user", b"al/ice");
-        assert_eq!(descriptor(&parts, &line, &r), Some(b"6:al/ice".to_vec()));
-    }
-
-    #[test]
-    fn client_address_part_drops_the_port() {
-        let r = FakeRequest::new("GET", "/x").addr("127.0.0.9:4242");
-        let line = RequestLine::read(&r);
-        assert_eq!(
-            descriptor(&[Part::ClientAddress, Part::Method, Part::Path], &line, &r),
-            Some(b"9:127.0.0.9:3:GET:2:/x".to_vec())
-        );
-    }
-
-    #[test]
-    fn hex_encodes_lowercase() {
-        assert_eq!(hex(&[0x00, 0xab, 0xff]), "00abff");
     }
 }

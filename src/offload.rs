@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
+use crate::codec::sha256_hex;
 use crate::config::ObjectStore;
-use crate::keys::sha256_hex;
 use crate::sigv4::{self, Request};
 
 /// What the COMPLETED record keeps of an offloaded body.

@@ -1,7 +1,7 @@
 //! Rate limiting without the host: which limits apply to a request, the script
 //! call that decides them, and what the reply means.
 
-use crate::config::{Algorithm, Config, Cost, FailureMode};
+use crate::config::{descriptor, Algorithm, Config, Cost, FailureMode};
 use crate::keys;
 use crate::offload::ObjectRef;
 use crate::request::{RequestLine, RequestView};
@@ -46,7 +46,7 @@ impl Plan {
             if !limit.matcher.matches(line, view) {
                 continue;
             }
-            let Some(descriptor) = keys::descriptor(&limit.descriptor, line, view) else {
+            let Some(descriptor) = descriptor(&limit.descriptor, line, view) else {
                 continue;
             };
             let cost = match &limit.cost {
@@ -68,10 +68,10 @@ impl Plan {
                     },
                 },
             };
-            let tag = tag.get_or_insert_with(|| keys::hash_tag(config, line, view));
+            let tag = tag.get_or_insert_with(|| config.hash_tag_for(line, view));
             checks.push(Check {
                 limit: i,
-                key: keys::rate_limit_key(&config.key_prefix, tag, limit, &descriptor),
+                key: keys::rate_limit_key(&config.key_prefix, tag, &limit.key_infix, &descriptor),
                 cost,
             });
         }

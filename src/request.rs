@@ -1,8 +1,6 @@
 //! What the core needs to know of a request, without the host. The filter
 //! implements [`RequestView`] over proxy-wasm; tests implement it over a map.
 
-use crate::config::{HeaderCondition, Matcher, PathMatch};
-
 /// Read access to one request's headers (pseudo-headers included, raw bytes:
 /// client headers need not be UTF-8) and its peer address.
 pub trait RequestView {
@@ -95,39 +93,6 @@ pub fn client_ip(address: &str) -> &str {
         .unwrap_or(host)
 }
 
-impl Matcher {
-    pub fn matches(&self, line: &RequestLine, view: &dyn RequestView) -> bool {
-        match &self.path {
-            PathMatch::Any => {}
-            PathMatch::Prefix(p) => {
-                if !line.path.starts_with(p.as_bytes()) {
-                    return false;
-                }
-            }
-            PathMatch::Exact(p) => {
-                if line.path != p.as_bytes() {
-                    return false;
-                }
-            }
-        }
-        if !self.methods.is_empty() && !self.methods.contains(&line.method) {
-            return false;
-        }
-        if let Some(host) = &self.host {
-            if *host != line.host {
-                return false;
-            }
-        }
-        self.headers.iter().all(|(name, cond)| {
-            let value = view.header(name);
-            match cond {
-                HeaderCondition::Present(want) => value.is_some() == *want,
-                HeaderCondition::Exact(v) => value.as_deref() == Some(v.as_bytes()),
-            }
-        })
-    }
-}
-
 #[cfg(test)]
 pub mod fake {
     use super::RequestView;
@@ -170,72 +135,6 @@ pub mod fake {
 
 #[cfg(test)]
 mod tests {
-
-    #[test]
-    fn a_config_reads_only_the_request_line_parts_it_uses() {
-        let needs = |json: &str| {
-            crate::config::Config::parse(
-                format!(r#"{{"redis":{{"cluster":"w"}},{json}}}"#).as_bytes(),
-            )
-            .unwrap()
-            .needs
-        };
-        let tb = r#""tokenBucket":{"capacity":1,"refill":1,"periodMs":1000}"#;
-        let none = Needs {
-            method: false,
-            path: false,
-            host: false,
-        };
-        assert_eq!(
-            needs(&format!(
-                r#""limits":[{{"name":"a","descriptor":[{{"header":"x"}}],{tb}}}]"#
-            )),
-            none
-        );
-        assert_eq!(
-            needs(&format!(
-                r#""limits":[{{"name":"a","match":{{"pathPrefix":"/a"}},{tb}}}]"#
-            )),
-            Needs { path: true, ..none }
-        );
-        assert_eq!(
-            needs(&format!(
-                r#""limits":[{{"name":"a","match":{{"methods":["GET"]}},{tb}}}]"#
-            )),
-            Needs {
-                method: true,
-                ..none
-            }
-        );
-        assert_eq!(
-            needs(&format!(
-                r#""limits":[{{"name":"a","match":{{"host":"h"}},{tb}}}]"#
-            )),
-            Needs { host: true, ..none }
-        );
-        assert_eq!(
-            needs(&format!(
-                r#""limits":[{{"name":"a","descriptor":["method","path"],{tb}}}]"#
-            )),
-            Needs {
-                host: false,
-                ..Needs::ALL
-            }
-        );
-        assert_eq!(
-            needs(r#""idempotency":[{"name":"p"}]"#),
-            Needs {
-                host: false,
-                ..Needs::ALL
-            }
-        );
-        // What is not needed is not read.
-        let mut req = fake::FakeRequest::default();
-        req.headers.insert(":method".into(), b"GET".to_vec());
-        req.headers.insert(":path".into(), b"/x".to_vec());
-        let line = RequestLine::read_needed(&req, Needs { path: true, ..none });
-        assert_eq!((line.method.as_str(), &line.path[..]), ("", &b"/x"[..]));
-    }
     use super::fake::FakeRequest;
     use super::*;
 

@@ -5,7 +5,7 @@ use std::sync::LazyLock;
 
 use sha1::{Digest, Sha1};
 
-use crate::keys::hex;
+use crate::codec::hex;
 
 #[derive(Debug)]
 pub struct Script {

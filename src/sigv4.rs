@@ -11,7 +11,7 @@ use hmac::{Hmac, Mac};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use sha2::Sha256;
 
-use crate::keys::{hex, sha256_hex};
+use crate::codec::{hex, sha256_hex};
 
 const ALGORITHM: &str = "AWS4-HMAC-SHA256";
 

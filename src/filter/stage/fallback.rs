@@ -84,7 +84,7 @@ fn decide_locally<H: Host>(host: &mut H, config: &Config, checks: &[Check]) -> O
             continue;
         }
         let bucket = LocalBucket::for_limit(&limit.algorithm, limit.local_per_mille);
-        let key = format!("redis-guard/local/{}", crate::keys::sha256_hex(&check.key));
+        let key = format!("redis-guard/local/{}", crate::codec::sha256_hex(&check.key));
         let mut taken = None;
         let update = cas::update(host, &key, |state| {
             let t = take(&bucket, state, now_ms, check.cost);

@@ -10,6 +10,7 @@ pub(super) use std::rc::Rc;
 pub(super) use std::time::Duration;
 
 pub(super) use crate::breaker::Breaker;
+pub(super) use crate::codec;
 pub(super) use crate::config::Config;
 pub(super) use crate::filter::cas::create_or_swap;
 pub(super) use crate::filter::flow::Flow;
@@ -19,7 +20,6 @@ pub(super) use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
 pub(super) use crate::filter::testing::*;
 pub(super) use crate::filter::{Action, CalloutReply, Counter, ErrorKind, Host};
 pub(super) use crate::idempotency::{encode_headers, fingerprint, record_key};
-pub(super) use crate::keys;
 pub(super) use crate::lease;
 pub(super) use crate::overlimit::Slot;
 pub(super) use crate::ratelimit::Plan;
@@ -72,7 +72,7 @@ pub(super) fn idem_flow(failure: &str) -> Flow {
 /// The record key the filter must use for this request.
 pub(super) fn expected_record_key(cfg: &Config, h: &FakeHost, key: &[u8]) -> Vec<u8> {
     let line = RequestLine::read(h);
-    let tag = keys::hash_tag(cfg, &line, h);
+    let tag = cfg.hash_tag_for(&line, h);
     record_key(&cfg.key_prefix, &tag, &cfg.idempotency[0], b"", key)
 }
 

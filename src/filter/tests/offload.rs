@@ -65,11 +65,11 @@ fn a_large_response_is_uploaded_then_recorded_by_reference() {
     let body = b"0123456789 a large body";
     let (put, sent) = respond_large(&mut f, &mut h, body);
     assert_eq!(sent, body);
-    let sha = keys::sha256_hex(body);
+    let sha = codec::sha256_hex(body);
     assert_eq!(header(&put, ":method"), "PUT");
     assert_eq!(header(&put, ":authority"), "127.0.0.1:9000");
     assert_eq!(header(&put, "x-amz-content-sha256"), sha);
-    let digest = keys::sha256_hex(&key);
+    let digest = codec::sha256_hex(&key);
     // Expiry: the proxy's now + recordTtlMs (1 day) + the store's and
     // Redis' timeouts (4 s + 50 ms), rounded up to the second.
     let object_key = format!("t/pay/20261203T172605Z/{digest}-owner-1");
@@ -153,7 +153,7 @@ fn offloaded_replay(body: &[u8]) -> (Flow, FakeHost) {
     h.clock_ms = 1_796_232_360_000;
     assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
     let stored = encode_headers(&[("content-type".to_string(), b"text/plain".to_vec())]);
-    let sha = keys::sha256_hex(body);
+    let sha = codec::sha256_hex(body);
     let len = body.len().to_string();
     let record = resp(&[
         b"3",

@@ -73,7 +73,7 @@ impl Intake {
         }
         let tag = match tag {
             Some(t) => t.to_string(),
-            None => keys::hash_tag(config, line, host),
+            None => config.hash_tag_for(line, host),
         };
         let mut tenant = Vec::new();
         for (j, part) in rule.tenant.iter().enumerate() {
@@ -82,7 +82,7 @@ impl Intake {
             }
             // No tenant, no scope: an absent or empty tenant must not share
             // one key space with every other such request.
-            let value = keys::part_value(part, line, host).unwrap_or_default();
+            let value = part.value(line, host).unwrap_or_default();
             if value.is_empty() {
                 let detail = format!("requests with `{}` need their tenant ({part})", rule.header);
                 return Err(bad_request(&detail));

@@ -2,10 +2,10 @@
 //! points at it follows once it is there, so a record never points at an
 //! object that was not stored.
 
+use crate::codec;
 use crate::config::Config;
 use crate::filter::flow::{Calls, Owner};
 use crate::filter::{Action, CalloutReply, Counter, Host};
-use crate::keys;
 use crate::offload::{self, check_put, ObjectRef};
 
 use super::record::{Lock, Record};
@@ -28,7 +28,7 @@ impl Record {
             return Action::Continue;
         };
         let rule = &config.idempotency[keyed.rule];
-        let sha256 = keys::sha256_hex(&body);
+        let sha256 = codec::sha256_hex(&body);
         // Read after hashing (a large body takes a while): the record is
         // written within the upload's and then the write's deadline from now.
         let now = host.now();

@@ -1,0 +1,370 @@
+//! Rate limits: the algorithm and its parameters, the cost of one request,
+//! the local budget and the token lease.
+
+use std::time::Duration;
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::matcher::{compile_match, Matcher, RawMatch};
+use super::parts::{compile_parts, Part, RawPart};
+use super::{header_name, valid_name, ConfigError, FailureMode};
+
+/// Largest integer a Lua (double) number holds exactly. The token bucket keeps
+/// `capacity * period_ms` credits, so that product must stay below it.
+const LUA_EXACT_MAX: u64 = 1 << 53;
+/// A tenth of the global budget per Envoy when Redis is down.
+pub const DEFAULT_LOCAL_PER_MILLE: u64 = 100;
+/// Most units one request may spend from a sliding window.
+pub const MAX_WINDOW_COST: u64 = 1000;
+
+/// One rate limit: exactly one of tokenBucket or slidingWindow.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Limit")]
+pub(super) struct RawLimit {
+    /// Unique limit name: letters, digits, '-', '_', '.'; part of keys and stats.
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9._-]+$"))]
+    name: String,
+    /// Which requests the limit applies to.
+    #[serde(default, rename = "match")]
+    matcher: RawMatch,
+    /// Parts whose values pick the bucket (one bucket per distinct value list).
+    #[serde(default)]
+    descriptor: Vec<RawPart>,
+    #[serde(default)]
+    token_bucket: Option<RawTokenBucket>,
+    #[serde(default)]
+    sliding_window: Option<RawSlidingWindow>,
+    /// Units one request spends (default 1).
+    #[serde(default)]
+    #[schemars(range(min = 1))]
+    cost: Option<u64>,
+    /// Read the cost from a request header instead.
+    #[serde(default)]
+    cost_header: Option<RawCostHeader>,
+    /// Count and report, never reject.
+    #[serde(default)]
+    shadow: bool,
+    /// Overrides the top-level failureMode.
+    #[serde(default)]
+    failure_mode: Option<FailureMode>,
+    /// With failureMode "local": each Envoy's share of the budget while Redis is down (default 0.1).
+    #[serde(default)]
+    #[schemars(range(max = 1), extend("exclusiveMinimum" = 0))]
+    local_fraction: Option<f64>,
+    /// Token bucket only: each Envoy takes tokens in batches and spends them
+    /// without a Redis call. Never admits more than the bucket; may admit
+    /// fewer (at most `tokens` per Envoy held unspent until the lease ends).
+    #[serde(default)]
+    lease: Option<RawLease>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Lease")]
+struct RawLease {
+    /// Most tokens one Envoy takes beyond the request that fetches them (1 to capacity).
+    #[schemars(range(min = 1))]
+    tokens: u64,
+    /// How long unspent leased tokens stay usable (ms).
+    #[schemars(range(min = 10, max = 600000))]
+    ttl_ms: u64,
+}
+
+/// Burst of `capacity`, refilled by `refill` units every `periodMs`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "TokenBucket")]
+struct RawTokenBucket {
+    #[schemars(range(min = 1))]
+    capacity: u64,
+    #[schemars(range(min = 1))]
+    refill: u64,
+    #[schemars(range(min = 1))]
+    period_ms: u64,
+}
+
+/// At most `limit` units in any `windowMs` (exact, a log of admissions).
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "SlidingWindow")]
+struct RawSlidingWindow {
+    #[schemars(range(min = 1, max = 1000000))]
+    limit: u64,
+    #[schemars(range(min = 1))]
+    window_ms: u64,
+}
+
+/// Cost from a request header: a positive integer up to `max`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "CostHeader")]
+struct RawCostHeader {
+    name: String,
+    #[schemars(range(min = 1))]
+    max: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    TokenBucket {
+        capacity: u64,
+        refill: u64,
+        period_ms: u64,
+    },
+    SlidingWindow {
+        limit: u64,
+        window_ms: u64,
+    },
+}
+
+impl Algorithm {
+    /// The most units one request may spend.
+    pub fn quota(&self) -> u64 {
+        match *self {
+            Algorithm::TokenBucket { capacity, .. } => capacity,
+            Algorithm::SlidingWindow { limit, .. } => limit,
+        }
+    }
+
+    /// The policy window in ms: for a token bucket, the time to refill it from
+    /// empty; for a sliding window, the window.
+    pub fn window_ms(&self) -> u64 {
+        match *self {
+            Algorithm::TokenBucket {
+                capacity,
+                refill,
+                period_ms,
+            } => (capacity * period_ms).div_ceil(refill),
+            Algorithm::SlidingWindow { window_ms, .. } => window_ms,
+        }
+    }
+
+    /// The key segment naming the algorithm and every parameter that shapes
+    /// its stored state, so a changed limit starts from a fresh key instead of
+    /// reading a state written under other parameters.
+    pub fn signature(&self) -> String {
+        match *self {
+            Algorithm::TokenBucket {
+                capacity,
+                refill,
+                period_ms,
+            } => format!("tb.{capacity}.{refill}.{period_ms}"),
+            Algorithm::SlidingWindow { limit, window_ms } => format!("sw.{limit}.{window_ms}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u64),
+    /// Read from a request header; `default` when the header is absent.
+    Header {
+        name: String,
+        default: u64,
+        max: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limit {
+    pub name: String,
+    pub matcher: Matcher,
+    pub descriptor: Vec<Part>,
+    pub algorithm: Algorithm,
+    pub cost: Cost,
+    pub shadow: bool,
+    pub failure_mode: FailureMode,
+    /// With `failureMode: local`: the share of the global budget each Envoy
+    /// may spend on its own, in thousandths.
+    pub local_per_mille: u64,
+    /// `:<name>:<signature>:`, precomputed for key building.
+    pub key_infix: String,
+    /// Token lease: batch size and lifetime.
+    pub lease: Option<Lease>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    pub tokens: u64,
+    pub ttl: Duration,
+}
+
+fn positive(value: u64, field: String) -> Result<u64, ConfigError> {
+    if value == 0 {
+        Err(ConfigError::new(field, "must be at least 1"))
+    } else {
+        Ok(value)
+    }
+}
+
+pub(super) fn compile_limit(
+    raw: RawLimit,
+    at: &str,
+    default_failure: FailureMode,
+) -> Result<Limit, ConfigError> {
+    if !valid_name(&raw.name) {
+        return Err(ConfigError::new(
+            format!("{at}.name"),
+            "must be 1 to 64 characters of A-Z a-z 0-9 - _ .",
+        ));
+    }
+    let matcher = compile_match(raw.matcher, &format!("{at}.match"))?;
+    let descriptor = compile_parts(raw.descriptor, &format!("{at}.descriptor"))?;
+
+    let algorithm = match (raw.token_bucket, raw.sliding_window) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::new(
+                at,
+                "set exactly one of `tokenBucket` and `slidingWindow`, not both",
+            ))
+        }
+        (None, None) => {
+            return Err(ConfigError::new(
+                at,
+                "set exactly one of `tokenBucket` and `slidingWindow`",
+            ))
+        }
+        (Some(tb), None) => {
+            let capacity = positive(tb.capacity, format!("{at}.tokenBucket.capacity"))?;
+            let refill = positive(tb.refill, format!("{at}.tokenBucket.refill"))?;
+            let period_ms = positive(tb.period_ms, format!("{at}.tokenBucket.periodMs"))?;
+            if capacity
+                .checked_mul(period_ms)
+                .is_none_or(|p| p >= LUA_EXACT_MAX)
+            {
+                return Err(ConfigError::new(
+                    format!("{at}.tokenBucket"),
+                    "capacity * periodMs must stay below 2^53 (Lua numbers are doubles)",
+                ));
+            }
+            if refill
+                .checked_mul(period_ms)
+                .is_none_or(|p| p >= LUA_EXACT_MAX)
+            {
+                return Err(ConfigError::new(
+                    format!("{at}.tokenBucket"),
+                    "refill * periodMs must stay below 2^53 (Lua numbers are doubles)",
+                ));
+            }
+            Algorithm::TokenBucket {
+                capacity,
+                refill,
+                period_ms,
+            }
+        }
+        (None, Some(sw)) => {
+            let limit = positive(sw.limit, format!("{at}.slidingWindow.limit"))?;
+            let window_ms = positive(sw.window_ms, format!("{at}.slidingWindow.windowMs"))?;
+            // One sorted-set member per admitted unit: bound the memory a key can take.
+            if limit > 1_000_000 {
+                return Err(ConfigError::new(
+                    format!("{at}.slidingWindow.limit"),
+                    "must be at most 1000000 (one sorted-set member per request); use tokenBucket for larger budgets",
+                ));
+            }
+            if window_ms >= LUA_EXACT_MAX {
+                return Err(ConfigError::new(
+                    format!("{at}.slidingWindow.windowMs"),
+                    "must stay below 2^53 ms (Lua numbers are doubles)",
+                ));
+            }
+            Algorithm::SlidingWindow { limit, window_ms }
+        }
+    };
+
+    // A sliding window stores one member per unit: one request may add at
+    // most MAX_WINDOW_COST of them (a bounded ZADD, a bounded script).
+    let quota = match algorithm {
+        Algorithm::SlidingWindow { limit, .. } => limit.min(MAX_WINDOW_COST),
+        Algorithm::TokenBucket { capacity, .. } => capacity,
+    };
+    let fixed = raw.cost.unwrap_or(1);
+    if fixed == 0 || fixed > quota {
+        return Err(ConfigError::new(
+            format!("{at}.cost"),
+            format!("must be between 1 and {quota} (the limit's quota; at most {MAX_WINDOW_COST} for a sliding window)"),
+        ));
+    }
+    let cost = match raw.cost_header {
+        None => Cost::Fixed(fixed),
+        Some(h) => {
+            let name = header_name(&h.name, &format!("{at}.costHeader.name"))?;
+            if h.max == 0 || h.max > quota {
+                return Err(ConfigError::new(
+                    format!("{at}.costHeader.max"),
+                    format!("must be between 1 and {quota} (the limit's quota; at most {MAX_WINDOW_COST} for a sliding window)"),
+                ));
+            }
+            if fixed > h.max {
+                return Err(ConfigError::new(
+                    format!("{at}.cost"),
+                    "the default cost must not exceed costHeader.max",
+                ));
+            }
+            Cost::Header {
+                name,
+                default: fixed,
+                max: h.max,
+            }
+        }
+    };
+
+    let local_per_mille = match raw.local_fraction {
+        None => DEFAULT_LOCAL_PER_MILLE,
+        Some(f) if f > 0.0 && f <= 1.0 => ((f * 1000.0).round() as u64).max(1),
+        Some(_) => {
+            return Err(ConfigError::new(
+                format!("{at}.localFraction"),
+                "must be greater than 0 and at most 1",
+            ))
+        }
+    };
+    let lease = match raw.lease {
+        None => None,
+        Some(l) => {
+            let Algorithm::TokenBucket { capacity, .. } = algorithm else {
+                return Err(ConfigError::new(
+                    format!("{at}.lease"),
+                    "applies to tokenBucket limits only",
+                ));
+            };
+            if raw.shadow {
+                return Err(ConfigError::new(
+                    format!("{at}.lease"),
+                    "a shadow limit never rejects: it has nothing to lease",
+                ));
+            }
+            if l.tokens == 0 || l.tokens > capacity {
+                return Err(ConfigError::new(
+                    format!("{at}.lease.tokens"),
+                    format!("must be between 1 and the capacity ({capacity})"),
+                ));
+            }
+            if !(10..=600_000).contains(&l.ttl_ms) {
+                return Err(ConfigError::new(
+                    format!("{at}.lease.ttlMs"),
+                    "must be between 10 and 600000",
+                ));
+            }
+            Some(Lease {
+                tokens: l.tokens,
+                ttl: Duration::from_millis(l.ttl_ms),
+            })
+        }
+    };
+    let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
+    Ok(Limit {
+        lease,
+        local_per_mille,
+        name: raw.name,
+        matcher,
+        descriptor,
+        algorithm,
+        cost,
+        shadow: raw.shadow,
+        failure_mode: raw.failure_mode.unwrap_or(default_failure),
+        key_infix,
+    })
+}
