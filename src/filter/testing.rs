@@ -12,6 +12,7 @@ use crate::breaker::Breaker;
 use crate::config::RedisTarget;
 use crate::filter::stage::lease::Prefetch;
 use crate::filter::{CalloutReply, Counter, Host};
+use crate::request::fake::FakeRequest;
 use crate::request::RequestView;
 use crate::response::LocalReply;
 
@@ -19,9 +20,11 @@ pub fn test_breaker() -> Rc<Breaker> {
     Rc::new(Breaker::new(1000, Duration::from_millis(1000)))
 }
 
+/// The request part is the pure modules' [`FakeRequest`]; the rest is what
+/// the filter asks of Envoy, recorded for the test to read.
 #[derive(Default)]
 pub struct FakeHost {
-    pub headers: HashMap<String, Vec<u8>>,
+    pub request: FakeRequest,
     pub dispatched: Vec<String>,
     pub dispatch_fails: bool,
     pub sent: Vec<LocalReply>,
@@ -32,7 +35,9 @@ pub struct FakeHost {
     pub timeouts: Vec<Duration>,
     pub detached: Vec<String>,
     pub request_body: Vec<u8>,
-    pub response: HashMap<String, Vec<u8>>,
+    /// Response headers in order, repeated names and non-UTF-8 values
+    /// included, as Envoy's header map holds them.
+    pub response: Vec<(String, Vec<u8>)>,
     pub response_chunks: Vec<Vec<u8>>,
     pub response_resumed: usize,
     pub tokens: u32,
@@ -43,6 +48,13 @@ pub struct FakeHost {
     /// Object-store calls; tokens from OBJECT_TOKENS.
     pub objects: Vec<ObjectCall>,
     pub object_dispatch_fails: bool,
+    /// Envoy refuses calls issued as the root context (a stream going away).
+    pub detached_fails: bool,
+    /// The root cannot take a background lease fetch (no tick).
+    pub prefetch_fails: bool,
+    /// This many compare-and-swap writes lose their race: another worker
+    /// writes the key between this one's read and write.
+    pub lose_races: usize,
 }
 
 /// An object-store call's headers and body.
@@ -52,21 +64,29 @@ pub const OBJECT_TOKENS: u32 = 10_000;
 
 impl FakeHost {
     pub fn get(path: &str) -> FakeHost {
-        let mut h = FakeHost::default();
-        h.headers.insert(":method".into(), b"GET".to_vec());
-        h.headers.insert(":path".into(), path.as_bytes().to_vec());
-        h.headers
-            .insert(":authority".into(), b"example.com".to_vec());
-        h
+        FakeHost {
+            request: FakeRequest::new("GET", path)
+                .with(":authority", b"example.com")
+                .addr("127.0.0.1:1234"),
+            ..FakeHost::default()
+        }
+    }
+
+    /// Sets a request header.
+    pub fn with(mut self, name: &str, value: &[u8]) -> FakeHost {
+        self.request
+            .headers
+            .insert(name.to_string(), value.to_vec());
+        self
     }
 }
 
 impl RequestView for FakeHost {
     fn header(&self, name: &str) -> Option<Vec<u8>> {
-        self.headers.get(name).cloned()
+        self.request.header(name)
     }
     fn client_address(&self) -> Option<String> {
-        Some("127.0.0.1:1234".into())
+        self.request.client_address()
     }
 }
 
@@ -121,6 +141,9 @@ impl Host for FakeHost {
         body: &[u8],
         _: Duration,
     ) -> Result<u32, String> {
+        if self.detached_fails {
+            return Err("root context gone".into());
+        }
         self.detached
             .push(String::from_utf8_lossy(body).into_owned());
         Ok(1000 + self.detached.len() as u32)
@@ -132,6 +155,9 @@ impl Host for FakeHost {
         _: Duration,
         note: Prefetch,
     ) -> Result<(), String> {
+        if self.prefetch_fails {
+            return Err("no tick".into());
+        }
         self.prefetched
             .push((String::from_utf8_lossy(body).into_owned(), note));
         Ok(())
@@ -140,10 +166,14 @@ impl Host for FakeHost {
         self.request_body[..size.min(self.request_body.len())].to_vec()
     }
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
-        self.response.get(name).cloned()
+        self.response_header_values(name).into_iter().next()
     }
     fn response_header_values(&self, name: &str) -> Vec<Vec<u8>> {
-        self.response.get(name).cloned().into_iter().collect()
+        self.response
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+            .collect()
     }
     fn response_body(&mut self, _size: usize) -> Vec<u8> {
         if self.response_chunks.is_empty() {
@@ -162,6 +192,17 @@ impl Host for FakeHost {
         }
     }
     fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+        if self.lose_races > 0 && cas.is_some() {
+            // Another worker wrote in between: the key now exists (or
+            // moved on), so this write's token no longer matches.
+            self.lose_races -= 1;
+            let entry = self
+                .shared
+                .entry(key.to_string())
+                .or_insert((Vec::new(), 0));
+            entry.1 += 1;
+            return false;
+        }
         // As Envoy: a token is checked only against a key that exists.
         let current = self.shared.get(key).map(|(_, c)| *c);
         if let (Some(want), Some(have)) = (cas, current) {
@@ -202,13 +243,11 @@ pub fn no_answer() -> CalloutReply {
 
 impl FakeHost {
     pub fn keyed(method: &str, path: &str, key: Option<&[u8]>) -> FakeHost {
-        let mut h = FakeHost::get(path);
-        h.headers
-            .insert(":method".into(), method.as_bytes().to_vec());
-        if let Some(key) = key {
-            h.headers.insert("idempotency-key".into(), key.to_vec());
+        let h = FakeHost::get(path).with(":method", method.as_bytes());
+        match key {
+            Some(key) => h.with("idempotency-key", key),
+            None => h,
         }
-        h
     }
 
     pub fn post(path: &str, key: &[u8]) -> FakeHost {
@@ -218,7 +257,7 @@ impl FakeHost {
     pub fn respond(&mut self, headers: &[(&str, &str)]) {
         for (name, value) in headers {
             self.response
-                .insert((*name).to_string(), value.as_bytes().to_vec());
+                .push(((*name).to_string(), value.as_bytes().to_vec()));
         }
     }
 }

@@ -109,7 +109,9 @@ fn keyed_body_over_max_request_body_is_413_without_a_redis_call() {
 fn content_length_over_max_request_body_is_413_at_headers() {
     let mut f = idem_flow("allow");
     let mut h = FakeHost::post("/pay", b"k1");
-    h.headers.insert("content-length".into(), b"11".to_vec());
+    h.request
+        .headers
+        .insert("content-length".into(), b"11".to_vec());
     assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
     assert_eq!(h.sent.len(), 1);
     assert_eq!(h.sent[0].status, 413);
@@ -117,7 +119,9 @@ fn content_length_over_max_request_body_is_413_at_headers() {
 
     let mut f = idem_flow("allow");
     let mut h = FakeHost::post("/pay", b"k1");
-    h.headers.insert("content-length".into(), b" 10 ".to_vec());
+    h.request
+        .headers
+        .insert("content-length".into(), b" 10 ".to_vec());
     assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
     assert!(h.sent.is_empty(), "at the cap: read the body");
     assert!(h.dispatched.is_empty());

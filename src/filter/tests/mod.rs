@@ -2,6 +2,7 @@
 //! fake host in [`super::testing`].
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod envoy_like;
 mod idempotency;
 mod offload;
 mod ratelimit;

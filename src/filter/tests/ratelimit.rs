@@ -111,8 +111,10 @@ fn trailers_end_a_keyed_request_body() {
     .unwrap();
     let mut f = Flow::new(Rc::new(cfg), test_breaker());
     let mut h = FakeHost::get("/pay");
-    h.headers.insert(":method".into(), b"POST".to_vec());
-    h.headers.insert("idempotency-key".into(), b"k1".to_vec());
+    h.request.headers.insert(":method".into(), b"POST".to_vec());
+    h.request
+        .headers
+        .insert("idempotency-key".into(), b"k1".to_vec());
     h.request_body = b"body".to_vec();
     assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
     assert_eq!(f.on_request_body(&mut h, 4, false), Action::Pause);
@@ -284,9 +286,13 @@ fn limits_and_the_idempotency_record_share_one_hash_tag() {
     .unwrap();
     let mut f = Flow::new(Rc::new(cfg), test_breaker());
     let mut h = FakeHost::get("/pay");
-    h.headers.insert(":method".into(), b"POST".to_vec());
-    h.headers.insert("x-tenant".into(), b"acme".to_vec());
-    h.headers.insert("idempotency-key".into(), b"k1".to_vec());
+    h.request.headers.insert(":method".into(), b"POST".to_vec());
+    h.request
+        .headers
+        .insert("x-tenant".into(), b"acme".to_vec());
+    h.request
+        .headers
+        .insert("idempotency-key".into(), b"k1".to_vec());
     assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
     assert_eq!(h.dispatched.len(), 1, "one round trip for both");
     let call = &h.dispatched[0];
@@ -397,7 +403,7 @@ fn the_over_limit_cache_leaves_cheaper_keyed_and_shadow_requests_to_redis() {
     // Cost 3 rejected until 400 ms; the shadow limit would reject too.
     let two = b"*9\r\n:0\r\n:0\r\n:2\r\n:400\r\n:400\r\n:0\r\n:0\r\n:900\r\n:900\r\n";
     let mut h = FakeHost::get("/x");
-    h.headers.insert("x-cost".into(), b"3".to_vec());
+    h.request.headers.insert("x-cost".into(), b"3".to_vec());
     let mut f = Flow::new(cfg.clone(), test_breaker());
     f.on_request_headers(&mut h, true);
     f.on_callout_reply(&mut h, 1, ok(two));
@@ -408,7 +414,7 @@ fn the_over_limit_cache_leaves_cheaper_keyed_and_shadow_requests_to_redis() {
         "the shadow limit's verdict is not cached"
     );
     let send = |h: &mut FakeHost, cost: &[u8]| {
-        h.headers.insert("x-cost".into(), cost.to_vec());
+        h.request.headers.insert("x-cost".into(), cost.to_vec());
         let mut g = Flow::new(cfg.clone(), test_breaker());
         g.on_request_headers(h, true);
     };
@@ -421,7 +427,7 @@ fn the_over_limit_cache_leaves_cheaper_keyed_and_shadow_requests_to_redis() {
     // A keyed POST may be owed a replay: Redis decides.
     let mut k = FakeHost::post("/x", b"key-1");
     k.shared = h.shared.clone();
-    k.headers.insert("x-cost".into(), b"3".to_vec());
+    k.request.headers.insert("x-cost".into(), b"3".to_vec());
     let mut g = Flow::new(cfg, test_breaker());
     g.on_request_headers(&mut k, true);
     assert_eq!(k.dispatched.len(), 1);
@@ -674,7 +680,7 @@ fn bad_cost_header_is_a_400_before_any_redis_call() {
     .unwrap();
     let mut f = Flow::new(Rc::new(cfg), test_breaker());
     let mut h = FakeHost::get("/");
-    h.headers.insert("x-cost".into(), b"4".to_vec());
+    h.request.headers.insert("x-cost".into(), b"4".to_vec());
     assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
     assert_eq!(h.sent[0].status, 400);
     assert!(h.dispatched.is_empty());
