@@ -136,11 +136,7 @@ impl ScriptCall {
 
     /// Sends the call within its budget; the reply comes with the token.
     pub fn send<H: Host>(&self, host: &mut H, target: &RedisTarget) -> Result<u32, Failure> {
-        let body = self.body();
-        let timeout = self.timeout(host)?;
-        host.count(Counter::RedisCalls);
-        host.dispatch_redis(target, &body, timeout)
-            .map_err(|e| (ErrorKind::Dispatch, e))
+        self.dispatch(host, target, false)
     }
 
     /// Sends the call as the root context: the stream may be ending, and
@@ -150,11 +146,24 @@ impl ScriptCall {
         host: &mut H,
         target: &RedisTarget,
     ) -> Result<u32, Failure> {
+        self.dispatch(host, target, true)
+    }
+
+    fn dispatch<H: Host>(
+        &self,
+        host: &mut H,
+        target: &RedisTarget,
+        detached: bool,
+    ) -> Result<u32, Failure> {
         let body = self.body();
         let timeout = self.timeout(host)?;
         host.count(Counter::RedisCalls);
-        host.dispatch_redis_detached(target, &body, timeout)
-            .map_err(|e| (ErrorKind::Dispatch, e))
+        let sent = if detached {
+            host.dispatch_redis_detached(target, &body, timeout)
+        } else {
+            host.dispatch_redis(target, &body, timeout)
+        };
+        sent.map_err(|e| (ErrorKind::Dispatch, e))
     }
 
     /// Hands the call to the root context, which sends it on its next tick

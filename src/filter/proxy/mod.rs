@@ -85,11 +85,7 @@ impl Shared {
     }
 
     fn note_reply(&self, token: u32) {
-        let at = self
-            .sent_at
-            .try_borrow_mut()
-            .ok()
-            .and_then(|mut sent| sent.remove(&token));
+        let at = take(&self.sent_at, token);
         if let Some(at) = at {
             let us = u64::try_from(host_now().saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
             if self.metrics.callout_latency_us != UNDEFINED {
@@ -97,6 +93,12 @@ impl Shared {
             }
         }
     }
+}
+
+/// Removes a call's entry from one of the root's tables (none while the
+/// table is being read elsewhere: the entry is then left to its sweep).
+fn take<V>(table: &RefCell<HashMap<u32, V>>, token: u32) -> Option<V> {
+    table.try_borrow_mut().ok()?.remove(&token)
 }
 
 /// The proxy's clock (deadlines, retry pauses, local buckets).
@@ -130,6 +132,30 @@ impl Root {
     }
 }
 
+impl Root {
+    /// Runs `f` on a stream's flow as that stream (the root delivers replies
+    /// and timers to streams); nothing if the stream is gone. The caller
+    /// switches back to the root.
+    fn as_stream(
+        shared: &Shared,
+        context_id: u32,
+        weak: &FlowRef,
+        f: impl FnOnce(&mut Flow, &mut ProxyHost<'_>),
+    ) {
+        let Some(rc) = weak.upgrade() else {
+            return;
+        };
+        if hostcalls::set_effective_context(context_id).is_err() {
+            return;
+        }
+        let borrowed = rc.try_borrow_mut();
+        if let Ok(mut flow) = borrowed {
+            let mut host = Root::host_for(shared, context_id, Rc::downgrade(&rc));
+            f(&mut flow, &mut host);
+        };
+    }
+}
+
 impl Context for Root {
     /// Replies to calls the root sent for a stream during a tick.
     fn on_http_call_response(
@@ -143,11 +169,7 @@ impl Context for Root {
             return;
         };
         shared.note_reply(token_id);
-        let prefetch = shared
-            .prefetches
-            .try_borrow_mut()
-            .ok()
-            .and_then(|mut p| p.remove(&token_id));
+        let prefetch = take(&shared.prefetches, token_id);
         if let Some(note) = prefetch {
             if let Ok(mut routed) = shared.routed.try_borrow_mut() {
                 routed.remove(&token_id);
@@ -158,26 +180,14 @@ impl Context for Root {
             on_prefetch_reply(&mut host, &note, reply);
             return;
         }
-        let entry = shared
-            .routed
-            .try_borrow_mut()
-            .ok()
-            .and_then(|mut r| r.remove(&token_id));
+        let entry = take(&shared.routed, token_id);
         let Some((context_id, weak)) = entry else {
             return;
         };
-        let Some(rc) = weak.upgrade() else {
-            return; // the stream is gone
-        };
-        if hostcalls::set_effective_context(context_id).is_err() {
-            return;
-        }
-        let borrowed = rc.try_borrow_mut();
-        if let Ok(mut flow) = borrowed {
+        Root::as_stream(&shared, context_id, &weak, |flow, host| {
             let reply = callout_reply(num_headers, body_size, flow.reply_limit(token_id));
-            let mut host = Root::host_for(&shared, context_id, Rc::downgrade(&rc));
-            flow.on_callout_reply(&mut host, token_id, reply);
-        };
+            flow.on_callout_reply(host, token_id, reply);
+        });
     }
 }
 
@@ -302,17 +312,9 @@ impl RootContext for Root {
             Err(_) => return,
         };
         for (context_id, weak) in due {
-            let Some(rc) = weak.upgrade() else {
-                continue; // the stream is gone
-            };
-            if hostcalls::set_effective_context(context_id).is_err() {
-                continue;
-            }
-            let borrowed = rc.try_borrow_mut();
-            if let Ok(mut flow) = borrowed {
-                let mut host = Root::host_for(&shared, context_id, Rc::downgrade(&rc));
-                flow.on_retry_due(&mut host);
-            };
+            Root::as_stream(&shared, context_id, &weak, |flow, host| {
+                flow.on_retry_due(host)
+            });
         }
         let _ = hostcalls::set_effective_context(self.context_id);
     }
