@@ -42,8 +42,8 @@ request, so a rejected request costs nothing. Then every limit that admits it
 is charged (a shadow limit that would reject is reported, not charged).
 
 Composition: src/scripts.rs sends this preamble, lua/token_bucket.lua,
-lua/sliding_window.lua and the driver below as one script (one SHA-1), so
-one EVALSHA decides every limit atomically.
+lua/sliding_window.lua, lua/idempotency.lua and the driver in lua/decide.lua
+as one script (one SHA-1), so one EVALSHA decides every limit atomically.
 
 Clock: Redis TIME, read once; the proxies' clocks are never used, so every
 Envoy instance sees one time line. Every key written gets a PEXPIRE equal to
@@ -53,74 +53,6 @@ the time after which its state is indistinguishable from a fresh key.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local n = tonumber(ARGV[1])
-local keyed = n ~= nil and ARGV[2 + 6 * n] == '1'
-if n == nil or n + (keyed and 1 or 0) ~= #KEYS then
-  return redis.error_reply('ERR redis-guard ratelimit: ARGV[1] must match #KEYS')
-end
-
 -- @@ALGORITHMS@@
 
-local idem
-if keyed then
-  local ib = 3 + 6 * n
-  idem = idem_check(KEYS[n + 1], ARGV[ib], ARGV[ib + 1], tonumber(ARGV[ib + 2]))
-  if idem.verdict ~= 1 then
-    return idem.reply
-  end
-end
-
-local results = {}
-local admit = 1
-for i = 1, n do
-  local base = 2 + (i - 1) * 6
-  local alg = ARGV[base]
-  local a = tonumber(ARGV[base + 1])
-  local b = tonumber(ARGV[base + 2])
-  local c = tonumber(ARGV[base + 3])
-  local cost = tonumber(ARGV[base + 4])
-  local enforce = ARGV[base + 5] == '1'
-  local r
-  if alg == 'tb' then
-    r = tb_check(KEYS[i], a, b, c, cost)
-  elseif alg == 'sw' then
-    r = sw_check(KEYS[i], a, b, cost)
-  else
-    return redis.error_reply('ERR redis-guard ratelimit: unknown algorithm')
-  end
-  r.alg = alg
-  if enforce and r.allowed == 0 then
-    admit = 0
-  end
-  results[i] = r
-end
-
-if admit == 1 and idem then
-  idem_acquire(idem)
-end
-
-local out = { admit }
-for i = 1, n do
-  local r = results[i]
-  if admit == 1 and r.allowed == 1 then
-    if r.alg == 'tb' then tb_charge(r) else sw_charge(r) end
-  elseif r.allowed == 1 then
-    -- Not charged: report the budget as it stands.
-    if r.alg == 'tb' then
-      r.remaining = math.floor(r.credits / r.period)
-      r.reset = math.ceil((r.full - r.credits) / r.refill)
-    else
-      r.remaining = r.remaining + r.cost
-      if r.newest then
-        r.reset = math.max(0, r.newest + r.window - now)
-      else
-        r.reset = 0
-      end
-    end
-  end
-  out[#out + 1] = r.allowed
-  out[#out + 1] = r.remaining
-  out[#out + 1] = r.retry
-  out[#out + 1] = r.reset
-end
-return out
+return decide(KEYS, ARGV)

@@ -46,6 +46,21 @@ pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/sliding_window.lua"),
             include_str!("../lua/idempotency.lua"),
+            include_str!("../lua/decide.lua"),
+        ],
+    ))
+});
+
+/// Requests of one worker decided in one call, one after another, each as
+/// its own RATELIMIT call would be (lua/batch.lua around the same parts).
+pub static BATCH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(compose(
+        include_str!("../lua/batch.lua"),
+        &[
+            include_str!("../lua/token_bucket.lua"),
+            include_str!("../lua/sliding_window.lua"),
+            include_str!("../lua/idempotency.lua"),
+            include_str!("../lua/decide.lua"),
         ],
     ))
 });

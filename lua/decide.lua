@@ -1,0 +1,83 @@
+--[[ redis-guard: one request's decision, the driver of lua/ratelimit.lua and
+of each member of lua/batch.lua.
+
+This file is not a script on its own: src/scripts.rs joins it after the
+algorithm and idempotency files. decide(keys, argv) takes one request's KEYS
+and ARGV in the layout lua/ratelimit.lua documents and returns its reply (the
+flat array documented there), or an error reply. It writes only what that
+reply says was charged or locked, so requests decided one after another in
+one script see each other exactly as separate calls in the same order would.
+Reads    `now` (ms, from Redis TIME) set by the preamble.
+]]
+
+local function decide(keys, argv)
+  local n = tonumber(argv[1])
+  local keyed = n ~= nil and argv[2 + 6 * n] == '1'
+  if n == nil or n + (keyed and 1 or 0) ~= #keys then
+    return redis.error_reply('ERR redis-guard ratelimit: ARGV[1] must match #KEYS')
+  end
+
+  local idem
+  if keyed then
+    local ib = 3 + 6 * n
+    idem = idem_check(keys[n + 1], argv[ib], argv[ib + 1], tonumber(argv[ib + 2]))
+    if idem.verdict ~= 1 then
+      return idem.reply
+    end
+  end
+
+  local results = {}
+  local admit = 1
+  for i = 1, n do
+    local base = 2 + (i - 1) * 6
+    local alg = argv[base]
+    local a = tonumber(argv[base + 1])
+    local b = tonumber(argv[base + 2])
+    local c = tonumber(argv[base + 3])
+    local cost = tonumber(argv[base + 4])
+    local enforce = argv[base + 5] == '1'
+    local r
+    if alg == 'tb' then
+      r = tb_check(keys[i], a, b, c, cost)
+    elseif alg == 'sw' then
+      r = sw_check(keys[i], a, b, cost)
+    else
+      return redis.error_reply('ERR redis-guard ratelimit: unknown algorithm')
+    end
+    r.alg = alg
+    if enforce and r.allowed == 0 then
+      admit = 0
+    end
+    results[i] = r
+  end
+
+  if admit == 1 and idem then
+    idem_acquire(idem)
+  end
+
+  local out = { admit }
+  for i = 1, n do
+    local r = results[i]
+    if admit == 1 and r.allowed == 1 then
+      if r.alg == 'tb' then tb_charge(r) else sw_charge(r) end
+    elseif r.allowed == 1 then
+      -- Not charged: report the budget as it stands.
+      if r.alg == 'tb' then
+        r.remaining = math.floor(r.credits / r.period)
+        r.reset = math.ceil((r.full - r.credits) / r.refill)
+      else
+        r.remaining = r.remaining + r.cost
+        if r.newest then
+          r.reset = math.max(0, r.newest + r.window - now)
+        else
+          r.reset = 0
+        end
+      end
+    end
+    out[#out + 1] = r.allowed
+    out[#out + 1] = r.remaining
+    out[#out + 1] = r.retry
+    out[#out + 1] = r.reset
+  end
+  return out
+end
