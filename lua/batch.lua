@@ -38,26 +38,40 @@ local m = tonumber(ARGV[1])
 if m == nil or m < 1 then
   return redis.error_reply('ERR redis-guard batch: ARGV[1] must be the member count')
 end
-local out = { m }
+-- Every member is checked before any is decided: Redis keeps what a script
+-- wrote before it returned an error, so a malformed member found late would
+-- leave the members before it charged (and locked) for a batch the filter
+-- sees fail.
+local members = {}
 local k, a = 1, 2 + 2 * m
 for j = 1, m do
   local nkeys = tonumber(ARGV[2 * j])
   local nargs = tonumber(ARGV[2 * j + 1])
-  if nkeys == nil or nargs == nil or k + nkeys - 1 > #KEYS or a + nargs - 1 > #ARGV then
+  if nkeys == nil or nargs == nil or nkeys < 0 or nargs < 1
+      or k + nkeys - 1 > #KEYS or a + nargs - 1 > #ARGV then
     return redis.error_reply('ERR redis-guard batch: member sizes do not match KEYS and ARGV')
   end
   local keys, argv = {}, {}
   for i = 1, nkeys do keys[i] = KEYS[k + i - 1] end
   for i = 1, nargs do argv[i] = ARGV[a + i - 1] end
   k, a = k + nkeys, a + nargs
-  local reply = decide(keys, argv)
+  local bad = malformed(keys, argv)
+  if bad then
+    return redis.error_reply(bad)
+  end
+  members[j] = { keys, argv }
+end
+if k - 1 ~= #KEYS or a - 1 ~= #ARGV then
+  return redis.error_reply('ERR redis-guard batch: member sizes do not match KEYS and ARGV')
+end
+
+local out = { m }
+for j = 1, m do
+  local reply = decide(members[j][1], members[j][2])
   if reply.err then
     return reply
   end
   out[#out + 1] = #reply
   for i = 1, #reply do out[#out + 1] = reply[i] end
-end
-if k - 1 ~= #KEYS or a - 1 ~= #ARGV then
-  return redis.error_reply('ERR redis-guard batch: member sizes do not match KEYS and ARGV')
 end
 return out

@@ -10,12 +10,37 @@ one script see each other exactly as separate calls in the same order would.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
 ]]
 
-local function decide(keys, argv)
+-- Why one request's KEYS and ARGV cannot be decided, or nil: checked before
+-- anything is written, so a malformed request (or batch member) changes
+-- nothing.
+local function malformed(keys, argv)
   local n = tonumber(argv[1])
   local keyed = n ~= nil and argv[2 + 6 * n] == '1'
   if n == nil or n + (keyed and 1 or 0) ~= #keys then
-    return redis.error_reply('ERR redis-guard ratelimit: ARGV[1] must match #KEYS')
+    return 'ERR redis-guard ratelimit: ARGV[1] must match #KEYS'
   end
+  for i = 1, n do
+    local base = 2 + (i - 1) * 6
+    local alg = argv[base]
+    if alg ~= 'tb' and alg ~= 'sw' then
+      return 'ERR redis-guard ratelimit: unknown algorithm'
+    end
+    for j = 1, 4 do
+      if tonumber(argv[base + j]) == nil then
+        return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs numbers'
+      end
+    end
+  end
+  return nil
+end
+
+local function decide(keys, argv)
+  local bad = malformed(keys, argv)
+  if bad then
+    return redis.error_reply(bad)
+  end
+  local n = tonumber(argv[1])
+  local keyed = argv[2 + 6 * n] == '1'
 
   local idem
   if keyed then
@@ -39,10 +64,8 @@ local function decide(keys, argv)
     local r
     if alg == 'tb' then
       r = tb_check(keys[i], a, b, c, cost)
-    elseif alg == 'sw' then
-      r = sw_check(keys[i], a, b, cost)
     else
-      return redis.error_reply('ERR redis-guard ratelimit: unknown algorithm')
+      r = sw_check(keys[i], a, b, cost)
     end
     r.alg = alg
     if enforce and r.allowed == 0 then

@@ -321,6 +321,36 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "between 10 and 600000",
     ),
     (
+        "redis_batch_max_requests_zero.json",
+        "redis.batch.maxRequests",
+        "between 1 and 256",
+    ),
+    (
+        "redis_batch_max_requests_too_large.json",
+        "redis.batch.maxRequests",
+        "between 1 and 256",
+    ),
+    (
+        "redis_batch_in_flight_zero.json",
+        "redis.batch.maxInFlight",
+        "between 1 and 8",
+    ),
+    (
+        "redis_batch_in_flight_too_large.json",
+        "redis.batch.maxInFlight",
+        "between 1 and 8",
+    ),
+    (
+        "redis_batch_unknown_field.json",
+        "redis.batch.maxSize",
+        "unknown field `maxSize`",
+    ),
+    (
+        "redis_batch_enabled_not_bool.json",
+        "redis.batch.enabled",
+        "expected a boolean",
+    ),
+    (
         "redis_breaker_unknown_field.json",
         "redis.circuitBreaker.coolDown",
         "unknown field `coolDown`",

@@ -33,7 +33,7 @@ pub use object_store::{
 };
 pub use parts::{descriptor, Part};
 pub use redis::{
-    RedisTarget, DEFAULT_BREAKER_COOL_DOWN_MS, DEFAULT_BREAKER_FAILURES, DEFAULT_TIMEOUT_MS,
+    Batch, RedisTarget, DEFAULT_BREAKER_COOL_DOWN_MS, DEFAULT_BREAKER_FAILURES, DEFAULT_TIMEOUT_MS,
 };
 
 use idempotency::{compile_idempotency, RawIdempotency};

@@ -12,6 +12,14 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 50;
 pub const DEFAULT_BREAKER_FAILURES: u32 = 5;
 pub const DEFAULT_BREAKER_COOL_DOWN_MS: u64 = 1000;
 const MAX_TIMEOUT_MS: u64 = 60_000;
+/// Batches: the requests one call may carry by default, and at most. More
+/// members make a longer script run, which blocks Redis for every client.
+pub const DEFAULT_BATCH_MAX_REQUESTS: u32 = 32;
+const MAX_BATCH_REQUESTS: u32 = 256;
+/// Calls a worker keeps out before its requests queue: with one, a slow
+/// reply holds every queued request for two round trips.
+pub const DEFAULT_BATCH_IN_FLIGHT: u32 = 2;
+const MAX_BATCH_IN_FLIGHT: u32 = 8;
 
 /// The Envoy cluster in front of Webdis.
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -31,6 +39,34 @@ pub(super) struct RawRedis {
     /// Opens after consecutive failed calls, sending requests to their failure mode without a call.
     #[serde(default)]
     circuit_breaker: Option<RawBreaker>,
+    /// Requests of one Envoy worker decided together: while its calls are
+    /// out, further requests queue and leave as one call (group commit).
+    #[serde(default)]
+    batch: Option<RawBatch>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Batch")]
+struct RawBatch {
+    /// false: every request sends its own call.
+    #[serde(default)]
+    enabled: Option<bool>,
+    /// Most requests one call decides (default 32).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 256))]
+    max_requests: Option<u32>,
+    /// Calls a worker keeps out at once before requests queue (default 2).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 8))]
+    max_in_flight: Option<u32>,
+}
+
+/// Group commit of one worker's decisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batch {
+    pub max_requests: usize,
+    pub max_in_flight: usize,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -56,6 +92,8 @@ pub struct RedisTarget {
     pub breaker_failures: u32,
     /// How long an open breaker sends requests straight to their failure mode.
     pub breaker_cool_down: Duration,
+    /// `None`: every request sends its own call.
+    pub batch: Option<Batch>,
 }
 
 pub(super) fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {
@@ -120,5 +158,35 @@ pub(super) fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {
         timeout: Duration::from_millis(timeout_ms),
         breaker_failures: failures,
         breaker_cool_down: Duration::from_millis(cool_down_ms),
+        batch: compile_batch(raw.batch)?,
     })
+}
+
+fn compile_batch(raw: Option<RawBatch>) -> Result<Option<Batch>, ConfigError> {
+    let raw = raw.unwrap_or(RawBatch {
+        enabled: None,
+        max_requests: None,
+        max_in_flight: None,
+    });
+    let max_requests = raw.max_requests.unwrap_or(DEFAULT_BATCH_MAX_REQUESTS);
+    if !(1..=MAX_BATCH_REQUESTS).contains(&max_requests) {
+        return Err(ConfigError::new(
+            "redis.batch.maxRequests",
+            format!("must be between 1 and {MAX_BATCH_REQUESTS}"),
+        ));
+    }
+    let max_in_flight = raw.max_in_flight.unwrap_or(DEFAULT_BATCH_IN_FLIGHT);
+    if !(1..=MAX_BATCH_IN_FLIGHT).contains(&max_in_flight) {
+        return Err(ConfigError::new(
+            "redis.batch.maxInFlight",
+            format!("must be between 1 and {MAX_BATCH_IN_FLIGHT}"),
+        ));
+    }
+    if raw.enabled == Some(false) {
+        return Ok(None);
+    }
+    Ok(Some(Batch {
+        max_requests: max_requests as usize,
+        max_in_flight: max_in_flight as usize,
+    }))
 }

@@ -101,6 +101,11 @@ impl ScriptCall {
         self
     }
 
+    /// The call's KEYS and ARGV, for a batch to carry instead.
+    pub fn into_args(self) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        (self.keys, self.argv)
+    }
+
     pub fn budget(&self) -> Budget {
         self.budget
     }

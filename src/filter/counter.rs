@@ -56,6 +56,9 @@ pub enum Counter {
     LeaseSpent,
     /// A call that fetched a token lease.
     LeaseFetched,
+    /// A call that carried a batch of decisions (of any size; also counted
+    /// in the Redis calls).
+    BatchCalls,
     /// A response body uploaded to the object store and its record stored.
     IdemOffloaded,
     /// The upload failed (refused, unreachable, timed out): the lock was
@@ -126,6 +129,23 @@ pub struct Stat {
     pub by: i64,
 }
 
+/// Distributions the filter records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Histogram {
+    /// Requests decided by one batch call.
+    BatchSize,
+}
+
+impl Histogram {
+    pub const ALL: [Histogram; 1] = [Histogram::BatchSize];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Histogram::BatchSize => "redis_guard.batch.size",
+        }
+    }
+}
+
 /// The histogram of callout round trips, in microseconds (loopback calls
 /// take well under a millisecond, which a ms histogram would show as 0).
 pub const CALLOUT_LATENCY_US: &str = "redis_guard.redis.callout_latency_us";
@@ -174,6 +194,7 @@ impl Counter {
             Counter::OverLimitCached,
             Counter::LeaseSpent,
             Counter::LeaseFetched,
+            Counter::BatchCalls,
         ]);
         all
     }
@@ -237,6 +258,7 @@ impl Counter {
             Counter::OverLimitCached => fixed("overlimit_cache.rejected"),
             Counter::LeaseSpent => fixed("lease.spent"),
             Counter::LeaseFetched => fixed("lease.fetches"),
+            Counter::BatchCalls => fixed("batch.calls"),
         }
     }
 }
@@ -256,10 +278,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 36
+        // The stat list as the README and tests/e2e_stats.rs know it: 37
         // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 36);
-        assert_eq!(names(2).len(), 36 + 8);
+        assert_eq!(names(0).len(), 37);
+        assert_eq!(names(2).len(), 37 + 8);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

@@ -14,6 +14,7 @@ use std::rc::Rc;
 use crate::breaker::Breaker;
 use crate::config::{Config, FailureMode};
 use crate::filter::call::{Budget, ScriptCall};
+use crate::filter::stage::batch::Verdict as BatchVerdict;
 use crate::filter::stage::decision::{Decision, Step};
 use crate::filter::stage::fallback::{self, Undecided};
 use crate::filter::stage::idempotency::intake::{Intake, Ready};
@@ -179,7 +180,13 @@ impl Flow {
         }
         let budget = Decision::budget(host, &config.redis);
         let call = self.request_call(budget);
-        let step = self.decision.start(host, &config.redis, call);
+        // Keyed requests and lease fetches keep their own call: a keyed
+        // request's reply may carry a whole stored response, and a lease
+        // fetch is one per Envoy already.
+        let batchable =
+            config.redis.batch.is_some() && self.intake.keyed().is_none() && !self.lease.fetching();
+        let tag = self.limits.tag().filter(|_| batchable);
+        let step = self.decision.start(host, &config.redis, call, tag);
         self.on_step(host, step, false)
     }
 
@@ -300,6 +307,12 @@ impl Flow {
                 self.replay.replay(host, &config, &mut self.calls, stored);
             }
         }
+    }
+
+    /// The verdict of the batch this request rode.
+    pub fn on_batch_verdict<H: Host>(&mut self, host: &mut H, verdict: BatchVerdict) {
+        let step = self.decision.on_batch_verdict(verdict);
+        self.on_step(host, step, true);
     }
 
     /// The pause after a refusal is over: send the call again.

@@ -22,7 +22,7 @@ use crate::config::{ObjectStore, RedisTarget};
 use crate::request::RequestView;
 use crate::response::LocalReply;
 
-pub use counter::{Counter, ErrorKind};
+pub use counter::{Counter, ErrorKind, Histogram};
 
 /// What the host should do after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,4 +121,13 @@ pub trait Host: RequestView {
     fn resume_request(&mut self);
     fn add_response_header(&mut self, name: &str, value: &str);
     fn count(&mut self, counter: Counter);
+    fn observe(&mut self, histogram: Histogram, value: u64);
+    /// Adds this request's decision to its worker's next batch call (see
+    /// [`stage::batch`]); its verdict comes to `Flow::on_batch_verdict`.
+    /// `Err`: it failed at once (its call could not be sent).
+    fn join_batch(
+        &mut self,
+        target: &RedisTarget,
+        member: stage::batch::Member,
+    ) -> Result<(), call::Failure>;
 }

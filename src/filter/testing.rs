@@ -10,8 +10,10 @@ use std::time::Duration;
 
 use crate::breaker::Breaker;
 use crate::config::RedisTarget;
+use crate::filter::call::Failure;
+use crate::filter::stage::batch::Member;
 use crate::filter::stage::lease::Prefetch;
-use crate::filter::{CalloutReply, Counter, Host};
+use crate::filter::{CalloutReply, Counter, Histogram, Host};
 use crate::request::fake::FakeRequest;
 use crate::request::RequestView;
 use crate::response::LocalReply;
@@ -55,6 +57,11 @@ pub struct FakeHost {
     /// This many compare-and-swap writes lose their race: another worker
     /// writes the key between this one's read and write.
     pub lose_races: usize,
+    /// Members handed to the worker's batch, in order.
+    pub batched: Vec<Member>,
+    /// The batch refuses members at once with this failure.
+    pub batch_fails: Option<Failure>,
+    pub observed: Vec<(Histogram, u64)>,
 }
 
 /// An object-store call's headers and body.
@@ -217,6 +224,16 @@ impl Host for FakeHost {
     fn retry_later(&mut self, delay: Duration) -> bool {
         self.retries_scheduled.push(delay);
         self.can_schedule
+    }
+    fn observe(&mut self, histogram: Histogram, value: u64) {
+        self.observed.push((histogram, value));
+    }
+    fn join_batch(&mut self, _: &RedisTarget, member: Member) -> Result<(), Failure> {
+        if let Some(failure) = &self.batch_fails {
+            return Err(failure.clone());
+        }
+        self.batched.push(member);
+        Ok(())
     }
     fn unique_token(&mut self) -> String {
         self.tokens += 1;

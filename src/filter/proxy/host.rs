@@ -6,13 +6,15 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::{ObjectStore, RedisTarget};
+use crate::filter::call::Failure;
+use crate::filter::stage::batch::Member;
 use crate::filter::stage::lease::Prefetch;
-use crate::filter::{Counter, Host};
+use crate::filter::{Counter, ErrorKind, Histogram, Host};
 use crate::request::RequestView;
 use crate::response::LocalReply;
 
 use super::metrics::UNDEFINED;
-use super::{host_now, FlowRef, Shared, TICK};
+use super::{host_now, FlowRef, Shared, Stream, TICK};
 
 pub(super) struct ProxyHost<'a> {
     pub shared: Option<&'a Shared>,
@@ -206,6 +208,40 @@ impl Host for ProxyHost<'_> {
 
     fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
         hostcalls::set_shared_data(key, Some(value), cas).is_ok()
+    }
+
+    fn observe(&mut self, histogram: Histogram, value: u64) {
+        if let Some(id) = self.shared.and_then(|s| s.metrics.histogram(histogram)) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
+    fn join_batch(&mut self, _target: &RedisTarget, member: Member) -> Result<(), Failure> {
+        let refused = |why: &str| (ErrorKind::Dispatch, why.to_string());
+        let Some(shared) = self.shared else {
+            return Err(refused("not configured"));
+        };
+        let (Some(queue), Ok(mut batcher)) = (shared.batch_queue, shared.batcher.try_borrow_mut())
+        else {
+            return Err(refused("batching unavailable"));
+        };
+        let Some(batcher) = batcher.as_mut() else {
+            return Err(refused("batching is off"));
+        };
+        let me = Stream {
+            context_id: self.context_id,
+            flow: self.me.clone(),
+        };
+        // The root sends the call: a reply goes to the context that was
+        // running when its call left, and only the root outlives every
+        // member. One wake-up per flush: the root drains what queued.
+        if batcher.join(me, member) && !shared.wake_pending.replace(true) {
+            if let Err(e) = hostcalls::enqueue_shared_queue(queue, Some(b"w")) {
+                shared.wake_pending.set(false);
+                log::warn!("redis-guard: cannot wake the worker for a batch: {e:?}");
+            }
+        }
+        Ok(())
     }
 
     fn unique_token(&mut self) -> String {

@@ -8,7 +8,7 @@ use proxy_wasm::types::MetricType;
 
 use crate::config::Config;
 use crate::filter::counter::{StatKind, CALLOUT_LATENCY_US};
-use crate::filter::Counter;
+use crate::filter::{Counter, Histogram};
 
 /// An id Envoy refused to define: updates to it are skipped.
 pub const UNDEFINED: u32 = u32::MAX;
@@ -20,6 +20,7 @@ pub struct Metrics {
     /// Gauge: workers of this Envoy whose breaker is open (or probing).
     pub circuit_open_workers: u32,
     pub callout_latency_us: u32,
+    histograms: HashMap<Histogram, u32>,
 }
 
 fn define(kind: MetricType, name: &str) -> u32 {
@@ -63,11 +64,24 @@ impl Metrics {
             .get("redis_guard.circuit.open_workers")
             .copied()
             .unwrap_or(UNDEFINED);
+        let histograms = Histogram::ALL
+            .iter()
+            .map(|h| (*h, define(MetricType::Histogram, h.name())))
+            .collect();
         Metrics {
             moves,
             circuit_open_workers,
             callout_latency_us: define(MetricType::Histogram, CALLOUT_LATENCY_US),
+            histograms,
         }
+    }
+
+    /// A histogram's id, if Envoy defined it.
+    pub fn histogram(&self, h: Histogram) -> Option<u32> {
+        self.histograms
+            .get(&h)
+            .copied()
+            .filter(|id| *id != UNDEFINED)
     }
 
     /// The (metric, increment) pairs a counter event moves.

@@ -13,8 +13,9 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::breaker::Breaker;
-use crate::config::Config;
+use crate::config::{Config, RedisTarget};
 use crate::filter::flow::Flow;
+use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
 use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
 use crate::filter::{Action as FlowAction, CalloutReply};
 
@@ -61,6 +62,29 @@ pub(super) struct Shared {
     /// reply goes to the context that was running when it was sent, and
     /// only the root outlives the request that asked.
     to_prefetch: RefCell<Vec<(Vec<u8>, Duration, Prefetch)>>,
+    /// This worker's batches of decisions (None: batching is off). Its calls
+    /// are the root's, so a client that leaves cancels none of them.
+    batcher: RefCell<Option<Batcher<Stream>>>,
+    /// This worker's wake-up queue, registered by its root under a name of
+    /// its own: every worker's VM has root context id 1, so a shared name
+    /// would let the last worker to register take every wake-up.
+    batch_queue: Option<u32>,
+    /// A wake-up is queued and not yet handled: members join without
+    /// queueing another.
+    wake_pending: std::cell::Cell<bool>,
+}
+
+/// A batch member as the worker knows it: its stream's context and flow.
+#[derive(Clone)]
+pub(super) struct Stream {
+    context_id: u32,
+    flow: FlowRef,
+}
+
+impl Waiter for Stream {
+    fn gone(&self) -> bool {
+        self.flow.strong_count() == 0
+    }
 }
 
 /// Calls in flight tracked for latency before stale entries are swept: a
@@ -156,6 +180,78 @@ impl Root {
     }
 }
 
+impl Root {
+    /// A reply to one of this worker's batch calls: each member's verdict
+    /// goes to its own stream (a stream that left is skipped). The reply is
+    /// read first, as the root: switching context drops the callout's
+    /// buffers. False if `token` is not a batch call.
+    fn on_batch_reply(
+        shared: &Shared,
+        root_id: u32,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+    ) -> bool {
+        let owned = shared
+            .batcher
+            .try_borrow()
+            .is_ok_and(|b| b.as_ref().is_some_and(|b| b.owns(token)));
+        if !owned {
+            return false;
+        }
+        let reply = callout_reply(num_headers, body_size, usize::MAX);
+        Root::with_batcher(shared, root_id, |b, host, target| {
+            b.on_reply(host, target, token, &reply)
+        });
+        true
+    }
+
+    /// Runs `f` on this worker's batcher as the root, then hands the
+    /// verdicts it produced to their streams and switches back to the root.
+    fn with_batcher(
+        shared: &Shared,
+        root_id: u32,
+        f: impl FnOnce(
+            &mut Batcher<Stream>,
+            &mut ProxyHost<'_>,
+            &RedisTarget,
+        ) -> Vec<(Stream, BatchVerdict)>,
+    ) {
+        let mut host = ProxyHost {
+            shared: Some(shared),
+            context_id: root_id,
+            me: Weak::new(),
+            via_root: false,
+        };
+        let verdicts = match shared.batcher.try_borrow_mut() {
+            Ok(mut batcher) => match batcher.as_mut() {
+                Some(b) => f(b, &mut host, &shared.config.redis),
+                None => Vec::new(),
+            },
+            Err(_) => Vec::new(),
+        };
+        for (stream, verdict) in verdicts {
+            Root::as_stream(shared, stream.context_id, &stream.flow, |flow, host| {
+                flow.on_batch_verdict(host, verdict)
+            });
+        }
+        let _ = hostcalls::set_effective_context(root_id);
+    }
+}
+
+/// Registers this worker's batch wake-up queue under a random name.
+fn register_queue(seed: &std::collections::hash_map::RandomState) -> Option<u32> {
+    use std::hash::BuildHasher;
+    let name = format!("redis-guard/batch/{:016x}", seed.hash_one(host_now()));
+    match hostcalls::register_shared_queue(&name) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            log::warn!("redis-guard: no shared queue ({e:?}); this worker decides without batches");
+            None
+        }
+    }
+}
+
 impl Context for Root {
     /// Replies to calls the root sent for a stream during a tick.
     fn on_http_call_response(
@@ -169,6 +265,9 @@ impl Context for Root {
             return;
         };
         shared.note_reply(token_id);
+        if Root::on_batch_reply(&shared, self.context_id, token_id, num_headers, body_size) {
+            return;
+        }
         let prefetch = take(&shared.prefetches, token_id);
         if let Some(note) = prefetch {
             if let Ok(mut routed) = shared.routed.try_borrow_mut() {
@@ -192,6 +291,21 @@ impl Context for Root {
 }
 
 impl RootContext for Root {
+    /// A stream queued a decision: send what every group has room for.
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let Some(shared) = self.shared.clone() else {
+            return;
+        };
+        if shared.batch_queue != Some(queue_id) {
+            return;
+        }
+        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
+        shared.wake_pending.set(false);
+        Root::with_batcher(&shared, self.context_id, |b, host, target| {
+            b.flush(host, target)
+        });
+    }
+
     fn on_configure(&mut self, _size: usize) -> bool {
         let raw = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
             Ok(Some(raw)) => raw,
@@ -223,18 +337,28 @@ impl RootContext for Root {
                     config.redis.breaker_failures,
                     config.redis.breaker_cool_down,
                 ));
+                let token_seed = std::collections::hash_map::RandomState::new();
+                let batch_queue = config.redis.batch.and_then(|_| register_queue(&token_seed));
+                let batcher = config
+                    .redis
+                    .batch
+                    .filter(|_| batch_queue.is_some())
+                    .map(|b| Batcher::new(b, Rc::clone(&breaker)));
                 self.shared = Some(Rc::new(Shared {
                     config: Rc::new(config),
                     metrics,
                     breaker,
                     root_id: self.context_id,
-                    token_seed: std::collections::hash_map::RandomState::new(),
+                    token_seed,
                     token_counter: std::cell::Cell::new(0),
                     waiting: RefCell::new(Vec::new()),
                     routed: RefCell::new(HashMap::new()),
                     sent_at: RefCell::new(HashMap::new()),
                     prefetches: RefCell::new(HashMap::new()),
                     to_prefetch: RefCell::new(Vec::new()),
+                    batch_queue,
+                    wake_pending: std::cell::Cell::new(false),
+                    batcher: RefCell::new(batcher),
                 }));
                 true
             }
@@ -267,6 +391,9 @@ impl RootContext for Root {
         let Some(shared) = self.shared.clone() else {
             return;
         };
+        Root::with_batcher(&shared, self.context_id, |b, host, target| {
+            b.on_tick(host, target)
+        });
         let now = host_now();
         let prefetches: Vec<_> = match shared.to_prefetch.try_borrow_mut() {
             Ok(mut queued) => queued.drain(..).collect(),

@@ -8,15 +8,24 @@ use std::time::Duration;
 use crate::breaker::Breaker;
 use crate::config::RedisTarget;
 use crate::filter::call::{Answer, Budget, Failure, ScriptCall};
+use crate::filter::stage::batch::{Member, Verdict as BatchVerdict};
 use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
 use crate::webdis::Reply;
 
-/// Webdis needs a moment to reconnect to a restarted Redis (measured: about
-/// 30 ms); an immediate retry would meet the same 503.
+/// The first pause after a refusal: Webdis needs a moment to reconnect to a
+/// restarted Redis; an immediate retry would meet the same 503.
 pub const RETRY_DELAY: Duration = Duration::from_millis(25);
-/// Pauses one request may take: enough for a reconnect, few enough that a
-/// dead Redis costs at most 1 + MAX_PAUSES calls per request.
+/// Pauses one call may take: few enough that a dead Redis costs at most
+/// 1 + MAX_PAUSES calls per request.
 pub const MAX_PAUSES: u8 = 3;
+
+/// The pause before retry `n` (0-based): 25, 50, 100 ms. Webdis retries its
+/// Redis connection on a fixed 100 ms timer, so the pauses together (175 ms)
+/// outlast one reconnect; doubling keeps a dead Redis from being asked
+/// often.
+pub fn pause_before(n: u8) -> Duration {
+    RETRY_DELAY * (1u32 << n.min(MAX_PAUSES))
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -57,6 +66,8 @@ pub struct Decision {
     probe: bool,
     /// The breaker sent this request to its failure mode without a call.
     short_circuited: bool,
+    /// The decision rides a batch: the batch tells the breaker, once.
+    batched: bool,
 }
 
 impl Decision {
@@ -70,6 +81,7 @@ impl Decision {
             sent_at: Duration::ZERO,
             probe: false,
             short_circuited: false,
+            batched: false,
         }
     }
 
@@ -79,8 +91,16 @@ impl Decision {
         Budget::Until(host.now() + target.timeout)
     }
 
-    /// Sends the call, unless the breaker is open.
-    pub fn start<H: Host>(&mut self, host: &mut H, target: &RedisTarget, call: ScriptCall) -> Step {
+    /// Sends the call, unless the breaker is open. With `tag`, the call
+    /// joins the worker's batch of that hash tag instead; a probe of an open
+    /// breaker goes alone, so that one request tests Redis.
+    pub fn start<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        call: ScriptCall,
+        tag: Option<&str>,
+    ) -> Step {
         let now = host.now();
         let tripped = self.breaker.tripped();
         if !self.breaker.allow(now) {
@@ -89,8 +109,54 @@ impl Decision {
             return self.failed((ErrorKind::Dispatch, "circuit breaker open".to_string()));
         }
         self.probe = tripped;
-        self.call = Some(call);
-        self.send(host, target)
+        match tag {
+            Some(tag) if !tripped => self.join(host, target, call, tag),
+            _ => {
+                self.call = Some(call);
+                self.send(host, target)
+            }
+        }
+    }
+
+    fn join<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        call: ScriptCall,
+        tag: &str,
+    ) -> Step {
+        let deadline = match call.budget() {
+            Budget::Until(deadline) => deadline,
+            Budget::Each(timeout) => host.now() + timeout,
+        };
+        let member = Member {
+            tag: tag.to_string(),
+            args: call.into_args(),
+            deadline,
+        };
+        self.sent_at = host.now();
+        self.batched = true;
+        match host.join_batch(target, member) {
+            Ok(()) => {
+                self.state = State::Sent;
+                Step::Waiting
+            }
+            Err(failure) => self.failed(failure),
+        }
+    }
+
+    /// The batch this request rode answered (or failed) for it.
+    pub fn on_batch_verdict(&mut self, verdict: BatchVerdict) -> Step {
+        if self.state != State::Sent || !self.batched {
+            return Step::Waiting;
+        }
+        match verdict {
+            BatchVerdict::Ran(reply) => {
+                self.state = State::Done;
+                Step::Answered(reply)
+            }
+            BatchVerdict::Failed(failure) => self.failed(failure),
+        }
     }
 
     fn send<H: Host>(&mut self, host: &mut H, target: &RedisTarget) -> Step {
@@ -146,15 +212,16 @@ impl Decision {
     }
 
     /// A call refused before it ran: sent again after a pause, up to
-    /// MAX_PAUSES times within the timeout (Webdis reconnects within tens of
-    /// ms), or at once, once, if the host cannot wait; then `exhausted`.
+    /// MAX_PAUSES times within the timeout, or at once, once, if the host
+    /// cannot wait; then `exhausted`.
     fn retry<H: Host>(&mut self, host: &mut H, target: &RedisTarget, exhausted: Failure) -> Step {
         let deadline = match self.call.as_ref().map(|c| c.budget()) {
             Some(Budget::Until(deadline)) => deadline,
             _ => Duration::ZERO,
         };
         let left = deadline.saturating_sub(host.now());
-        if self.pauses < MAX_PAUSES && left > RETRY_DELAY && host.retry_later(RETRY_DELAY) {
+        let pause = pause_before(self.pauses);
+        if self.pauses < MAX_PAUSES && left > pause && host.retry_later(pause) {
             host.count(Counter::RedisRetries);
             self.pauses += 1;
             self.state = State::Waiting;
@@ -193,13 +260,8 @@ impl Decision {
     pub fn count_failure<H: Host>(&self, host: &mut H, kind: ErrorKind) -> log::Level {
         if !self.short_circuited {
             host.count(Counter::RedisError(kind));
-            let was_tripped = self.breaker.tripped();
-            if self.breaker.failure(host.now()) {
-                log::warn!("redis-guard: circuit breaker open: Redis calls paused");
-                host.count(Counter::CircuitOpened);
-                if !was_tripped {
-                    host.count(Counter::CircuitTripped);
-                }
+            if !self.batched {
+                tell_breaker(host, &self.breaker);
             }
         }
         if self.breaker.consecutive_failures() <= 1 && !self.short_circuited {
@@ -207,6 +269,11 @@ impl Decision {
         } else {
             log::Level::Debug
         }
+    }
+
+    /// The pending decision rides a batch (its answer comes from the worker).
+    pub fn batched(&self) -> bool {
+        self.batched
     }
 
     /// The stream is gone: a probe whose answer will find no one must not
@@ -217,5 +284,17 @@ impl Decision {
             self.breaker.abandon_probe();
         }
         pending
+    }
+}
+
+/// Tells the breaker a call failed; counts it opening.
+pub fn tell_breaker<H: Host>(host: &mut H, breaker: &Breaker) {
+    let was_tripped = breaker.tripped();
+    if breaker.failure(host.now()) {
+        log::warn!("redis-guard: circuit breaker open: Redis calls paused");
+        host.count(Counter::CircuitOpened);
+        if !was_tripped {
+            host.count(Counter::CircuitTripped);
+        }
     }
 }

@@ -3,6 +3,7 @@
 //! stage reads another's state. Calls go through [`crate::filter::call`],
 //! shared-data updates through [`crate::filter::cas`].
 
+pub mod batch;
 pub mod decision;
 pub mod fallback;
 pub mod idempotency;

@@ -17,7 +17,7 @@ fn refused() -> CalloutReply {
 /// whose first call is in flight; the Redis timeout is 300 ms.
 fn pausable() -> (Flow, FakeHost) {
     let cfg = Config::parse(
-        br#"{"redis":{"cluster":"webdis","timeoutMs":300},"failureMode":"deny","limits":[
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"webdis","timeoutMs":300},"failureMode":"deny","limits":[
         {"name":"a","match":{"pathPrefix":"/api"},"tokenBucket":{"capacity":2,"refill":1,"periodMs":1000}}]}"#,
     )
     .unwrap();
@@ -99,7 +99,7 @@ fn a_pause_that_outlives_the_deadline_is_a_timeout_without_another_call() {
 fn local_config() -> Rc<Config> {
     Rc::new(
         Config::parse(
-            br#"{"redis":{"cluster":"w"},"limits":[{"name":"a","failureMode":"local","localFraction":0.5,
+            br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"limits":[{"name":"a","failureMode":"local","localFraction":0.5,
             "descriptor":["method"],"tokenBucket":{"capacity":4,"refill":1,"periodMs":60000}}]}"#,
         )
         .unwrap(),
@@ -142,7 +142,7 @@ fn a_local_budget_that_stays_contended_admits_rather_than_spin() {
 fn leased_with_tokens() -> (Rc<Config>, FakeHost) {
     let cfg = Rc::new(
         Config::parse(
-            br#"{"redis":{"cluster":"w"},"failureMode":"deny","limits":[
+            br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"failureMode":"deny","limits":[
             {"name":"a","tokenBucket":{"capacity":100,"refill":1,"periodMs":1000},
              "lease":{"tokens":3,"ttlMs":500}}]}"#,
         )

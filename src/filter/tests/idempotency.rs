@@ -479,7 +479,7 @@ fn stream_end_releases_a_held_or_capturing_lock_detached() {
 fn rate_limited_keyed_request_takes_no_lock() {
     let cfg = Rc::new(
         Config::parse(
-            br#"{"redis":{"cluster":"webdis"},
+            br#"{"redis":{"batch":{"enabled":false},"cluster":"webdis"},
             "limits":[{"name":"a","tokenBucket":{"capacity":2,"refill":1,"periodMs":1000}}],
             "idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"}}]}"#,
         )

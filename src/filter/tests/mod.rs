@@ -2,6 +2,7 @@
 //! fake host in [`super::testing`].
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod batch;
 mod envoy_like;
 mod idempotency;
 mod offload;
@@ -32,7 +33,7 @@ pub(super) use crate::webdis::command_body;
 pub(super) fn flow(failure: &str) -> Flow {
     let cfg = Config::parse(
         format!(
-            r#"{{"redis":{{"cluster":"webdis"}},"failureMode":"{failure}","limits":[
+            r#"{{"redis":{{"batch":{{"enabled":false}},"cluster":"webdis"}},"failureMode":"{failure}","limits":[
             {{"name":"a","match":{{"pathPrefix":"/api"}},"tokenBucket":{{"capacity":2,"refill":1,"periodMs":1000}}}}]}}"#
         )
         .as_bytes(),
@@ -55,7 +56,7 @@ pub(super) const REJECT: &[u8] =
 
 // ---- Idempotency keys -------------------------------------------------
 
-pub(super) const IDEM_CONFIG: &str = r#"{"redis":{"cluster":"webdis"},"idempotency":[{"name":"pay",
+pub(super) const IDEM_CONFIG: &str = r#"{"redis":{"batch":{"enabled":false},"cluster":"webdis"},"idempotency":[{"name":"pay",
     "match":{"pathPrefix":"/pay"},"maxRequestBodyBytes":10,"maxStoredBodyBytes":20,
     "required":true,"failureMode":"FAILURE"}]}"#;
 

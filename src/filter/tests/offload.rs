@@ -2,7 +2,7 @@ use super::*;
 
 // ---- large responses in the object store --------------------------------
 
-const OFFLOAD_CONFIG: &str = r#"{"redis":{"cluster":"webdis"},
+const OFFLOAD_CONFIG: &str = r#"{"redis":{"batch":{"enabled":false},"cluster":"webdis"},
     "objectStore":{"cluster":"s3","authority":"127.0.0.1:9000","bucket":"rg-test",
       "region":"us-east-1","keyPrefix":"t/","timeoutMs":4000,
       "credentials":{"accessKeyId":"AKIDTEST","secretAccessKey":"s3cr3t"}},

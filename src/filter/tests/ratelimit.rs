@@ -106,7 +106,7 @@ fn failures_follow_the_failure_mode() {
 #[test]
 fn trailers_end_a_keyed_request_body() {
     let cfg = Config::parse(
-        br#"{"redis":{"cluster":"w"},"idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"}}]}"#,
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"}}]}"#,
     )
     .unwrap();
     let mut f = Flow::new(Rc::new(cfg), test_breaker());
@@ -127,7 +127,7 @@ fn trailers_end_a_keyed_request_body() {
 #[test]
 fn an_open_breaker_sends_requests_to_the_failure_mode_without_a_call() {
     let cfg = Config::parse(
-        br#"{"redis":{"cluster":"w"},"failureMode":"deny","limits":[
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"failureMode":"deny","limits":[
             {"name":"a","tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
     )
     .unwrap();
@@ -174,7 +174,7 @@ fn an_open_breaker_sends_requests_to_the_failure_mode_without_a_call() {
 /// One token bucket of 5 on every path.
 fn bucket_of_five(failure: &str) -> Rc<Config> {
     let json = format!(
-        r#"{{"redis":{{"cluster":"w"}},"failureMode":"{failure}","limits":[
+        r#"{{"redis":{{"batch":{{"enabled":false}},"cluster":"w"}},"failureMode":"{failure}","limits":[
         {{"name":"a","tokenBucket":{{"capacity":5,"refill":1,"periodMs":1000}}}}]}}"#
     );
     Rc::new(Config::parse(json.as_bytes()).unwrap())
@@ -248,7 +248,7 @@ fn each_failure_is_counted_by_its_kind() {
 #[test]
 fn local_mode_spends_a_per_envoy_budget_when_redis_fails() {
     let cfg = Config::parse(
-        br#"{"redis":{"cluster":"w"},"limits":[{"name":"a","failureMode":"local","localFraction":0.5,
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"limits":[{"name":"a","failureMode":"local","localFraction":0.5,
             "descriptor":["method"],"tokenBucket":{"capacity":4,"refill":1,"periodMs":60000}}]}"#,
     )
     .unwrap();
@@ -277,7 +277,7 @@ fn local_mode_spends_a_per_envoy_budget_when_redis_fails() {
 #[test]
 fn limits_and_the_idempotency_record_share_one_hash_tag() {
     let cfg = Config::parse(
-        br#"{"redis":{"cluster":"w"},"hashTag":[{"header":"x-tenant"}],
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"hashTag":[{"header":"x-tenant"}],
             "limits":[{"name":"a","descriptor":[{"header":"x-tenant"}],
                        "tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}],
             "idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"},
@@ -392,7 +392,7 @@ fn a_rejection_is_answered_from_the_over_limit_cache_until_redis_said() {
 fn the_over_limit_cache_leaves_cheaper_keyed_and_shadow_requests_to_redis() {
     let cfg = Rc::new(
         Config::parse(
-            br#"{"redis":{"cluster":"w"},"limits":[
+            br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"limits":[
             {"name":"a","tokenBucket":{"capacity":5,"refill":1,"periodMs":1000},
              "costHeader":{"name":"x-cost","max":5}},
             {"name":"s","shadow":true,"tokenBucket":{"capacity":1,"refill":1,"periodMs":1000}}],
@@ -436,7 +436,7 @@ fn the_over_limit_cache_leaves_cheaper_keyed_and_shadow_requests_to_redis() {
 /// One token bucket of 100, leased 3 tokens at a time for 500 ms.
 fn leased_config(failure: &str) -> Rc<Config> {
     let json = format!(
-        r#"{{"redis":{{"cluster":"w"}},"failureMode":"{failure}","limits":[
+        r#"{{"redis":{{"batch":{{"enabled":false}},"cluster":"w"}},"failureMode":"{failure}","limits":[
         {{"name":"a","tokenBucket":{{"capacity":100,"refill":1,"periodMs":1000}},
          "lease":{{"tokens":3,"ttlMs":500}}}}]}}"#
     );
@@ -674,7 +674,7 @@ fn dispatch_failure_decides_at_once() {
 #[test]
 fn bad_cost_header_is_a_400_before_any_redis_call() {
     let cfg = Config::parse(
-        br#"{"redis":{"cluster":"w"},"limits":[{"name":"a","costHeader":{"name":"x-cost","max":3},
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"limits":[{"name":"a","costHeader":{"name":"x-cost","max":3},
             "tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
     )
     .unwrap();

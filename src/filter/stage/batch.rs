@@ -1,0 +1,308 @@
+//! The batch stage: one worker's decisions grouped into calls (group
+//! commit). While a group's calls are out, its requests queue; each reply
+//! sends what queued meanwhile as one call of lua/batch.lua. With nothing
+//! out, a request's call leaves at once, so a quiet worker adds no wait.
+//!
+//! A group is one hash tag, so every call still touches one slot. Calls are
+//! the worker's, not a request's: the proxy sends them from its root
+//! context (woken through a shared queue), so their replies come to the
+//! root and a client that leaves cancels nothing.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::batch::{batch_args, split_reply};
+use crate::breaker::Breaker;
+use crate::config::{Batch, RedisTarget};
+use crate::filter::call::{Answer, Budget, Failure, ScriptCall};
+use crate::filter::counter::Histogram;
+use crate::filter::stage::decision::{pause_before, tell_breaker, MAX_PAUSES};
+use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
+use crate::ratelimit::ScriptArgs;
+use crate::scripts::BATCH;
+use crate::webdis::Reply;
+
+/// One request waiting for its decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// Its hash tag: only requests of one tag share a call.
+    pub tag: String,
+    /// Its own KEYS and ARGV for lua/ratelimit.lua.
+    pub args: ScriptArgs,
+    /// When its decision must be in.
+    pub deadline: Duration,
+}
+
+/// Who a member is, for the host: its stream. A stream that is gone is
+/// dropped from the batch it waits for.
+pub trait Waiter: Clone {
+    fn gone(&self) -> bool;
+}
+
+/// What a member's request learns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Its own reply, as its single call would have had it.
+    Ran(Reply),
+    /// The batch failed: the member applies its own failure mode. The
+    /// breaker has heard of it once, for the whole batch.
+    Failed(Failure),
+}
+
+struct Group<W> {
+    queued: Vec<(W, Member)>,
+    out: usize,
+}
+
+struct InFlight<W> {
+    tag: String,
+    call: ScriptCall,
+    members: Vec<W>,
+    /// The one immediate resend after a refusal was spent.
+    resent: bool,
+    /// Pauses taken after refusals.
+    pauses: u8,
+}
+
+pub struct Batcher<W> {
+    limits: Batch,
+    /// The worker's breaker, told once per failed batch.
+    breaker: Rc<Breaker>,
+    groups: HashMap<String, Group<W>>,
+    calls: HashMap<u32, InFlight<W>>,
+    /// Calls refused before they ran, waiting out a pause: (due, call).
+    retrying: Vec<(Duration, InFlight<W>)>,
+}
+
+impl<W: Waiter> Batcher<W> {
+    pub fn new(limits: Batch, breaker: Rc<Breaker>) -> Batcher<W> {
+        Batcher {
+            limits,
+            breaker,
+            groups: HashMap::new(),
+            calls: HashMap::new(),
+            retrying: Vec::new(),
+        }
+    }
+
+    /// Adds a request to its group's queue. True when the group has a call
+    /// to spare, so the worker should [`Batcher::flush`] soon: the request
+    /// then leaves at once, with whatever else queued by then.
+    pub fn join(&mut self, who: W, member: Member) -> bool {
+        let group = self
+            .groups
+            .entry(member.tag.clone())
+            .or_insert_with(|| Group {
+                queued: Vec::new(),
+                out: 0,
+            });
+        group.queued.push((who, member));
+        group.out < self.limits.max_in_flight
+    }
+
+    /// Sends every group that has queued members and a call to spare.
+    /// Verdicts of members decided at once (late, or a call that could not
+    /// be sent) are returned.
+    pub fn flush<H: Host>(&mut self, host: &mut H, target: &RedisTarget) -> Vec<(W, Verdict)> {
+        let ready: Vec<String> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| !g.queued.is_empty() && g.out < self.limits.max_in_flight)
+            .map(|(tag, _)| tag.clone())
+            .collect();
+        let mut verdicts = Vec::new();
+        for tag in ready {
+            verdicts.extend(self.send_next(host, target, &tag));
+        }
+        verdicts
+    }
+
+    /// Whether `token` is one of this worker's batch calls.
+    pub fn owns(&self, token: u32) -> bool {
+        self.calls.contains_key(&token)
+    }
+
+    /// The answer to batch call `token`: each member's verdict, to deliver
+    /// through its own stream; what queued meanwhile has left already.
+    pub fn on_reply<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        token: u32,
+        reply: &CalloutReply,
+    ) -> Vec<(W, Verdict)> {
+        let Some(mut flight) = self.calls.remove(&token) else {
+            return Vec::new();
+        };
+        let failure = match flight.call.answer(host, target, reply) {
+            Answer::Resent(token) => {
+                self.calls.insert(token, flight);
+                return Vec::new();
+            }
+            Answer::Ran(reply) => match split_reply(reply, flight.members.len()) {
+                Ok(parts) => {
+                    let mut verdicts: Vec<(W, Verdict)> = flight
+                        .members
+                        .into_iter()
+                        .zip(parts)
+                        .map(|(w, part)| (w, Verdict::Ran(part)))
+                        .collect();
+                    verdicts.extend(self.finished(host, target, &flight.tag));
+                    return verdicts;
+                }
+                Err(e) => (ErrorKind::Reply, format!("unexpected batch reply: {e}")),
+            },
+            // Nothing ran: the same batch again after a pause, as a single
+            // call would be, or at once, once, if the host cannot wait.
+            Answer::Refused(failure) => {
+                let left = match flight.call.budget() {
+                    Budget::Until(deadline) => deadline.saturating_sub(host.now()),
+                    Budget::Each(timeout) => timeout,
+                };
+                let pause = pause_before(flight.pauses);
+                if flight.pauses < MAX_PAUSES && left > pause && host.retry_later(pause) {
+                    host.count(Counter::RedisRetries);
+                    flight.pauses += 1;
+                    self.retrying.push((host.now() + pause, flight));
+                    return Vec::new();
+                }
+                if flight.resent {
+                    failure
+                } else {
+                    match flight.call.send(host, target) {
+                        Ok(token) => {
+                            host.count(Counter::RedisRetries);
+                            flight.resent = true;
+                            self.calls.insert(token, flight);
+                            return Vec::new();
+                        }
+                        Err(failure) => failure,
+                    }
+                }
+            }
+            Answer::Failed(failure) => failure,
+        };
+        // One failed call, one failure for the breaker, however many rode it.
+        tell_breaker(host, &self.breaker);
+        let mut verdicts = failed_all(flight.members, &failure);
+        verdicts.extend(self.finished(host, target, &flight.tag));
+        verdicts
+    }
+
+    /// The host's timer: refused calls whose pause is over go again.
+    pub fn on_tick<H: Host>(&mut self, host: &mut H, target: &RedisTarget) -> Vec<(W, Verdict)> {
+        let now = host.now();
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retrying)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.retrying = later;
+        let mut verdicts = Vec::new();
+        for (_, mut flight) in due {
+            flight.resent = true;
+            match flight.call.send(host, target) {
+                Ok(token) => {
+                    self.calls.insert(token, flight);
+                }
+                Err(failure) => {
+                    tell_breaker(host, &self.breaker);
+                    verdicts.extend(failed_all(flight.members, &failure));
+                    verdicts.extend(self.finished(host, target, &flight.tag));
+                }
+            }
+        }
+        verdicts
+    }
+
+    /// A call of `tag` is over: the next batch leaves if any queued.
+    fn finished<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        tag: &str,
+    ) -> Vec<(W, Verdict)> {
+        if let Some(group) = self.groups.get_mut(tag) {
+            group.out = group.out.saturating_sub(1);
+        }
+        self.send_next(host, target, tag)
+    }
+
+    /// Sends the group's queued members (up to maxRequests) as one call.
+    /// Members whose stream is gone are dropped; members whose deadline has
+    /// passed fail as timed out; the call gets the oldest one's deadline.
+    fn send_next<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        tag: &str,
+    ) -> Vec<(W, Verdict)> {
+        let Some(group) = self.groups.get_mut(tag) else {
+            return Vec::new();
+        };
+        let now = host.now();
+        let mut late = Vec::new();
+        let mut members = Vec::new();
+        let mut waiting = std::mem::take(&mut group.queued).into_iter();
+        for (who, member) in waiting.by_ref() {
+            if who.gone() {
+                continue;
+            }
+            if member.deadline < now + Duration::from_millis(1) {
+                late.push(who);
+                continue;
+            }
+            members.push((who, member));
+            if members.len() == self.limits.max_requests {
+                break;
+            }
+        }
+        group.queued = waiting.collect();
+        let mut verdicts = failed_all(
+            late,
+            &(
+                ErrorKind::Timeout,
+                "redis timeout spent in the queue".to_string(),
+            ),
+        );
+        if members.is_empty() {
+            if group.out == 0 && group.queued.is_empty() {
+                self.groups.remove(tag);
+            }
+            return verdicts;
+        }
+        let deadline = members.iter().map(|(_, m)| m.deadline).min().unwrap_or(now);
+        let args = batch_args(members.iter().map(|(_, m)| &m.args));
+        let call = ScriptCall::new(&BATCH, args, Budget::Until(deadline));
+        let size = members.len();
+        let waiters: Vec<W> = members.into_iter().map(|(w, _)| w).collect();
+        match call.send(host, target) {
+            Ok(token) => {
+                host.count(Counter::BatchCalls);
+                host.observe(Histogram::BatchSize, size as u64);
+                group.out += 1;
+                self.calls.insert(
+                    token,
+                    InFlight {
+                        tag: tag.to_string(),
+                        call,
+                        members: waiters,
+                        resent: false,
+                        pauses: 0,
+                    },
+                );
+            }
+            Err(failure) => {
+                tell_breaker(host, &self.breaker);
+                verdicts.extend(failed_all(waiters, &failure));
+            }
+        }
+        verdicts
+    }
+}
+
+fn failed_all<W>(members: Vec<W>, failure: &Failure) -> Vec<(W, Verdict)> {
+    members
+        .into_iter()
+        .map(|w| (w, Verdict::Failed(failure.clone())))
+        .collect()
+}
