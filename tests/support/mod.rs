@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod s3;
+pub mod script;
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -244,6 +245,23 @@ impl Redis {
 
     pub fn conn(&self) -> redis::Connection {
         self.try_conn().unwrap()
+    }
+
+    /// A fresh server and one connection to it: how every script test starts.
+    pub fn start_with_conn() -> (Redis, redis::Connection) {
+        let redis = Redis::start();
+        let con = redis.conn();
+        (redis, con)
+    }
+
+    /// A connection whose every call gives up after 10 s, for threads that
+    /// race: a stuck call fails its thread instead of hanging the test.
+    pub fn conn_bounded(&self) -> redis::Connection {
+        let con = self.conn();
+        con.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        con.set_write_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        con
     }
 
     pub fn stop(&mut self) {
@@ -622,6 +640,42 @@ pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8
 }
 
 // ---------------------------------------------------------------------------
+// Load from several threads.
+
+/// Runs `f` over `jobs` from `threads` threads, each with its own client made
+/// by `open` (a keep-alive HTTP agent, a Redis connection), every job once;
+/// bounded to `limit` in time. Results in job order.
+pub fn run_jobs<C, J: Sync, R: Send>(
+    jobs: &[J],
+    threads: usize,
+    limit: Duration,
+    open: impl Fn() -> C + Sync,
+    f: impl Fn(&mut C, usize, &J) -> R + Sync,
+) -> Vec<R> {
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let deadline = Instant::now() + limit;
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut client = open();
+                while Instant::now() < deadline {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    let Some(job) = jobs.get(i) else { return };
+                    let r = f(&mut client, i, job);
+                    results.lock().unwrap()[i] = Some(r);
+                }
+            });
+        }
+    });
+    let results = results.into_inner().unwrap();
+    let done = results.iter().filter(|r| r.is_some()).count();
+    assert_eq!(done, jobs.len(), "load loop hit its time bound ({limit:?})");
+    results.into_iter().map(Option::unwrap).collect()
+}
+
+// ---------------------------------------------------------------------------
 // Redis state, read and written directly by the script tests.
 
 /// Redis TIME in ms, computed exactly as the scripts do.
@@ -636,6 +690,43 @@ pub fn key_exists(con: &mut redis::Connection, key: &str) -> bool {
 
 pub fn key_pttl(con: &mut redis::Connection, key: &str) -> i64 {
     redis::cmd("PTTL").arg(key).query(con).unwrap()
+}
+
+/// Absolute expiry in unix ms: -1 without a TTL, -2 without the key.
+pub fn pexpiretime(con: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap()
+}
+
+/// Asserts that a script call made after Redis TIME `t0` gave `key` a
+/// PEXPIRE of exactly `ttl_ms`, on Redis' own clock. PEXPIRE counts from the
+/// moment it runs, which Redis does not report, so the absolute expiry lies
+/// between `t0 + ttl_ms` and `t1 + ttl_ms`, with `t1` read after it; PTTL,
+/// read in between, is at most `ttl_ms` and at least `ttl_ms` less the time
+/// since `t0`. The lower bounds are the point: a TTL too short lets the key
+/// vanish, and a budget or a lock with it.
+#[track_caller]
+pub fn assert_expires_in(con: &mut redis::Connection, key: &str, ttl_ms: i64, t0: i64) {
+    let at = pexpiretime(con, key);
+    let pttl = key_pttl(con, key);
+    let t1 = redis_now_ms(con);
+    assert!(
+        t0 + ttl_ms <= at && at <= t1 + ttl_ms,
+        "{key}: PEXPIRETIME {at} is not {ttl_ms} ms after the call (TIME {t0}..{t1})"
+    );
+    assert!(
+        ttl_ms - (t1 - t0) <= pttl && pttl <= ttl_ms,
+        "{key}: PTTL {pttl} is not {ttl_ms} less the {} ms since the call",
+        t1 - t0
+    );
+}
+
+/// Asserts `lo <= v <= hi`.
+#[track_caller]
+pub fn assert_within(what: &str, v: i64, lo: i64, hi: i64) {
+    assert!(
+        lo <= v && v <= hi,
+        "{what} = {v}, expected within [{lo}, {hi}]"
+    );
 }
 
 /// A hash's fields, sorted.
