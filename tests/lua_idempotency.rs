@@ -13,7 +13,10 @@ mod support;
 use support::script::{
     self, admits, complete, complete_offloaded, idem, release, sw, tb, Decision, Idem, Limit, Reply,
 };
-use support::{assert_within, key_exists as exists, key_pttl as pttl, redis_now_ms as now_ms};
+use support::{
+    assert_expires_in, assert_within, key_exists as exists, key_pttl as pttl, pexpiretime,
+    redis_now_ms as now_ms, wait_until,
+};
 
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -44,13 +47,47 @@ fn acquire(con: &mut Connection, key: &str, owner: &str, lock_ms: i64) {
 }
 
 /// Takes the free key for "owner-a" and completes it with a 201, `HEADERS`
-/// and `BINARY_BODY` for a day, asserting both steps.
-fn complete_as_owner_a(con: &mut Connection, key: &str) {
+/// and `BINARY_BODY` for a day, asserting both steps and that the record
+/// expires a day after the complete. Returns its PEXPIRETIME.
+fn complete_as_owner_a(con: &mut Connection, key: &str) -> i64 {
     acquire(con, key, "owner-a", MINUTE);
+    let t0 = now_ms(con);
     assert_eq!(
         complete(con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
         1
     );
+    assert_expires_in(con, key, DAY, t0);
+    pexpiretime(con, key)
+}
+
+/// Asserts `key` still holds owner-a's completed record from
+/// `complete_as_owner_a`, expiring at `expire_at`: untouched.
+#[track_caller]
+fn assert_owner_a_record_untouched(con: &mut Connection, key: &str, expire_at: i64) {
+    assert_eq!(hash(con, key), completed("fp-1", 201, HEADERS, BINARY_BODY));
+    assert_eq!(
+        pexpiretime(con, key),
+        expire_at,
+        "the record's TTL untouched"
+    );
+}
+
+/// Sends `req` against the lock on its key and asserts the busy answer is
+/// the lock's remaining time on Redis' clock (its PEXPIRETIME less the
+/// script's TIME, which lies between TIME read before and after the call),
+/// and that the lock's expiry is untouched. Returns the answer.
+#[track_caller]
+fn assert_busy(con: &mut Connection, limits: &[Limit], req: &Idem) -> i64 {
+    let expire_at = pexpiretime(con, &req.key);
+    let t0 = now_ms(con);
+    let reply = request(con, limits, req);
+    let t1 = now_ms(con);
+    let Reply::Busy(ms) = reply else {
+        panic!("an in-progress key with the same fingerprint answers busy, got {reply:?}")
+    };
+    assert_within("busy PTTL", ms, expire_at - t1, expire_at - t0);
+    assert_eq!(pexpiretime(con, &req.key), expire_at, "lock TTL untouched");
+    ms
 }
 
 // ---------------------------------------------------------------------------
@@ -102,9 +139,12 @@ fn free_key_without_limits_is_admitted_and_locked_for_its_owner() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
 
+    let t0 = now_ms(&mut con);
     acquire(&mut con, key, "owner-a", MINUTE);
     assert_eq!(hash(&mut con, key), in_progress("owner-a", "fp-1"));
-    assert_within("record PTTL", pttl(&mut con, key), 1, MINUTE);
+    // The lock lasts its full TTL: a shorter one would free the key while
+    // its request still runs.
+    assert_expires_in(&mut con, key, MINUTE, t0);
 }
 
 #[test]
@@ -112,21 +152,16 @@ fn same_key_in_progress_with_same_fingerprint_answers_busy_with_the_lock_pttl() 
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
     acquire(&mut con, key, "owner-a", MINUTE);
-    let ttl_before = pttl(&mut con, key);
 
     for _ in 0..3 {
-        let Reply::Busy(ms) = request(&mut con, &[], &idem(key, "owner-b", "fp-1", MINUTE)) else {
-            panic!("an in-progress key with the same fingerprint must answer busy")
-        };
-        // Read after `ttl_before`, so never more; never 0 or negative.
-        assert_within("busy PTTL", ms, 1, ttl_before);
+        let ms = assert_busy(&mut con, &[], &idem(key, "owner-b", "fp-1", MINUTE));
+        assert!(ms > 0, "never 0 or negative: {ms}");
     }
     assert_eq!(
         hash(&mut con, key),
         in_progress("owner-a", "fp-1"),
         "a busy answer leaves the record (and its owner) alone"
     );
-    assert_within("record PTTL", pttl(&mut con, key), 1, ttl_before);
 }
 
 #[test]
@@ -135,11 +170,10 @@ fn busy_answer_carries_the_remaining_lock_time() {
     let key = "t:{x}:idem:k1";
     let lock_ms = 2_000;
     acquire(&mut con, key, "owner-a", lock_ms);
-    std::thread::sleep(Duration::from_millis(500));
-    let Reply::Busy(ms) = request(&mut con, &[], &idem(key, "owner-b", "fp-1", lock_ms)) else {
-        panic!("expected busy")
-    };
-    // At least 500 ms of the lock have passed.
+    // On Redis' clock, at least 500 ms of the lock pass.
+    let taken = now_ms(&mut con);
+    wait_until(&mut con, taken + 500);
+    let ms = assert_busy(&mut con, &[], &idem(key, "owner-b", "fp-1", lock_ms));
     assert_within("busy PTTL", ms, 1, lock_ms - 500);
 }
 
@@ -148,30 +182,27 @@ fn in_progress_key_with_another_fingerprint_is_a_mismatch() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
     acquire(&mut con, key, "owner-a", MINUTE);
-    let ttl_before = pttl(&mut con, key);
+    let expire_at = pexpiretime(&mut con, key);
 
     assert_eq!(
         request(&mut con, &[], &idem(key, "owner-b", "fp-2", MINUTE)),
         Reply::Mismatch
     );
     assert_eq!(hash(&mut con, key), in_progress("owner-a", "fp-1"));
-    assert_within("record PTTL", pttl(&mut con, key), 1, ttl_before);
+    assert_eq!(pexpiretime(&mut con, key), expire_at, "lock TTL untouched");
 }
 
 #[test]
 fn completed_key_with_another_fingerprint_is_a_mismatch() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
-    complete_as_owner_a(&mut con, key);
+    let expire_at = complete_as_owner_a(&mut con, key);
 
     assert_eq!(
         request(&mut con, &[], &idem(key, "owner-b", "fp-2", MINUTE)),
         Reply::Mismatch
     );
-    assert_eq!(
-        hash(&mut con, key),
-        completed("fp-1", 201, HEADERS, BINARY_BODY)
-    );
+    assert_owner_a_record_untouched(&mut con, key, expire_at);
 }
 
 // ---------------------------------------------------------------------------
@@ -181,18 +212,12 @@ fn completed_key_with_another_fingerprint_is_a_mismatch() {
 fn owner_completes_and_retries_replay_the_binary_response_byte_for_byte() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
-    acquire(&mut con, key, "owner-a", MINUTE);
-
-    assert_eq!(
-        complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
-        1
-    );
+    complete_as_owner_a(&mut con, key);
     // The owner field is gone; everything else exactly as given.
     assert_eq!(
         hash(&mut con, key),
         completed("fp-1", 201, HEADERS, BINARY_BODY)
     );
-    assert_within("record PTTL", pttl(&mut con, key), DAY - 5_000, DAY);
 
     for owner in ["owner-b", "owner-c"] {
         assert_eq!(
@@ -223,6 +248,7 @@ fn an_offloaded_record_keeps_the_object_reference_and_no_body() {
         0,
         "only the owner completes"
     );
+    let t0 = now_ms(&mut con);
     assert_eq!(
         complete_offloaded(&mut con, key, "owner-a", HEADERS, object, DAY),
         1
@@ -235,7 +261,7 @@ fn an_offloaded_record_keeps_the_object_reference_and_no_body() {
     ]);
     want.sort();
     assert_eq!(hash(&mut con, key), want);
-    assert_within("record PTTL", pttl(&mut con, key), DAY - 5_000, DAY);
+    assert_expires_in(&mut con, key, DAY, t0);
     assert_eq!(
         request(&mut con, &[], &idem(key, "owner-c", "fp-1", MINUTE)),
         Reply::Offloaded {
@@ -261,12 +287,13 @@ fn a_100_kb_body_is_stored_and_replayed_whole() {
     let body: Vec<u8> = (0..100 * 1024).map(|i| (i * 7 % 256) as u8).collect();
     acquire(&mut con, key, "owner-a", MINUTE);
 
+    let t0 = now_ms(&mut con);
     assert_eq!(
         complete(&mut con, key, "owner-a", 200, HEADERS, &body, DAY),
         1
     );
     assert_eq!(hash(&mut con, key), completed("fp-1", 200, HEADERS, &body));
-    assert_within("record PTTL", pttl(&mut con, key), DAY - 5_000, DAY);
+    assert_expires_in(&mut con, key, DAY, t0);
     let replay = request(&mut con, &[], &idem(key, "owner-b", "fp-1", MINUTE));
     let Reply::Completed {
         status,
@@ -305,14 +332,14 @@ fn another_owner_cannot_complete_the_lock() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
     acquire(&mut con, key, "owner-a", MINUTE);
-    let ttl_before = pttl(&mut con, key);
+    let expire_at = pexpiretime(&mut con, key);
 
     assert_eq!(
         complete(&mut con, key, "owner-b", 200, HEADERS, BINARY_BODY, DAY),
         0
     );
     assert_eq!(hash(&mut con, key), in_progress("owner-a", "fp-1"));
-    assert_within("record PTTL", pttl(&mut con, key), 1, ttl_before);
+    assert_eq!(pexpiretime(&mut con, key), expire_at, "lock TTL untouched");
     // The real owner still can.
     assert_eq!(
         complete(&mut con, key, "owner-a", 200, HEADERS, BINARY_BODY, DAY),
@@ -368,16 +395,12 @@ fn a_lock_taken_again_after_expiry_belongs_to_the_new_owner_only() {
 fn a_completed_record_cannot_be_completed_again() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
-    complete_as_owner_a(&mut con, key);
+    let expire_at = complete_as_owner_a(&mut con, key);
     assert_eq!(
         complete(&mut con, key, "owner-a", 500, b"", b"second", 1_000),
         0
     );
-    assert_eq!(
-        hash(&mut con, key),
-        completed("fp-1", 201, HEADERS, BINARY_BODY)
-    );
-    assert_within("record PTTL", pttl(&mut con, key), DAY - 5_000, DAY);
+    assert_owner_a_record_untouched(&mut con, key, expire_at);
 }
 
 // ---------------------------------------------------------------------------
@@ -402,25 +425,21 @@ fn another_owner_cannot_release_the_lock() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
     acquire(&mut con, key, "owner-a", MINUTE);
-    let ttl_before = pttl(&mut con, key);
+    let expire_at = pexpiretime(&mut con, key);
 
     assert_eq!(release(&mut con, key, "owner-b"), 0);
     assert_eq!(hash(&mut con, key), in_progress("owner-a", "fp-1"));
-    assert_within("record PTTL", pttl(&mut con, key), 1, ttl_before);
+    assert_eq!(pexpiretime(&mut con, key), expire_at, "lock TTL untouched");
 }
 
 #[test]
 fn a_completed_record_cannot_be_released() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
-    complete_as_owner_a(&mut con, key);
+    let expire_at = complete_as_owner_a(&mut con, key);
 
     assert_eq!(release(&mut con, key, "owner-a"), 0);
-    assert_eq!(
-        hash(&mut con, key),
-        completed("fp-1", 201, HEADERS, BINARY_BODY)
-    );
-    assert_within("record PTTL", pttl(&mut con, key), DAY - 5_000, DAY);
+    assert_owner_a_record_untouched(&mut con, key, expire_at);
 }
 
 #[test]
@@ -457,7 +476,10 @@ fn admit_first(con: &mut Connection) -> (Vec<(String, Vec<u8>)>, i64) {
     );
     let after = now_ms(con);
     assert_eq!(hash(con, key), in_progress("owner-a", "fp-1"));
-    assert_within("record PTTL", pttl(con, key), 1, MINUTE);
+    // The lock and the bucket expire exactly a minute after the call: the
+    // lock's TTL, and the time until the one token is back.
+    assert_expires_in(con, key, MINUTE, before);
+    assert_expires_in(con, BUCKET, MINUTE, before);
 
     let bucket = hash(con, BUCKET);
     assert_eq!(bucket.len(), 2, "bucket hash: {bucket:?}");
@@ -472,7 +494,6 @@ fn admit_first(con: &mut Connection) -> (Vec<(String, Vec<u8>)>, i64) {
         .unwrap();
     assert_eq!(bucket[1].0, "t");
     assert_within("bucket t", t, before, after);
-    assert_within("bucket PTTL", pttl(con, BUCKET), 1, MINUTE);
     (bucket, t)
 }
 
@@ -491,7 +512,7 @@ fn replay_of_a_completed_key_spends_no_quota() {
         complete(&mut con, key, "owner-a", 201, HEADERS, BINARY_BODY, DAY),
         1
     );
-    let bucket_ttl = pttl(&mut con, BUCKET);
+    let bucket_expiry = pexpiretime(&mut con, BUCKET);
 
     // The bucket is empty, yet the replay is answered from the record.
     for owner in ["owner-b", "owner-c"] {
@@ -505,7 +526,11 @@ fn replay_of_a_completed_key_spends_no_quota() {
         );
     }
     assert_eq!(hash(&mut con, BUCKET), bucket, "bucket unchanged");
-    assert_within("bucket PTTL", pttl(&mut con, BUCKET), 1, bucket_ttl);
+    assert_eq!(
+        pexpiretime(&mut con, BUCKET),
+        bucket_expiry,
+        "bucket TTL untouched"
+    );
 }
 
 #[test]
@@ -513,16 +538,13 @@ fn busy_and_mismatch_answers_spend_no_quota_and_come_before_the_limit() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:k1";
     let (bucket, _) = admit_first(&mut con);
-    let lock_ttl = pttl(&mut con, key);
 
-    let Reply::Busy(ms) = request(
+    // An in-progress key is busy even with the bucket empty.
+    assert_busy(
         &mut con,
         &[one_token()],
         &idem(key, "owner-b", "fp-1", MINUTE),
-    ) else {
-        panic!("an in-progress key is busy even with the bucket empty")
-    };
-    assert_within("busy PTTL", ms, 1, lock_ttl);
+    );
     assert_eq!(
         request(
             &mut con,
@@ -595,9 +617,11 @@ fn rate_limited_keyed_request_takes_no_lock() {
 #[test]
 fn concurrent_acquires_of_one_key_admit_exactly_one() {
     const THREADS: usize = 50;
-    let redis = support::Redis::start();
+    let (redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:idem:race";
-    assert_eq!(script::load(&mut redis.conn(), &RATELIMIT), RATELIMIT.sha1);
+    assert_eq!(script::load(&mut con, &RATELIMIT), RATELIMIT.sha1);
+    // Redis' clock before any call: the lock is set after it.
+    let t0 = now_ms(&mut con);
 
     // Every connection is open before any thread starts, so none fails after
     // others are waiting at the barrier.
@@ -621,28 +645,31 @@ fn concurrent_acquires_of_one_key_admit_exactly_one() {
         .collect();
 
     let mut winners = Vec::new();
-    let mut busy = 0;
+    let mut busy = Vec::new();
     for h in handles {
         match h.join().unwrap() {
             Ok((owner, Reply::Decided(d))) => {
                 assert!(d.admitted && d.limits.is_empty(), "{owner}: {d:?}");
                 winners.push(owner);
             }
-            Ok((_, Reply::Busy(ms))) => {
-                assert_within("busy PTTL", ms, 1, MINUTE);
-                busy += 1;
-            }
+            Ok((_, Reply::Busy(ms))) => busy.push(ms),
             Ok((owner, other)) => panic!("{owner} got {other:?}"),
             Err(e) => panic!("a racing call failed: {e}"),
         }
     }
     assert_eq!(
-        (winners.len(), busy),
+        (winners.len(), busy.len()),
         (1, THREADS - 1),
         "winners: {winners:?}"
     );
-    let mut con = redis.conn();
+    // Every busy answer is what is left of the winner's full minute: the
+    // lock was set after `t0` and each answer given before `t1`.
+    let t1 = now_ms(&mut con);
+    for ms in busy {
+        assert_within("busy PTTL", ms, MINUTE - (t1 - t0), MINUTE);
+    }
     assert_eq!(hash(&mut con, key), in_progress(&winners[0], "fp-1"));
+    assert_expires_in(&mut con, key, MINUTE, t0);
 }
 
 // ---------------------------------------------------------------------------

@@ -23,10 +23,10 @@ mod support;
 use support::script::{self, bucket, eval_lease, Bucket};
 use support::{
     hash_fields as hgetall, key_exists as exists, key_pttl as pttl, pexpiretime,
-    read_bucket as state, redis_now_ms as now_ms, write_bucket as set_state,
+    read_bucket as state, redis_now_ms as now_ms, wait_until, write_bucket as set_state,
 };
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redis::Connection;
 use redis_guard::scripts::{LEASE, RATELIMIT};
@@ -121,18 +121,6 @@ fn strict_cmd(cmd: redis::Cmd, key: &str, b: Bucket, cost: i64) -> redis::Cmd {
 
 // ---------------------------------------------------------------------------
 // Reading and writing state directly
-
-/// Polls Redis TIME until it reads at least `at_ms` (at most 2 s).
-fn wait_until(con: &mut Connection, at_ms: i64) {
-    let start = Instant::now();
-    while now_ms(con) < at_ms {
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "Redis TIME did not reach {at_ms} within 2 s"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
 
 // ---------------------------------------------------------------------------
 // One lease call, checked against the whole contract

@@ -14,8 +14,8 @@ mod support;
 
 use support::script::{self, admits, rejects, sw, tb, Decision, Limit};
 use support::{
-    assert_within, hash_fields as hgetall, key_exists as exists, key_pttl as pttl,
-    read_bucket as bucket, redis_now_ms as now_ms, write_bucket as set_bucket,
+    assert_expires_in, assert_within, hash_fields as hgetall, key_exists as exists,
+    key_pttl as pttl, read_bucket as bucket, redis_now_ms as now_ms, write_bucket as set_bucket,
 };
 
 use std::time::Duration;
@@ -190,8 +190,8 @@ fn token_bucket_admission_reports_exact_remaining_and_time_to_full() {
     let (c, t) = bucket(&mut con, key).unwrap();
     assert_eq!(c, 5500, "exactly 2 tokens charged");
     assert_within("stored t (the script's now)", t, t0, t1);
-    let ttl = pttl(&mut con, key);
-    assert_within("PTTL", ttl, 1, 643);
+    // The key lives exactly until the bucket is full again, not a ms less.
+    assert_expires_in(&mut con, key, 643, t0);
 }
 
 #[test]
@@ -539,9 +539,13 @@ fn sliding_window_counts_every_request_while_the_newest_stamp_is_ahead_of_the_cl
     zadd(&mut con, key, ahead, &format!("{ahead}:0"));
 
     let limit = sw(key, 25, MINUTE);
+    // TIME around the last admission, and its reset.
+    let mut last = (0, 0, 0);
     for i in 1..25 {
+        let t0 = now_ms(&mut con);
         let r = eval(&mut con, std::slice::from_ref(&limit));
         let v = r.limits[0];
+        last = (t0, now_ms(&mut con), v.reset_ms);
         assert_eq!(
             (r.admitted, v.allowed, v.remaining),
             (true, true, 24 - i),
@@ -552,8 +556,16 @@ fn sliding_window_counts_every_request_while_the_newest_stamp_is_ahead_of_the_cl
     let m = members(&mut con, key);
     assert!(m.iter().all(|(_, s)| *s == ahead), "{m:?}");
     assert!(!eval(&mut con, &[limit]).admitted, "limit 25 reached");
-    let ttl = pttl(&mut con, key);
-    assert_within("PTTL", ttl, 1, MINUTE + 3000);
+    // Fully restored once the newest member, stamped `ahead`, leaves: the
+    // last admission's reset, and exactly the key's PEXPIRE.
+    let (t0, t1, reset) = last;
+    assert_within(
+        "last reset_ms",
+        reset,
+        ahead + MINUTE - t1,
+        ahead + MINUTE - t0,
+    );
+    assert_expires_in(&mut con, key, reset, t0);
 }
 
 #[test]
@@ -569,19 +581,19 @@ fn sliding_window_reset_is_the_time_until_fully_restored() {
     let score = t0 - 30_000;
     zadd(&mut con, key, score, &format!("{score}:0"));
 
+    let before = now_ms(&mut con);
     let r = eval(&mut con, &[sw(key, 5, MINUTE)]);
     let v = r.limits[0];
     assert_eq!(
         (r.admitted, v.allowed, v.remaining, v.retry_ms),
         (true, true, 3, 0)
     );
-    let ttl = pttl(&mut con, key);
-    assert_within("PTTL", ttl, 1, MINUTE);
     assert_eq!(
         v.reset_ms, MINUTE,
-        "reset_ms must be the time until fully restored (the new member leaves in one window, \
-         PTTL {ttl}), not until the oldest member leaves (~30000 ms)"
+        "reset_ms must be the time until fully restored (the new member leaves in one window), \
+         not until the oldest member leaves (~30000 ms)"
     );
+    assert_expires_in(&mut con, key, MINUTE, before);
 }
 
 // ---------------------------------------------------------------------------
@@ -755,7 +767,13 @@ fn shadow_limit_that_admits_is_charged() {
 // TTLs
 
 #[test]
-fn every_written_key_expires_no_later_than_it_would_be_fresh_again() {
+fn every_written_key_expires_exactly_when_it_would_be_fresh_again() {
+    // Too long a TTL only keeps a key that equals a fresh one; too short a
+    // TTL drops a spent budget, which then refills. So the expiry is asserted
+    // from both sides on Redis' own clock: every admission sets the key's
+    // PEXPIRE to its reset_ms (for a bucket, the time until full; for a
+    // window, until its newest member leaves), and the first round's resets
+    // are known numbers.
     let (_redis, mut con) = support::Redis::start_with_conn();
     let tb_fresh = "t:{x}:ttl:tb-fresh";
     let tb_held = "t:{x}:ttl:tb-held";
@@ -776,31 +794,22 @@ fn every_written_key_expires_no_later_than_it_would_be_fresh_again() {
         sw(sw_short, 10, 1500),
     ];
     for round in 0..3 {
+        let t0 = now_ms(&mut con);
         let r = eval(&mut con, &limits);
         assert!(r.admitted, "round {round}: {r:?}");
-        for (l, v) in limits.iter().zip(&r.limits) {
-            let ttl = pttl(&mut con, &l.key);
-            assert!(ttl > 0, "round {round}: {} has PTTL {ttl}", l.key);
-            if l.alg == "tb" {
-                // Time to full is exactly the admitting reply's reset.
-                assert!(
-                    ttl <= v.reset_ms,
-                    "round {round}: {} PTTL {ttl} > time to full {v:?}",
-                    l.key
-                );
-            } else {
-                assert!(
-                    ttl <= l.b,
-                    "round {round}: {} PTTL {ttl} > window {}",
-                    l.key,
-                    l.b
-                );
-            }
-        }
         if round == 0 {
-            assert_within("tb-held PTTL", pttl(&mut con, tb_held), 1, 643);
-            assert_within("tb-fresh PTTL", pttl(&mut con, tb_fresh), 1, 1000);
-            assert_within("tb-slow PTTL", pttl(&mut con, tb_slow), 1, MINUTE);
+            // tb-fresh: 1 of 10 tokens at 1 credit/ms; tb-held: 5500 of
+            // 10000 credits left at 7/ms (ceil 642.9); tb-slow: 1 of 3 tokens
+            // at one a minute; each window: its length.
+            let resets: Vec<i64> = r.limits.iter().map(|v| v.reset_ms).collect();
+            assert_eq!(resets, [1000, 643, MINUTE, MINUTE, 1500]);
+        }
+        for (l, v) in limits.iter().zip(&r.limits) {
+            if l.alg == "sw" {
+                // No member is ahead of the clock: the newest is this call's.
+                assert_eq!(v.reset_ms, l.b, "round {round}: {}", l.key);
+            }
+            assert_expires_in(&mut con, &l.key, v.reset_ms, t0);
         }
     }
 }

@@ -720,6 +720,19 @@ pub fn assert_expires_in(con: &mut redis::Connection, key: &str, ttl_ms: i64, t0
     );
 }
 
+/// Polls Redis TIME until it reads at least `at_ms` (at most 2 s): time
+/// passing on the clock the scripts read, not the test's.
+pub fn wait_until(con: &mut redis::Connection, at_ms: i64) {
+    let start = Instant::now();
+    while redis_now_ms(con) < at_ms {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "Redis TIME did not reach {at_ms} within 2 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Asserts `lo <= v <= hi`.
 #[track_caller]
 pub fn assert_within(what: &str, v: i64, lo: i64, hi: i64) {
