@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod cluster;
 pub mod probe;
 pub mod s3;
 pub mod script;
@@ -127,6 +128,40 @@ impl Drop for Proc {
     }
 }
 
+/// Runs `cmd` to its end with its output in `log`, bounded to `limit`: a
+/// command still running then is killed and the test fails with its log.
+/// Returns how it exited and what it wrote.
+pub fn run_to_exit(
+    name: &str,
+    cmd: &mut Command,
+    log: &Path,
+    limit: Duration,
+) -> (std::process::ExitStatus, String) {
+    let out = std::fs::File::create(log).unwrap();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {name} ({e}); run `make test`"));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{name} still running after {limit:?}:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(log).unwrap_or_default())
+}
+
 fn require(path: &Path, what: &str) -> PathBuf {
     assert!(
         path.exists(),
@@ -227,25 +262,11 @@ impl Redis {
     }
 
     fn wait_ready(&self) {
-        wait_for_port(self.port, "redis-server", Duration::from_secs(10));
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(10) {
-            if let Ok(mut c) = self.try_conn() {
-                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server on {} did not answer PING", self.port);
-    }
-
-    fn try_conn(&self) -> redis::RedisResult<redis::Connection> {
-        redis::Client::open(format!("redis://127.0.0.1:{}/", self.port))?.get_connection()
+        wait_for_redis(self.port, "redis-server");
     }
 
     pub fn conn(&self) -> redis::Connection {
-        self.try_conn().unwrap()
+        redis_conn(self.port)
     }
 
     /// A fresh server and one connection to it: how every script test starts.
@@ -281,6 +302,30 @@ impl Redis {
         self.proc = Self::spawn(self.port, &self.dir);
         self.wait_ready();
     }
+}
+
+fn try_redis_conn(port: u16) -> redis::RedisResult<redis::Connection> {
+    redis::Client::open(format!("redis://127.0.0.1:{port}/"))?.get_connection()
+}
+
+/// A connection to the redis-server on `port`.
+pub fn redis_conn(port: u16) -> redis::Connection {
+    try_redis_conn(port).unwrap()
+}
+
+/// Waits (bounded to 10 s each) until `port` listens and answers PING.
+fn wait_for_redis(port: u16, what: &str) {
+    wait_for_port(port, what, Duration::from_secs(10));
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if let Ok(mut c) = try_redis_conn(port) {
+            if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what} on {port} did not answer PING");
 }
 
 pub struct Webdis {
@@ -326,17 +371,27 @@ impl Webdis {
 }
 
 impl Webdis {
-    /// Polls Webdis until a command reaches Redis (bounded to 10 s).
+    /// Polls Webdis until a command reaches Redis and Redis' answer comes
+    /// back (bounded to 10 s): Webdis connects lazily, and a Redis proxy in
+    /// between needs a moment to reach its masters. The command is an EVAL
+    /// with one key, because a proxy cannot route a call without a key; it
+    /// touches no key.
     pub fn wait_until_redis_answers(&self) {
-        let start = Instant::now();
         let url = format!("http://127.0.0.1:{}/", self.port);
-        while start.elapsed() < Duration::from_secs(10) {
-            if http("POST", &url, &[], Some(b"EVAL/return%201/0.raw")).status == 200 {
+        let start = Instant::now();
+        loop {
+            let r = http("POST", &url, &[], Some(b"EVAL/return%207/1/rg%3Aready.raw"));
+            if r.status == 200 && r.body == b":7\r\n" {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(20));
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "Redis did not answer through webdis: {} {:?}",
+                r.status,
+                String::from_utf8_lossy(&r.body)
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("webdis did not reach redis within 10s");
     }
 
     pub fn stop(&mut self) {
@@ -365,9 +420,16 @@ impl Upstream {
 
     /// How many requests reached the upstream.
     pub fn executed(&self) -> u64 {
-        let r = get(&format!("http://127.0.0.1:{}/__stats", self.port), &[]);
-        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-        v["requests"].as_u64().unwrap()
+        self.stats()["requests"].as_u64().unwrap()
+    }
+
+    /// How many requests for `path` reached the upstream.
+    pub fn executions_of(&self, path: &str) -> u64 {
+        self.stats()["byPath"][path].as_u64().unwrap_or(0)
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        get(&format!("http://127.0.0.1:{}/__stats", self.port), &[]).json()
     }
 }
 
@@ -430,46 +492,7 @@ impl Envoy {
         );
         let conf = dir.0.join("envoy.yaml");
         std::fs::write(&conf, edit(yaml)).unwrap();
-        let log = std::fs::File::create(dir.0.join("envoy.log")).unwrap();
-        let mut proc = Proc::spawn(
-            "envoy",
-            Command::new(envoy_bin())
-                .arg("-c")
-                .arg(&conf)
-                .args(["--concurrency", "2", "--disable-hot-restart", "--log-level"])
-                // REDIS_GUARD_ENVOY_LOG=debug to see the filter at work.
-                .arg(std::env::var("REDIS_GUARD_ENVOY_LOG").unwrap_or_else(|_| "warn".into()))
-                .envs(env.iter().copied())
-                .stdout(log.try_clone().unwrap())
-                .stderr(log),
-        );
-        let start = Instant::now();
-        loop {
-            if !proc.is_running() {
-                panic!(
-                    "envoy exited during start-up:\n{}",
-                    std::fs::read_to_string(dir.0.join("envoy.log")).unwrap_or_default()
-                );
-            }
-            let ready = TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
-                && http(
-                    "GET",
-                    &format!("http://127.0.0.1:{admin_port}/ready"),
-                    &[],
-                    None,
-                )
-                .status
-                    == 200
-                && TcpStream::connect(("127.0.0.1", port)).is_ok();
-            if ready {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "envoy not ready within 30s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let proc = start_envoy("envoy", &dir, &conf, 2, env, (admin_port, port));
         Envoy {
             port,
             admin_port,
@@ -483,31 +506,90 @@ impl Envoy {
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.0.join("envoy.log")).unwrap_or_default()
+        envoy_log(&self.dir)
     }
 
     /// A counter the filter defined (Envoy shows them under `wasmcustom.`).
     pub fn counter(&self, name: &str) -> u64 {
-        let r = http(
-            "GET",
-            &format!(
-                "http://127.0.0.1:{}/stats?filter=^wasmcustom\\.{}$",
-                self.admin_port,
-                name.replace('.', "\\.")
-            ),
-            &[],
-            None,
-        );
-        let text = String::from_utf8_lossy(&r.body).to_string();
-        for line in text.lines() {
-            if let Some((k, v)) = line.split_once(": ") {
-                if k == format!("wasmcustom.{name}") {
-                    return v.trim().parse().unwrap();
-                }
-            }
-        }
-        panic!("counter {name} not found in:\n{text}");
+        admin_stat(self.admin_port, &format!("wasmcustom.{name}"))
     }
+}
+
+/// Starts Envoy on `conf` with `workers` worker threads, hot restart off (so
+/// several run side by side), its output in `dir`/envoy.log and `env` added
+/// to its environment; waits (bounded to 30 s) until its admin port answers
+/// /ready with 200 and its listener accepts. `ports` is (admin, listener);
+/// `name` says which Envoy failed.
+fn start_envoy(
+    name: &str,
+    dir: &Scratch,
+    conf: &Path,
+    workers: usize,
+    env: &[(&str, &str)],
+    (admin_port, port): (u16, u16),
+) -> Proc {
+    let log = std::fs::File::create(dir.0.join("envoy.log")).unwrap();
+    let mut proc = Proc::spawn(
+        name,
+        Command::new(envoy_bin())
+            .arg("-c")
+            .arg(conf)
+            .args(["--concurrency", &workers.to_string()])
+            .args(["--disable-hot-restart", "--log-level"])
+            // REDIS_GUARD_ENVOY_LOG=debug to see the filter at work.
+            .arg(std::env::var("REDIS_GUARD_ENVOY_LOG").unwrap_or_else(|_| "warn".into()))
+            .envs(env.iter().copied())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log),
+    );
+    let start = Instant::now();
+    // /ready turns 200 once every cluster had its first update (for a
+    // redis_proxy, the first CLUSTER SLOTS).
+    loop {
+        assert!(
+            proc.is_running(),
+            "{name} exited during start-up:\n{}",
+            envoy_log(dir)
+        );
+        let ready = TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
+            && get(&format!("http://127.0.0.1:{admin_port}/ready"), &[]).status == 200
+            && TcpStream::connect(("127.0.0.1", port)).is_ok();
+        if ready {
+            return proc;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{name} not ready within 30s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn envoy_log(dir: &Scratch) -> String {
+    std::fs::read_to_string(dir.0.join("envoy.log")).unwrap_or_default()
+}
+
+/// One stat of the Envoy whose admin port is `admin_port`, by its full name.
+pub fn admin_stat(admin_port: u16, name: &str) -> u64 {
+    let r = get(
+        &format!(
+            "http://127.0.0.1:{admin_port}/stats?filter=^{}$",
+            name.replace('.', "\\.")
+        ),
+        &[],
+    );
+    let text = String::from_utf8_lossy(&r.body).to_string();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+        .unwrap_or_else(|| panic!("stat {name} not found in:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Lowercase hex of `b`, as the filter writes digests in keys.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// Redis + Webdis + upstream + `n` Envoys sharing them.
