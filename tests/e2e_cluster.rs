@@ -17,11 +17,14 @@ use std::time::Duration;
 use support::cluster::*;
 use support::*;
 
+/// Every key of a request hash-tagged by its tenant, so a tenant's keys
+/// share one slot.
 fn config(limits: &str, idempotency: &str) -> String {
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":3000}},"failureMode":"deny",
-            "hashTag":[{{"header":"x-tenant"}}],"limits":{limits},"idempotency":{idempotency}}}"#
-    )
+    filter_config(3000)
+        .hash_tag(r#"[{"header":"x-tenant"}]"#)
+        .limits(limits)
+        .idempotency(idempotency)
+        .build()
 }
 
 // ---------------------------------------------------------------------------

@@ -13,9 +13,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod cluster;
+pub mod config;
 pub mod probe;
 pub mod s3;
 pub mod script;
+
+// Not every test binary builds a filter configuration.
+#[allow(unused_imports)]
+pub use config::filter_config;
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
