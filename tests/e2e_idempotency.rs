@@ -15,14 +15,15 @@ use support::*;
 /// to the default 64 KiB stored; `extra` adds fields to the rule, `limits`
 /// sets limits.
 fn config_with(extra: &str, limits: &str) -> String {
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":3000}},"failureMode":"deny",
-            "limits":{limits},
-            "idempotency":[{{"name":"pay","match":{{"pathPrefix":"/pay"}},
+    filter_config(3000)
+        .limits(limits)
+        .idempotency(&format!(
+            r#"[{{"name":"pay","match":{{"pathPrefix":"/pay"}},
               "tenant":[{{"header":"x-tenant"}}],
               "storeHeaders":["content-type","x-tag"],
-              "maxRequestBodyBytes":1024{extra}}}]}}"#
-    )
+              "maxRequestBodyBytes":1024{extra}}}]"#
+        ))
+        .build()
 }
 
 fn config(extra: &str) -> String {

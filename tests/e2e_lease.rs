@@ -17,13 +17,14 @@ use support::probe::*;
 use support::*;
 
 fn config(capacity: u64, tokens: u64, ttl_ms: u64) -> String {
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":2000}},"failureMode":"deny",
-          "limits":[{{"name":"leased","match":{{"pathPrefix":"/api/"}},
+    filter_config(2000)
+        .limits(&format!(
+            r#"[{{"name":"leased","match":{{"pathPrefix":"/api/"}},
             "descriptor":[{{"header":"x-user"}}],
             "tokenBucket":{{"capacity":{capacity},"refill":1,"periodMs":3600000}},
-            "lease":{{"tokens":{tokens},"ttlMs":{ttl_ms}}}}}]}}"#
-    )
+            "lease":{{"tokens":{tokens},"ttlMs":{ttl_ms}}}}}]"#
+        ))
+        .build()
 }
 
 fn status(e: &Envoy) -> u16 {

@@ -13,18 +13,18 @@ use support::probe::*;
 use support::*;
 
 fn config(timeout_ms: u64, failure: &str, limits: &str) -> String {
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":{timeout_ms}}},"failureMode":"{failure}",
-            "limits":{limits}}}"#
-    )
+    filter_config(timeout_ms)
+        .failure_mode(failure)
+        .limits(limits)
+        .build()
 }
 
 /// The same, with every key's hash tag taken from the `x-tenant` header.
 fn tenant_config(limits: &str) -> String {
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":2000}},"failureMode":"deny",
-            "hashTag":[{{"header":"x-tenant"}}],"limits":{limits}}}"#
-    )
+    filter_config(2000)
+        .hash_tag(r#"[{"header":"x-tenant"}]"#)
+        .limits(limits)
+        .build()
 }
 
 fn hex(b: &[u8]) -> String {
