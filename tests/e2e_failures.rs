@@ -13,13 +13,18 @@ use support::*;
 
 /// `/open` fails open, `/closed` fails closed; the breaker opens after 3
 /// consecutive failures per worker and probes after 300 ms.
-const CONFIG: &str = r#"{"redis":{"cluster":"webdis","timeoutMs":300,
-    "circuitBreaker":{"failures":3,"coolDownMs":300}},
-  "failureMode":"allow",
-  "limits":[
+fn config() -> String {
+    filter_config(300)
+        .circuit_breaker(3, 300)
+        .failure_mode("allow")
+        .limits(
+            r#"[
     {"name":"open","match":{"pathPrefix":"/open"},"slidingWindow":{"limit":100000,"windowMs":60000}},
     {"name":"closed","match":{"pathPrefix":"/closed"},"failureMode":"deny",
-     "slidingWindow":{"limit":100000,"windowMs":60000}}]}"#;
+     "slidingWindow":{"limit":100000,"windowMs":60000}}]"#,
+        )
+        .build()
+}
 
 /// Sends `/closed` until it is decided by Redis again (200); returns how long
 /// that took. Bounded to 5 s.
@@ -65,7 +70,7 @@ fn outage_is_answered_by_the_failure_modes(e: &Envoy) {
 
 #[test]
 fn a_stopped_redis_opens_the_breaker_and_the_filter_recovers_by_itself() {
-    let mut stack = Stack::start(CONFIG, 1);
+    let mut stack = Stack::start(&config(), 1);
     let up_before = stack.envoy().uptime();
     let started = Instant::now();
     assert_eq!(get(&stack.envoy().url("/closed"), &[]).status, 200);
@@ -94,7 +99,7 @@ fn a_stopped_redis_opens_the_breaker_and_the_filter_recovers_by_itself() {
 
 #[test]
 fn a_restarted_webdis_is_used_again_without_restarting_envoy() {
-    let mut stack = Stack::start(CONFIG, 1);
+    let mut stack = Stack::start(&config(), 1);
     assert_eq!(get(&stack.envoy().url("/closed"), &[]).status, 200);
     stack.webdis.stop();
     outage_is_answered_by_the_failure_modes(stack.envoy());

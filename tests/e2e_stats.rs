@@ -13,11 +13,12 @@ use std::time::Duration;
 use support::probe::*;
 use support::*;
 
-const CONFIG: &str = r#"{
-  "redis": {"cluster": "webdis", "timeoutMs": 300,
-            "circuitBreaker": {"failures": 2, "coolDownMs": 1000}},
-  "failureMode": "allow",
-  "limits": [
+fn config() -> String {
+    filter_config(300)
+        .circuit_breaker(2, 1000)
+        .failure_mode("allow")
+        .limits(
+            r#"[
     {"name": "burst", "match": {"pathPrefix": "/api/"}, "descriptor": [{"header": "x-user"}],
      "tokenBucket": {"capacity": 3, "refill": 1, "periodMs": 600000}},
     {"name": "trial.v2", "match": {"pathPrefix": "/api/search"}, "descriptor": [{"header": "x-user"}],
@@ -28,9 +29,11 @@ const CONFIG: &str = r#"{
     {"name": "leased", "match": {"pathPrefix": "/lease/"}, "descriptor": [{"header": "x-user"}],
      "tokenBucket": {"capacity": 100, "refill": 1, "periodMs": 600000},
      "lease": {"tokens": 4, "ttlMs": 600000}}
-  ],
-  "idempotency": [{"name": "pay", "match": {"pathPrefix": "/pay"}}]
-}"#;
+  ]"#,
+        )
+        .idempotency(r#"[{"name": "pay", "match": {"pathPrefix": "/pay"}}]"#)
+        .build()
+}
 
 const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
@@ -158,7 +161,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let upstream = Upstream::start();
-    let envoy = &envoy_flushing_stats(CONFIG, webdis.port, upstream.port);
+    let envoy = &envoy_flushing_stats(&config(), webdis.port, upstream.port);
     let mut want = Expected::new();
 
     // Rate limits: user a spends a bucket of 3 in 5 tries; user b searches
