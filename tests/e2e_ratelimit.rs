@@ -409,6 +409,42 @@ fn a_webdis_503_is_sent_again_three_times_after_pauses_then_the_failure_mode_dec
 }
 
 #[test]
+fn a_call_webdis_refused_is_sent_again_after_a_pause_and_redis_decides_it_once() {
+    let cfg = config(
+        2000,
+        "deny",
+        r#"[{"name":"w","descriptor":[{"literal":"x"}],"slidingWindow":{"limit":100,"windowMs":60000}}]"#,
+    );
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    // Webdis refuses the first two calls as it does while reconnecting to
+    // Redis, then answers: a restart's reconnect window, made exact.
+    let refusing = WebdisRefusingFirst::start(webdis.port, 2);
+    let e = Envoy::start(&cfg, refusing.port, upstream.port);
+    let r = get(&e.url("/a"), &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("99"));
+    // Refused, paused, refused, paused, then EVALSHA (NOSCRIPT: fresh
+    // Redis) and EVAL: four calls, two of them retries, no failure.
+    assert_eq!(refusing.calls(), 4);
+    assert_eq!(e.counter("redis_guard.redis.calls"), 4);
+    assert_eq!(e.counter("redis_guard.redis.retries"), 2);
+    assert_eq!(e.counter("redis_guard.redis.script_reloads"), 1);
+    assert_eq!(e.counter("redis_guard.redis.errors"), 0);
+    assert_eq!(e.counter("redis_guard.failure_mode.denied"), 0);
+    // Redis charged the request once: one member in the window.
+    let keys = all_keys(&redis);
+    assert_eq!(keys.len(), 1);
+    let members: i64 = redis::cmd("ZCARD")
+        .arg(&keys[0])
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(members, 1);
+    assert_eq!(upstream.executed(), 1);
+}
+
+#[test]
 fn a_stalled_redis_is_given_up_at_the_timeout() {
     let cfg = config(400, "allow", OPEN_AND_CLOSED);
     let redis = Redis::start();

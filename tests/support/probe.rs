@@ -106,25 +106,6 @@ impl Envoy {
             .unwrap_or_else(|| panic!("no uptime in {info}"));
         Duration::from_secs_f64(secs.parse().unwrap())
     }
-
-    /// One of Envoy's own stats (`server.uptime`, `http.ingress.…`).
-    pub fn stat(&self, name: &str) -> u64 {
-        let r = get(
-            &format!(
-                "http://127.0.0.1:{}/stats?filter=^{}$",
-                self.admin_port,
-                name.replace('.', "\\.")
-            ),
-            &[],
-        );
-        let text = String::from_utf8_lossy(&r.body).to_string();
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
-            .unwrap_or_else(|| panic!("stat {name} not found in:\n{text}"))
-            .trim()
-            .parse()
-            .unwrap()
-    }
 }
 
 /// An Envoy that exited at start-up: how, what it logged, and the listener
@@ -447,4 +428,80 @@ pub fn scrape_with_samples(envoy: &Envoy, name: &str, want: u64) -> Scrape {
             (count >= want).then_some(s)
         },
     )
+}
+
+/// Reads one HTTP/1.1 message (head and a `content-length` body) whole;
+/// `None` when the peer closed the connection first.
+fn read_message(stream: &mut std::io::BufReader<TcpStream>) -> Option<Vec<u8>> {
+    use std::io::BufRead;
+    let mut message = Vec::new();
+    let mut length = 0;
+    loop {
+        let start = message.len();
+        if stream.read_until(b'\n', &mut message).ok()? == 0 {
+            return None;
+        }
+        let line = String::from_utf8_lossy(&message[start..]).to_ascii_lowercase();
+        if let Some(v) = line.strip_prefix("content-length:") {
+            length = v.trim().parse().ok()?;
+        }
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let start = message.len();
+    message.resize(start + length, 0);
+    stream.read_exact(&mut message[start..]).ok()?;
+    Some(message)
+}
+
+/// A stand-in in front of Webdis: the first `refuse` calls it answers itself
+/// as Webdis does while it has no Redis connection (503, `server: Webdis`:
+/// the command never ran), every later one it passes to Webdis. So a test
+/// knows exactly which calls met the refusal, whatever the timing.
+pub struct WebdisRefusingFirst {
+    pub port: u16,
+    calls: std::sync::Arc<AtomicUsize>,
+}
+
+impl WebdisRefusingFirst {
+    pub fn start(webdis_port: u16, refuse: usize) -> WebdisRefusingFirst {
+        let port = free_port();
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let calls = std::sync::Arc::new(AtomicUsize::new(0));
+        let seen = std::sync::Arc::clone(&calls);
+        // Threads end with the test process; each serves one connection.
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                let seen = std::sync::Arc::clone(&seen);
+                std::thread::spawn(move || {
+                    let mut out = conn.try_clone().unwrap();
+                    let mut from_envoy = std::io::BufReader::new(conn);
+                    let mut to_webdis: Option<(TcpStream, std::io::BufReader<TcpStream>)> = None;
+                    while let Some(request) = read_message(&mut from_envoy) {
+                        if seen.fetch_add(1, Ordering::SeqCst) < refuse {
+                            let refusal = "HTTP/1.1 503 Service Unavailable\r\n\
+                                 Server: Webdis\r\nContent-Length: 0\r\n\r\n";
+                            out.write_all(refusal.as_bytes()).unwrap();
+                            continue;
+                        }
+                        let (w, r) = to_webdis.get_or_insert_with(|| {
+                            let s = TcpStream::connect(("127.0.0.1", webdis_port)).unwrap();
+                            (s.try_clone().unwrap(), std::io::BufReader::new(s))
+                        });
+                        w.write_all(&request).unwrap();
+                        let reply = read_message(r).expect("webdis closed the connection");
+                        out.write_all(&reply).unwrap();
+                    }
+                });
+            }
+        });
+        WebdisRefusingFirst { port, calls }
+    }
+
+    /// Calls received so far (refused or passed on).
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
 }
