@@ -60,6 +60,14 @@ fn complete_as_owner_a(con: &mut Connection, key: &str) -> i64 {
     pexpiretime(con, key)
 }
 
+/// Asserts `key` is still owner-a's lock (fingerprint "fp-1"), expiring at
+/// `expire_at`: untouched.
+#[track_caller]
+fn assert_owner_a_lock_untouched(con: &mut Connection, key: &str, expire_at: i64) {
+    assert_eq!(hash(con, key), in_progress("owner-a", "fp-1"));
+    assert_eq!(pexpiretime(con, key), expire_at, "lock TTL untouched");
+}
+
 /// Asserts `key` still holds owner-a's completed record from
 /// `complete_as_owner_a`, expiring at `expire_at`: untouched.
 #[track_caller]
@@ -188,8 +196,7 @@ fn in_progress_key_with_another_fingerprint_is_a_mismatch() {
         request(&mut con, &[], &idem(key, "owner-b", "fp-2", MINUTE)),
         Reply::Mismatch
     );
-    assert_eq!(hash(&mut con, key), in_progress("owner-a", "fp-1"));
-    assert_eq!(pexpiretime(&mut con, key), expire_at, "lock TTL untouched");
+    assert_owner_a_lock_untouched(&mut con, key, expire_at);
 }
 
 #[test]
@@ -338,8 +345,7 @@ fn another_owner_cannot_complete_the_lock() {
         complete(&mut con, key, "owner-b", 200, HEADERS, BINARY_BODY, DAY),
         0
     );
-    assert_eq!(hash(&mut con, key), in_progress("owner-a", "fp-1"));
-    assert_eq!(pexpiretime(&mut con, key), expire_at, "lock TTL untouched");
+    assert_owner_a_lock_untouched(&mut con, key, expire_at);
     // The real owner still can.
     assert_eq!(
         complete(&mut con, key, "owner-a", 200, HEADERS, BINARY_BODY, DAY),
@@ -428,8 +434,7 @@ fn another_owner_cannot_release_the_lock() {
     let expire_at = pexpiretime(&mut con, key);
 
     assert_eq!(release(&mut con, key, "owner-b"), 0);
-    assert_eq!(hash(&mut con, key), in_progress("owner-a", "fp-1"));
-    assert_eq!(pexpiretime(&mut con, key), expire_at, "lock TTL untouched");
+    assert_owner_a_lock_untouched(&mut con, key, expire_at);
 }
 
 #[test]

@@ -22,11 +22,10 @@ mod support;
 
 use support::script::{self, bucket, eval_lease, Bucket};
 use support::{
-    hash_fields as hgetall, key_exists as exists, key_pttl as pttl, pexpiretime,
-    read_bucket as state, redis_now_ms as now_ms, wait_until, write_bucket as set_state,
+    assert_less_than_a_token_left, hash_fields as hgetall, key_exists as exists, key_pttl as pttl,
+    pexpiretime, read_bucket as state, redis_now_ms as now_ms, wait_until,
+    write_bucket as set_state,
 };
-
-use std::time::Duration;
 
 use redis::Connection;
 use redis_guard::scripts::{LEASE, RATELIMIT};
@@ -93,15 +92,6 @@ fn evalsha_lease(
     lease: i64,
 ) -> redis::RedisResult<Vec<i64>> {
     script::with_lease(script::evalsha(&LEASE), key, b, cost, lease).query(con)
-}
-
-/// lua/lease.lua with hand-made KEYS and ARGV, for the contract errors.
-fn eval_lease_raw(
-    con: &mut Connection,
-    keys: &[&str],
-    argv: &[&str],
-) -> redis::RedisResult<redis::Value> {
-    script::eval_raw(con, &LEASE, keys, argv)
 }
 
 /// The strict script (lua/ratelimit.lua) with one enforced token-bucket
@@ -477,8 +467,7 @@ fn leased_and_strict_requests_spend_one_budget() {
         b.capacity,
         "every token spent exactly once"
     );
-    let (left, _) = state(&mut con, key).unwrap();
-    assert!(left < HOUR, "less than a token left: {left}");
+    assert_less_than_a_token_left(&mut con, key, HOUR);
 }
 
 #[test]
@@ -496,31 +485,24 @@ fn concurrent_leased_and_strict_calls_never_spend_more_than_the_capacity() {
     // 3 more), odd ones are strict (cost 2). Enough to drain the bucket.
     const THREADS: usize = 8;
     const TOTAL: usize = 400;
-    let calls: Vec<usize> = (0..TOTAL).collect();
     // Per call: [charged, granted, admitted, rejected].
-    let sums = support::run_jobs(
-        &calls,
-        THREADS,
-        Duration::from_secs(60),
-        || redis.conn_bounded(),
-        |con, _, i| {
-            let leased = i % 2 == 0;
-            let (cmd, cost) = if leased {
-                let cmd = script::with_lease(script::evalsha(&LEASE), key, b, 1, 3);
-                (cmd, 1)
-            } else {
-                (strict_cmd(script::evalsha(&RATELIMIT), key, b, 2), 2)
-            };
-            let raw: Vec<i64> = cmd
-                .query(con)
-                .unwrap_or_else(|e| panic!("a racing call failed: {e}"));
-            match (raw[0], leased) {
-                (1, true) => [cost, raw[5], 1, 0],
-                (1, false) => [cost, 0, 1, 0],
-                _ => [0, 0, 0, 1],
-            }
-        },
-    );
+    let sums = redis.race(THREADS, TOTAL, |con, i| {
+        let leased = i % 2 == 0;
+        let (cmd, cost) = if leased {
+            let cmd = script::with_lease(script::evalsha(&LEASE), key, b, 1, 3);
+            (cmd, 1)
+        } else {
+            (strict_cmd(script::evalsha(&RATELIMIT), key, b, 2), 2)
+        };
+        let raw: Vec<i64> = cmd
+            .query(con)
+            .unwrap_or_else(|e| panic!("a racing call failed: {e}"));
+        match (raw[0], leased) {
+            (1, true) => [cost, raw[5], 1, 0],
+            (1, false) => [cost, 0, 1, 0],
+            _ => [0, 0, 0, 1],
+        }
+    });
     let mut totals = [0i64; 4];
     for s in sums {
         totals.iter_mut().zip(s).for_each(|(t, s)| *t += s);
@@ -535,8 +517,7 @@ fn concurrent_leased_and_strict_calls_never_spend_more_than_the_capacity() {
         "charged {charged} + granted {granted} (admitted {admitted}, rejected {rejected})"
     );
     let mut con = redis.conn();
-    let (left, _) = state(&mut con, key).unwrap();
-    assert!(left < HOUR, "less than a token left: {left}");
+    assert_less_than_a_token_left(&mut con, key, HOUR);
 }
 
 // ---------------------------------------------------------------------------
@@ -639,7 +620,7 @@ fn rejects_anything_but_one_key_and_five_numbers() {
         }
     }
     for (keys, argv) in &cases {
-        let Err(err) = eval_lease_raw(&mut con, keys, argv) else {
+        let Err(err) = script::eval_raw(&mut con, &LEASE, keys, argv) else {
             panic!("KEYS {keys:?} ARGV {argv:?} must fail");
         };
         assert_eq!(
@@ -658,9 +639,9 @@ fn rejects_anything_but_one_key_and_five_numbers() {
     set_state(&mut con, a, 2500, future);
     let stored = hgetall(&mut con, a);
     for argv in [&["10", "1", "1000", "1", "four"][..], &good[..4]] {
-        assert!(eval_lease_raw(&mut con, &[a], argv).is_err());
+        assert!(script::eval_raw(&mut con, &LEASE, &[a], argv).is_err());
     }
-    assert!(eval_lease_raw(&mut con, &[a, b], &good).is_err());
+    assert!(script::eval_raw(&mut con, &LEASE, &[a, b], &good).is_err());
     assert_eq!(hgetall(&mut con, a), stored);
     assert!(!exists(&mut con, b));
 }
@@ -680,7 +661,7 @@ fn rejects_nan_infinity_fractions_and_numbers_out_of_range() {
             }
             let mut argv = good.to_vec();
             argv[i] = bad;
-            let Err(err) = eval_lease_raw(&mut con, &[key], &argv) else {
+            let Err(err) = script::eval_raw(&mut con, &LEASE, &[key], &argv) else {
                 panic!("ARGV {argv:?} must fail");
             };
             assert_eq!(
@@ -689,7 +670,8 @@ fn rejects_nan_infinity_fractions_and_numbers_out_of_range() {
             );
         }
     }
-    let Err(err) = eval_lease_raw(&mut con, &[key], &["10", "1", "1000", "11", "4"]) else {
+    let Err(err) = script::eval_raw(&mut con, &LEASE, &[key], &["10", "1", "1000", "11", "4"])
+    else {
         panic!("a cost above the capacity must fail");
     };
     assert_eq!(

@@ -14,11 +14,10 @@ mod support;
 
 use support::script::{self, admits, rejects, sw, tb, Decision, Limit};
 use support::{
-    assert_expires_in, assert_within, hash_fields as hgetall, key_exists as exists,
-    key_pttl as pttl, read_bucket as bucket, redis_now_ms as now_ms, write_bucket as set_bucket,
+    assert_expires_in, assert_less_than_a_token_left, assert_within, hash_fields as hgetall,
+    key_exists as exists, key_pttl as pttl, read_bucket as bucket, redis_now_ms as now_ms,
+    write_bucket as set_bucket,
 };
-
-use std::time::Duration;
 
 use redis::Connection;
 use redis_guard::scripts::RATELIMIT;
@@ -33,15 +32,6 @@ const MINUTE: i64 = 60_000;
 /// One request's limits through the script (EVAL, no idempotency key).
 fn eval(con: &mut Connection, limits: &[Limit]) -> Decision {
     script::request(con, limits, None).decision()
-}
-
-/// EVAL with hand-made KEYS and ARGV, for the contract errors.
-fn eval_raw(
-    con: &mut Connection,
-    keys: &[&str],
-    argv: &[&str],
-) -> redis::RedisResult<redis::Value> {
-    script::eval_raw(con, &RATELIMIT, keys, argv)
 }
 
 /// EVALSHA of one limit, as the filter sends it (the script must be loaded).
@@ -821,19 +811,12 @@ fn every_written_key_expires_exactly_when_it_would_be_fresh_again() {
 /// filter sends it); returns (admitted, rejected).
 fn race(redis: &support::Redis, limit: &Limit, threads: usize, total: usize) -> (usize, usize) {
     load_script(&mut redis.conn());
-    let calls = vec![(); total];
-    let admitted = support::run_jobs(
-        &calls,
-        threads,
-        Duration::from_secs(60),
-        || redis.conn_bounded(),
-        |con, _, _| {
-            let v = evalsha_cmd(limit)
-                .query(con)
-                .unwrap_or_else(|e| panic!("a racing call failed: {e}"));
-            script::parse(v).decision().admitted
-        },
-    );
+    let admitted = redis.race(threads, total, |con, _| {
+        let v = evalsha_cmd(limit)
+            .query(con)
+            .unwrap_or_else(|e| panic!("a racing call failed: {e}"));
+        script::parse(v).decision().admitted
+    });
     let yes = admitted.iter().filter(|a| **a).count();
     (yes, total - yes)
 }
@@ -846,8 +829,7 @@ fn concurrent_token_bucket_calls_admit_exactly_the_capacity() {
     let (admitted, rejected) = race(&redis, &tb(key, 100, 1, MINUTE), 40, 300);
     assert_eq!((admitted, rejected), (100, 200));
     let mut con = redis.conn();
-    let (c, _) = bucket(&mut con, key).unwrap();
-    assert!(c < MINUTE, "less than one token left: {c} credits");
+    assert_less_than_a_token_left(&mut con, key, MINUTE);
 }
 
 #[test]
@@ -874,25 +856,25 @@ fn rejects_a_limit_count_that_differs_from_the_keys() {
     let one = ["tb", "10", "1", "1000", "1", "1"];
 
     let argv: Vec<&str> = ["1"].iter().chain(&one).copied().collect();
-    let err = eval_raw(&mut con, &[a, b], &argv).unwrap_err();
+    let err = script::eval_raw(&mut con, &RATELIMIT, &[a, b], &argv).unwrap_err();
     assert!(
         err.to_string().contains("ARGV[1] must match #KEYS"),
         "unexpected error: {err}"
     );
     let argv: Vec<&str> = ["2"].iter().chain(&one).chain(&one).copied().collect();
-    let err = eval_raw(&mut con, &[a], &argv).unwrap_err();
+    let err = script::eval_raw(&mut con, &RATELIMIT, &[a], &argv).unwrap_err();
     assert!(
         err.to_string().contains("ARGV[1] must match #KEYS"),
         "{err}"
     );
     let argv: Vec<&str> = ["one"].iter().chain(&one).copied().collect();
-    let err = eval_raw(&mut con, &[a], &argv).unwrap_err();
+    let err = script::eval_raw(&mut con, &RATELIMIT, &[a], &argv).unwrap_err();
     assert!(
         err.to_string().contains("ARGV[1] must match #KEYS"),
         "{err}"
     );
     assert!(
-        eval_raw(&mut con, &[a], &[]).is_err(),
+        script::eval_raw(&mut con, &RATELIMIT, &[a], &[]).is_err(),
         "a missing ARGV[1] is an error"
     );
 
@@ -907,14 +889,21 @@ fn rejects_an_unknown_algorithm() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let (a, b) = ("t:{x}:err:a", "t:{x}:err:b");
 
-    let err = eval_raw(&mut con, &[a], &["1", "leaky", "10", "1", "1000", "1", "1"]).unwrap_err();
+    let err = script::eval_raw(
+        &mut con,
+        &RATELIMIT,
+        &[a],
+        &["1", "leaky", "10", "1", "1000", "1", "1"],
+    )
+    .unwrap_err();
     assert!(
         err.to_string().contains("unknown algorithm"),
         "unexpected error: {err}"
     );
     // A valid limit before the unknown one is not charged either.
-    let err = eval_raw(
+    let err = script::eval_raw(
         &mut con,
+        &RATELIMIT,
         &[a, b],
         &[
             "2", "tb", "10", "1", "1000", "1", "1", "TB", "10", "1", "1000", "1", "1",

@@ -274,6 +274,25 @@ impl Redis {
         redis_conn(self.port)
     }
 
+    /// Runs `calls` calls, numbered from 0, from `threads` connections of
+    /// their own (`conn_bounded`), every call once, within 60 s in all: `f`
+    /// makes call `i` on a connection. Results in call order.
+    pub fn race<R: Send>(
+        &self,
+        threads: usize,
+        calls: usize,
+        f: impl Fn(&mut redis::Connection, usize) -> R + Sync,
+    ) -> Vec<R> {
+        let numbers: Vec<usize> = (0..calls).collect();
+        run_jobs(
+            &numbers,
+            threads,
+            Duration::from_secs(60),
+            || self.conn_bounded(),
+            |con, i, _| f(con, i),
+        )
+    }
+
     /// A fresh server and one connection to it: how every script test starts.
     pub fn start_with_conn() -> (Redis, redis::Connection) {
         let redis = Redis::start();
@@ -862,4 +881,16 @@ pub fn read_bucket(con: &mut redis::Connection, key: &str) -> Option<(i64, i64)>
         (None, None) => None,
         other => panic!("half-written bucket {key}: {other:?}"),
     }
+}
+
+/// Asserts the token bucket at `key` holds less than one token (`period`
+/// credits: one token is a period's worth): it was drained, and the refill
+/// while the test ran stayed below a token.
+#[track_caller]
+pub fn assert_less_than_a_token_left(con: &mut redis::Connection, key: &str, period: i64) {
+    let (credits, _) = read_bucket(con, key).unwrap_or_else(|| panic!("no bucket at {key}"));
+    assert!(
+        credits < period,
+        "less than one token ({period} credits) left in {key}: {credits}"
+    );
 }
