@@ -1,8 +1,9 @@
 //! What the README's promises are checked against beyond the filter's own
-//! counters: Envoy's process and its own stats, an Envoy that refuses its
-//! configuration, raw HTTP/1.1 on one kept-alive connection (response header
-//! values that are not UTF-8, one Envoy worker on purpose), and bounded
-//! polling instead of sleeps.
+//! counters: Envoy's process, its Prometheus scrape (every series, the
+//! latency histogram), an Envoy that refuses its configuration, raw HTTP/1.1
+//! on one kept-alive connection (response header values that are not UTF-8,
+//! one Envoy worker on purpose), a stand-in that makes Webdis refuse an
+//! exact number of calls, and bounded polling instead of sleeps.
 
 use super::*;
 
