@@ -119,7 +119,7 @@ pub struct Refused {
 
 /// Starts Envoy with `filter_config` as the harness does, but expects it to
 /// refuse the configuration: waits (bounded to 30 s) for the process to exit
-/// and never for readiness. Panics if Envoy is still serving by then.
+/// and never for readiness. Fails the test if Envoy is still running then.
 pub fn envoy_refusing(filter_config: &str) -> Refused {
     let dir = Scratch::new("envoy-refused");
     let port = free_port();
@@ -141,38 +141,17 @@ pub fn envoy_refusing(filter_config: &str) -> Refused {
     );
     let conf = dir.0.join("envoy.yaml");
     std::fs::write(&conf, yaml).unwrap();
-    let log_path = dir.0.join("envoy.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(envoy_bin())
-        .arg("-c")
-        .arg(&conf)
-        .args(["--concurrency", "2", "--disable-hot-restart"])
-        .args(["--log-level", "warn"])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start envoy: {e}; run `make test`"));
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "envoy still running 30 s after start with a bad filter config:\n{}",
-                std::fs::read_to_string(&log_path).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Refused {
-        status,
-        log: std::fs::read_to_string(&log_path).unwrap(),
-        port,
-    }
+    let (status, log) = run_to_exit(
+        "envoy with a bad filter config",
+        Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&conf)
+            .args(["--concurrency", "2", "--disable-hot-restart"])
+            .args(["--log-level", "warn"]),
+        &dir.0.join("envoy.log"),
+        Duration::from_secs(30),
+    );
+    Refused { status, log, port }
 }
 
 /// A response read byte for byte: header values as sent, not as text.
