@@ -7,6 +7,9 @@
 //! RESP endpoint. What must hold is that the guarantees stay exact when the
 //! keys of different tenants live on different masters, that no script call
 //! crosses slots, and that a master without the script recovers by itself.
+//!
+//! The harness (the cluster, the proxy, the stack and the tenant placement)
+//! is tests/support/cluster.rs.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod support;
