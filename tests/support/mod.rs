@@ -723,13 +723,17 @@ pub fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
     http("GET", url, headers, None)
 }
 
-/// One HTTP/1.1 request with raw header bytes (UTF-8 or not), for the cases
-/// an HTTP client library refuses to send. Returns the status and the body.
-pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    let mut req =
-        format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n").into_bytes();
+/// The bytes of one HTTP/1.1 request: the request line, `host: localhost`,
+/// the header lines in `fixed` as written (each ending in CRLF), then
+/// `headers` with raw values (UTF-8 or not), the blank line and `body`.
+pub fn raw_request(
+    method: &str,
+    path: &str,
+    fixed: &str,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> Vec<u8> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: localhost\r\n{fixed}").into_bytes();
     for (n, v) in headers {
         req.extend_from_slice(n.as_bytes());
         req.extend_from_slice(b": ");
@@ -737,6 +741,16 @@ pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8
         req.extend_from_slice(b"\r\n");
     }
     req.extend_from_slice(b"\r\n");
+    req.extend_from_slice(body);
+    req
+}
+
+/// One HTTP/1.1 request with raw header bytes (UTF-8 or not), for the cases
+/// an HTTP client library refuses to send. Returns the status and the body.
+pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let req = raw_request("GET", path, "connection: close\r\n", headers, b"");
     s.write_all(&req).unwrap();
     let mut out = Vec::new();
     s.read_to_end(&mut out).unwrap();
