@@ -726,7 +726,7 @@ pub fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
 /// The bytes of one HTTP/1.1 request: the request line, `host: localhost`,
 /// the header lines in `fixed` as written (each ending in CRLF), then
 /// `headers` with raw values (UTF-8 or not), the blank line and `body`.
-pub fn raw_request(
+pub fn raw_request_bytes(
     method: &str,
     path: &str,
     fixed: &str,
@@ -750,7 +750,7 @@ pub fn raw_request(
 pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    let req = raw_request("GET", path, "connection: close\r\n", headers, b"");
+    let req = raw_request_bytes("GET", path, "connection: close\r\n", headers, b"");
     s.write_all(&req).unwrap();
     let mut out = Vec::new();
     s.read_to_end(&mut out).unwrap();
