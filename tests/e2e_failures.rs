@@ -4,19 +4,27 @@
 
 mod support;
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use support::probe::*;
 use support::*;
 
 /// `/open` fails open, `/closed` fails closed; the breaker opens after 3
 /// consecutive failures per worker and probes after 300 ms.
-const CONFIG: &str = r#"{"redis":{"cluster":"webdis","timeoutMs":300,
-    "circuitBreaker":{"failures":3,"coolDownMs":300}},
-  "failureMode":"allow",
-  "limits":[
+fn config() -> String {
+    filter_config(300)
+        .circuit_breaker(3, 300)
+        .failure_mode("allow")
+        .limits(
+            r#"[
     {"name":"open","match":{"pathPrefix":"/open"},"slidingWindow":{"limit":100000,"windowMs":60000}},
     {"name":"closed","match":{"pathPrefix":"/closed"},"failureMode":"deny",
-     "slidingWindow":{"limit":100000,"windowMs":60000}}]}"#;
+     "slidingWindow":{"limit":100000,"windowMs":60000}}]"#,
+        )
+        .build()
+}
 
 /// Sends `/closed` until it is decided by Redis again (200); returns how long
 /// that took. Bounded to 5 s.
@@ -62,20 +70,36 @@ fn outage_is_answered_by_the_failure_modes(e: &Envoy) {
 
 #[test]
 fn a_stopped_redis_opens_the_breaker_and_the_filter_recovers_by_itself() {
-    let mut stack = Stack::start(CONFIG, 1);
-    let e_port = stack.envoy().port;
+    let mut stack = Stack::start(&config(), 1);
+    let up_before = stack.envoy().uptime();
+    let started = Instant::now();
     assert_eq!(get(&stack.envoy().url("/closed"), &[]).status, 200);
     stack.redis.stop();
     outage_is_answered_by_the_failure_modes(stack.envoy());
+    let denied = stack.envoy().counter("redis_guard.failure_mode.denied");
     stack.redis.restart();
     let took = time_to_recover(stack.envoy());
     assert!(took < Duration::from_secs(2), "recovered after {took:?}");
-    assert_eq!(stack.envoy().port, e_port, "same Envoy, no restart");
+    // Same Envoy, no restart: the process started with the stack is still
+    // running, the server's uptime kept growing across the outage (whole
+    // seconds: its clock and ours may each be up to 1 s apart), and the
+    // filter's counters from the outage are still there (a new Envoy or a
+    // reloaded VM would start them at 0).
+    let e = &mut stack.envoys[0];
+    assert!(e.alive(), "envoy (pid {}) exited", e.pid());
+    let grew = e.uptime().saturating_sub(up_before);
+    assert!(
+        grew + Duration::from_secs(1) >= started.elapsed(),
+        "uptime grew {grew:?} in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(denied, 20, "every /closed request of the outage");
+    assert!(e.counter("redis_guard.failure_mode.denied") >= denied);
 }
 
 #[test]
 fn a_restarted_webdis_is_used_again_without_restarting_envoy() {
-    let mut stack = Stack::start(CONFIG, 1);
+    let mut stack = Stack::start(&config(), 1);
     assert_eq!(get(&stack.envoy().url("/closed"), &[]).status, 200);
     stack.webdis.stop();
     outage_is_answered_by_the_failure_modes(stack.envoy());
@@ -110,9 +134,66 @@ fn with_local_mode_a_dead_redis_leaves_each_envoy_its_local_budget() {
     assert_eq!(stack.upstream.executed() - before, 20);
 }
 
+#[test]
+fn a_local_mode_429_carries_retry_after_and_no_rate_limit_fields() {
+    // 10 per minute globally; on its own this Envoy may admit a tenth of
+    // that per minute: a bucket of 1 that refills one token every 60 s.
+    let cfg = r#"{"redis":{"cluster":"webdis","timeoutMs":300},
+      "limits":[{"name":"api","descriptor":[{"literal":"all"}],"failureMode":"local",
+                 "localFraction":0.1,"slidingWindow":{"limit":10,"windowMs":60000}}]}"#;
+    let mut stack = Stack::start(cfg, 1);
+    let e = stack.envoy();
+    // Decided by Redis, the answer advertises the limit.
+    let by_redis = get(&e.url("/x"), &[]);
+    assert_eq!(by_redis.status, 200);
+    assert_eq!(
+        rate_limit_fields(&by_redis.headers),
+        [
+            "ratelimit-policy",
+            "ratelimit",
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset"
+        ]
+    );
+    stack.redis.stop();
+    let e = stack.envoy();
+    let admitted = get(&e.url("/x"), &[]);
+    assert_eq!(admitted.status, 200);
+    assert_eq!(rate_limit_fields(&admitted.headers), Vec::<String>::new());
+    let rejected = get(&e.url("/x"), &[]);
+    assert_eq!(rejected.status, 429, "the local budget of 1 is spent");
+    assert_eq!(
+        e.counter("redis_guard.local.rejected"),
+        1,
+        "decided locally"
+    );
+    // The local bucket knows when its next token comes (within 60 s)...
+    let retry_after: u64 = rejected.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry_after), "retry-after {retry_after}");
+    // ...but not the global count: no RateLimit field claims one.
+    assert_eq!(rate_limit_fields(&rejected.headers), Vec::<String>::new());
+    assert_eq!(
+        rejected.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(rejected.json()["status"], 429);
+}
+
 /// `threads` clients send `per_thread` GETs to `url` each; statuses counted.
-fn burst(url: &str, threads: usize, per_thread: usize) -> std::collections::BTreeMap<u16, usize> {
-    let counts = std::sync::Mutex::new(std::collections::BTreeMap::new());
+fn burst(url: &str, threads: usize, per_thread: usize) -> BTreeMap<u16, usize> {
+    burst_counting(url, threads, per_thread, &AtomicUsize::new(0))
+}
+
+/// The same, adding one to `answered` as each response arrives, so another
+/// thread can act at a known point of the burst.
+fn burst_counting(
+    url: &str,
+    threads: usize,
+    per_thread: usize,
+    answered: &AtomicUsize,
+) -> BTreeMap<u16, usize> {
+    let counts = std::sync::Mutex::new(BTreeMap::new());
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
@@ -120,6 +201,7 @@ fn burst(url: &str, threads: usize, per_thread: usize) -> std::collections::BTre
                 for _ in 0..per_thread {
                     let status = http_with(&agent, "GET", url, &[], None).status;
                     *counts.lock().unwrap().entry(status).or_insert(0) += 1;
+                    answered.fetch_add(1, Ordering::SeqCst);
                 }
             });
         }
@@ -138,15 +220,40 @@ fn under_load_a_killed_redis_changes_only_who_decides() {
          "slidingWindow":{"limit":1000,"windowMs":60000}}]}"#;
     let mut stack = Stack::start(cfg, 1);
     let open = stack.envoy().url("/open");
-    // Redis dies in the middle of a burst: fail-open traffic never notices.
-    let counts = std::thread::scope(|s| {
-        let load = s.spawn(|| burst(&open, 8, 25));
-        std::thread::sleep(Duration::from_millis(150));
+    // Redis dies in the middle of a burst (after 50 of its 200 requests were
+    // answered): fail-open traffic never notices.
+    let answered = AtomicUsize::new(0);
+    let (counts, before_stop, after_stop) = std::thread::scope(|s| {
+        let load = s.spawn(|| burst_counting(&open, 8, 25, &answered));
+        poll(
+            "50 requests of the burst answered",
+            Duration::from_secs(30),
+            || (answered.load(Ordering::SeqCst) >= 50).then_some(()),
+        );
+        let before_stop = answered.load(Ordering::SeqCst);
         stack.redis.stop();
-        load.join().unwrap()
+        let after_stop = answered.load(Ordering::SeqCst);
+        (load.join().unwrap(), before_stop, after_stop)
     });
     assert_eq!(counts, [(200, 200)].into(), "allow: every request served");
     let e = stack.envoy();
+    // Who decided: Redis admitted every request answered before it was
+    // stopped, and at most the 8 in flight besides; the failure mode took
+    // every later one. Together, every request exactly once.
+    let by_redis = e.counter("redis_guard.ratelimit.open.allowed");
+    let by_failure_mode = e.counter("redis_guard.failure_mode.allowed");
+    assert_eq!(by_redis + by_failure_mode, 200);
+    assert_eq!(e.counter("redis_guard.ratelimit.open.checked"), 200);
+    assert!(by_redis >= before_stop as u64, "{by_redis} < {before_stop}");
+    assert!(
+        by_failure_mode >= (200 - after_stop - 8) as u64,
+        "only {by_failure_mode} met the failure mode, {after_stop} answered at the stop"
+    );
+    // Each of those was a failed call or a call the open breaker spared.
+    assert_eq!(
+        e.counter("redis_guard.redis.errors") + e.counter("redis_guard.circuit.short_circuited"),
+        by_failure_mode
+    );
     // Fail-closed traffic: every request answered 503 within the timeout.
     let t = Instant::now();
     let closed = burst(&e.url("/closed"), 8, 5);

@@ -10,10 +10,15 @@ use std::time::Duration;
 
 use support::*;
 
-const CONFIG: &str = r#"{"redis":{"cluster":"webdis","timeoutMs":3000},"failureMode":"deny",
-  "limits":[{"name":"per-user","descriptor":[{"header":"x-user"}],
-             "tokenBucket":{"capacity":2,"refill":1,"periodMs":3600000}}],
-  "idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"}}]}"#;
+fn config() -> String {
+    filter_config(3000)
+        .limits(
+            r#"[{"name":"per-user","descriptor":[{"header":"x-user"}],
+             "tokenBucket":{"capacity":2,"refill":1,"periodMs":3600000}}]"#,
+        )
+        .idempotency(r#"[{"name":"pay","match":{"pathPrefix":"/pay"}}]"#)
+        .build()
+}
 
 fn keys(stack: &Stack, pattern: &str) -> Vec<Vec<u8>> {
     redis::cmd("KEYS")
@@ -24,7 +29,7 @@ fn keys(stack: &Stack, pattern: &str) -> Vec<Vec<u8>> {
 
 #[test]
 fn a_32_kib_descriptor_value_is_limited_under_a_small_key() {
-    let stack = Stack::start(CONFIG, 1);
+    let stack = Stack::start(&config(), 1);
     let e = stack.envoy();
     let huge = "u".repeat(32 * 1024);
     let statuses: Vec<u16> = (0..3)
@@ -41,7 +46,7 @@ fn a_32_kib_descriptor_value_is_limited_under_a_small_key() {
 
 #[test]
 fn ninety_headers_do_not_disturb_the_decision() {
-    let stack = Stack::start(CONFIG, 1);
+    let stack = Stack::start(&config(), 1);
     let e = stack.envoy();
     // Envoy itself refuses more than 100 headers (431) before any filter runs.
     let names: Vec<String> = (0..90).map(|i| format!("x-noise-{i}")).collect();
@@ -53,7 +58,7 @@ fn ninety_headers_do_not_disturb_the_decision() {
 
 #[test]
 fn a_keyed_body_that_stops_mid_stream_takes_no_lock() {
-    let stack = Stack::start(CONFIG, 1);
+    let stack = Stack::start(&config(), 1);
     let e = stack.envoy();
     {
         let mut s = TcpStream::connect(("127.0.0.1", e.port)).unwrap();
@@ -84,7 +89,7 @@ fn a_keyed_body_that_stops_mid_stream_takes_no_lock() {
 
 #[test]
 fn pipelined_retries_on_one_connection_execute_once() {
-    let stack = Stack::start(CONFIG, 1);
+    let stack = Stack::start(&config(), 1);
     let e = stack.envoy();
     let one = b"POST /pay/pipe HTTP/1.1\r\nhost: x\r\nidempotency-key: k-pipe\r\ncontent-length: 3\r\n\r\nabc";
     let mut s = TcpStream::connect(("127.0.0.1", e.port)).unwrap();
@@ -113,7 +118,7 @@ fn pipelined_retries_on_one_connection_execute_once() {
 
 #[test]
 fn a_client_that_leaves_after_the_upstream_answered_frees_the_key() {
-    let stack = Stack::start(CONFIG, 1);
+    let stack = Stack::start(&config(), 1);
     let e = stack.envoy();
     {
         let mut s = TcpStream::connect(("127.0.0.1", e.port)).unwrap();
@@ -155,7 +160,7 @@ fn a_client_that_leaves_after_the_upstream_answered_frees_the_key() {
 fn concurrent_http2_streams_on_one_connection_execute_once() {
     // h2load (Debian nghttp2-client) opens one h2c connection and runs all
     // 20 requests on it at once: 20 concurrent streams with one key.
-    let stack = Stack::start(CONFIG, 1);
+    let stack = Stack::start(&config(), 1);
     let e = stack.envoy();
     let body = Scratch::new("h2body");
     let body_file = body.0.join("body");

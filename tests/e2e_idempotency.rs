@@ -8,24 +8,52 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use support::probe::*;
 use support::*;
 
 /// One rule on /pay: tenant from x-tenant, bodies up to 1 KiB, responses up
 /// to the default 64 KiB stored; `extra` adds fields to the rule, `limits`
 /// sets limits.
 fn config_with(extra: &str, limits: &str) -> String {
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":3000}},"failureMode":"deny",
-            "limits":{limits},
-            "idempotency":[{{"name":"pay","match":{{"pathPrefix":"/pay"}},
+    filter_config(3000)
+        .limits(limits)
+        .idempotency(&format!(
+            r#"[{{"name":"pay","match":{{"pathPrefix":"/pay"}},
               "tenant":[{{"header":"x-tenant"}}],
-              "storeHeaders":["content-type"],
-              "maxRequestBodyBytes":1024{extra}}}]}}"#
-    )
+              "storeHeaders":["content-type","x-tag"],
+              "maxRequestBodyBytes":1024{extra}}}]"#
+        ))
+        .build()
 }
 
 fn config(extra: &str) -> String {
     config_with(extra, "[]")
+}
+
+/// The demo upstream's instruction to add these response headers, in order
+/// (each byte one character: `x-upstream-headers` in envoy/upstream.py).
+fn upstream_headers(pairs: &[(&str, &[u8])]) -> String {
+    let pairs: Vec<(&str, String)> = pairs
+        .iter()
+        .map(|(n, v)| (*n, v.iter().map(|b| char::from(*b)).collect()))
+        .collect();
+    // ASCII only (as \u00XX escapes): a request header is read as Latin-1.
+    serde_json::to_string(&pairs)
+        .unwrap()
+        .chars()
+        .map(|c| match c.is_ascii() {
+            true => c.to_string(),
+            false => format!("\\u{:04x}", u32::from(c)),
+        })
+        .collect()
+}
+
+/// Every `rg:` key in Redis.
+fn keys(stack: &Stack) -> Vec<Vec<u8>> {
+    redis::cmd("KEYS")
+        .arg("rg:*")
+        .query(&mut stack.redis.conn())
+        .unwrap()
 }
 
 fn post(e: &Envoy, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Resp {
@@ -310,7 +338,10 @@ fn replays_and_conflicts_spend_no_rate_limit_quota() {
     ];
     std::thread::scope(|s| {
         let running = s.spawn(|| post(e, "/pay/q", &slow, b"x"));
-        std::thread::sleep(Duration::from_millis(300));
+        // q-2 holds its key once it is at the upstream.
+        poll_eq("q-2 executing", 2, Duration::from_secs(5), || {
+            executions_of(&stack, "/pay/q")
+        });
         let dup = post(e, "/pay/q", &slow, b"x");
         assert_eq!(dup.status, 409);
         assert_eq!(dup.header("retry-after"), Some("1"));
@@ -351,7 +382,12 @@ fn a_lock_shorter_than_the_upstream_lets_a_retry_run_again() {
     ];
     std::thread::scope(|s| {
         let first = s.spawn(|| post(e, "/pay/s", &h, b"x"));
-        std::thread::sleep(Duration::from_millis(500));
+        // The first is at the upstream and its lock has expired in Redis.
+        poll(
+            "the first executing, its lock gone",
+            Duration::from_secs(5),
+            || (executions_of(&stack, "/pay/s") == 1 && keys(&stack).is_empty()).then_some(()),
+        );
         // The retry is fast (the delay header is not part of the fingerprint).
         let second = post(e, "/pay/s", &h[..2], b"x");
         assert_eq!(
@@ -402,8 +438,10 @@ fn a_client_that_resets_mid_request_frees_the_key() {
         );
         s.write_all(req.as_bytes()).unwrap();
         s.write_all(body).unwrap();
-        // The upstream is now executing; the client gives up.
-        std::thread::sleep(Duration::from_millis(300));
+        // Once the upstream is executing, the client gives up.
+        poll_eq("k-reset executing", 1, Duration::from_secs(5), || {
+            executions_of(&stack, "/pay/r")
+        });
     }
     // Without the release the key would stay locked (409) for lockTtlMs (30 s).
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -421,6 +459,103 @@ fn a_client_that_resets_mid_request_frees_the_key() {
     );
     assert_eq!(e.counter("redis_guard.idempotency.released"), 1);
     assert_no_lock_survives(&stack);
+}
+
+#[test]
+fn stored_responses_replay_every_value_of_a_repeated_header_byte_for_byte() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    // Four values of one stored header: a comma inside one (not a list
+    // separator to undo), quotes, and UTF-8 beyond ASCII (text, so stored).
+    let values: [&[u8]; 4] = [b"one", b"two, three", b"a;b=\"c\"", "caf\u{e9}".as_bytes()];
+    let spec = upstream_headers(&values.map(|v| ("x-tag", v)));
+    let key: [(&str, &[u8]); 2] = [("idempotency-key", b"rep-1"), ("x-tenant", b"acme")];
+    let asked = [key[0], key[1], ("x-upstream-headers", spec.as_bytes())];
+    let first = raw_request(e.port, "POST", "/pay/h", &asked, b"x");
+    assert_eq!(first.status, 200);
+    assert_eq!(first.values("x-tag"), values, "what the upstream sent");
+    let replay = raw_request(e.port, "POST", "/pay/h", &key, b"x");
+    assert_eq!(replay.header("idempotent-replayed"), Some(&b"true"[..]));
+    assert_eq!(replay.values("x-tag"), values, "every value, in order");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(executions_of(&stack, "/pay/h"), 1);
+    assert_eq!(e.counter("redis_guard.idempotency.stored"), 1);
+}
+
+#[test]
+fn a_stored_header_value_that_is_not_text_leaves_the_response_unstored_and_frees_the_key() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    let key: [(&str, &[u8]); 2] = [("idempotency-key", b"raw-1"), ("x-tenant", b"acme")];
+    // x-tag is stored by the rule; 0xFF 0xFE is not UTF-8.
+    let spec = upstream_headers(&[("x-tag", b"\xff\xfe")]);
+    let asked = [key[0], key[1], ("x-upstream-headers", spec.as_bytes())];
+    let first = raw_request(e.port, "POST", "/pay/raw", &asked, b"x");
+    assert_eq!(first.status, 200);
+    // The client still gets the response as the upstream sent it.
+    assert_eq!(first.values("x-tag"), [&b"\xff\xfe"[..]]);
+    assert_eq!(e.counter("redis_guard.idempotency.released"), 1);
+    assert_eq!(e.counter("redis_guard.idempotency.stored"), 0);
+    assert_eq!(keys(&stack), Vec::<Vec<u8>>::new(), "no record, no lock");
+    // The key is free: the retry executes again, and (its headers text) is stored.
+    let retry = raw_request(e.port, "POST", "/pay/raw", &key, b"x");
+    assert_eq!(
+        (retry.status, retry.header("idempotent-replayed")),
+        (200, None)
+    );
+    assert_eq!(executions_of(&stack, "/pay/raw"), 2);
+    let replay = raw_request(e.port, "POST", "/pay/raw", &key, b"x");
+    assert_eq!(replay.header("idempotent-replayed"), Some(&b"true"[..]));
+    assert_eq!(executions_of(&stack, "/pay/raw"), 2);
+
+    // Bytes that are not text in a header the rule does not store do not
+    // matter: that response is stored.
+    let other: [(&str, &[u8]); 2] = [("idempotency-key", b"raw-2"), ("x-tenant", b"acme")];
+    let spec = upstream_headers(&[("x-unstored", b"\xff")]);
+    let asked = [other[0], other[1], ("x-upstream-headers", spec.as_bytes())];
+    assert_eq!(
+        raw_request(e.port, "POST", "/pay/ok", &asked, b"x").status,
+        200
+    );
+    let replay = raw_request(e.port, "POST", "/pay/ok", &other, b"x");
+    assert_eq!(replay.header("idempotent-replayed"), Some(&b"true"[..]));
+    assert_eq!(executions_of(&stack, "/pay/ok"), 1);
+    assert_eq!(e.counter("redis_guard.idempotency.released"), 1);
+    assert_no_lock_survives(&stack);
+}
+
+#[test]
+fn an_empty_tenant_part_gets_400_like_an_absent_one() {
+    let stack = Stack::start(&config(""), 1);
+    let e = stack.envoy();
+    let key = ("idempotency-key", &b"k-empty"[..]);
+    for tenant in [&[("x-tenant", &b""[..])][..], &[]] {
+        let mut headers = vec![key];
+        headers.extend_from_slice(tenant);
+        let r = raw_request(e.port, "POST", "/pay/e", &headers, b"x");
+        assert_eq!(r.status, 400, "tenant {tenant:?}");
+        let detail: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert!(
+            detail["detail"].as_str().unwrap().contains("tenant"),
+            "{detail}"
+        );
+    }
+    assert_eq!(executions_of(&stack, "/pay/e"), 0);
+    assert_eq!(
+        keys(&stack),
+        Vec::<Vec<u8>>::new(),
+        "nothing taken in Redis"
+    );
+    // The same key with a tenant runs: the 400s were about the tenant.
+    let r = raw_request(
+        e.port,
+        "POST",
+        "/pay/e",
+        &[key, ("x-tenant", b"acme")],
+        b"x",
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(executions_of(&stack, "/pay/e"), 1);
 }
 
 #[test]

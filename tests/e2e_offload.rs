@@ -23,18 +23,21 @@ fn config(s3: &S3, secret: Option<&str>) -> String {
         ),
         None => r#"{"fromEnvironment":true}"#.to_string(),
     };
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":3000}},"failureMode":"deny",
-            "objectStore":{{"cluster":"objectstore","authority":"127.0.0.1:{port}",
+    filter_config(3000)
+        .object_store(&format!(
+            r#"{{"cluster":"objectstore","authority":"127.0.0.1:{port}",
               "bucket":"{bucket}","region":"us-east-1","keyPrefix":"idem/","timeoutMs":10000,
-              "credentials":{credentials}}},
-            "idempotency":[{{"name":"pay","match":{{"pathPrefix":"/pay"}},
+              "credentials":{credentials}}}"#,
+            port = s3.port,
+            bucket = s3.bucket,
+        ))
+        .idempotency(&format!(
+            r#"[{{"name":"pay","match":{{"pathPrefix":"/pay"}},
               "tenant":[{{"header":"x-tenant"}}],"storeHeaders":["content-type"],
               "recordTtlMs":{RECORD_TTL_MS},
-              "maxStoredBodyBytes":16777216,"offloadAboveBytes":{THRESHOLD}}}]}}"#,
-        port = s3.port,
-        bucket = s3.bucket,
-    )
+              "maxStoredBodyBytes":16777216,"offloadAboveBytes":{THRESHOLD}}}]"#
+        ))
+        .build()
 }
 
 struct World {

@@ -16,9 +16,14 @@ use support::*;
 
 /// One token, refilled every 3 s: after one admission the key has no room
 /// for a while, and that while is long enough for the checks below.
-const CONFIG: &str = r#"{"redis":{"cluster":"webdis","timeoutMs":2000},"failureMode":"deny",
-  "limits":[{"name":"per-user","match":{"pathPrefix":"/api/"},"descriptor":[{"header":"x-user"}],
-             "tokenBucket":{"capacity":1,"refill":1,"periodMs":3000}}]}"#;
+fn config() -> String {
+    filter_config(2000)
+        .limits(
+            r#"[{"name":"per-user","match":{"pathPrefix":"/api/"},"descriptor":[{"header":"x-user"}],
+             "tokenBucket":{"capacity":1,"refill":1,"periodMs":3000}}]"#,
+        )
+        .build()
+}
 
 /// Redis' clock, ms.
 fn redis_now(redis: &Redis) -> i64 {
@@ -43,7 +48,7 @@ fn calls(e: &Envoy) -> u64 {
 
 #[test]
 fn rejections_are_answered_locally_until_redis_said_and_by_redis_after() {
-    let stack = Stack::start(CONFIG, 2);
+    let stack = Stack::start(&config(), 2);
     let (e1, e2) = (&stack.envoys[0], &stack.envoys[1]);
     let user = [("x-user", "mallory")];
 

@@ -9,21 +9,22 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
+use support::probe::*;
 use support::*;
 
 fn config(timeout_ms: u64, failure: &str, limits: &str) -> String {
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":{timeout_ms}}},"failureMode":"{failure}",
-            "limits":{limits}}}"#
-    )
+    filter_config(timeout_ms)
+        .failure_mode(failure)
+        .limits(limits)
+        .build()
 }
 
 /// The same, with every key's hash tag taken from the `x-tenant` header.
 fn tenant_config(limits: &str) -> String {
-    format!(
-        r#"{{"redis":{{"cluster":"webdis","timeoutMs":2000}},"failureMode":"deny",
-            "hashTag":[{{"header":"x-tenant"}}],"limits":{limits}}}"#
-    )
+    filter_config(2000)
+        .hash_tag(r#"[{"header":"x-tenant"}]"#)
+        .limits(limits)
+        .build()
 }
 
 fn hex(b: &[u8]) -> String {
@@ -370,16 +371,91 @@ fn a_restarted_redis_gets_the_script_again_without_a_failed_request() {
     );
     assert_eq!(e.counter("redis_guard.failure_mode.denied"), 0);
     assert_eq!(e.counter("redis_guard.redis.errors"), 0);
+    // The first call after the restart met Webdis still reconnecting (it
+    // tries every 100 ms) and was sent again inside Envoy.
+    assert!(e.counter("redis_guard.redis.retries") >= 1);
+}
+
+#[test]
+fn a_webdis_503_is_sent_again_three_times_after_pauses_then_the_failure_mode_decides() {
+    // 2 s leave room for every pause: the count of retries is the limit.
+    let cfg = config(2000, "allow", OPEN_AND_CLOSED);
+    let mut stack = Stack::start(&cfg, 1);
+    assert_eq!(get(&stack.envoy().url("/closed"), &[]).status, 200);
+    // With Redis gone, Webdis answers every command with its own 503 (the
+    // command never reached Redis), which is safe to send again.
+    stack.redis.stop();
+    let e = stack.envoy();
+    let c = |name: &str| e.counter(&format!("redis_guard.{name}"));
+    let calls = c("redis.calls");
+    let t = Instant::now();
+    let r = get(&e.url("/closed"), &[]);
+    let took = t.elapsed();
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["status"], 503);
+    // Inside Envoy: the call, then three more after a pause each; then the
+    // failure mode, once, as one HTTP error.
+    assert_eq!(c("redis.calls") - calls, 4);
+    assert_eq!(c("redis.retries"), 3);
+    assert_eq!(c("redis.errors"), 1);
+    assert_eq!(c("redis.errors_by_kind.http"), 1);
+    assert_eq!(c("failure_mode.denied"), 1);
+    // Three 25 ms pauses on Envoy's timer, and nothing near the timeout.
+    assert!(
+        took + ENVOY_TIMER_GRANULARITY >= Duration::from_millis(3 * 25),
+        "three pauses took {took:?}"
+    );
+    assert!(took < Duration::from_millis(1000), "took {took:?}");
+}
+
+#[test]
+fn a_call_webdis_refused_is_sent_again_after_a_pause_and_redis_decides_it_once() {
+    let cfg = config(
+        2000,
+        "deny",
+        r#"[{"name":"w","descriptor":[{"literal":"x"}],"slidingWindow":{"limit":100,"windowMs":60000}}]"#,
+    );
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    // Webdis refuses the first two calls as it does while reconnecting to
+    // Redis, then answers: a restart's reconnect window, made exact.
+    let refusing = WebdisRefusingFirst::start(webdis.port, 2);
+    let e = Envoy::start(&cfg, refusing.port, upstream.port);
+    let r = get(&e.url("/a"), &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("99"));
+    // Refused, paused, refused, paused, then EVALSHA (NOSCRIPT: fresh
+    // Redis) and EVAL: four calls, two of them retries, no failure.
+    assert_eq!(refusing.calls(), 4);
+    assert_eq!(e.counter("redis_guard.redis.calls"), 4);
+    assert_eq!(e.counter("redis_guard.redis.retries"), 2);
+    assert_eq!(e.counter("redis_guard.redis.script_reloads"), 1);
+    assert_eq!(e.counter("redis_guard.redis.errors"), 0);
+    assert_eq!(e.counter("redis_guard.failure_mode.denied"), 0);
+    // Redis charged the request once: one member in the window.
+    let keys = all_keys(&redis);
+    assert_eq!(keys.len(), 1);
+    let members: i64 = redis::cmd("ZCARD")
+        .arg(&keys[0])
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(members, 1);
+    assert_eq!(upstream.executed(), 1);
 }
 
 #[test]
 fn a_stalled_redis_is_given_up_at_the_timeout() {
     let cfg = config(400, "allow", OPEN_AND_CLOSED);
-    let stack = Stack::start(&cfg, 1);
-    let e = stack.envoy();
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    let e = &envoy_flushing_stats(&cfg, webdis.port, upstream.port);
     assert_eq!(get(&e.url("/closed"), &[]).status, 200);
+    // EVALSHA, NOSCRIPT, EVAL: two quick calls, two latency samples.
+    let (_, _, quick) = scrape_with_samples(e, LATENCY, 2).histogram(LATENCY);
     // Webdis keeps its connection; Redis just stops answering.
-    stack.redis.freeze(true);
+    redis.freeze(true);
     for path in ["/closed", "/open"] {
         let t = Instant::now();
         let r = get(&e.url(path), &[]);
@@ -390,7 +466,7 @@ fn a_stalled_redis_is_given_up_at_the_timeout() {
             "{path}"
         );
         assert!(
-            took >= Duration::from_millis(400),
+            took + ENVOY_TIMER_GRANULARITY >= Duration::from_millis(400),
             "{path}: decided before the timeout ({took:?})"
         );
         assert!(
@@ -398,7 +474,22 @@ fn a_stalled_redis_is_given_up_at_the_timeout() {
             "{path}: waited {took:?} for a 400 ms timeout"
         );
     }
-    stack.redis.freeze(false);
+    redis.freeze(false);
     assert_eq!(e.counter("redis_guard.failure_mode.denied"), 1);
     assert_eq!(e.counter("redis_guard.failure_mode.allowed"), 1);
+    // What ended each request was the callout's own timeout (Envoy's 504
+    // for a callout out of time), not a retry or an error...
+    assert_eq!(e.counter("redis_guard.redis.errors_by_kind.timeout"), 2);
+    assert_eq!(e.counter("redis_guard.redis.errors"), 2);
+    assert_eq!(e.counter("redis_guard.redis.retries"), 0);
+    // ...and on Envoy's own clock each of the two calls lasted the timeout
+    // (the histogram keeps two significant digits: 1.25 % at 400 ms).
+    let (_, samples, sum) = scrape_with_samples(e, LATENCY, 4).histogram(LATENCY);
+    assert_eq!(samples, 4);
+    let stalled_ms = (sum - quick) / 1000.0 / 2.0;
+    let floor = 400.0 - ENVOY_TIMER_GRANULARITY.as_millis() as f64;
+    assert!(
+        (floor * 0.9875..=400.0 * 1.0125 + 100.0).contains(&stalled_ms),
+        "each stalled call took {stalled_ms} ms on Envoy's clock"
+    );
 }

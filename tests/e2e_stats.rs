@@ -8,128 +8,161 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use support::probe::*;
 use support::*;
 
-const CONFIG: &str = r#"{
-  "redis": {"cluster": "webdis", "timeoutMs": 300,
-            "circuitBreaker": {"failures": 2, "coolDownMs": 1000}},
-  "failureMode": "allow",
-  "limits": [
+fn config() -> String {
+    filter_config(300)
+        .circuit_breaker(2, 1000)
+        .failure_mode("allow")
+        .limits(
+            r#"[
     {"name": "burst", "match": {"pathPrefix": "/api/"}, "descriptor": [{"header": "x-user"}],
      "tokenBucket": {"capacity": 3, "refill": 1, "periodMs": 600000}},
     {"name": "trial.v2", "match": {"pathPrefix": "/api/search"}, "descriptor": [{"header": "x-user"}],
      "slidingWindow": {"limit": 1, "windowMs": 600000}, "shadow": true},
     {"name": "local-two", "match": {"pathPrefix": "/local/"}, "descriptor": [{"header": "x-user"}],
      "tokenBucket": {"capacity": 2, "refill": 1, "periodMs": 600000},
-     "failureMode": "local", "localFraction": 1}
-  ],
-  "idempotency": [{"name": "pay", "match": {"pathPrefix": "/pay"}}]
-}"#;
-
-/// One scrape: (metric name, labels as `k="v",...`) -> value.
-struct Scrape {
-    values: BTreeMap<(String, String), f64>,
-    text: String,
+     "failureMode": "local", "localFraction": 1},
+    {"name": "leased", "match": {"pathPrefix": "/lease/"}, "descriptor": [{"header": "x-user"}],
+     "tokenBucket": {"capacity": 100, "refill": 1, "periodMs": 600000},
+     "lease": {"tokens": 4, "ttlMs": 600000}}
+  ]"#,
+        )
+        .idempotency(r#"[{"name": "pay", "match": {"pathPrefix": "/pay"}}]"#)
+        .build()
 }
 
-impl Scrape {
-    fn take(envoy: &Envoy) -> Scrape {
-        let r = get(
-            &format!("http://127.0.0.1:{}/stats/prometheus", envoy.admin_port),
-            &[],
-        );
-        assert_eq!(r.status, 200);
-        let text = String::from_utf8(r.body).unwrap();
-        let mut values = BTreeMap::new();
-        for line in text
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-        {
-            let (series, value) = line.rsplit_once(' ').unwrap();
-            let (name, labels) = match series.split_once('{') {
-                Some((n, rest)) => (n, rest.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            values.insert(
-                (name.to_string(), labels.to_string()),
-                value.parse().unwrap(),
+const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
+const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
+const KINDS: [&str; 5] = ["timeout", "dispatch", "http", "redis", "reply"];
+/// Every series without labels, by its name after `redis_guard_`.
+const PLAIN: [&str; 31] = [
+    "redis_calls",
+    "redis_script_reloads",
+    "redis_retries",
+    "redis_errors",
+    "failure_mode_allowed",
+    "failure_mode_denied",
+    "failure_mode_local",
+    "local_allowed",
+    "local_rejected",
+    "circuit_opened",
+    "circuit_closed",
+    "circuit_short_circuited",
+    "circuit_open_workers",
+    "overlimit_cache_rejected",
+    "lease_fetches",
+    "lease_spent",
+    "idempotency_acquired",
+    "idempotency_replayed",
+    "idempotency_conflicted",
+    "idempotency_mismatched",
+    "idempotency_released",
+    "idempotency_stored",
+    "idempotency_store_failed",
+    "idempotency_too_large",
+    "idempotency_unguarded",
+    "idempotency_offloaded",
+    "idempotency_offload_failed",
+    "idempotency_object_fetched",
+    "idempotency_object_missing",
+    "idempotency_object_corrupt",
+    "idempotency_object_fetch_failed",
+];
+
+/// What every series of the filter must hold: (name, labels) -> value.
+/// Starts with all of them at 0; each phase sets what it changed.
+struct Expected(BTreeMap<(String, String), u64>);
+
+impl Expected {
+    fn new() -> Expected {
+        let mut m = BTreeMap::new();
+        for limit in LIMITS {
+            for stat in VERDICTS {
+                m.insert(
+                    (
+                        format!("redis_guard_ratelimit_{stat}"),
+                        format!("limit=\"{limit}\""),
+                    ),
+                    0,
+                );
+            }
+        }
+        for kind in KINDS {
+            m.insert(
+                (
+                    "redis_guard_redis_errors_by_kind".to_string(),
+                    format!("kind=\"{kind}\""),
+                ),
+                0,
             );
         }
-        Scrape { values, text }
-    }
-
-    /// The value of a series; panics (showing the filter's lines) if absent.
-    fn get(&self, name: &str, labels: &str) -> u64 {
-        match self.values.get(&(name.to_string(), labels.to_string())) {
-            Some(v) => *v as u64,
-            None => panic!(
-                "no series {name}{{{labels}}} in:\n{}",
-                self.text
-                    .lines()
-                    .filter(|l| l.contains("redis_guard"))
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            ),
+        for name in PLAIN {
+            m.insert((format!("redis_guard_{name}"), String::new()), 0);
         }
+        Expected(m)
     }
 
-    fn limit(&self, stat: &str, limit: &str) -> u64 {
-        self.get(
-            &format!("redis_guard_ratelimit_{stat}"),
-            &format!("limit=\"{limit}\""),
-        )
+    fn set(&mut self, name: &str, value: u64) {
+        let key = (format!("redis_guard_{name}"), String::new());
+        assert!(self.0.contains_key(&key), "no series {name}");
+        self.0.insert(key, value);
     }
 
     /// A limit's checked, allowed, rejected and shadow_rejected counters.
-    fn verdicts(&self, limit: &str) -> [u64; 4] {
-        ["checked", "allowed", "rejected", "shadow_rejected"].map(|stat| self.limit(stat, limit))
-    }
-
-    fn plain(&self, name: &str) -> u64 {
-        self.get(&format!("redis_guard_{name}"), "")
-    }
-
-    fn error_kind(&self, kind: &str) -> u64 {
-        self.get(
-            "redis_guard_redis_errors_by_kind",
-            &format!("kind=\"{kind}\""),
-        )
-    }
-
-    fn type_of(&self, name: &str) -> Option<&str> {
-        self.text
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("# TYPE {name} ")))
-    }
-}
-
-/// Envoy merges histograms on its stats flush (every 5 s by default), so the
-/// latency count is polled until it reaches `want` (bounded at 15 s).
-fn latency_count(envoy: &Envoy, want: u64) -> Scrape {
-    let start = Instant::now();
-    loop {
-        let s = Scrape::take(envoy);
-        let count = s
-            .values
-            .get(&(
-                "redis_guard_redis_callout_latency_us_count".to_string(),
-                String::new(),
-            ))
-            .copied()
-            .unwrap_or(0.0) as u64;
-        if count >= want || start.elapsed() > Duration::from_secs(15) {
-            return s;
+    fn verdicts(&mut self, limit: &str, values: [u64; 4]) {
+        for (stat, v) in VERDICTS.iter().zip(values) {
+            self.0.insert(
+                (
+                    format!("redis_guard_ratelimit_{stat}"),
+                    format!("limit=\"{limit}\""),
+                ),
+                v,
+            );
         }
-        std::thread::sleep(Duration::from_millis(250));
+    }
+
+    fn error_kind(&mut self, kind: &str, value: u64) {
+        self.0.insert(
+            (
+                "redis_guard_redis_errors_by_kind".to_string(),
+                format!("kind=\"{kind}\""),
+            ),
+            value,
+        );
+    }
+
+    /// Waits (bounded) until the latency histogram holds one sample per
+    /// call, then compares every series of the filter, and fails on any
+    /// `redis_guard` series this list does not name.
+    fn check(&self, envoy: &Envoy) {
+        let calls = self.0[&("redis_guard_redis_calls".to_string(), String::new())];
+        let s = scrape_with_samples(envoy, LATENCY, calls);
+        let got: BTreeMap<_, _> = self
+            .0
+            .keys()
+            .map(|(n, l)| ((n.clone(), l.clone()), s.get(n, l)))
+            .collect();
+        assert_eq!(got, self.0);
+        assert_eq!(s.type_of(LATENCY), Some("histogram"));
+        assert_eq!(s.type_of("redis_guard_circuit_open_workers"), Some("gauge"));
+        let (_, samples, sum) = s.histogram(LATENCY);
+        assert_eq!(samples, calls, "one latency sample per call");
+        assert!(sum > 0.0);
+        assert_eq!(s.unread("redis_guard"), Vec::<String>::new());
     }
 }
 
 #[test]
 fn prometheus_scrape_counts_every_decision_exactly() {
-    let stack = Stack::start(CONFIG, 1);
-    let envoy = stack.envoy();
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    let envoy = &envoy_flushing_stats(&config(), webdis.port, upstream.port);
+    let mut want = Expected::new();
 
     // Rate limits: user a spends a bucket of 3 in 5 tries; user b searches
     // twice, which the shadow limit (1 per window) would have refused once.
@@ -143,6 +176,12 @@ fn prometheus_scrape_counts_every_decision_exactly() {
             200
         );
     }
+    // A leased limit: the first request fetches itself plus a batch of 4,
+    // the next two spend from the batch (4 -> 2 left: not below half, so
+    // no background fetch starts).
+    for _ in 0..3 {
+        assert_eq!(get(&envoy.url("/lease/x"), &[("x-user", "e")]).status, 200);
+    }
 
     // Idempotency: store, replay, mismatch, conflict, release.
     let pay = |key: &str, body: &[u8], extra: &[(&str, &str)]| {
@@ -154,7 +193,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     let replay = pay("k1", b"a", &[]);
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(pay("k1", b"other", &[]).status, 422);
-    let before = stack.upstream.executed();
+    let before = upstream.executed();
     let url = envoy.url("/pay");
     let slow = std::thread::spawn(move || {
         http(
@@ -165,64 +204,44 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         )
         .status
     });
-    let start = Instant::now();
-    while stack.upstream.executed() == before {
-        assert!(start.elapsed() < Duration::from_secs(5), "k2 never ran");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    poll("k2 reaches the upstream", Duration::from_secs(5), || {
+        (upstream.executed() > before).then_some(())
+    });
     assert_eq!(pay("k2", b"b", &[]).status, 409);
     assert_eq!(slow.join().unwrap(), 200);
     assert_eq!(pay("k3", b"c", &[("x-upstream-status", "500")]).status, 500);
 
     // 7 limit decisions, of which a's second 429 came from the over-limit
-    // cache; k1 take+store, replay, mismatch, k2 take+store, conflict, k3
-    // take+release; and an EVAL after the first NOSCRIPT of each script
-    // (the decision, the store, the release) on a fresh Redis.
-    let calls = 6 + 9 + 3;
-    let s = latency_count(envoy, calls);
-    assert_eq!(s.verdicts("burst"), [7, 5, 2, 0]);
+    // cache; the lease fetch; k1 take+store, replay, mismatch, k2
+    // take+store, conflict, k3 take+release; and an EVAL after the first
+    // NOSCRIPT of each script (the decision, the lease, the store, the
+    // release) on a fresh Redis.
+    want.set("redis_calls", 6 + 1 + 9 + 4);
+    want.verdicts("burst", [7, 5, 2, 0]);
     // A limit name with a dot stays whole in its label.
-    assert_eq!(s.verdicts("trial.v2"), [2, 1, 0, 1]);
-    assert_eq!(s.plain("redis_calls"), calls);
-    assert_eq!(s.plain("overlimit_cache_rejected"), 1);
-    assert_eq!(s.plain("redis_script_reloads"), 3);
-    assert_eq!(s.plain("redis_errors"), 0);
-    for (stat, want) in [
+    want.verdicts("trial.v2", [2, 1, 0, 1]);
+    want.verdicts("leased", [3, 3, 0, 0]);
+    want.set("lease_fetches", 1);
+    want.set("lease_spent", 2);
+    want.set("overlimit_cache_rejected", 1);
+    want.set("redis_script_reloads", 4);
+    for (stat, n) in [
         ("acquired", 3),
         ("replayed", 1),
         ("mismatched", 1),
         ("conflicted", 1),
         ("released", 1),
         ("stored", 2),
-        ("store_failed", 0),
-        ("unguarded", 0),
-        ("too_large", 0),
-        ("offloaded", 0),
-        ("offload_failed", 0),
-        ("object_fetched", 0),
-        ("object_missing", 0),
-        ("object_corrupt", 0),
-        ("object_fetch_failed", 0),
     ] {
-        assert_eq!(s.plain(&format!("idempotency_{stat}")), want, "{stat}");
+        want.set(&format!("idempotency_{stat}"), n);
     }
-    assert_eq!(
-        s.type_of("redis_guard_redis_callout_latency_us"),
-        Some("histogram")
-    );
-    assert_eq!(
-        s.plain("redis_callout_latency_us_count"),
-        calls,
-        "one sample per call"
-    );
-    assert_eq!(s.type_of("redis_guard_circuit_open_workers"), Some("gauge"));
-    assert_eq!(s.plain("circuit_open_workers"), 0);
+    want.check(envoy);
 
     // Redis stops answering. One keep-alive connection keeps these requests
     // on one Envoy worker, whose breaker (2 failures) opens: two requests
     // time out (Envoy ends each callout with its own 504), the next two are
     // sent to the failure mode without a call.
-    stack.redis.freeze(true);
+    redis.freeze(true);
     let agent = agent();
     for i in 0..4 {
         let r = http_with(
@@ -249,32 +268,25 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         })
         .collect();
     assert_eq!(local, vec![200, 200, 429]);
-    let s = Scrape::take(envoy);
-    assert_eq!(s.plain("failure_mode_local"), 3);
-    assert_eq!(s.plain("local_allowed"), 2);
-    assert_eq!(s.plain("local_rejected"), 1);
-    assert_eq!(
-        (
-            s.limit("checked", "local-two"),
-            s.limit("rejected", "local-two")
-        ),
-        (3, 1)
-    );
-    assert_eq!(s.plain("redis_retries"), 0);
-    assert_eq!(s.plain("redis_errors"), 2);
-    assert_eq!(s.error_kind("timeout"), 2);
-    for kind in ["dispatch", "http", "redis", "reply"] {
-        assert_eq!(s.error_kind(kind), 0, "{kind}");
-    }
-    assert_eq!(s.plain("failure_mode_allowed"), 4);
-    assert_eq!(s.plain("failure_mode_denied"), 0);
-    assert_eq!(s.plain("circuit_opened"), 1);
-    assert_eq!(s.plain("circuit_short_circuited"), 2 + 3);
-    assert_eq!(s.plain("circuit_open_workers"), 1);
-    assert_eq!(s.limit("checked", "burst"), 7 + 4);
+    // Two more calls (each timed out, each one latency sample).
+    want.set("redis_calls", 20 + 2);
+    want.set("failure_mode_local", 3);
+    want.set("local_allowed", 2);
+    want.set("local_rejected", 1);
+    want.verdicts("local-two", [3, 0, 1, 0]);
+    want.set("redis_errors", 2);
+    want.error_kind("timeout", 2);
+    want.set("failure_mode_allowed", 4);
+    want.set("circuit_opened", 1);
+    want.set("circuit_short_circuited", 2 + 3);
+    want.set("circuit_open_workers", 1);
+    want.verdicts("burst", [7 + 4, 5, 2, 0]);
+    want.check(envoy);
 
-    // Redis answers again; after the cool-down one probe closes the breaker.
-    stack.redis.freeze(false);
+    // Redis answers again. The breaker's cool-down (1 s on the proxy clock)
+    // must pass before a request probes; any request sent to look would be
+    // counted, so this one wait is a sleep.
+    redis.freeze(false);
     std::thread::sleep(Duration::from_millis(1100));
     let r = http_with(
         &agent,
@@ -284,8 +296,10 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         None,
     );
     assert_eq!(r.status, 200);
-    let s = Scrape::take(envoy);
-    assert_eq!(s.plain("circuit_closed"), 1);
-    assert_eq!(s.plain("circuit_open_workers"), 0);
-    assert_eq!(s.plain("redis_errors"), 2);
+    // The probe's call, decided by Redis, closed the breaker.
+    want.set("redis_calls", 23);
+    want.set("circuit_closed", 1);
+    want.set("circuit_open_workers", 0);
+    want.verdicts("burst", [12, 6, 2, 0]);
+    want.check(envoy);
 }

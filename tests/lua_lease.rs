@@ -20,14 +20,12 @@
 
 mod support;
 
+use support::script::{self, bucket, eval_lease, Bucket};
 use support::{
-    hash_fields as hgetall, key_exists as exists, key_pttl as pttl, read_bucket as state,
-    redis_now_ms as now_ms, write_bucket as set_state,
+    assert_less_than_a_token_left, hash_fields as hgetall, key_exists as exists, key_pttl as pttl,
+    pexpiretime, read_bucket as state, redis_now_ms as now_ms, wait_until,
+    write_bucket as set_state,
 };
-
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
 
 use redis::Connection;
 use redis_guard::scripts::{LEASE, RATELIMIT};
@@ -40,22 +38,6 @@ const BAD_ARGS: (&str, &str) = ("ERR", "redis-guard lease: one key and five numb
 
 // ---------------------------------------------------------------------------
 // The bucket and the contract's arithmetic
-
-/// A token bucket: `capacity` tokens, `refill` tokens every `period` ms.
-#[derive(Debug, Clone, Copy)]
-struct Bucket {
-    capacity: i64,
-    refill: i64,
-    period: i64,
-}
-
-fn bucket(capacity: i64, refill: i64, period: i64) -> Bucket {
-    Bucket {
-        capacity,
-        refill,
-        period,
-    }
-}
 
 /// A slow bucket: one token per hour (one credit per ms).
 fn hourly(capacity: i64) -> Bucket {
@@ -101,23 +83,6 @@ fn expected(
 // ---------------------------------------------------------------------------
 // Calling the scripts
 
-fn lease_argv(b: Bucket, cost: i64, lease: i64) -> [String; 5] {
-    [b.capacity, b.refill, b.period, cost, lease].map(|v| v.to_string())
-}
-
-/// EVAL of lua/lease.lua, exactly the source the filter sends.
-fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> [i64; 6] {
-    let raw: Vec<i64> = redis::cmd("EVAL")
-        .arg(&LEASE.source)
-        .arg(1)
-        .arg(key)
-        .arg(&lease_argv(b, cost, lease)[..])
-        .query(con)
-        .unwrap_or_else(|e| panic!("lease EVAL on {key} ({b:?}, cost {cost}, lease {lease}): {e}"));
-    raw.try_into()
-        .unwrap_or_else(|raw| panic!("a lease reply is six integers: {raw:?}"))
-}
-
 /// EVALSHA by the SHA-1 the filter sends.
 fn evalsha_lease(
     con: &mut Connection,
@@ -126,77 +91,26 @@ fn evalsha_lease(
     cost: i64,
     lease: i64,
 ) -> redis::RedisResult<Vec<i64>> {
-    redis::cmd("EVALSHA")
-        .arg(&LEASE.sha1)
-        .arg(1)
-        .arg(key)
-        .arg(&lease_argv(b, cost, lease)[..])
-        .query(con)
-}
-
-/// lua/lease.lua with hand-made KEYS and ARGV, for the contract errors.
-fn eval_lease_raw(
-    con: &mut Connection,
-    keys: &[&str],
-    argv: &[&str],
-) -> redis::RedisResult<redis::Value> {
-    redis::cmd("EVAL")
-        .arg(&LEASE.source)
-        .arg(keys.len())
-        .arg(keys)
-        .arg(argv)
-        .query(con)
+    script::with_lease(script::evalsha(&LEASE), key, b, cost, lease).query(con)
 }
 
 /// The strict script (lua/ratelimit.lua) with one enforced token-bucket
 /// limit on `key`: [admitted, allowed, remaining, retry_ms, reset_ms].
 fn eval_strict(con: &mut Connection, key: &str, b: Bucket, cost: i64) -> [i64; 5] {
-    let raw: Vec<i64> = redis::cmd("EVAL")
-        .arg(&RATELIMIT.source)
-        .arg(1)
-        .arg(key)
-        .arg(strict_argv(b, cost))
+    let raw: Vec<i64> = strict_cmd(script::eval(&RATELIMIT), key, b, cost)
         .query(con)
         .unwrap_or_else(|e| panic!("ratelimit EVAL on {key}: {e}"));
     raw.try_into()
         .unwrap_or_else(|raw| panic!("one limit's reply is five integers: {raw:?}"))
 }
 
-fn strict_argv(b: Bucket, cost: i64) -> Vec<String> {
-    ["1".to_string(), "tb".to_string()]
-        .into_iter()
-        .chain([b.capacity, b.refill, b.period, cost].map(|v| v.to_string()))
-        .chain(["1".to_string()])
-        .collect()
-}
-
-fn script_load(con: &mut Connection, source: &str) -> String {
-    redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(source)
-        .query(con)
-        .unwrap()
+/// `cmd` (EVAL or EVALSHA of lua/ratelimit.lua) with the bucket as one limit.
+fn strict_cmd(cmd: redis::Cmd, key: &str, b: Bucket, cost: i64) -> redis::Cmd {
+    script::with_limits(cmd, &[b.limit(key, cost)], None)
 }
 
 // ---------------------------------------------------------------------------
 // Reading and writing state directly
-
-/// Polls Redis TIME until it reads at least `at_ms` (at most 2 s).
-fn wait_until(con: &mut Connection, at_ms: i64) {
-    let start = Instant::now();
-    while now_ms(con) < at_ms {
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "Redis TIME did not reach {at_ms} within 2 s"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// Absolute expiry in unix ms: -1 without a TTL, -2 without the key.
-fn pexpiretime(con: &mut Connection, key: &str) -> i64 {
-    redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap()
-}
 
 // ---------------------------------------------------------------------------
 // One lease call, checked against the whole contract
@@ -351,8 +265,7 @@ fn strict(con: &mut Connection, key: &str, b: Bucket, cost: i64) -> [i64; 5] {
 
 #[test]
 fn grants_the_full_lease_while_the_bucket_holds_it() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:full";
     let b = hourly(10);
 
@@ -373,8 +286,7 @@ fn grants_the_full_lease_while_the_bucket_holds_it() {
 
 #[test]
 fn grants_at_most_the_whole_tokens_left_after_the_charge() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:partial";
     let b = hourly(12);
 
@@ -406,8 +318,7 @@ fn grants_at_most_the_whole_tokens_left_after_the_charge() {
 
 #[test]
 fn admits_with_a_zero_grant_when_the_charge_leaves_no_whole_token() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:zero";
     let b = hourly(11);
 
@@ -432,8 +343,7 @@ fn admits_with_a_zero_grant_when_the_charge_leaves_no_whole_token() {
 
 #[test]
 fn a_rejection_grants_nothing_and_writes_nothing() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:reject";
     // `t` in the future: no refill, every number exact.
     let future = now_ms(&mut con) + HOUR;
@@ -477,8 +387,7 @@ fn a_rejection_grants_nothing_and_writes_nothing() {
 
 #[test]
 fn the_cost_is_charged_first_and_the_grant_comes_from_what_is_left() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:cost";
     // capacity 10, 1 credit/ms, 1 token = 1000 credits; 6.5 tokens held, no
     // refill (t in the future, written again before each call).
@@ -517,8 +426,7 @@ fn the_cost_is_charged_first_and_the_grant_comes_from_what_is_left() {
 
 #[test]
 fn leased_and_strict_requests_spend_one_budget() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:shared";
     let b = hourly(20);
     let mut charged = 0; // costs of admitted requests, leased or strict
@@ -559,8 +467,7 @@ fn leased_and_strict_requests_spend_one_budget() {
         b.capacity,
         "every token spent exactly once"
     );
-    let (left, _) = state(&mut con, key).unwrap();
-    assert!(left < HOUR, "less than a token left: {left}");
+    assert_less_than_a_token_left(&mut con, key, HOUR);
 }
 
 #[test]
@@ -568,76 +475,37 @@ fn concurrent_leased_and_strict_calls_never_spend_more_than_the_capacity() {
     let redis = support::Redis::start();
     let key = "t:{x}:lease:race";
     let b = hourly(150);
-    let (lease_sha, strict_sha) = {
+    {
         let mut con = redis.conn();
-        (
-            script_load(&mut con, &LEASE.source),
-            script_load(&mut con, &RATELIMIT.source),
-        )
-    };
-    assert_eq!(lease_sha, LEASE.sha1);
+        assert_eq!(script::load(&mut con, &LEASE), LEASE.sha1);
+        assert_eq!(script::load(&mut con, &RATELIMIT), RATELIMIT.sha1);
+    }
 
     // 8 connections race 400 calls: even-numbered calls lease (cost 1, up to
     // 3 more), odd ones are strict (cost 2). Enough to drain the bucket.
     const THREADS: usize = 8;
     const TOTAL: usize = 400;
-    let next = Arc::new(AtomicUsize::new(0));
-    let (tx, rx) = mpsc::channel::<Result<[i64; 4], String>>();
-    for _ in 0..THREADS {
-        let mut con = redis.conn();
-        con.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let next = Arc::clone(&next);
-        let tx = tx.clone();
-        let (lease_sha, strict_sha) = (lease_sha.clone(), strict_sha.clone());
-        std::thread::spawn(move || {
-            // [charged, granted, admitted, rejected]
-            let mut sums = [0i64; 4];
-            loop {
-                let i = next.fetch_add(1, Ordering::SeqCst);
-                if i >= TOTAL {
-                    break;
-                }
-                let leased = i % 2 == 0;
-                let (sha, argv, cost) = if leased {
-                    (&lease_sha, lease_argv(b, 1, 3).to_vec(), 1)
-                } else {
-                    (&strict_sha, strict_argv(b, 2), 2)
-                };
-                let raw: Vec<i64> = match redis::cmd("EVALSHA")
-                    .arg(sha)
-                    .arg(1)
-                    .arg(key)
-                    .arg(argv)
-                    .query(&mut con)
-                {
-                    Ok(raw) => raw,
-                    Err(e) => {
-                        let _ = tx.send(Err(e.to_string()));
-                        return;
-                    }
-                };
-                if raw[0] == 1 {
-                    sums[0] += cost;
-                    if leased {
-                        sums[1] += raw[5];
-                    }
-                    sums[2] += 1;
-                } else {
-                    sums[3] += 1;
-                }
-            }
-            let _ = tx.send(Ok(sums));
-        });
-    }
-    drop(tx);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut totals = [0i64; 4];
-    for _ in 0..THREADS {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(Ok(sums)) => totals.iter_mut().zip(sums).for_each(|(t, s)| *t += s),
-            Ok(Err(e)) => panic!("a racing call failed: {e}"),
-            Err(e) => panic!("racing threads did not finish within 60 s: {e}"),
+    // Per call: [charged, granted, admitted, rejected].
+    let sums = redis.race(THREADS, TOTAL, |con, i| {
+        let leased = i % 2 == 0;
+        let (cmd, cost) = if leased {
+            let cmd = script::with_lease(script::evalsha(&LEASE), key, b, 1, 3);
+            (cmd, 1)
+        } else {
+            (strict_cmd(script::evalsha(&RATELIMIT), key, b, 2), 2)
+        };
+        let raw: Vec<i64> = cmd
+            .query(con)
+            .unwrap_or_else(|e| panic!("a racing call failed: {e}"));
+        match (raw[0], leased) {
+            (1, true) => [cost, raw[5], 1, 0],
+            (1, false) => [cost, 0, 1, 0],
+            _ => [0, 0, 0, 1],
         }
+    });
+    let mut totals = [0i64; 4];
+    for s in sums {
+        totals.iter_mut().zip(s).for_each(|(t, s)| *t += s);
     }
     let [charged, granted, admitted, rejected] = totals;
     assert_eq!(admitted + rejected, TOTAL as i64);
@@ -649,8 +517,7 @@ fn concurrent_leased_and_strict_calls_never_spend_more_than_the_capacity() {
         "charged {charged} + granted {granted} (admitted {admitted}, rejected {rejected})"
     );
     let mut con = redis.conn();
-    let (left, _) = state(&mut con, key).unwrap();
-    assert!(left < HOUR, "less than a token left: {left}");
+    assert_less_than_a_token_left(&mut con, key, HOUR);
 }
 
 // ---------------------------------------------------------------------------
@@ -658,8 +525,7 @@ fn concurrent_leased_and_strict_calls_never_spend_more_than_the_capacity() {
 
 #[test]
 fn every_admission_expires_the_key_when_the_bucket_is_full_again() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     // `lease` asserts PEXPIRETIME and PTTL against reset_ms on every admission;
     // here the cases where the key's TTL before the call differs.
     let b = bucket(10, 7, 1000);
@@ -701,8 +567,7 @@ fn every_admission_expires_the_key_when_the_bucket_is_full_again() {
 
 #[test]
 fn refills_by_redis_time_and_grants_what_the_state_holds() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:refill";
     // 3 tokens, one every 200 ms (1 credit/ms, 1 token = 200 credits).
     let b = bucket(3, 1, 200);
@@ -737,8 +602,7 @@ fn refills_by_redis_time_and_grants_what_the_state_holds() {
 
 #[test]
 fn rejects_anything_but_one_key_and_five_numbers() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let (a, b) = ("t:{x}:lease:err-a", "t:{x}:lease:err-b");
     let good = ["10", "1", "1000", "1", "4"];
 
@@ -756,7 +620,7 @@ fn rejects_anything_but_one_key_and_five_numbers() {
         }
     }
     for (keys, argv) in &cases {
-        let Err(err) = eval_lease_raw(&mut con, keys, argv) else {
+        let Err(err) = script::eval_raw(&mut con, &LEASE, keys, argv) else {
             panic!("KEYS {keys:?} ARGV {argv:?} must fail");
         };
         assert_eq!(
@@ -775,9 +639,9 @@ fn rejects_anything_but_one_key_and_five_numbers() {
     set_state(&mut con, a, 2500, future);
     let stored = hgetall(&mut con, a);
     for argv in [&["10", "1", "1000", "1", "four"][..], &good[..4]] {
-        assert!(eval_lease_raw(&mut con, &[a], argv).is_err());
+        assert!(script::eval_raw(&mut con, &LEASE, &[a], argv).is_err());
     }
-    assert!(eval_lease_raw(&mut con, &[a, b], &good).is_err());
+    assert!(script::eval_raw(&mut con, &LEASE, &[a, b], &good).is_err());
     assert_eq!(hgetall(&mut con, a), stored);
     assert!(!exists(&mut con, b));
 }
@@ -787,8 +651,7 @@ fn rejects_anything_but_one_key_and_five_numbers() {
 /// needs a hand-made call), and a cost above the capacity.
 #[test]
 fn rejects_nan_infinity_fractions_and_numbers_out_of_range() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:nan";
     let good = ["10", "1", "1000", "1", "4"];
     for i in 0..good.len() {
@@ -798,7 +661,7 @@ fn rejects_nan_infinity_fractions_and_numbers_out_of_range() {
             }
             let mut argv = good.to_vec();
             argv[i] = bad;
-            let Err(err) = eval_lease_raw(&mut con, &[key], &argv) else {
+            let Err(err) = script::eval_raw(&mut con, &LEASE, &[key], &argv) else {
                 panic!("ARGV {argv:?} must fail");
             };
             assert_eq!(
@@ -807,7 +670,8 @@ fn rejects_nan_infinity_fractions_and_numbers_out_of_range() {
             );
         }
     }
-    let Err(err) = eval_lease_raw(&mut con, &[key], &["10", "1", "1000", "11", "4"]) else {
+    let Err(err) = script::eval_raw(&mut con, &LEASE, &[key], &["10", "1", "1000", "11", "4"])
+    else {
         panic!("a cost above the capacity must fail");
     };
     assert_eq!(
@@ -822,15 +686,14 @@ fn rejects_nan_infinity_fractions_and_numbers_out_of_range() {
 
 #[test]
 fn evalsha_by_the_filters_sha1_behaves_like_eval() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let b = bucket(10, 1, 1000);
 
     let err = evalsha_lease(&mut con, "t:{x}:lease:sha-none", b, 1, 4).unwrap_err();
     assert_eq!(err.kind(), redis::ErrorKind::NoScriptError, "{err}");
     assert!(!exists(&mut con, "t:{x}:lease:sha-none"));
 
-    assert_eq!(script_load(&mut con, &LEASE.source), LEASE.sha1);
+    assert_eq!(script::load(&mut con, &LEASE), LEASE.sha1);
     let loaded: Vec<i64> = redis::cmd("SCRIPT")
         .arg("EXISTS")
         .arg(&LEASE.sha1)

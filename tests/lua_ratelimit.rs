@@ -12,22 +12,15 @@
 
 mod support;
 
+use support::script::{self, admits, rejects, sw, tb, Decision, Limit};
 use support::{
-    hash_fields as hgetall, key_exists as exists, key_pttl as pttl, read_bucket as bucket,
-    redis_now_ms as now_ms, write_bucket as set_bucket,
+    assert_expires_in, assert_less_than_a_token_left, assert_within, hash_fields as hgetall,
+    key_exists as exists, key_pttl as pttl, read_bucket as bucket, redis_now_ms as now_ms,
+    write_bucket as set_bucket,
 };
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
-
 use redis::Connection;
-
-/// The script exactly as the filter sends it: lua/ratelimit.lua with
-/// lua/token_bucket.lua and lua/sliding_window.lua joined in.
-fn script() -> &'static str {
-    &redis_guard::scripts::RATELIMIT.source
-}
+use redis_guard::scripts::RATELIMIT;
 
 /// One minute: the window of most sliding-window tests, and the period of the
 /// slow token buckets.
@@ -36,171 +29,23 @@ const MINUTE: i64 = 60_000;
 // ---------------------------------------------------------------------------
 // Calling the script
 
-/// One limit as the script takes it: six ARGV values.
-#[derive(Debug, Clone)]
-struct Limit {
-    key: String,
-    alg: &'static str,
-    a: i64,
-    b: i64,
-    c: i64,
-    cost: i64,
-    enforce: bool,
+/// One request's limits through the script (EVAL, no idempotency key).
+fn eval(con: &mut Connection, limits: &[Limit]) -> Decision {
+    script::request(con, limits, None).decision()
 }
 
-/// Token bucket: `capacity` tokens, `refill` tokens every `period_ms`.
-fn tb(key: &str, capacity: i64, refill: i64, period_ms: i64) -> Limit {
-    Limit {
-        key: key.to_string(),
-        alg: "tb",
-        a: capacity,
-        b: refill,
-        c: period_ms,
-        cost: 1,
-        enforce: true,
-    }
+/// EVALSHA of one limit, as the filter sends it (the script must be loaded).
+fn evalsha_cmd(limit: &Limit) -> redis::Cmd {
+    script::with_limits(
+        script::evalsha(&RATELIMIT),
+        std::slice::from_ref(limit),
+        None,
+    )
 }
 
-/// Sliding-window log: `limit` requests per `window_ms`.
-fn sw(key: &str, limit: i64, window_ms: i64) -> Limit {
-    Limit {
-        key: key.to_string(),
-        alg: "sw",
-        a: limit,
-        b: window_ms,
-        c: 0,
-        cost: 1,
-        enforce: true,
-    }
-}
-
-impl Limit {
-    fn cost(mut self, cost: i64) -> Limit {
-        self.cost = cost;
-        self
-    }
-
-    fn shadow(mut self) -> Limit {
-        self.enforce = false;
-        self
-    }
-}
-
-/// One limit's verdict: four integers of the reply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Verdict {
-    allowed: bool,
-    remaining: i64,
-    retry_ms: i64,
-    reset_ms: i64,
-}
-
-/// An admitting verdict (retry is always 0).
-fn admits(remaining: i64, reset_ms: i64) -> Verdict {
-    Verdict {
-        allowed: true,
-        remaining,
-        retry_ms: 0,
-        reset_ms,
-    }
-}
-
-/// A rejecting verdict (reset always equals retry).
-fn rejects(remaining: i64, retry_ms: i64) -> Verdict {
-    Verdict {
-        allowed: false,
-        remaining,
-        retry_ms,
-        reset_ms: retry_ms,
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Reply {
-    admitted: bool,
-    limits: Vec<Verdict>,
-}
-
-fn eval_cmd(limits: &[Limit]) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(script());
-    with_args(cmd, limits)
-}
-
-/// EVALSHA of the script loaded by `load_script` (as the filter calls it):
-/// far less to send and hash per call than EVAL.
-fn evalsha_cmd(sha: &str, limits: &[Limit]) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(sha);
-    with_args(cmd, limits)
-}
-
-fn load_script(con: &mut Connection) -> String {
-    redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(script())
-        .query(con)
-        .unwrap()
-}
-
-/// Appends numkeys, KEYS and ARGV in the script's documented order.
-fn with_args(mut cmd: redis::Cmd, limits: &[Limit]) -> redis::Cmd {
-    cmd.arg(limits.len());
-    for l in limits {
-        cmd.arg(&l.key);
-    }
-    cmd.arg(limits.len());
-    for l in limits {
-        cmd.arg(l.alg)
-            .arg(l.a)
-            .arg(l.b)
-            .arg(l.c)
-            .arg(l.cost)
-            .arg(if l.enforce { "1" } else { "0" });
-    }
-    cmd
-}
-
-fn parse(raw: &[i64], n: usize) -> Reply {
-    assert_eq!(raw.len(), 1 + 4 * n, "reply length for {n} limits: {raw:?}");
-    let flag = |v: i64| match v {
-        0 => false,
-        1 => true,
-        _ => panic!("expected 0 or 1, got {v} in {raw:?}"),
-    };
-    Reply {
-        admitted: flag(raw[0]),
-        limits: raw[1..]
-            .chunks_exact(4)
-            .map(|c| Verdict {
-                allowed: flag(c[0]),
-                remaining: c[1],
-                retry_ms: c[2],
-                reset_ms: c[3],
-            })
-            .collect(),
-    }
-}
-
-fn eval(con: &mut Connection, limits: &[Limit]) -> Reply {
-    let raw: Vec<i64> = eval_cmd(limits)
-        .query(con)
-        .unwrap_or_else(|e| panic!("EVAL failed for {limits:?}: {e}"));
-    parse(&raw, limits.len())
-}
-
-/// EVAL with hand-made KEYS and ARGV, for the contract errors.
-fn eval_raw(
-    con: &mut Connection,
-    keys: &[&str],
-    argv: &[&str],
-) -> redis::RedisResult<redis::Value> {
-    redis::cmd("EVAL")
-        .arg(script())
-        .arg(keys.len())
-        .arg(keys)
-        .arg(argv)
-        .query(con)
+/// Loads the script, checking Redis names it as the filter does.
+fn load_script(con: &mut Connection) {
+    assert_eq!(script::load(con, &RATELIMIT), RATELIMIT.sha1);
 }
 
 // ---------------------------------------------------------------------------
@@ -231,22 +76,12 @@ fn zcard(con: &mut Connection, key: &str) -> i64 {
     redis::cmd("ZCARD").arg(key).query(con).unwrap()
 }
 
-/// Asserts `lo <= v <= hi`.
-#[track_caller]
-fn assert_within(what: &str, v: i64, lo: i64, hi: i64) {
-    assert!(
-        lo <= v && v <= hi,
-        "{what} = {v}, expected within [{lo}, {hi}]"
-    );
-}
-
 // ---------------------------------------------------------------------------
 // Token bucket
 
 #[test]
 fn token_bucket_fresh_key_admits_capacity_then_rejects() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:tb:fresh";
     // One token per minute: the few ms this test takes refill far less than a token.
     let limit = tb(key, 5, 1, MINUTE);
@@ -294,8 +129,7 @@ fn token_bucket_fresh_key_admits_capacity_then_rejects() {
 
 #[test]
 fn token_bucket_rejection_reports_exact_retry_and_writes_nothing() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:tb:short";
     // `t` in the future: the script adds no refill, so every number is exact.
     let future = now_ms(&mut con) + 3_600_000;
@@ -306,7 +140,7 @@ fn token_bucket_rejection_reports_exact_retry_and_writes_nothing() {
     let r = eval(&mut con, &[tb(key, 10, 1, 1000).cost(3)]);
     assert_eq!(
         r,
-        Reply {
+        Decision {
             admitted: false,
             limits: vec![rejects(2, 500)]
         }
@@ -326,8 +160,7 @@ fn token_bucket_rejection_reports_exact_retry_and_writes_nothing() {
 
 #[test]
 fn token_bucket_admission_reports_exact_remaining_and_time_to_full() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:tb:admit";
     let future = now_ms(&mut con) + 3_600_000;
     set_bucket(&mut con, key, 7500, future);
@@ -339,7 +172,7 @@ fn token_bucket_admission_reports_exact_remaining_and_time_to_full() {
     // 5500 credits left: floor(5.5) = 5 tokens; (10000 - 5500) / 7 = 642.9 -> 643 ms to full.
     assert_eq!(
         r,
-        Reply {
+        Decision {
             admitted: true,
             limits: vec![admits(5, 643)]
         }
@@ -347,14 +180,13 @@ fn token_bucket_admission_reports_exact_remaining_and_time_to_full() {
     let (c, t) = bucket(&mut con, key).unwrap();
     assert_eq!(c, 5500, "exactly 2 tokens charged");
     assert_within("stored t (the script's now)", t, t0, t1);
-    let ttl = pttl(&mut con, key);
-    assert_within("PTTL", ttl, 1, 643);
+    // The key lives exactly until the bucket is full again, not a ms less.
+    assert_expires_in(&mut con, key, 643, t0);
 }
 
 #[test]
 fn token_bucket_partial_refill_floors_to_whole_tokens() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:tb:partial";
     // 1 token per minute; 2 tokens held as of 2.5 minutes ago: 4.5 tokens now
     // (plus the few ms between our TIME and the script's, far below a token).
@@ -383,8 +215,7 @@ fn token_bucket_partial_refill_floors_to_whole_tokens() {
 
 #[test]
 fn token_bucket_refill_never_exceeds_capacity() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:tb:cap";
     // Empty, but last touched ~11.6 days ago: refill would be a million tokens.
     let now = now_ms(&mut con);
@@ -394,7 +225,7 @@ fn token_bucket_refill_never_exceeds_capacity() {
     let r = eval(&mut con, &[tb(key, 10, 1, 1000)]);
     assert_eq!(
         r,
-        Reply {
+        Decision {
             admitted: true,
             limits: vec![admits(9, 1000)]
         }
@@ -411,8 +242,7 @@ fn token_bucket_refill_never_exceeds_capacity() {
 
 #[test]
 fn token_bucket_cost_spends_that_many_tokens() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:tb:cost";
     let limit = tb(key, 10, 1, MINUTE).cost(4);
 
@@ -459,8 +289,7 @@ fn token_bucket_cost_spends_that_many_tokens() {
 
 #[test]
 fn sliding_window_admits_exactly_limit_then_rejects() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:fresh";
     let limit = sw(key, 5, MINUTE);
 
@@ -505,8 +334,7 @@ fn sliding_window_admits_exactly_limit_then_rejects() {
 
 #[test]
 fn sliding_window_prunes_a_member_exactly_one_window_old() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:edge-out";
     // The window is (now - W, now]: a member scored now_read - W is out, since
     // the script's now >= now_read.
@@ -517,7 +345,7 @@ fn sliding_window_prunes_a_member_exactly_one_window_old() {
     let r = eval(&mut con, &[sw(key, 1, MINUTE)]);
     assert_eq!(
         r,
-        Reply {
+        Decision {
             admitted: true,
             limits: vec![admits(0, MINUTE)]
         }
@@ -534,8 +362,7 @@ fn sliding_window_prunes_a_member_exactly_one_window_old() {
 
 #[test]
 fn sliding_window_counts_a_member_inside_the_window() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:edge-in";
     let t0 = now_ms(&mut con);
     let score = t0 - MINUTE + 5000;
@@ -554,8 +381,7 @@ fn sliding_window_counts_a_member_inside_the_window() {
 
 #[test]
 fn sliding_window_retry_is_when_the_kth_oldest_member_leaves() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:retry";
     let t0 = now_ms(&mut con);
     // Five members, 50 s .. 10 s old; limit 5, window 60 s.
@@ -614,8 +440,7 @@ fn sliding_window_retry_is_when_the_kth_oldest_member_leaves() {
 
 #[test]
 fn sliding_window_cost_adds_that_many_members() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:cost";
     let t0 = now_ms(&mut con);
 
@@ -651,18 +476,17 @@ fn sliding_window_cost_adds_that_many_members() {
 
 #[test]
 fn sliding_window_same_millisecond_requests_all_count() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:burst";
     let limit = sw(key, 100, MINUTE);
 
     // One pipeline: the server runs the 50 calls back to back, many per ms.
-    let sha = load_script(&mut con);
+    load_script(&mut con);
     let mut pipe = redis::pipe();
     for _ in 0..50 {
-        pipe.add_command(evalsha_cmd(&sha, std::slice::from_ref(&limit)));
+        pipe.add_command(evalsha_cmd(&limit));
     }
-    let replies: Vec<Vec<i64>> = pipe.query(&mut con).unwrap();
+    let replies: Vec<redis::Value> = pipe.query(&mut con).unwrap();
     let m = members(&mut con, key);
     let mut scores: Vec<i64> = m.iter().map(|(_, s)| *s).collect();
     scores.dedup();
@@ -673,8 +497,8 @@ fn sliding_window_same_millisecond_requests_all_count() {
         m.len(),
         scores.len()
     );
-    for (i, raw) in replies.iter().enumerate() {
-        let r = parse(raw, 1);
+    for (i, raw) in replies.into_iter().enumerate() {
+        let r = script::parse(raw).decision();
         let v = r.limits[0];
         assert_eq!(
             (r.admitted, v.allowed, v.remaining, v.retry_ms),
@@ -698,17 +522,20 @@ fn sliding_window_counts_every_request_while_the_newest_stamp_is_ahead_of_the_cl
     // is behind), the script keeps stamping new members with the newest
     // member's score, so every call is effectively in one millisecond. This
     // makes the same-millisecond numbering deterministic to test.
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:ahead";
     let now = now_ms(&mut con);
     let ahead = now + 3000;
     zadd(&mut con, key, ahead, &format!("{ahead}:0"));
 
     let limit = sw(key, 25, MINUTE);
+    // TIME around the last admission, and its reset.
+    let mut last = (0, 0, 0);
     for i in 1..25 {
+        let t0 = now_ms(&mut con);
         let r = eval(&mut con, std::slice::from_ref(&limit));
         let v = r.limits[0];
+        last = (t0, now_ms(&mut con), v.reset_ms);
         assert_eq!(
             (r.admitted, v.allowed, v.remaining),
             (true, true, 24 - i),
@@ -719,8 +546,16 @@ fn sliding_window_counts_every_request_while_the_newest_stamp_is_ahead_of_the_cl
     let m = members(&mut con, key);
     assert!(m.iter().all(|(_, s)| *s == ahead), "{m:?}");
     assert!(!eval(&mut con, &[limit]).admitted, "limit 25 reached");
-    let ttl = pttl(&mut con, key);
-    assert_within("PTTL", ttl, 1, MINUTE + 3000);
+    // Fully restored once the newest member, stamped `ahead`, leaves: the
+    // last admission's reset, and exactly the key's PEXPIRE.
+    let (t0, t1, reset) = last;
+    assert_within(
+        "last reset_ms",
+        reset,
+        ahead + MINUTE - t1,
+        ahead + MINUTE - t0,
+    );
+    assert_expires_in(&mut con, key, reset, t0);
 }
 
 #[test]
@@ -730,26 +565,25 @@ fn sliding_window_reset_is_the_time_until_fully_restored() {
     // added leaves the window: one window from now (and the key's PEXPIRE,
     // "the time after which its state is indistinguishable from a fresh key",
     // is that same instant).
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:reset";
     let t0 = now_ms(&mut con);
     let score = t0 - 30_000;
     zadd(&mut con, key, score, &format!("{score}:0"));
 
+    let before = now_ms(&mut con);
     let r = eval(&mut con, &[sw(key, 5, MINUTE)]);
     let v = r.limits[0];
     assert_eq!(
         (r.admitted, v.allowed, v.remaining, v.retry_ms),
         (true, true, 3, 0)
     );
-    let ttl = pttl(&mut con, key);
-    assert_within("PTTL", ttl, 1, MINUTE);
     assert_eq!(
         v.reset_ms, MINUTE,
-        "reset_ms must be the time until fully restored (the new member leaves in one window, \
-         PTTL {ttl}), not until the oldest member leaves (~30000 ms)"
+        "reset_ms must be the time until fully restored (the new member leaves in one window), \
+         not until the oldest member leaves (~30000 ms)"
     );
+    assert_expires_in(&mut con, key, MINUTE, before);
 }
 
 // ---------------------------------------------------------------------------
@@ -757,8 +591,7 @@ fn sliding_window_reset_is_the_time_until_fully_restored() {
 
 #[test]
 fn rejection_by_one_limit_writes_nothing_to_the_others() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let tb_fresh = "t:{x}:aon:tb-fresh";
     let tb_held = "t:{x}:aon:tb-held";
     let sw_fresh = "t:{x}:aon:sw-fresh";
@@ -832,7 +665,7 @@ fn rejection_by_one_limit_writes_nothing_to_the_others() {
     );
     assert_eq!(
         r,
-        Reply {
+        Decision {
             admitted: false,
             limits: vec![admits(10, 0), rejects(0, 1000)]
         }
@@ -843,8 +676,7 @@ fn rejection_by_one_limit_writes_nothing_to_the_others() {
 
 #[test]
 fn shadow_limit_that_would_reject_neither_blocks_nor_is_charged() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let enforced_tb = "t:{x}:shadow:enforced-tb";
     let enforced_sw = "t:{x}:shadow:enforced-sw";
     let shadow_sw = "t:{x}:shadow:sw";
@@ -900,8 +732,7 @@ fn shadow_limit_that_would_reject_neither_blocks_nor_is_charged() {
 
 #[test]
 fn shadow_limit_that_admits_is_charged() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let shadow_tb = "t:{x}:shadow-ok:tb";
     let shadow_sw = "t:{x}:shadow-ok:sw";
     let r = eval(
@@ -913,7 +744,7 @@ fn shadow_limit_that_admits_is_charged() {
     );
     assert_eq!(
         r,
-        Reply {
+        Decision {
             admitted: true,
             limits: vec![admits(8, 2000), admits(7, MINUTE)]
         }
@@ -926,9 +757,14 @@ fn shadow_limit_that_admits_is_charged() {
 // TTLs
 
 #[test]
-fn every_written_key_expires_no_later_than_it_would_be_fresh_again() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+fn every_written_key_expires_exactly_when_it_would_be_fresh_again() {
+    // Too long a TTL only keeps a key that equals a fresh one; too short a
+    // TTL drops a spent budget, which then refills. So the expiry is asserted
+    // from both sides on Redis' own clock: every admission sets the key's
+    // PEXPIRE to its reset_ms (for a bucket, the time until full; for a
+    // window, until its newest member leaves), and the first round's resets
+    // are known numbers.
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let tb_fresh = "t:{x}:ttl:tb-fresh";
     let tb_held = "t:{x}:ttl:tb-held";
     let tb_slow = "t:{x}:ttl:tb-slow";
@@ -948,31 +784,22 @@ fn every_written_key_expires_no_later_than_it_would_be_fresh_again() {
         sw(sw_short, 10, 1500),
     ];
     for round in 0..3 {
+        let t0 = now_ms(&mut con);
         let r = eval(&mut con, &limits);
         assert!(r.admitted, "round {round}: {r:?}");
-        for (l, v) in limits.iter().zip(&r.limits) {
-            let ttl = pttl(&mut con, &l.key);
-            assert!(ttl > 0, "round {round}: {} has PTTL {ttl}", l.key);
-            if l.alg == "tb" {
-                // Time to full is exactly the admitting reply's reset.
-                assert!(
-                    ttl <= v.reset_ms,
-                    "round {round}: {} PTTL {ttl} > time to full {v:?}",
-                    l.key
-                );
-            } else {
-                assert!(
-                    ttl <= l.b,
-                    "round {round}: {} PTTL {ttl} > window {}",
-                    l.key,
-                    l.b
-                );
-            }
-        }
         if round == 0 {
-            assert_within("tb-held PTTL", pttl(&mut con, tb_held), 1, 643);
-            assert_within("tb-fresh PTTL", pttl(&mut con, tb_fresh), 1, 1000);
-            assert_within("tb-slow PTTL", pttl(&mut con, tb_slow), 1, MINUTE);
+            // tb-fresh: 1 of 10 tokens at 1 credit/ms; tb-held: 5500 of
+            // 10000 credits left at 7/ms (ceil 642.9); tb-slow: 1 of 3 tokens
+            // at one a minute; each window: its length.
+            let resets: Vec<i64> = r.limits.iter().map(|v| v.reset_ms).collect();
+            assert_eq!(resets, [1000, 643, MINUTE, MINUTE, 1500]);
+        }
+        for (l, v) in limits.iter().zip(&r.limits) {
+            if l.alg == "sw" {
+                // No member is ahead of the clock: the newest is this call's.
+                assert_eq!(v.reset_ms, l.b, "round {round}: {}", l.key);
+            }
+            assert_expires_in(&mut con, &l.key, v.reset_ms, t0);
         }
     }
 }
@@ -980,55 +807,18 @@ fn every_written_key_expires_no_later_than_it_would_be_fresh_again() {
 // ---------------------------------------------------------------------------
 // Concurrency
 
-/// `threads` connections race `total` calls of `limit`; returns (admitted, rejected).
+/// `threads` connections race `total` calls of `limit` (EVALSHA, as the
+/// filter sends it); returns (admitted, rejected).
 fn race(redis: &support::Redis, limit: &Limit, threads: usize, total: usize) -> (usize, usize) {
-    let sha = load_script(&mut redis.conn());
-    let next = Arc::new(AtomicUsize::new(0));
-    let (tx, rx) = mpsc::channel::<Result<(usize, usize), String>>();
-    for _ in 0..threads {
-        let mut con = redis.conn();
-        con.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        con.set_write_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        let next = Arc::clone(&next);
-        let limit = limit.clone();
-        let tx = tx.clone();
-        let sha = sha.clone();
-        std::thread::spawn(move || {
-            let mut counts = (0, 0);
-            while next.fetch_add(1, Ordering::SeqCst) < total {
-                let raw: Vec<i64> =
-                    match evalsha_cmd(&sha, std::slice::from_ref(&limit)).query(&mut con) {
-                        Ok(raw) => raw,
-                        Err(e) => {
-                            let _ = tx.send(Err(e.to_string()));
-                            return;
-                        }
-                    };
-                if parse(&raw, 1).admitted {
-                    counts.0 += 1;
-                } else {
-                    counts.1 += 1;
-                }
-            }
-            let _ = tx.send(Ok(counts));
-        });
-    }
-    drop(tx);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut totals = (0, 0);
-    for _ in 0..threads {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(Ok((a, r))) => {
-                totals.0 += a;
-                totals.1 += r;
-            }
-            Ok(Err(e)) => panic!("a racing call failed: {e}"),
-            Err(e) => panic!("racing threads did not finish within 60 s: {e}"),
-        }
-    }
-    totals
+    load_script(&mut redis.conn());
+    let admitted = redis.race(threads, total, |con, _| {
+        let v = evalsha_cmd(limit)
+            .query(con)
+            .unwrap_or_else(|e| panic!("a racing call failed: {e}"));
+        script::parse(v).decision().admitted
+    });
+    let yes = admitted.iter().filter(|a| **a).count();
+    (yes, total - yes)
 }
 
 #[test]
@@ -1039,8 +829,7 @@ fn concurrent_token_bucket_calls_admit_exactly_the_capacity() {
     let (admitted, rejected) = race(&redis, &tb(key, 100, 1, MINUTE), 40, 300);
     assert_eq!((admitted, rejected), (100, 200));
     let mut con = redis.conn();
-    let (c, _) = bucket(&mut con, key).unwrap();
-    assert!(c < MINUTE, "less than one token left: {c} credits");
+    assert_less_than_a_token_left(&mut con, key, MINUTE);
 }
 
 #[test]
@@ -1062,31 +851,30 @@ fn concurrent_sliding_window_calls_admit_exactly_the_limit() {
 
 #[test]
 fn rejects_a_limit_count_that_differs_from_the_keys() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let (a, b) = ("t:{x}:err:a", "t:{x}:err:b");
     let one = ["tb", "10", "1", "1000", "1", "1"];
 
     let argv: Vec<&str> = ["1"].iter().chain(&one).copied().collect();
-    let err = eval_raw(&mut con, &[a, b], &argv).unwrap_err();
+    let err = script::eval_raw(&mut con, &RATELIMIT, &[a, b], &argv).unwrap_err();
     assert!(
         err.to_string().contains("ARGV[1] must match #KEYS"),
         "unexpected error: {err}"
     );
     let argv: Vec<&str> = ["2"].iter().chain(&one).chain(&one).copied().collect();
-    let err = eval_raw(&mut con, &[a], &argv).unwrap_err();
+    let err = script::eval_raw(&mut con, &RATELIMIT, &[a], &argv).unwrap_err();
     assert!(
         err.to_string().contains("ARGV[1] must match #KEYS"),
         "{err}"
     );
     let argv: Vec<&str> = ["one"].iter().chain(&one).copied().collect();
-    let err = eval_raw(&mut con, &[a], &argv).unwrap_err();
+    let err = script::eval_raw(&mut con, &RATELIMIT, &[a], &argv).unwrap_err();
     assert!(
         err.to_string().contains("ARGV[1] must match #KEYS"),
         "{err}"
     );
     assert!(
-        eval_raw(&mut con, &[a], &[]).is_err(),
+        script::eval_raw(&mut con, &RATELIMIT, &[a], &[]).is_err(),
         "a missing ARGV[1] is an error"
     );
 
@@ -1098,18 +886,24 @@ fn rejects_a_limit_count_that_differs_from_the_keys() {
 
 #[test]
 fn rejects_an_unknown_algorithm() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let (a, b) = ("t:{x}:err:a", "t:{x}:err:b");
 
-    let err = eval_raw(&mut con, &[a], &["1", "leaky", "10", "1", "1000", "1", "1"]).unwrap_err();
+    let err = script::eval_raw(
+        &mut con,
+        &RATELIMIT,
+        &[a],
+        &["1", "leaky", "10", "1", "1000", "1", "1"],
+    )
+    .unwrap_err();
     assert!(
         err.to_string().contains("unknown algorithm"),
         "unexpected error: {err}"
     );
     // A valid limit before the unknown one is not charged either.
-    let err = eval_raw(
+    let err = script::eval_raw(
         &mut con,
+        &RATELIMIT,
         &[a, b],
         &[
             "2", "tb", "10", "1", "1000", "1", "1", "TB", "10", "1", "1000", "1", "1",
@@ -1126,32 +920,19 @@ fn rejects_an_unknown_algorithm() {
 
 #[test]
 fn redis_names_the_script_by_the_sha1_the_filter_sends() {
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(script())
-        .query(&mut con)
-        .unwrap();
-    assert_eq!(sha, redis_guard::scripts::RATELIMIT.sha1);
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    assert_eq!(script::load(&mut con, &RATELIMIT), RATELIMIT.sha1);
 }
 
 #[test]
 fn a_large_sliding_window_cost_is_one_atomic_charge() {
     // 1000 units (the configured maximum) in one call: more members than one
     // unpack() can take, so the script must add them in chunks.
-    let redis = support::Redis::start();
-    let mut con = redis.conn();
+    let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:sw:bulk";
-    let argv = ["1", "sw", "5000", "60000", "0", "1000", "1"];
-    let reply: Vec<i64> = redis::cmd("EVAL")
-        .arg(script())
-        .arg(1)
-        .arg(key)
-        .arg(&argv[..])
-        .query(&mut con)
-        .unwrap();
-    assert_eq!(reply[..3], [1, 1, 4000]);
+    let r = eval(&mut con, &[sw(key, 5000, MINUTE).cost(1000)]);
+    let v = r.limits[0];
+    assert_eq!((r.admitted, v.allowed, v.remaining), (true, true, 4000));
     let n: i64 = redis::cmd("ZCARD").arg(key).query(&mut con).unwrap();
     assert_eq!(n, 1000);
 }

@@ -12,7 +12,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod cluster;
+pub mod config;
+pub mod probe;
 pub mod s3;
+pub mod script;
+
+// Not every test binary builds a filter configuration.
+#[allow(unused_imports)]
+pub use config::filter_config;
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -125,6 +133,40 @@ impl Drop for Proc {
     }
 }
 
+/// Runs `cmd` to its end with its output in `log`, bounded to `limit`: a
+/// command still running then is killed and the test fails with its log.
+/// Returns how it exited and what it wrote.
+pub fn run_to_exit(
+    name: &str,
+    cmd: &mut Command,
+    log: &Path,
+    limit: Duration,
+) -> (std::process::ExitStatus, String) {
+    let out = std::fs::File::create(log).unwrap();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {name} ({e}); run `make test`"));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{name} still running after {limit:?}:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(log).unwrap_or_default())
+}
+
 fn require(path: &Path, what: &str) -> PathBuf {
     assert!(
         path.exists(),
@@ -225,25 +267,47 @@ impl Redis {
     }
 
     fn wait_ready(&self) {
-        wait_for_port(self.port, "redis-server", Duration::from_secs(10));
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(10) {
-            if let Ok(mut c) = self.try_conn() {
-                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server on {} did not answer PING", self.port);
-    }
-
-    fn try_conn(&self) -> redis::RedisResult<redis::Connection> {
-        redis::Client::open(format!("redis://127.0.0.1:{}/", self.port))?.get_connection()
+        wait_for_redis(self.port, "redis-server");
     }
 
     pub fn conn(&self) -> redis::Connection {
-        self.try_conn().unwrap()
+        redis_conn(self.port)
+    }
+
+    /// Runs `calls` calls, numbered from 0, from `threads` connections of
+    /// their own (`conn_bounded`), every call once, within 60 s in all: `f`
+    /// makes call `i` on a connection. Results in call order.
+    pub fn race<R: Send>(
+        &self,
+        threads: usize,
+        calls: usize,
+        f: impl Fn(&mut redis::Connection, usize) -> R + Sync,
+    ) -> Vec<R> {
+        let numbers: Vec<usize> = (0..calls).collect();
+        run_jobs(
+            &numbers,
+            threads,
+            Duration::from_secs(60),
+            || self.conn_bounded(),
+            |con, i, _| f(con, i),
+        )
+    }
+
+    /// A fresh server and one connection to it: how every script test starts.
+    pub fn start_with_conn() -> (Redis, redis::Connection) {
+        let redis = Redis::start();
+        let con = redis.conn();
+        (redis, con)
+    }
+
+    /// A connection whose every call gives up after 10 s, for threads that
+    /// race: a stuck call fails its thread instead of hanging the test.
+    pub fn conn_bounded(&self) -> redis::Connection {
+        let con = self.conn();
+        con.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        con.set_write_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        con
     }
 
     pub fn stop(&mut self) {
@@ -262,6 +326,30 @@ impl Redis {
         self.proc = Self::spawn(self.port, &self.dir);
         self.wait_ready();
     }
+}
+
+fn try_redis_conn(port: u16) -> redis::RedisResult<redis::Connection> {
+    redis::Client::open(format!("redis://127.0.0.1:{port}/"))?.get_connection()
+}
+
+/// A connection to the redis-server on `port`.
+pub fn redis_conn(port: u16) -> redis::Connection {
+    try_redis_conn(port).unwrap()
+}
+
+/// Waits (bounded to 10 s each) until `port` listens and answers PING.
+fn wait_for_redis(port: u16, what: &str) {
+    wait_for_port(port, what, Duration::from_secs(10));
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if let Ok(mut c) = try_redis_conn(port) {
+            if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what} on {port} did not answer PING");
 }
 
 pub struct Webdis {
@@ -307,17 +395,27 @@ impl Webdis {
 }
 
 impl Webdis {
-    /// Polls Webdis until a command reaches Redis (bounded to 10 s).
+    /// Polls Webdis until a command reaches Redis and Redis' answer comes
+    /// back (bounded to 10 s): Webdis connects lazily, and a Redis proxy in
+    /// between needs a moment to reach its masters. The command is an EVAL
+    /// with one key, because a proxy cannot route a call without a key; it
+    /// touches no key.
     pub fn wait_until_redis_answers(&self) {
-        let start = Instant::now();
         let url = format!("http://127.0.0.1:{}/", self.port);
-        while start.elapsed() < Duration::from_secs(10) {
-            if http("POST", &url, &[], Some(b"EVAL/return%201/0.raw")).status == 200 {
+        let start = Instant::now();
+        loop {
+            let r = http("POST", &url, &[], Some(b"EVAL/return%207/1/rg%3Aready.raw"));
+            if r.status == 200 && r.body == b":7\r\n" {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(20));
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "Redis did not answer through webdis: {} {:?}",
+                r.status,
+                String::from_utf8_lossy(&r.body)
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("webdis did not reach redis within 10s");
     }
 
     pub fn stop(&mut self) {
@@ -346,9 +444,16 @@ impl Upstream {
 
     /// How many requests reached the upstream.
     pub fn executed(&self) -> u64 {
-        let r = get(&format!("http://127.0.0.1:{}/__stats", self.port), &[]);
-        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-        v["requests"].as_u64().unwrap()
+        self.stats()["requests"].as_u64().unwrap()
+    }
+
+    /// How many requests for `path` reached the upstream.
+    pub fn executions_of(&self, path: &str) -> u64 {
+        self.stats()["byPath"][path].as_u64().unwrap_or(0)
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        get(&format!("http://127.0.0.1:{}/__stats", self.port), &[]).json()
     }
 }
 
@@ -411,46 +516,7 @@ impl Envoy {
         );
         let conf = dir.0.join("envoy.yaml");
         std::fs::write(&conf, edit(yaml)).unwrap();
-        let log = std::fs::File::create(dir.0.join("envoy.log")).unwrap();
-        let mut proc = Proc::spawn(
-            "envoy",
-            Command::new(envoy_bin())
-                .arg("-c")
-                .arg(&conf)
-                .args(["--concurrency", "2", "--disable-hot-restart", "--log-level"])
-                // REDIS_GUARD_ENVOY_LOG=debug to see the filter at work.
-                .arg(std::env::var("REDIS_GUARD_ENVOY_LOG").unwrap_or_else(|_| "warn".into()))
-                .envs(env.iter().copied())
-                .stdout(log.try_clone().unwrap())
-                .stderr(log),
-        );
-        let start = Instant::now();
-        loop {
-            if !proc.is_running() {
-                panic!(
-                    "envoy exited during start-up:\n{}",
-                    std::fs::read_to_string(dir.0.join("envoy.log")).unwrap_or_default()
-                );
-            }
-            let ready = TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
-                && http(
-                    "GET",
-                    &format!("http://127.0.0.1:{admin_port}/ready"),
-                    &[],
-                    None,
-                )
-                .status
-                    == 200
-                && TcpStream::connect(("127.0.0.1", port)).is_ok();
-            if ready {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "envoy not ready within 30s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let proc = start_envoy("envoy", &dir, &conf, 2, env, (admin_port, port));
         Envoy {
             port,
             admin_port,
@@ -464,31 +530,90 @@ impl Envoy {
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.0.join("envoy.log")).unwrap_or_default()
+        envoy_log(&self.dir)
     }
 
     /// A counter the filter defined (Envoy shows them under `wasmcustom.`).
     pub fn counter(&self, name: &str) -> u64 {
-        let r = http(
-            "GET",
-            &format!(
-                "http://127.0.0.1:{}/stats?filter=^wasmcustom\\.{}$",
-                self.admin_port,
-                name.replace('.', "\\.")
-            ),
-            &[],
-            None,
-        );
-        let text = String::from_utf8_lossy(&r.body).to_string();
-        for line in text.lines() {
-            if let Some((k, v)) = line.split_once(": ") {
-                if k == format!("wasmcustom.{name}") {
-                    return v.trim().parse().unwrap();
-                }
-            }
-        }
-        panic!("counter {name} not found in:\n{text}");
+        admin_stat(self.admin_port, &format!("wasmcustom.{name}"))
     }
+}
+
+/// Starts Envoy on `conf` with `workers` worker threads, hot restart off (so
+/// several run side by side), its output in `dir`/envoy.log and `env` added
+/// to its environment; waits (bounded to 30 s) until its admin port answers
+/// /ready with 200 and its listener accepts. `ports` is (admin, listener);
+/// `name` says which Envoy failed.
+fn start_envoy(
+    name: &str,
+    dir: &Scratch,
+    conf: &Path,
+    workers: usize,
+    env: &[(&str, &str)],
+    (admin_port, port): (u16, u16),
+) -> Proc {
+    let log = std::fs::File::create(dir.0.join("envoy.log")).unwrap();
+    let mut proc = Proc::spawn(
+        name,
+        Command::new(envoy_bin())
+            .arg("-c")
+            .arg(conf)
+            .args(["--concurrency", &workers.to_string()])
+            .args(["--disable-hot-restart", "--log-level"])
+            // REDIS_GUARD_ENVOY_LOG=debug to see the filter at work.
+            .arg(std::env::var("REDIS_GUARD_ENVOY_LOG").unwrap_or_else(|_| "warn".into()))
+            .envs(env.iter().copied())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log),
+    );
+    let start = Instant::now();
+    // /ready turns 200 once every cluster had its first update (for a
+    // redis_proxy, the first CLUSTER SLOTS).
+    loop {
+        assert!(
+            proc.is_running(),
+            "{name} exited during start-up:\n{}",
+            envoy_log(dir)
+        );
+        let ready = TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
+            && get(&format!("http://127.0.0.1:{admin_port}/ready"), &[]).status == 200
+            && TcpStream::connect(("127.0.0.1", port)).is_ok();
+        if ready {
+            return proc;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{name} not ready within 30s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn envoy_log(dir: &Scratch) -> String {
+    std::fs::read_to_string(dir.0.join("envoy.log")).unwrap_or_default()
+}
+
+/// One stat of the Envoy whose admin port is `admin_port`, by its full name.
+pub fn admin_stat(admin_port: u16, name: &str) -> u64 {
+    let r = get(
+        &format!(
+            "http://127.0.0.1:{admin_port}/stats?filter=^{}$",
+            name.replace('.', "\\.")
+        ),
+        &[],
+    );
+    let text = String::from_utf8_lossy(&r.body).to_string();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+        .unwrap_or_else(|| panic!("stat {name} not found in:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Lowercase hex of `b`, as the filter writes digests in keys.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// Redis + Webdis + upstream + `n` Envoys sharing them.
@@ -598,13 +723,17 @@ pub fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
     http("GET", url, headers, None)
 }
 
-/// One HTTP/1.1 request with raw header bytes (UTF-8 or not), for the cases
-/// an HTTP client library refuses to send. Returns the status and the body.
-pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    let mut req =
-        format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n").into_bytes();
+/// The bytes of one HTTP/1.1 request: the request line, `host: localhost`,
+/// the header lines in `fixed` as written (each ending in CRLF), then
+/// `headers` with raw values (UTF-8 or not), the blank line and `body`.
+pub fn raw_request_bytes(
+    method: &str,
+    path: &str,
+    fixed: &str,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> Vec<u8> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: localhost\r\n{fixed}").into_bytes();
     for (n, v) in headers {
         req.extend_from_slice(n.as_bytes());
         req.extend_from_slice(b": ");
@@ -612,6 +741,16 @@ pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8
         req.extend_from_slice(b"\r\n");
     }
     req.extend_from_slice(b"\r\n");
+    req.extend_from_slice(body);
+    req
+}
+
+/// One HTTP/1.1 request with raw header bytes (UTF-8 or not), for the cases
+/// an HTTP client library refuses to send. Returns the status and the body.
+pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let req = raw_request_bytes("GET", path, "connection: close\r\n", headers, b"");
     s.write_all(&req).unwrap();
     let mut out = Vec::new();
     s.read_to_end(&mut out).unwrap();
@@ -619,6 +758,42 @@ pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8
     let status_line = String::from_utf8_lossy(&out[..head_end]).to_string();
     let status = status_line.split(' ').nth(1).unwrap().parse().unwrap();
     (status, out[head_end + 4..].to_vec())
+}
+
+// ---------------------------------------------------------------------------
+// Load from several threads.
+
+/// Runs `f` over `jobs` from `threads` threads, each with its own client made
+/// by `open` (a keep-alive HTTP agent, a Redis connection), every job once;
+/// bounded to `limit` in time. Results in job order.
+pub fn run_jobs<C, J: Sync, R: Send>(
+    jobs: &[J],
+    threads: usize,
+    limit: Duration,
+    open: impl Fn() -> C + Sync,
+    f: impl Fn(&mut C, usize, &J) -> R + Sync,
+) -> Vec<R> {
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let deadline = Instant::now() + limit;
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut client = open();
+                while Instant::now() < deadline {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    let Some(job) = jobs.get(i) else { return };
+                    let r = f(&mut client, i, job);
+                    results.lock().unwrap()[i] = Some(r);
+                }
+            });
+        }
+    });
+    let results = results.into_inner().unwrap();
+    let done = results.iter().filter(|r| r.is_some()).count();
+    assert_eq!(done, jobs.len(), "load loop hit its time bound ({limit:?})");
+    results.into_iter().map(Option::unwrap).collect()
 }
 
 // ---------------------------------------------------------------------------
@@ -636,6 +811,56 @@ pub fn key_exists(con: &mut redis::Connection, key: &str) -> bool {
 
 pub fn key_pttl(con: &mut redis::Connection, key: &str) -> i64 {
     redis::cmd("PTTL").arg(key).query(con).unwrap()
+}
+
+/// Absolute expiry in unix ms: -1 without a TTL, -2 without the key.
+pub fn pexpiretime(con: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap()
+}
+
+/// Asserts that a script call made after Redis TIME `t0` gave `key` a
+/// PEXPIRE of exactly `ttl_ms`, on Redis' own clock. PEXPIRE counts from the
+/// moment it runs, which Redis does not report, so the absolute expiry lies
+/// between `t0 + ttl_ms` and `t1 + ttl_ms`, with `t1` read after it; PTTL,
+/// read in between, is at most `ttl_ms` and at least `ttl_ms` less the time
+/// since `t0`. The lower bounds are the point: a TTL too short lets the key
+/// vanish, and a budget or a lock with it.
+#[track_caller]
+pub fn assert_expires_in(con: &mut redis::Connection, key: &str, ttl_ms: i64, t0: i64) {
+    let at = pexpiretime(con, key);
+    let pttl = key_pttl(con, key);
+    let t1 = redis_now_ms(con);
+    assert!(
+        t0 + ttl_ms <= at && at <= t1 + ttl_ms,
+        "{key}: PEXPIRETIME {at} is not {ttl_ms} ms after the call (TIME {t0}..{t1})"
+    );
+    assert!(
+        ttl_ms - (t1 - t0) <= pttl && pttl <= ttl_ms,
+        "{key}: PTTL {pttl} is not {ttl_ms} less the {} ms since the call",
+        t1 - t0
+    );
+}
+
+/// Polls Redis TIME until it reads at least `at_ms` (at most 2 s): time
+/// passing on the clock the scripts read, not the test's.
+pub fn wait_until(con: &mut redis::Connection, at_ms: i64) {
+    let start = Instant::now();
+    while redis_now_ms(con) < at_ms {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "Redis TIME did not reach {at_ms} within 2 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Asserts `lo <= v <= hi`.
+#[track_caller]
+pub fn assert_within(what: &str, v: i64, lo: i64, hi: i64) {
+    assert!(
+        lo <= v && v <= hi,
+        "{what} = {v}, expected within [{lo}, {hi}]"
+    );
 }
 
 /// A hash's fields, sorted.
@@ -670,4 +895,16 @@ pub fn read_bucket(con: &mut redis::Connection, key: &str) -> Option<(i64, i64)>
         (None, None) => None,
         other => panic!("half-written bucket {key}: {other:?}"),
     }
+}
+
+/// Asserts the token bucket at `key` holds less than one token (`period`
+/// credits: one token is a period's worth): it was drained, and the refill
+/// while the test ran stayed below a token.
+#[track_caller]
+pub fn assert_less_than_a_token_left(con: &mut redis::Connection, key: &str, period: i64) {
+    let (credits, _) = read_bucket(con, key).unwrap_or_else(|| panic!("no bucket at {key}"));
+    assert!(
+        credits < period,
+        "less than one token ({period} credits) left in {key}: {credits}"
+    );
 }

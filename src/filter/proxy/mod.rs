@@ -544,6 +544,8 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        #[cfg(feature = "panic-trigger")]
+        panic_if_asked();
         self.with_flow(Action::Continue, |flow, host| {
             action(flow.on_request_headers(host, end_of_stream))
         })
@@ -581,5 +583,17 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         self.with_flow((), |flow, host| flow.on_stream_end(host));
+    }
+}
+
+/// Test builds only (`--features panic-trigger`, tests/e2e_panic.rs): a
+/// request carrying this header panics, to show what a panic does in Envoy.
+#[cfg(feature = "panic-trigger")]
+#[allow(clippy::panic)]
+fn panic_if_asked() {
+    if let Ok(Some(_)) =
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "x-redis-guard-test-panic")
+    {
+        panic!("asked to by x-redis-guard-test-panic");
     }
 }

@@ -1,0 +1,492 @@
+//! A Redis Cluster on loopback for the cluster end-to-end tests
+//! (tests/e2e_cluster.rs): three real `redis-server --cluster-enabled`
+//! masters, an Envoy running `redis_proxy` over an `envoy.clusters.redis`
+//! cluster (envoy/redis-cluster.yaml) in front of them, one Webdis pointed at
+//! that proxy, and two filter Envoys sharing it. Built from the same parts as
+//! the single-Redis [`Stack`]: [`Proc`], [`Scratch`], [`render`], [`Envoy`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use super::{
+    admin_stat, envoy_log, free_port, hex, on_path, redis_conn, render, run_to_exit, start_envoy,
+    wait_for_redis, Envoy, Proc, Scratch, Upstream, Webdis,
+};
+
+/// Masters in the cluster: enough for the tenants of a test to spread over
+/// several, few enough for two cores.
+pub const MASTERS: usize = 3;
+
+/// Three empty masters, no replicas, slots split by `redis-cli --cluster create`.
+pub struct RedisCluster {
+    /// Ports of the masters, in the order given to `--cluster create`.
+    pub ports: Vec<u16>,
+    /// `(first slot, last slot, index into ports)`, from CLUSTER NODES.
+    slots: Vec<(u16, u16, usize)>,
+    /// Kept until the cluster is dropped (killed before `dir` goes).
+    _procs: Vec<Proc>,
+    dir: Scratch,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let dir = Scratch::new("redis-cluster");
+        let ports: Vec<u16> = (0..MASTERS).map(|_| free_port()).collect();
+        let procs = ports
+            .iter()
+            .enumerate()
+            .map(|(i, port)| {
+                // The cluster bus gets a free port of its own: the default,
+                // port + 10000, may be taken (or in the ephemeral range).
+                let bus = free_port();
+                Proc::spawn(
+                    "redis-server (cluster)",
+                    Command::new(on_path("redis-server"))
+                        .args(["--cluster-enabled", "yes", "--cluster-config-file"])
+                        .arg(dir.0.join(format!("nodes-{i}.conf")))
+                        .args(["--cluster-port", &bus.to_string()])
+                        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                        .args(["--save", "", "--appendonly", "no"])
+                        .arg("--dir")
+                        .arg(&dir.0)
+                        .stdout(Stdio::null()),
+                )
+            })
+            .collect();
+        let mut cluster = RedisCluster {
+            ports,
+            slots: Vec::new(),
+            _procs: procs,
+            dir,
+        };
+        for port in &cluster.ports {
+            wait_for_redis(*port, "redis-server (cluster)");
+        }
+        cluster.create();
+        cluster.wait_ok();
+        cluster.slots = cluster.read_slots();
+        cluster
+    }
+
+    /// `redis-cli --cluster create`, bounded: it assigns the slots, makes the
+    /// nodes meet and waits until they agree.
+    fn create(&self) {
+        let (status, text) = run_to_exit(
+            "redis-cli --cluster create",
+            Command::new(on_path("redis-cli"))
+                .arg("--cluster")
+                .arg("create")
+                .args(self.ports.iter().map(|p| format!("127.0.0.1:{p}")))
+                .args(["--cluster-replicas", "0", "--cluster-yes"]),
+            &self.dir.0.join("create.log"),
+            Duration::from_secs(20),
+        );
+        assert!(
+            status.success() && text.contains("All 16384 slots covered"),
+            "redis-cli --cluster create failed ({status}):\n{text}"
+        );
+    }
+
+    /// Every node says `cluster_state:ok` and knows every other (bounded).
+    fn wait_ok(&self) {
+        let start = Instant::now();
+        for i in 0..self.ports.len() {
+            loop {
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query(&mut self.conn(i))
+                    .unwrap();
+                let want = [
+                    "cluster_state:ok".to_string(),
+                    "cluster_slots_ok:16384".to_string(),
+                    format!("cluster_known_nodes:{}", self.ports.len()),
+                ];
+                if want.iter().all(|w| info.lines().any(|l| l.trim() == w)) {
+                    break;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(15),
+                    "node {} not ok:\n{info}",
+                    self.ports[i]
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// The slot table as every node sees it (they must agree).
+    fn read_slots(&self) -> Vec<(u16, u16, usize)> {
+        let tables: Vec<Vec<(u16, u16, usize)>> = (0..self.ports.len())
+            .map(|i| {
+                let nodes: String = redis::cmd("CLUSTER")
+                    .arg("NODES")
+                    .query(&mut self.conn(i))
+                    .unwrap();
+                let mut table = Vec::new();
+                // <id> <ip:port@cport> <flags> <master> <ping> <pong> <epoch> <link> <slot>...
+                for line in nodes.lines() {
+                    let f: Vec<&str> = line.split_whitespace().collect();
+                    let port: u16 = f[1]
+                        .split('@')
+                        .next()
+                        .unwrap()
+                        .rsplit(':')
+                        .next()
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    let node = self.ports.iter().position(|p| *p == port).unwrap();
+                    assert!(f[2].contains("master"), "{line}");
+                    for range in &f[8..] {
+                        let (a, b) = range.split_once('-').unwrap_or((range, range));
+                        table.push((a.parse().unwrap(), b.parse().unwrap(), node));
+                    }
+                }
+                table.sort();
+                table
+            })
+            .collect();
+        assert!(tables.windows(2).all(|w| w[0] == w[1]), "{tables:?}");
+        let table = tables.into_iter().next().unwrap();
+        assert_eq!(
+            table
+                .iter()
+                .map(|(a, b, _)| (b - a) as usize + 1)
+                .sum::<usize>(),
+            16384
+        );
+        table
+    }
+
+    /// A direct connection to one master (not through the proxy).
+    pub fn conn(&self, node: usize) -> redis::Connection {
+        redis_conn(self.ports[node])
+    }
+
+    /// CLUSTER KEYSLOT: CRC16 of the key's hash tag (or of the key), mod 16384.
+    pub fn slot_of(&self, key: &[u8]) -> u16 {
+        redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query(&mut self.conn(0))
+            .unwrap()
+    }
+
+    /// The master that owns `slot`.
+    pub fn owner(&self, slot: u16) -> usize {
+        self.slots
+            .iter()
+            .find(|(a, b, _)| (*a..=*b).contains(&slot))
+            .unwrap()
+            .2
+    }
+
+    /// The master a tenant's keys must live on.
+    pub fn node_of_tenant(&self, tenant: &str) -> usize {
+        self.owner(self.slot_of(format!("{{{}}}", tag(tenant)).as_bytes()))
+    }
+
+    /// KEYS on one master: only the keys that master holds.
+    pub fn keys_on(&self, node: usize, pattern: &str) -> Vec<Vec<u8>> {
+        let mut keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+            .arg(pattern)
+            .query(&mut self.conn(node))
+            .unwrap();
+        keys.sort();
+        keys
+    }
+
+    /// Every key matching `pattern`, per master, after checking that each
+    /// lives on the master owning its slot (a key elsewhere would mean a
+    /// command was routed by something other than its slot).
+    pub fn keys_by_node(&self, pattern: &str) -> BTreeMap<usize, Vec<Vec<u8>>> {
+        let mut out = BTreeMap::new();
+        for node in 0..self.ports.len() {
+            let keys = self.keys_on(node, pattern);
+            for key in &keys {
+                let slot = self.slot_of(key);
+                assert_eq!(
+                    self.owner(slot),
+                    node,
+                    "{} (slot {slot}) lives on a master that does not own its slot",
+                    String::from_utf8_lossy(key)
+                );
+            }
+            if !keys.is_empty() {
+                out.insert(node, keys);
+            }
+        }
+        out
+    }
+
+    /// First half of a resharding step: `to` imports `slot`, `from` migrates
+    /// it. Keys still on `from` are served there; missing ones get ASK.
+    pub fn begin_migration(&self, slot: u16, from: usize, to: usize) {
+        let id = |n: usize| -> String {
+            redis::cmd("CLUSTER")
+                .arg("MYID")
+                .query(&mut self.conn(n))
+                .unwrap()
+        };
+        let (from_id, to_id) = (id(from), id(to));
+        let setslot = |n: usize, state: &str, id: &str| {
+            let ok: String = redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg(state)
+                .arg(id)
+                .query(&mut self.conn(n))
+                .unwrap();
+            assert_eq!(ok, "OK");
+        };
+        setslot(to, "IMPORTING", &from_id);
+        setslot(from, "MIGRATING", &to_id);
+    }
+
+    /// Moves every key of `slot` from `from` to `to` (MIGRATE, atomic per call).
+    pub fn move_keys(&self, slot: u16, from: usize, to: usize) {
+        let keys: Vec<Vec<u8>> = redis::cmd("CLUSTER")
+            .arg("GETKEYSINSLOT")
+            .arg(slot)
+            .arg(1000)
+            .query(&mut self.conn(from))
+            .unwrap();
+        assert!(!keys.is_empty(), "slot {slot} has no key to move");
+        let ok: String = redis::cmd("MIGRATE")
+            .arg("127.0.0.1")
+            .arg(self.ports[to])
+            .arg("")
+            .arg(0)
+            .arg(5000)
+            .arg("KEYS")
+            .arg(&keys)
+            .query(&mut self.conn(from))
+            .unwrap();
+        assert_eq!(ok, "OK");
+    }
+
+    /// Last half: every master records `to` as the slot's owner; waits
+    /// (bounded) until all of them agree, then rereads the slot table.
+    pub fn finish_migration(&mut self, slot: u16, to: usize) {
+        let to_id: String = redis::cmd("CLUSTER")
+            .arg("MYID")
+            .query(&mut self.conn(to))
+            .unwrap();
+        // The new owner first, as the cluster spec asks.
+        let order = std::iter::once(to).chain((0..self.ports.len()).filter(|n| *n != to));
+        for n in order {
+            let ok: String = redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg("NODE")
+                .arg(&to_id)
+                .query(&mut self.conn(n))
+                .unwrap();
+            assert_eq!(ok, "OK");
+        }
+        self.wait_ok();
+        self.slots = self.read_slots();
+        assert_eq!(self.owner(slot), to);
+    }
+
+    /// SCRIPT FLUSH on every master, directly: the next EVALSHA anywhere
+    /// answers NOSCRIPT.
+    pub fn flush_scripts(&self) {
+        for node in 0..self.ports.len() {
+            let ok: String = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query(&mut self.conn(node))
+                .unwrap();
+            assert_eq!(ok, "OK");
+        }
+    }
+}
+
+/// Envoy with only `redis_proxy` (envoy/redis-cluster.yaml): Webdis' Redis.
+pub struct RedisProxy {
+    pub port: u16,
+    admin_port: u16,
+    _proc: Proc,
+    dir: Scratch,
+}
+
+impl RedisProxy {
+    pub fn start(cluster: &RedisCluster) -> RedisProxy {
+        let dir = Scratch::new("redis-proxy");
+        let port = free_port();
+        let admin_port = free_port();
+        let mut vars = vec![
+            ("ADMIN_PORT", admin_port.to_string()),
+            ("REDIS_PROXY_PORT", port.to_string()),
+        ];
+        let names = ["REDIS_NODE_A", "REDIS_NODE_B", "REDIS_NODE_C"];
+        for (name, p) in names.iter().zip(&cluster.ports) {
+            vars.push((name, p.to_string()));
+        }
+        let conf = dir.0.join("redis-cluster.yaml");
+        std::fs::write(&conf, render("envoy/redis-cluster.yaml", &vars)).unwrap();
+        // One worker is plenty for one Webdis' connections.
+        let proc = start_envoy(
+            "envoy (redis_proxy)",
+            &dir,
+            &conf,
+            1,
+            &[],
+            (admin_port, port),
+        );
+        RedisProxy {
+            port,
+            admin_port,
+            _proc: proc,
+            dir,
+        }
+    }
+
+    /// One stat of this Envoy (`redis.cluster_proxy.…`, `cluster.redis_cluster.…`).
+    pub fn stat(&self, name: &str) -> u64 {
+        admin_stat(self.admin_port, name)
+    }
+
+    /// One command in RESP straight to the proxy; returns the reply's first
+    /// line (enough for status, error and integer replies).
+    pub fn command(&self, args: &[&str]) -> String {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut req = format!("*{}\r\n", args.len());
+        for a in args {
+            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
+        s.write_all(req.as_bytes()).unwrap();
+        let mut out = Vec::new();
+        let mut byte = [0u8; 1];
+        while !out.ends_with(b"\r\n") {
+            assert_eq!(s.read(&mut byte).unwrap(), 1, "proxy closed the connection");
+            out.push(byte[0]);
+        }
+        String::from_utf8_lossy(&out).trim_end().to_string()
+    }
+
+    pub fn log(&self) -> String {
+        envoy_log(&self.dir)
+    }
+}
+
+/// Two filter Envoys → one Webdis → the redis_proxy Envoy → three masters.
+/// Fields drop in order: the clients go before what they talk to.
+pub struct ClusterStack {
+    pub envoys: Vec<Envoy>,
+    pub upstream: Upstream,
+    _webdis: Webdis,
+    pub proxy: RedisProxy,
+    pub cluster: RedisCluster,
+}
+
+impl ClusterStack {
+    pub fn start(filter_config: &str) -> ClusterStack {
+        let cluster = RedisCluster::start();
+        let proxy = RedisProxy::start(&cluster);
+        let webdis = Webdis::start(proxy.port);
+        webdis.wait_until_redis_answers();
+        let upstream = Upstream::start();
+        // Both at once: each spends most of its start-up compiling the wasm.
+        let envoys = std::thread::scope(|s| {
+            let started: Vec<_> = (0..2)
+                .map(|_| s.spawn(|| Envoy::start(filter_config, webdis.port, upstream.port)))
+                .collect();
+            started.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        ClusterStack {
+            envoys,
+            upstream,
+            _webdis: webdis,
+            proxy,
+            cluster,
+        }
+    }
+
+    /// A filter counter summed over both Envoys.
+    pub fn counter(&self, name: &str) -> u64 {
+        self.envoys.iter().map(|e| e.counter(name)).sum()
+    }
+
+    /// What every scenario must leave behind: no call the filter could not
+    /// decide, no CROSSSLOT anywhere, nothing Envoy's splitter refused.
+    pub fn assert_clean(&self) {
+        for e in &self.envoys {
+            let log = e.log();
+            assert!(
+                !log.contains("CROSSSLOT"),
+                "a script call crossed slots:\n{log}"
+            );
+            assert_eq!(
+                e.counter("redis_guard.redis.errors"),
+                0,
+                "undecided calls; filter log:\n{log}"
+            );
+            assert_eq!(e.counter("redis_guard.failure_mode.denied"), 0, "{log}");
+            assert_eq!(e.counter("redis_guard.failure_mode.allowed"), 0, "{log}");
+        }
+        // The proxy's own errors (no host, timeout, a redirection it could
+        // not follow): Redis' error replies (NOSCRIPT, CROSSSLOT) are not
+        // counted here, they reach the filter as they are.
+        for stat in [
+            "redis.cluster_proxy.splitter.invalid_request",
+            "redis.cluster_proxy.splitter.unsupported_command",
+            "redis.cluster_proxy.command.evalsha.error",
+            "redis.cluster_proxy.command.eval.error",
+            "cluster.redis_cluster.upstream_internal_redirect_failed_total",
+        ] {
+            assert_eq!(self.proxy.stat(stat), 0, "{stat}:\n{}", self.proxy.log());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Keys and tenants.
+
+/// The hash tag the filter puts in every key of a tenant's requests
+/// (`"hashTag":[{"header":"x-tenant"}]`), computed here independently of
+/// the crate: the first 8 bytes of SHA-256 of `<len>:<tenant>:`, in hex.
+pub fn tag(tenant: &str) -> String {
+    hex(&Sha256::digest(format!("{}:{tenant}:", tenant.len()).as_bytes())[..8])
+}
+
+/// The `{…}` of a key.
+pub fn tag_in(key: &[u8]) -> String {
+    let text = String::from_utf8_lossy(key);
+    let open = text.find('{').unwrap();
+    let close = open + text[open..].find('}').unwrap();
+    text[open + 1..close].to_string()
+}
+
+/// The limit name in `rg:rl:{tag}:<limit>:…`.
+pub fn limit_in(key: &[u8]) -> String {
+    let text = String::from_utf8_lossy(key);
+    let after = &text[text.find("}:").unwrap() + 2..];
+    after.split(':').next().unwrap().to_string()
+}
+
+pub fn tenants(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("tenant-{i:02}")).collect()
+}
+
+/// Which master each tenant's keys must be on; asserts the tenants cover
+/// every master, so the scenario really spans the cluster.
+pub fn placement(cluster: &RedisCluster, tenants: &[String]) -> BTreeMap<String, usize> {
+    let placed: BTreeMap<String, usize> = tenants
+        .iter()
+        .map(|t| (t.clone(), cluster.node_of_tenant(t)))
+        .collect();
+    let used: BTreeSet<usize> = placed.values().copied().collect();
+    assert_eq!(
+        used.len(),
+        MASTERS,
+        "tenants must span every master: {placed:?}"
+    );
+    placed
+}

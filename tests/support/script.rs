@@ -1,0 +1,428 @@
+//! The filter's Lua scripts called exactly as the filter sends them (KEYS and
+//! ARGV in the order each script's header documents), and their replies
+//! parsed, for the script tests (tests/lua_*.rs). One builder per script, so
+//! a change of a script's contract is made here once.
+
+use redis::{Cmd, Connection, Value};
+use redis_guard::scripts::{Script, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT};
+
+// ---------------------------------------------------------------------------
+// Sending a script
+
+/// EVAL of the script's source: what the filter sends after NOSCRIPT.
+pub fn eval(script: &Script) -> Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(&script.source);
+    cmd
+}
+
+/// EVALSHA by the SHA-1 the filter sends (the script must be loaded).
+pub fn evalsha(script: &Script) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(&script.sha1);
+    cmd
+}
+
+/// SCRIPT LOAD; returns the SHA-1 Redis names the script by.
+pub fn load(con: &mut Connection, script: &Script) -> String {
+    redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(&script.source)
+        .query(con)
+        .unwrap()
+}
+
+/// EVAL with hand-made KEYS and ARGV, for the contract errors.
+pub fn eval_raw(
+    con: &mut Connection,
+    script: &Script,
+    keys: &[&str],
+    argv: &[&str],
+) -> redis::RedisResult<Value> {
+    eval(script).arg(keys.len()).arg(keys).arg(argv).query(con)
+}
+
+// ---------------------------------------------------------------------------
+// lua/ratelimit.lua: the limits of one request and its idempotency key
+
+/// One limit as lua/ratelimit.lua takes it: six ARGV values.
+#[derive(Debug, Clone)]
+pub struct Limit {
+    pub key: String,
+    pub alg: &'static str,
+    pub a: i64,
+    pub b: i64,
+    pub c: i64,
+    pub cost: i64,
+    pub enforce: bool,
+}
+
+/// Token bucket: `capacity` tokens, `refill` tokens every `period_ms`.
+pub fn tb(key: &str, capacity: i64, refill: i64, period_ms: i64) -> Limit {
+    Limit {
+        key: key.to_string(),
+        alg: "tb",
+        a: capacity,
+        b: refill,
+        c: period_ms,
+        cost: 1,
+        enforce: true,
+    }
+}
+
+/// Sliding-window log: `limit` requests per `window_ms`.
+pub fn sw(key: &str, limit: i64, window_ms: i64) -> Limit {
+    Limit {
+        key: key.to_string(),
+        alg: "sw",
+        a: limit,
+        b: window_ms,
+        c: 0,
+        cost: 1,
+        enforce: true,
+    }
+}
+
+impl Limit {
+    pub fn cost(mut self, cost: i64) -> Limit {
+        self.cost = cost;
+        self
+    }
+
+    pub fn shadow(mut self) -> Limit {
+        self.enforce = false;
+        self
+    }
+}
+
+/// One request's idempotency part: record key, owner token, fingerprint, lock TTL.
+#[derive(Debug, Clone)]
+pub struct Idem {
+    pub key: String,
+    pub owner: String,
+    pub fingerprint: String,
+    pub lock_ms: i64,
+}
+
+pub fn idem(key: &str, owner: &str, fingerprint: &str, lock_ms: i64) -> Idem {
+    Idem {
+        key: key.to_string(),
+        owner: owner.to_string(),
+        fingerprint: fingerprint.to_string(),
+        lock_ms,
+    }
+}
+
+/// Appends numkeys, KEYS and ARGV in lua/ratelimit.lua's documented order:
+/// the limits' keys, the record's key (keyed requests only), N, six values
+/// per limit, then "1", owner, fingerprint and lock TTL for a keyed request.
+/// An unkeyed request sends no flag at all (the header's "absent").
+pub fn with_limits(mut cmd: Cmd, limits: &[Limit], idem: Option<&Idem>) -> Cmd {
+    cmd.arg(limits.len() + usize::from(idem.is_some()));
+    for l in limits {
+        cmd.arg(&l.key);
+    }
+    if let Some(i) = idem {
+        cmd.arg(&i.key);
+    }
+    cmd.arg(limits.len());
+    for l in limits {
+        cmd.arg(l.alg)
+            .arg(l.a)
+            .arg(l.b)
+            .arg(l.c)
+            .arg(l.cost)
+            .arg(if l.enforce { "1" } else { "0" });
+    }
+    if let Some(i) = idem {
+        cmd.arg("1")
+            .arg(&i.owner)
+            .arg(&i.fingerprint)
+            .arg(i.lock_ms);
+    }
+    cmd
+}
+
+/// One limit's verdict: four integers of the reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    pub allowed: bool,
+    pub remaining: i64,
+    pub retry_ms: i64,
+    pub reset_ms: i64,
+}
+
+/// An admitting verdict (retry is always 0).
+pub fn admits(remaining: i64, reset_ms: i64) -> Verdict {
+    Verdict {
+        allowed: true,
+        remaining,
+        retry_ms: 0,
+        reset_ms,
+    }
+}
+
+/// A rejecting verdict (reset always equals retry).
+pub fn rejects(remaining: i64, retry_ms: i64) -> Verdict {
+    Verdict {
+        allowed: false,
+        remaining,
+        retry_ms,
+        reset_ms: retry_ms,
+    }
+}
+
+/// Verdicts 1 and 0: whether every enforced limit admitted the request (and
+/// so was charged, and the lock taken), and each limit's own verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub admitted: bool,
+    pub limits: Vec<Verdict>,
+}
+
+/// lua/ratelimit.lua's reply, by verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// 1 or 0: decided by the rate limits.
+    Decided(Decision),
+    /// 2: another request holds the lock, for this many more ms.
+    Busy(i64),
+    /// 3: the stored response.
+    Completed {
+        status: i64,
+        headers: Vec<u8>,
+        body: Vec<u8>,
+    },
+    /// 3 with the body in the object store: the reference instead.
+    Offloaded {
+        status: i64,
+        headers: Vec<u8>,
+        object_key: Vec<u8>,
+        sha256: Vec<u8>,
+        len: i64,
+    },
+    /// 4: the key was used with another fingerprint.
+    Mismatch,
+}
+
+impl Reply {
+    /// Verdict 1 with these limits' verdicts.
+    pub fn admitted(limits: Vec<Verdict>) -> Reply {
+        Reply::Decided(Decision {
+            admitted: true,
+            limits,
+        })
+    }
+
+    /// Verdict 0 with these limits' verdicts.
+    pub fn rate_limited(limits: Vec<Verdict>) -> Reply {
+        Reply::Decided(Decision {
+            admitted: false,
+            limits,
+        })
+    }
+
+    /// The decision of a verdict 1 or 0; panics on any other.
+    #[track_caller]
+    pub fn decision(self) -> Decision {
+        match self {
+            Reply::Decided(d) => d,
+            other => panic!("expected verdict 0 or 1, got {other:?}"),
+        }
+    }
+}
+
+/// Parses lua/ratelimit.lua's flat reply array.
+pub fn parse(v: Value) -> Reply {
+    let Value::Array(items) = v else {
+        panic!("reply is not an array: {v:?}")
+    };
+    let int = |v: &Value| match v {
+        Value::Int(i) => *i,
+        other => panic!("expected an integer, got {other:?} in {items:?}"),
+    };
+    let bytes = |v: &Value| match v {
+        Value::BulkString(b) => b.clone(),
+        other => panic!("expected a bulk string, got {other:?} in {items:?}"),
+    };
+    let flag = |v: &Value| match int(v) {
+        0 => false,
+        1 => true,
+        other => panic!("expected 0 or 1, got {other} in {items:?}"),
+    };
+    assert!(!items.is_empty(), "empty reply");
+    match int(&items[0]) {
+        0 | 1 => {
+            assert_eq!(
+                (items.len() - 1) % 4,
+                0,
+                "four integers per limit: {items:?}"
+            );
+            Reply::Decided(Decision {
+                admitted: flag(&items[0]),
+                limits: items[1..]
+                    .chunks_exact(4)
+                    .map(|c| Verdict {
+                        allowed: flag(&c[0]),
+                        remaining: int(&c[1]),
+                        retry_ms: int(&c[2]),
+                        reset_ms: int(&c[3]),
+                    })
+                    .collect(),
+            })
+        }
+        2 => {
+            assert_eq!(items.len(), 2, "busy reply: {items:?}");
+            Reply::Busy(int(&items[1]))
+        }
+        3 if items.len() == 7 => {
+            assert_eq!(bytes(&items[3]), b"", "no body beside a reference");
+            Reply::Offloaded {
+                status: int(&items[1]),
+                headers: bytes(&items[2]),
+                object_key: bytes(&items[4]),
+                sha256: bytes(&items[5]),
+                len: int(&items[6]),
+            }
+        }
+        3 => {
+            assert_eq!(items.len(), 4, "completed reply: {items:?}");
+            Reply::Completed {
+                status: int(&items[1]),
+                headers: bytes(&items[2]),
+                body: bytes(&items[3]),
+            }
+        }
+        4 => {
+            assert_eq!(items.len(), 1, "mismatch reply: {items:?}");
+            Reply::Mismatch
+        }
+        other => panic!("unknown verdict {other} in {items:?}"),
+    }
+}
+
+/// One request through lua/ratelimit.lua (EVAL of the joined source).
+pub fn request(con: &mut Connection, limits: &[Limit], idem: Option<&Idem>) -> Reply {
+    let v: Value = with_limits(eval(&RATELIMIT), limits, idem)
+        .query(con)
+        .unwrap_or_else(|e| panic!("EVAL failed for {limits:?} {idem:?}: {e}"));
+    let reply = parse(v);
+    if let Reply::Decided(d) = &reply {
+        assert_eq!(d.limits.len(), limits.len(), "one verdict per limit");
+    }
+    reply
+}
+
+// ---------------------------------------------------------------------------
+// lua/idempotency_complete.lua and lua/idempotency_release.lua
+
+/// lua/idempotency_complete.lua: 1 if stored, 0 if the lock is not ours.
+pub fn complete(
+    con: &mut Connection,
+    key: &str,
+    owner: &str,
+    status: i64,
+    headers: &[u8],
+    body: &[u8],
+    record_ms: i64,
+) -> i64 {
+    complete_as((key, owner), (status, headers, body), None, record_ms)
+        .query(con)
+        .unwrap()
+}
+
+/// lua/idempotency_complete.lua for a body in the object store: a 200 with
+/// `headers`, an empty body, and the object's key, SHA-256 and length.
+pub fn complete_offloaded(
+    con: &mut Connection,
+    key: &str,
+    owner: &str,
+    headers: &[u8],
+    object: (&str, &str, usize),
+    record_ms: i64,
+) -> i64 {
+    complete_as((key, owner), (200, headers, b""), Some(object), record_ms)
+        .query(con)
+        .unwrap()
+}
+
+/// ARGV in the script's order: owner, status, headers, body, record TTL,
+/// then the object's key, SHA-256 and length when there is one.
+fn complete_as(
+    (key, owner): (&str, &str),
+    (status, headers, body): (i64, &[u8], &[u8]),
+    object: Option<(&str, &str, usize)>,
+    record_ms: i64,
+) -> Cmd {
+    let mut cmd = eval(&IDEM_COMPLETE);
+    cmd.arg(1)
+        .arg(key)
+        .arg(owner)
+        .arg(status)
+        .arg(headers)
+        .arg(body)
+        .arg(record_ms);
+    if let Some((object_key, sha256, len)) = object {
+        cmd.arg(object_key).arg(sha256).arg(len);
+    }
+    cmd
+}
+
+/// lua/idempotency_release.lua: 1 if released, 0 if the lock is not ours.
+pub fn release(con: &mut Connection, key: &str, owner: &str) -> i64 {
+    eval(&IDEM_RELEASE)
+        .arg(1)
+        .arg(key)
+        .arg(owner)
+        .query(con)
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------
+// lua/lease.lua
+
+/// A token bucket as lua/lease.lua takes it: `capacity` tokens, `refill`
+/// tokens every `period` ms.
+#[derive(Debug, Clone, Copy)]
+pub struct Bucket {
+    pub capacity: i64,
+    pub refill: i64,
+    pub period: i64,
+}
+
+pub fn bucket(capacity: i64, refill: i64, period: i64) -> Bucket {
+    Bucket {
+        capacity,
+        refill,
+        period,
+    }
+}
+
+impl Bucket {
+    /// The same bucket as one enforced lua/ratelimit.lua limit on `key`.
+    pub fn limit(self, key: &str, cost: i64) -> Limit {
+        tb(key, self.capacity, self.refill, self.period).cost(cost)
+    }
+}
+
+/// Appends lua/lease.lua's one key and five numbers: capacity, refill,
+/// period, cost, lease.
+pub fn with_lease(mut cmd: Cmd, key: &str, b: Bucket, cost: i64, lease: i64) -> Cmd {
+    cmd.arg(1)
+        .arg(key)
+        .arg(b.capacity)
+        .arg(b.refill)
+        .arg(b.period)
+        .arg(cost)
+        .arg(lease);
+    cmd
+}
+
+/// EVAL of lua/lease.lua: its six integers.
+pub fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> [i64; 6] {
+    let raw: Vec<i64> = with_lease(eval(&LEASE), key, b, cost, lease)
+        .query(con)
+        .unwrap_or_else(|e| panic!("lease EVAL on {key} ({b:?}, cost {cost}, lease {lease}): {e}"));
+    raw.try_into()
+        .unwrap_or_else(|raw| panic!("a lease reply is six integers: {raw:?}"))
+}
