@@ -39,8 +39,9 @@ const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
 const KINDS: [&str; 5] = ["timeout", "dispatch", "http", "redis", "reply"];
 /// Every series without labels, by its name after `redis_guard_`.
-const PLAIN: [&str; 31] = [
+const PLAIN: [&str; 32] = [
     "redis_calls",
+    "batch_calls",
     "redis_script_reloads",
     "redis_retries",
     "redis_errors",
@@ -72,6 +73,8 @@ const PLAIN: [&str; 31] = [
     "idempotency_object_corrupt",
     "idempotency_object_fetch_failed",
 ];
+
+const BATCH_SIZE: &str = "redis_guard_batch_size";
 
 /// What every series of the filter must hold: (name, labels) -> value.
 /// Starts with all of them at 0; each phase sets what it changed.
@@ -152,6 +155,16 @@ impl Expected {
         let (_, samples, sum) = s.histogram(LATENCY);
         assert_eq!(samples, calls, "one latency sample per call");
         assert!(sum > 0.0);
+        // Every batch here carries one request (they are sent one after
+        // another): one sample of 1 per batch call.
+        let batches = self.0[&("redis_guard_batch_calls".to_string(), String::new())];
+        assert_eq!(s.type_of(BATCH_SIZE), Some("histogram"));
+        let (buckets, samples, _) = s.histogram(BATCH_SIZE);
+        assert_eq!(samples, batches);
+        // Envoy's sums are approximate; its buckets are exact: every sample
+        // above 0.5 and at most 1.
+        let at = |bound: f64| buckets.iter().find(|(b, _)| *b == bound).map(|(_, n)| *n);
+        assert_eq!((at(0.5), at(1.0)), (Some(0), Some(batches)));
         assert_eq!(s.unread("redis_guard"), Vec::<String>::new());
     }
 }
@@ -212,11 +225,14 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     assert_eq!(pay("k3", b"c", &[("x-upstream-status", "500")]).status, 500);
 
     // 7 limit decisions, of which a's second 429 came from the over-limit
-    // cache; the lease fetch; k1 take+store, replay, mismatch, k2
-    // take+store, conflict, k3 take+release; and an EVAL after the first
-    // NOSCRIPT of each script (the decision, the lease, the store, the
-    // release) on a fresh Redis.
-    want.set("redis_calls", 6 + 1 + 9 + 4);
+    // cache, each the batch call of one request (batching is on by
+    // default); the lease fetch; k1 take+store, replay, mismatch, k2
+    // take+store, conflict, k3 take+release (keyed requests keep their own
+    // call); and an EVAL after the first NOSCRIPT of each script (the
+    // batch, the keyed decision, the lease, the store, the release) on a
+    // fresh Redis.
+    want.set("redis_calls", 6 + 1 + 9 + 5);
+    want.set("batch_calls", 6);
     want.verdicts("burst", [7, 5, 2, 0]);
     // A limit name with a dot stays whole in its label.
     want.verdicts("trial.v2", [2, 1, 0, 1]);
@@ -224,7 +240,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     want.set("lease_fetches", 1);
     want.set("lease_spent", 2);
     want.set("overlimit_cache_rejected", 1);
-    want.set("redis_script_reloads", 4);
+    want.set("redis_script_reloads", 5);
     for (stat, n) in [
         ("acquired", 3),
         ("replayed", 1),
@@ -268,8 +284,10 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         })
         .collect();
     assert_eq!(local, vec![200, 200, 429]);
-    // Two more calls (each timed out, each one latency sample).
-    want.set("redis_calls", 20 + 2);
+    // Two more calls (each timed out, each one latency sample), each a
+    // batch of one: the breaker hears of each batch once.
+    want.set("redis_calls", 21 + 2);
+    want.set("batch_calls", 6 + 2);
     want.set("failure_mode_local", 3);
     want.set("local_allowed", 2);
     want.set("local_rejected", 1);
@@ -296,8 +314,9 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         None,
     );
     assert_eq!(r.status, 200);
-    // The probe's call, decided by Redis, closed the breaker.
-    want.set("redis_calls", 23);
+    // The probe's call, decided by Redis, closed the breaker: a probe goes
+    // alone, not in a batch.
+    want.set("redis_calls", 24);
     want.set("circuit_closed", 1);
     want.set("circuit_open_workers", 0);
     want.verdicts("burst", [12, 6, 2, 0]);
