@@ -15,6 +15,9 @@ direct_response, and one Envoy under test per scenario (envoy/envoy.yaml,
   e  lease          b with "lease": {"tokens": 100, "ttlMs": 1000}
   x  fixed cost     b's filter, but no limit applies (no x-user): what the
                     filter costs before any Redis call
+  f  batched        b with batching on (the default): group commit per worker
+  g  1 connection   b at -c1
+  h  batched, -c1   f at -c1 (every batch has one member)
 
 Then wrk runs them alternating (a b c d e x, a b c d e x, ...) for --rounds
 rounds of --duration seconds after one --warmup run each, and reports per
@@ -81,8 +84,14 @@ def tb(name, capacity, refill, period_ms, **extra):
 BIG = 1_000_000_000
 
 
-def filter_config(limits, idempotency=None):
+# The single-call path: every decision its own call (batching off).
+SINGLE = {"enabled": False}
+
+
+def filter_config(limits, idempotency=None, batch=None):
     cfg = {"redis": redis_block(), "keyPrefix": "rg", "failureMode": "deny", "limits": limits}
+    if batch is not None:
+        cfg["redis"]["batch"] = batch
     if idempotency:
         cfg["idempotency"] = idempotency
     return cfg
@@ -100,8 +109,9 @@ SCENARIOS = [
     {
         "id": "b",
         "name": "strict, 1 limit",
-        "what": "one token bucket per x-user, always under budget: one EVALSHA per request",
-        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)]),
+        "what": "one token bucket per x-user, always under budget, batching off: one EVALSHA "
+        "per request",
+        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)], batch=SINGLE),
         "request": "get",
         "expect": "2xx",
         "goal": 0.35,
@@ -155,10 +165,39 @@ SCENARIOS = [
         "name": "filter, nothing applies",
         "what": "b's filter, but the requests carry no x-user: the limit does not apply, no "
         "Redis call (the filter's fixed cost per request)",
-        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)]),
+        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)], batch=SINGLE),
         "request": "get-anon",
         "expect": "2xx",
         "optional": True,
+    },
+    {
+        "id": "f",
+        "name": "strict, batched",
+        "what": "b with batching on (the default: maxRequests 32, maxInFlight 2): requests "
+        "that arrive while the worker's calls are out go to Redis together, one EVALSHA of "
+        "lua/batch.lua, each decided exactly",
+        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)]),
+        "request": "get",
+        "expect": "2xx",
+        "goal": 0.65,
+    },
+    {
+        "id": "g",
+        "name": "strict, 1 connection",
+        "what": "b at `-c1` (one request at a time): what a quiet Envoy pays per call",
+        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)], batch=SINGLE),
+        "request": "get",
+        "expect": "2xx",
+        "connections": 1,
+    },
+    {
+        "id": "h",
+        "name": "batched, 1 connection",
+        "what": "f at `-c1`: every batch has one member; its latency must be no worse than (g)",
+        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)]),
+        "request": "get",
+        "expect": "2xx",
+        "connections": 1,
     },
 ]
 
@@ -396,6 +435,24 @@ def envoy_stats(admin_port):
         if sep and v.strip().isdigit():
             stats[k] = int(v)
     return stats
+
+
+def batch_histogram(admin_port):
+    """Envoy's batch-size histogram (cumulative since the Envoy started): its
+    quantiles as {"P50": 3.0, ...}, or None without batches."""
+    _, _, body = hreq(admin_port, "GET", "/stats?filter=" + urlquote(r"batch\.size$"))
+    for line in body.decode().splitlines():
+        _, sep, v = line.partition(": ")
+        if not sep or "(" not in v:
+            continue
+        out = {}
+        for m in re.finditer(r"(P[0-9.]+)\(([^,]+),([^)]+)\)", v):
+            try:
+                out[m.group(1)] = float(m.group(3))
+            except ValueError:
+                pass
+        return out or None
+    return None
 
 
 def urlquote(s):
@@ -708,8 +765,8 @@ def wrk_script(kind):
     return path
 
 
-def run_wrk(args, port, kind, seconds, run_id):
-    cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{seconds}s",
+def run_wrk(args, port, kind, seconds, run_id, connections=None):
+    cmd = ["wrk", f"-t{args.threads}", f"-c{connections or args.connections}", f"-d{seconds}s",
            "--timeout", "5s", "-s", str(wrk_script(kind)), f"http://{HOST}:{port}{PATH}",
            "--", run_id]
     out_path = RUN / "wrk.out"
@@ -755,7 +812,7 @@ def measure(args, stack, sc, seconds, run_id):
     cpu0 = {k: cpu_ticks(v) for k, v in pids.items()}
     rcpu0 = r.cpu_us()
     m0 = machine_ticks()
-    w = run_wrk(args, e["port"], sc["request"], seconds, run_id)
+    w = run_wrk(args, e["port"], sc["request"], seconds, run_id, sc.get("connections"))
     m1 = machine_ticks()
     rcpu1 = r.cpu_us()
     cpu1 = {k: cpu_ticks(v) for k, v in pids.items()}
@@ -802,6 +859,7 @@ def measure(args, stack, sc, seconds, run_id):
         "cpu_s": {k: v / 1e6 for k, v in cpu.items()},
         "envoy_stats_delta": delta,
         "machine_cpu": machine,
+        "batch_histogram": batch_histogram(e["admin"]) if sc["filter"] else None,
     }
 
 
@@ -890,6 +948,14 @@ def summarize(sc, runs, base_runs):
                 k = k[len("wasmcustom.redis_guard."):]
                 counters[k] = counters.get(k, 0) + v
     s["filter_counters"] = counters
+    # Batches: how many requests one call decided, on average over the
+    # measured runs, and the distribution Envoy's histogram holds (since the
+    # scenario's Envoy started, warm-up included).
+    if counters.get("batch.calls"):
+        members = counters.get("ratelimit.bench-tb.checked", 0)
+        s["batch"] = {"calls": counters["batch.calls"],
+                      "mean_size": members / counters["batch.calls"],
+                      "quantiles": runs[-1].get("batch_histogram")}
     s["unexpected_responses"] = sum(x["unexpected_responses"] for x in runs)
     s["requests"] = sum(x["requests"] for x in runs)
     if s["goal"] is not None and s["ratio"] is not None:
@@ -1057,16 +1123,20 @@ Written by `make bench` (envoy/bench.py); the last run's results. Each scenario
 runs through its own Envoy (`--concurrency 1`, envoy/envoy.yaml) in front of the
 same upstream (a second Envoy answering `200 ok` with `direct_response`), with the
 filter reaching one Redis through one Webdis (envoy/webdis.json), all on
-127.0.0.1 of one machine. wrk drives the scenarios alternating (a b c d e x, a b c
-d e x, …); each number is the median over the rounds, the ratio the median of the
+127.0.0.1 of one machine. wrk drives the scenarios alternating (a b c d e x f g h,
+a b c …); each number is the median over the rounds, the ratio the median of the
 per-round ratios to (a) in the same round. (x) is a diagnostic: the filter loaded
-with no limit applying, its fixed cost per request.
+with no limit applying, its fixed cost per request. (g) and (h) run at one
+connection (the ratio to (a), at 32, says little there: compare their latencies).
 """
 
 
 # What would close a missed goal, by scenario: the measured breakdown says
 # where the time goes; these say what the remedy is.
 REMEDIES = {
+    "f": "Batching saves calls only while calls are out: with a fast Redis most batches "
+         "are small. See the batch sizes below, and the Envoy-under-test column: what is left "
+         "per request is the filter's fixed cost and its share of one callout.",
     "b": "The strict path's cost is the callout: Envoy's HTTP client round trip to Webdis "
          "and back (the Envoy-under-test column), then Webdis and Redis. Fewer calls per "
          "request is the lever: the lease (e) for limits that can trade exactness at the "
@@ -1115,6 +1185,33 @@ def goals_section(res):
     return out
 
 
+def batching_section(res):
+    """Batches: sizes, calls per request, and the one-connection latencies."""
+    by_id = {s["id"]: s for s in res["scenarios"] if not s.get("unavailable")}
+    out = ["## Batching", ""]
+    for sid in ("f", "h"):
+        s = by_id.get(sid)
+        if not s or not s.get("batch"):
+            continue
+        b = s["batch"]
+        q = b.get("quantiles") or {}
+        dist = ", ".join(f"{k} {q[k]:.1f}" for k in ("P50", "P90", "P99", "P100") if k in q)
+        out.append(f"* ({sid}) {s['name']}: {b['mean_size']:.2f} requests per batch call on "
+                   f"average, {s['redis_calls_per_req']:.3f} Redis calls per request; batch "
+                   f"sizes (Envoy's histogram, warm-up included): {dist or 'not reported'}.")
+    g, h = by_id.get("g"), by_id.get("h")
+    if g and h:
+        def spread(s, p):
+            vals = [r["latency_ms"][p] for r in s["runs"]]
+            return f"{min(vals):.2f}–{max(vals):.2f}"
+        out.append(f"* One connection: p50 {h['latency_ms']['p50']:.3f} ms batched (h) against "
+                   f"{g['latency_ms']['p50']:.3f} ms single (g), p99 "
+                   f"{h['latency_ms']['p99']:.3f} against {g['latency_ms']['p99']:.3f} ms; "
+                   f"per-round spread p50 {spread(h, 'p50')} (h) and {spread(g, 'p50')} (g), "
+                   f"p99 {spread(h, 'p99')} (h) and {spread(g, 'p99')} (g).")
+    return out
+
+
 def write_benchmarks(res, path):
     m = res["machine"]
     st = res["settings"]
@@ -1157,6 +1254,7 @@ def write_benchmarks(res, path):
         lines.append(f"* ({s['id']}) over (a): {c['total'] - base['total']:+.0f} µs of CPU per "
                      f"request: {parts}")
     lines += ["", *goals_section(res)]
+    lines += ["", *batching_section(res)]
     lines += ["", "The filter's own counters over the measured runs, per request "
               "(`wasmcustom.redis_guard.…`):", ""]
     for s in res["scenarios"]:
@@ -1193,7 +1291,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="seconds of warm-up per scenario")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="wrk threads")
-    ap.add_argument("--scenarios", default="abcdex",
+    ap.add_argument("--scenarios", default="abcdexfgh",
                     help="which, e.g. 'ab' ((a) is always run); 'x' adds a diagnostic: the "
                     "filter loaded but no limit applying")
     ap.add_argument("--no-benchmarks-md", action="store_true",

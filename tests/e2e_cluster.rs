@@ -100,6 +100,15 @@ fn rate_limits_hold_exactly_across_two_envoys_over_the_cluster() {
             "both took part"
         );
     }
+    // Every decision Redis made rode a batch (on by default), each batch of
+    // one tenant's tag, so of one slot: none failed (a CROSSSLOT would).
+    let batch_calls = stack.counter("redis_guard.batch.calls");
+    let decided = jobs.len() as u64 - stack.counter("redis_guard.overlimit_cache.rejected");
+    assert!(
+        (1..=decided).contains(&batch_calls),
+        "{batch_calls} batch calls for {decided} decisions"
+    );
+    assert_eq!(stack.counter("redis_guard.redis.errors"), 0);
 
     // Exactly one key per tenant and limit, each on the master that owns its
     // slot, which is the master the tenant's tag maps to: all three are used.

@@ -8,6 +8,7 @@
 pub struct FilterConfig {
     timeout_ms: u64,
     breaker: Option<(u32, u64)>,
+    batch: Option<String>,
     failure_mode: String,
     fields: Vec<(String, String)>,
 }
@@ -19,6 +20,7 @@ pub fn filter_config(timeout_ms: u64) -> FilterConfig {
     FilterConfig {
         timeout_ms,
         breaker: None,
+        batch: None,
         failure_mode: "deny".to_string(),
         fields: Vec::new(),
     }
@@ -34,6 +36,15 @@ impl FilterConfig {
     /// `redis.circuitBreaker`: open after `failures`, probe after `cool_down_ms`.
     pub fn circuit_breaker(mut self, failures: u32, cool_down_ms: u64) -> FilterConfig {
         self.breaker = Some((failures, cool_down_ms));
+        self
+    }
+
+    /// `redis.batch`, a JSON object (`{"enabled": false}` for single calls).
+    pub fn batch(mut self, json: &str) -> FilterConfig {
+        if let Err(e) = serde_json::from_str::<serde_json::Value>(json) {
+            panic!("`redis.batch` is not JSON ({e}): {json}");
+        }
+        self.batch = Some(json.to_string());
         self
     }
 
@@ -76,8 +87,12 @@ impl FilterConfig {
             ),
             None => String::new(),
         };
+        let batch = match &self.batch {
+            Some(json) => format!(r#","batch":{json}"#),
+            None => String::new(),
+        };
         let mut json = format!(
-            r#"{{"redis":{{"cluster":"webdis","timeoutMs":{}{breaker}}},"failureMode":{}"#,
+            r#"{{"redis":{{"cluster":"webdis","timeoutMs":{}{breaker}{batch}}},"failureMode":{}"#,
             self.timeout_ms,
             serde_json::to_string(&self.failure_mode).unwrap()
         );

@@ -471,6 +471,25 @@ impl Envoy {
         Envoy::start_edited(filter_config, webdis_port, upstream_port, |yaml| yaml)
     }
 
+    /// The same with `workers` worker threads (one: every request meets the
+    /// same VM, so requests of one key share one worker's batches).
+    pub fn start_with_workers(
+        filter_config: &str,
+        webdis_port: u16,
+        upstream_port: u16,
+        workers: usize,
+    ) -> Envoy {
+        Envoy::start_inner(
+            filter_config,
+            webdis_port,
+            upstream_port,
+            None,
+            &[],
+            workers,
+            |y| y,
+        )
+    }
+
     /// The same, with `edit` applied to the rendered envoy.yaml (to run the
     /// filter the way another host, such as Istio, configures it).
     pub fn start_edited(
@@ -491,6 +510,27 @@ impl Envoy {
         upstream_port: u16,
         store_port: Option<u16>,
         env: &[(&str, &str)],
+        edit: impl FnOnce(String) -> String,
+    ) -> Envoy {
+        Envoy::start_inner(
+            filter_config,
+            webdis_port,
+            upstream_port,
+            store_port,
+            env,
+            2,
+            edit,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_inner(
+        filter_config: &str,
+        webdis_port: u16,
+        upstream_port: u16,
+        store_port: Option<u16>,
+        env: &[(&str, &str)],
+        workers: usize,
         edit: impl FnOnce(String) -> String,
     ) -> Envoy {
         let dir = Scratch::new("envoy");
@@ -516,7 +556,7 @@ impl Envoy {
         );
         let conf = dir.0.join("envoy.yaml");
         std::fs::write(&conf, edit(yaml)).unwrap();
-        let proc = start_envoy("envoy", &dir, &conf, 2, env, (admin_port, port));
+        let proc = start_envoy("envoy", &dir, &conf, workers, env, (admin_port, port));
         Envoy {
             port,
             admin_port,
