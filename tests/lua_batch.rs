@@ -31,6 +31,7 @@
 
 mod support;
 
+use support::script::{idem, sw, tb, Idem, Limit};
 use support::{hash_fields, key_exists, key_pttl, read_bucket, redis_now_ms};
 
 use std::cell::{Cell, RefCell};
@@ -53,74 +54,6 @@ const MINUTE: i64 = 60_000;
 
 // ---------------------------------------------------------------------------
 // Requests in the layout of lua/ratelimit.lua
-
-/// One limit as lua/ratelimit.lua takes it: six ARGV values and one key.
-#[derive(Debug, Clone)]
-struct Limit {
-    key: String,
-    alg: &'static str,
-    a: i64,
-    b: i64,
-    c: i64,
-    cost: i64,
-    enforce: bool,
-}
-
-/// Token bucket: `capacity` tokens, `refill` tokens every `period_ms`.
-fn tb(key: &str, capacity: i64, refill: i64, period_ms: i64) -> Limit {
-    Limit {
-        key: key.to_string(),
-        alg: "tb",
-        a: capacity,
-        b: refill,
-        c: period_ms,
-        cost: 1,
-        enforce: true,
-    }
-}
-
-/// Sliding-window log: `limit` requests per `window_ms`.
-fn sw(key: &str, limit: i64, window_ms: i64) -> Limit {
-    Limit {
-        key: key.to_string(),
-        alg: "sw",
-        a: limit,
-        b: window_ms,
-        c: 0,
-        cost: 1,
-        enforce: true,
-    }
-}
-
-impl Limit {
-    fn cost(mut self, cost: i64) -> Limit {
-        self.cost = cost;
-        self
-    }
-
-    fn shadow(mut self) -> Limit {
-        self.enforce = false;
-        self
-    }
-}
-
-/// A request's idempotency part: record key, owner token, fingerprint, lock TTL.
-#[derive(Debug, Clone)]
-struct Idem {
-    key: String,
-    owner: String,
-    fingerprint: String,
-    lock_ms: i64,
-}
-
-fn idem(key: &str, owner: &str, fingerprint: &str, lock_ms: i64) -> Idem {
-    Idem {
-        key: key.to_string(),
-        owner: owner.to_string(),
-        fingerprint: fingerprint.to_string(),
-        lock_ms,
-    }
-}
 
 /// One request: its limits and, if keyed, its idempotency part.
 #[derive(Debug, Clone)]

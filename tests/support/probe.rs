@@ -201,19 +201,8 @@ impl RawConn {
         body: &[u8],
     ) -> RawResp {
         use std::io::BufRead;
-        let mut req = format!(
-            "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-length: {}\r\n",
-            body.len()
-        )
-        .into_bytes();
-        for (n, v) in headers {
-            req.extend_from_slice(n.as_bytes());
-            req.extend_from_slice(b": ");
-            req.extend_from_slice(v);
-            req.extend_from_slice(b"\r\n");
-        }
-        req.extend_from_slice(b"\r\n");
-        req.extend_from_slice(body);
+        let length = format!("content-length: {}\r\n", body.len());
+        let req = super::raw_request_bytes(method, path, &length, headers, body);
         self.stream.get_mut().write_all(&req).unwrap();
 
         let mut line = Vec::new();
