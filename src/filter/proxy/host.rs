@@ -237,8 +237,12 @@ impl Host for ProxyHost<'_> {
         // member. One wake-up per flush: the root drains what queued.
         if batcher.join(me, member) && !shared.wake_pending.replace(true) {
             if let Err(e) = hostcalls::enqueue_shared_queue(queue, Some(b"w")) {
+                // The root's tick flushes instead, a millisecond later.
                 shared.wake_pending.set(false);
                 log::warn!("redis-guard: cannot wake the worker for a batch: {e:?}");
+                let _ = hostcalls::set_effective_context(shared.root_id);
+                let _ = hostcalls::set_tick_period(TICK);
+                let _ = hostcalls::set_effective_context(self.context_id);
             }
         }
         Ok(())

@@ -431,7 +431,14 @@ impl RootContext for Root {
                 let (due, later): (Vec<_>, Vec<_>) =
                     waiting.drain(..).partition(|(_, at, _)| *at <= now);
                 *waiting = later;
-                if waiting.is_empty() {
+                // The tick stops only when nothing waits for it: no stream's
+                // pause, no batch sent back after a refusal (whose due time
+                // is not one of `waiting`'s), no queue whose wake-up failed.
+                let batches_wait = shared
+                    .batcher
+                    .try_borrow()
+                    .map_or(true, |b| b.as_ref().is_some_and(Batcher::needs_tick));
+                if waiting.is_empty() && !batches_wait {
                     let _ = hostcalls::set_tick_period(Duration::ZERO);
                 }
                 due.into_iter().map(|(ctx, _, w)| (ctx, w)).collect()

@@ -190,7 +190,18 @@ impl<W: Waiter> Batcher<W> {
         verdicts
     }
 
-    /// The host's timer: refused calls whose pause is over go again.
+    /// Something waits for the host's timer: a refused call's pause, or a
+    /// queued group with a call to spare (its wake-up could not be queued).
+    pub fn needs_tick(&self) -> bool {
+        !self.retrying.is_empty()
+            || self
+                .groups
+                .values()
+                .any(|g| !g.queued.is_empty() && g.out < self.limits.max_in_flight)
+    }
+
+    /// The host's timer: refused calls whose pause is over go again, and
+    /// groups with room send what queued.
     pub fn on_tick<H: Host>(&mut self, host: &mut H, target: &RedisTarget) -> Vec<(W, Verdict)> {
         let now = host.now();
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retrying)
@@ -211,6 +222,7 @@ impl<W: Waiter> Batcher<W> {
                 }
             }
         }
+        verdicts.extend(self.flush(host, target));
         verdicts
     }
 

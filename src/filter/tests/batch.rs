@@ -413,3 +413,41 @@ fn a_batch_reply_for_fewer_members_than_sent_fails_them_all() {
         .iter()
         .all(|(_, v)| matches!(v, Verdict::Failed((ErrorKind::Reply, _)))));
 }
+
+#[test]
+fn a_refused_batch_keeps_the_timer_running_until_it_is_sent_again() {
+    let (mut b, _) = batcher(32, 1);
+    let mut h = FakeHost::get("/");
+    h.can_schedule = true;
+    join_all(&mut b, &mut h, vec![(stream(1), member("k", 300))]);
+    assert!(!b.needs_tick(), "one call out, nothing queued");
+    let refused = CalloutReply {
+        status: Some(503),
+        from_webdis: true,
+        body: vec![],
+    };
+    assert!(b.on_reply(&mut h, &target(), 1, &refused).is_empty());
+    assert_eq!(h.retries_scheduled, [Duration::from_millis(25)]);
+    assert!(b.needs_tick(), "the pause is the timer's");
+    h.clock_ms = 24;
+    assert!(b.on_tick(&mut h, &target()).is_empty());
+    assert_eq!(h.dispatched.len(), 1, "not before its pause is over");
+    assert!(b.needs_tick());
+    h.clock_ms = 25;
+    b.on_tick(&mut h, &target());
+    assert_eq!(h.dispatched.len(), 2);
+    assert!(!b.needs_tick());
+    let verdicts = b.on_reply(&mut h, &target(), 2, &batch_admit(1));
+    assert_eq!(ids(&verdicts), [1]);
+}
+
+#[test]
+fn a_group_whose_wake_up_was_lost_is_flushed_by_the_timer() {
+    let (mut b, _) = batcher(32, 1);
+    let mut h = FakeHost::get("/");
+    assert!(b.join(stream(1), member("k", 300)));
+    assert!(b.needs_tick(), "queued with a call to spare");
+    b.on_tick(&mut h, &target());
+    assert_eq!(h.dispatched.len(), 1);
+    assert!(!b.needs_tick());
+}
