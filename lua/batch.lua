@@ -74,4 +74,5 @@ for j = 1, m do
   out[#out + 1] = #reply
   for i = 1, #reply do out[#out + 1] = reply[i] end
 end
+tb_flush()
 return out

@@ -68,6 +68,7 @@ local spare = math.floor((r.credits - r.need) / period)
 local granted = math.min(lease, spare)
 r.need = r.need + granted * period
 tb_charge(r)
+tb_flush()
 local left = r.credits - r.need
 return { 1, 1, math.floor(left / period), 0,
          math.ceil((r.full - left) / refill), granted }

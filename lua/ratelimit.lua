@@ -55,4 +55,6 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- @@ALGORITHMS@@
 
-return decide(KEYS, ARGV)
+local reply = decide(KEYS, ARGV)
+tb_flush()
+return reply

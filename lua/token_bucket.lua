@@ -9,18 +9,33 @@ ARGV     the limit's group in ratelimit.lua: "tb", capacity, refill (tokens per
          period), period (ms), cost, enforce
 Returns  tb_check(key, capacity, refill, period, cost) -> verdict table with
          allowed (0/1), remaining, retry (ms), reset (ms: time until full);
-         tb_charge(verdict) writes the hash and its PEXPIRE.
+         tb_charge(verdict) charges it; tb_flush() writes every charged
+         bucket's hash and PEXPIRE, once per key. The driver calls tb_flush()
+         before it returns.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
 ]]
 
 -- Token bucket, exact integer arithmetic: one token is `period` credits, and
 -- every elapsed millisecond adds `refill` credits. Config validation keeps
 -- capacity * period below 2^53 so the doubles stay exact.
+-- Buckets this script run has read or charged, by key: a batch decides many
+-- requests of one key, and reads and writes that key once instead of once per
+-- request. Nothing else runs while a script does, and every charge of one
+-- run is stamped with the same `now`, so the last charge's state is exactly
+-- what the sequence of writes would have left.
+local tb_seen = {}
+local tb_charged = {}
+
 local function tb_check(key, capacity, refill, period, cost)
   local full = capacity * period
-  local state = redis.call('HMGET', key, 'c', 't')
-  local credits = tonumber(state[1])
-  local last = tonumber(state[2])
+  local seen = tb_seen[key]
+  if seen == nil then
+    local state = redis.call('HMGET', key, 'c', 't')
+    seen = { c = tonumber(state[1]), t = tonumber(state[2]) }
+    tb_seen[key] = seen
+  end
+  local credits = seen.c
+  local last = seen.t
   if credits == nil or last == nil then
     credits = full
   elseif now > last then
@@ -48,8 +63,20 @@ end
 
 local function tb_charge(r)
   local left = r.credits - r.need
-  redis.call('HSET', r.key, 'c', string.format('%d', left), 't', string.format('%d', now))
+  if tb_seen[r.key].charged == nil then
+    tb_charged[#tb_charged + 1] = r.key
+  end
   -- Once full again the state equals a missing key, so it may vanish then.
-  redis.call('PEXPIRE', r.key, math.max(1, math.ceil((r.full - left) / r.refill)))
+  tb_seen[r.key] = { c = left, t = now, charged = true,
+                     ttl = math.max(1, math.ceil((r.full - left) / r.refill)) }
+end
+
+local function tb_flush()
+  for _, key in ipairs(tb_charged) do
+    local s = tb_seen[key]
+    redis.call('HSET', key, 'c', string.format('%d', s.c), 't', string.format('%d', now))
+    redis.call('PEXPIRE', key, s.ttl)
+  end
+  tb_charged = {}
 end
 

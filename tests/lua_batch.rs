@@ -836,6 +836,45 @@ fn two_hundred_members_on_one_key_with_capacity_one_hundred_admit_exactly_one_hu
     assert_eq!(zcard(&mut con, "h:w"), 100);
 }
 
+/// How often Redis ran `command` since the last CONFIG RESETSTAT (calls made
+/// inside scripts count).
+fn command_calls(con: &mut Connection, command: &str) -> i64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(con).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+#[test]
+fn a_batch_reads_and_writes_each_token_bucket_once_however_many_members_charge_it() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let members: Vec<Request> = (0..20)
+        .map(|j| {
+            // Two buckets: "o:a" charged by every member, "o:b" by every
+            // other one.
+            let mut limits = vec![tb("o:a", 100, 1, HOUR)];
+            if j % 2 == 0 {
+                limits.push(tb("o:b", 100, 1, HOUR));
+            }
+            request(limits)
+        })
+        .collect();
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut con)
+        .unwrap();
+    let replies = batch_ints(&mut con, &members);
+    assert!(replies.iter().all(|r| r[0] == 1));
+    assert_eq!(command_calls(&mut con, "hmget"), 2, "one read per bucket");
+    assert_eq!(command_calls(&mut con, "hset"), 2, "one write per bucket");
+    assert_eq!(command_calls(&mut con, "pexpire"), 2);
+    // What those single writes left is what twenty charges in a row would.
+    let mut con2 = redis.conn();
+    assert_eq!(credits(&mut con2, "o:a").map(|c| c / HOUR), Some(80));
+    assert_eq!(credits(&mut con2, "o:b").map(|c| c / HOUR), Some(90));
+}
+
 #[test]
 fn a_keyed_member_takes_its_lock_and_a_later_member_with_the_same_key_is_busy() {
     let redis = support::Redis::start();
