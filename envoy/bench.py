@@ -627,6 +627,7 @@ class Stack:
             "BIND_ADDRESS": HOST, "ADMIN_PORT": admin, "LISTEN_PORT": port,
             "UPSTREAM_HOST": HOST, "UPSTREAM_PORT": self.up_port,
             "WEBDIS_HOST": HOST, "WEBDIS_PORT": self.webdis_port, "WASM_PATH": WASM,
+            "WASM_RUNTIME": sc.get("runtime", "v8"),
             "OBJECT_STORE_HOST": HOST, "OBJECT_STORE_PORT": self.store_port,
         }
         templates = ["envoy/envoy.yaml"]
