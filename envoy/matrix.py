@@ -18,6 +18,7 @@ import argparse
 import datetime
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -139,10 +140,15 @@ def run_cell(version, runtime, threads):
     cmd = cargo_test_args() + ["--no-fail-fast", "--", "--exact", f"--test-threads={threads}"] + names
     start = time.monotonic()
     with open(log, "w") as out:
+        # Its own process group: a cell over its time is killed with every
+        # test binary, Envoy and Redis it started, not just cargo.
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                timeout=CELL_TIMEOUT_S).returncode
+            rc = proc.wait(timeout=CELL_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = None
     secs = time.monotonic() - start
     text = log.read_text(errors="replace")
