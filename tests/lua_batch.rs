@@ -41,7 +41,7 @@ use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use proptest::sample::{select, subsequence};
-use proptest::test_runner::{RngSeed, TestRunner};
+use proptest::test_runner::TestRunner;
 use redis::{Connection, Value};
 
 /// One hour: the refill period and window of nearly every limit here, so
@@ -244,26 +244,7 @@ const RECORDS: usize = 2;
 const SEED: u64 = 0x6261_7463_685f_6c75; // "batch_lu"
 
 fn config() -> ProptestConfig {
-    // `default()` reads the PROPTEST_* environment variables.
-    let base = ProptestConfig::default();
-    let env_set = |name: &str| std::env::var_os(name).is_some();
-    ProptestConfig {
-        cases: if env_set("PROPTEST_CASES") {
-            base.cases
-        } else {
-            CASES
-        },
-        rng_seed: if env_set("PROPTEST_RNG_SEED") {
-            base.rng_seed
-        } else {
-            RngSeed::Fixed(SEED)
-        },
-        // Regressions would be written next to the test file; keep the tree clean.
-        failure_persistence: None,
-        // Each shrink step replays a whole sequence against Redis: bounded.
-        max_shrink_iters: 512,
-        ..base
-    }
+    support::fixed_seed::config(CASES, SEED, 512)
 }
 
 /// One limit definition of a case's pool; its key is `ns:d<index>`.

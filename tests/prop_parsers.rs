@@ -22,10 +22,11 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use proptest::collection::vec;
+mod support;
+
 use proptest::option;
 use proptest::prelude::*;
 use proptest::sample::{select, Index};
-use proptest::test_runner::RngSeed;
 use serde_json::{Map, Number, Value};
 
 use redis_guard::config::{Config, ConfigError, ENV_ACCESS_KEY_ID, ENV_SECRET_ACCESS_KEY};
@@ -39,25 +40,7 @@ const CASES: u32 = 256;
 const SEED: u64 = 0x7265_6469_735f_6775; // "redis_gu"
 
 fn config() -> ProptestConfig {
-    // `default()` reads the PROPTEST_* environment variables.
-    let base = ProptestConfig::default();
-    let env_set = |name: &str| std::env::var_os(name).is_some();
-    ProptestConfig {
-        cases: if env_set("PROPTEST_CASES") {
-            base.cases
-        } else {
-            CASES
-        },
-        rng_seed: if env_set("PROPTEST_RNG_SEED") {
-            base.rng_seed
-        } else {
-            RngSeed::Fixed(SEED)
-        },
-        // Regressions would be written next to the test file; keep the tree clean.
-        failure_persistence: None,
-        max_shrink_iters: 2048,
-        ..base
-    }
+    support::fixed_seed::config(CASES, SEED, 2048)
 }
 
 fn manifest_dir() -> &'static Path {

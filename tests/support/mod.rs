@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 pub mod cluster;
 pub mod config;
+pub mod fixed_seed;
 pub mod probe;
 pub mod s3;
 pub mod script;
@@ -630,7 +631,7 @@ fn start_envoy(
             envoy_log(dir)
         );
         let ready = TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
-            && get(&format!("http://127.0.0.1:{admin_port}/ready"), &[]).status == 200
+            && admin_ready(admin_port)
             && TcpStream::connect(("127.0.0.1", port)).is_ok();
         if ready {
             return proc;
@@ -640,6 +641,19 @@ fn start_envoy(
             "{name} not ready within 30s"
         );
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether Envoy's admin answers /ready with 200. A connection refused or
+/// reset while Envoy is still starting is a "not yet", not a failure: the
+/// caller's loop tries again within its bound.
+fn admin_ready(admin_port: u16) -> bool {
+    match agent()
+        .get(&format!("http://127.0.0.1:{admin_port}/ready"))
+        .call()
+    {
+        Ok(r) => r.status() == 200,
+        Err(_) => false,
     }
 }
 
