@@ -5,9 +5,9 @@ use crate::ratelimit::ScriptArgs;
 use crate::webdis::Reply;
 
 /// KEYS and ARGV of lua/batch.lua for `members` (each a request's own KEYS
-/// and ARGV for lua/ratelimit.lua), decided in this order.
-pub fn batch_args<'a>(members: impl IntoIterator<Item = &'a ScriptArgs>) -> ScriptArgs {
-    let members: Vec<&ScriptArgs> = members.into_iter().collect();
+/// and ARGV for lua/ratelimit.lua), decided in this order. The members'
+/// arguments are moved, not copied: a batch is built on the request path.
+pub fn batch_args(members: Vec<ScriptArgs>) -> ScriptArgs {
     let mut keys = Vec::with_capacity(members.iter().map(|(k, _)| k.len()).sum());
     let mut argv = Vec::with_capacity(
         1 + 2 * members.len() + members.iter().map(|(_, a)| a.len()).sum::<usize>(),
@@ -18,8 +18,8 @@ pub fn batch_args<'a>(members: impl IntoIterator<Item = &'a ScriptArgs>) -> Scri
         argv.push(a.len().to_string().into_bytes());
     }
     for (k, a) in members {
-        keys.extend(k.iter().cloned());
-        argv.extend(a.iter().cloned());
+        keys.extend(k);
+        argv.extend(a);
     }
     (keys, argv)
 }
@@ -73,7 +73,7 @@ mod tests {
             bytes(&["1", "tb", "5", "1", "1000", "1", "1"]),
         );
         let b = (bytes(&["k1", "k2"]), bytes(&["2", "x"]));
-        let (keys, argv) = batch_args([&a, &b]);
+        let (keys, argv) = batch_args(vec![a, b]);
         assert_eq!(keys, bytes(&["k1", "k1", "k2"]));
         assert_eq!(
             argv,

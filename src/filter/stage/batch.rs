@@ -90,13 +90,17 @@ impl<W: Waiter> Batcher<W> {
     /// to spare, so the worker should [`Batcher::flush`] soon: the request
     /// then leaves at once, with whatever else queued by then.
     pub fn join(&mut self, who: W, member: Member) -> bool {
-        let group = self
-            .groups
-            .entry(member.tag.clone())
-            .or_insert_with(|| Group {
+        // Looked up by reference: the tag is copied only for a new group.
+        if !self.groups.contains_key(&member.tag) {
+            let group = Group {
                 queued: Vec::new(),
                 out: 0,
-            });
+            };
+            self.groups.insert(member.tag.clone(), group);
+        }
+        let Some(group) = self.groups.get_mut(&member.tag) else {
+            return false;
+        };
         group.queued.push((who, member));
         group.out < self.limits.max_in_flight
     }
@@ -283,10 +287,10 @@ impl<W: Waiter> Batcher<W> {
             return verdicts;
         }
         let deadline = members.iter().map(|(_, m)| m.deadline).min().unwrap_or(now);
-        let args = batch_args(members.iter().map(|(_, m)| &m.args));
-        let call = ScriptCall::new(&BATCH, args, Budget::Until(deadline));
         let size = members.len();
-        let waiters: Vec<W> = members.into_iter().map(|(w, _)| w).collect();
+        let (waiters, args): (Vec<W>, Vec<ScriptArgs>) =
+            members.into_iter().map(|(w, m)| (w, m.args)).unzip();
+        let call = ScriptCall::new(&BATCH, batch_args(args), Budget::Until(deadline));
         match call.send(host, target) {
             Ok(token) => {
                 host.count(Counter::BatchCalls);
