@@ -279,6 +279,21 @@ impl FakeHost {
     }
 }
 
+/// Webdis' own 503: the command never reached Redis (it may be retried).
+pub fn refused() -> CalloutReply {
+    CalloutReply {
+        status: Some(503),
+        from_webdis: true,
+        body: vec![],
+    }
+}
+
+/// Whether `headers` hold `name: value` (a local reply's, or those added to
+/// a response).
+pub fn has_header(headers: &[(String, String)], name: &str, value: &str) -> bool {
+    headers.iter().any(|(n, v)| n == name && v == value)
+}
+
 /// A RESP array of bulk strings, as Webdis' `.raw` output carries it.
 pub fn resp(items: &[&[u8]]) -> Vec<u8> {
     let mut out = format!("*{}\r\n", items.len()).into_bytes();

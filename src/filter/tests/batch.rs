@@ -384,15 +384,10 @@ fn a_batch_meeting_noscript_goes_once_more_as_eval_and_a_refusal_once_more_at_on
     assert!(b.on_reply(&mut h, &target(), 1, &noscript).is_empty());
     assert_eq!(count(&h, Counter::ScriptReloads), 1);
     assert!(h.dispatched[1].starts_with("EVAL/"));
-    let refused = CalloutReply {
-        status: Some(503),
-        from_webdis: true,
-        body: vec![],
-    };
-    assert!(b.on_reply(&mut h, &target(), 2, &refused).is_empty());
+    assert!(b.on_reply(&mut h, &target(), 2, &refused()).is_empty());
     assert_eq!(h.dispatched.len(), 3, "sent again at once");
     assert_eq!(count(&h, Counter::RedisRetries), 1);
-    let verdicts = b.on_reply(&mut h, &target(), 3, &refused);
+    let verdicts = b.on_reply(&mut h, &target(), 3, &refused());
     assert!(matches!(
         &verdicts[0].1,
         Verdict::Failed((ErrorKind::Http, _))
@@ -421,12 +416,7 @@ fn a_refused_batch_keeps_the_timer_running_until_it_is_sent_again() {
     h.can_schedule = true;
     join_all(&mut b, &mut h, vec![(stream(1), member("k", 300))]);
     assert!(!b.needs_tick(), "one call out, nothing queued");
-    let refused = CalloutReply {
-        status: Some(503),
-        from_webdis: true,
-        body: vec![],
-    };
-    assert!(b.on_reply(&mut h, &target(), 1, &refused).is_empty());
+    assert!(b.on_reply(&mut h, &target(), 1, &refused()).is_empty());
     assert_eq!(h.retries_scheduled, [Duration::from_millis(25)]);
     assert!(b.needs_tick(), "the pause is the timer's");
     h.clock_ms = 24;

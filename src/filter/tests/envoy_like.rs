@@ -5,14 +5,6 @@
 
 use super::*;
 
-fn refused() -> CalloutReply {
-    CalloutReply {
-        status: Some(503),
-        from_webdis: true,
-        body: vec![],
-    }
-}
-
 /// A rate-limited GET on a host that can pause (as Envoy's root tick can),
 /// whose first call is in flight; the Redis timeout is 300 ms.
 fn pausable() -> (Flow, FakeHost) {

@@ -180,10 +180,7 @@ fn busy_key_is_409_with_retry_after_and_not_resumed() {
     assert_eq!(h.resumed, 0);
     assert_eq!(h.sent.len(), 1);
     assert_eq!(h.sent[0].status, 409);
-    assert!(h.sent[0]
-        .headers
-        .iter()
-        .any(|(n, v)| n == "retry-after" && v == "1"));
+    assert!(has_header(&h.sent[0].headers, "retry-after", "1"));
     assert!(h.counters.contains(&Counter::IdemConflicts));
     assert!(!h.counters.contains(&Counter::IdemAcquired));
     f.on_stream_end(&mut h);
@@ -555,15 +552,7 @@ fn redis_failure_on_a_keyed_request_follows_the_rule_failure_mode() {
 #[test]
 fn a_webdis_503_retry_keeps_the_same_owner() {
     let (mut f, mut h) = keyed_in_flight("deny");
-    f.on_callout_reply(
-        &mut h,
-        1,
-        CalloutReply {
-            status: Some(503),
-            from_webdis: true,
-            body: vec![],
-        },
-    );
+    f.on_callout_reply(&mut h, 1, refused());
     assert_eq!(h.dispatched.len(), 2);
     assert_eq!(h.dispatched[0], h.dispatched[1]);
     assert_eq!(h.tokens, 1, "one owner token per request");

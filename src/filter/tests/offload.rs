@@ -232,10 +232,7 @@ fn a_lost_corrupt_or_unreachable_object_is_an_error_never_a_rerun() {
         assert_eq!(doc["status"], status);
         assert!(doc["storedResponse"].is_string());
         assert_eq!(
-            h.sent[0]
-                .headers
-                .iter()
-                .any(|(n, v)| n == "retry-after" && v == "1"),
+            has_header(&h.sent[0].headers, "retry-after", "1"),
             status == 503
         );
     }

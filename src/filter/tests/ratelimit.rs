@@ -19,10 +19,7 @@ fn admitted_request_resumes_and_gets_headers() {
     assert_eq!(h.resumed, 1);
     assert!(h.sent.is_empty());
     f.on_response_headers(&mut h, false);
-    assert!(h
-        .added
-        .iter()
-        .any(|(n, v)| n == "x-ratelimit-remaining" && v == "1"));
+    assert!(has_header(&h.added, "x-ratelimit-remaining", "1"));
     assert!(h.counters.contains(&Counter::Allowed(0)));
 }
 
@@ -33,10 +30,7 @@ fn rejected_request_gets_429_and_is_not_resumed() {
     assert_eq!(h.resumed, 0);
     assert_eq!(h.sent.len(), 1);
     assert_eq!(h.sent[0].status, 429);
-    assert!(h.sent[0]
-        .headers
-        .iter()
-        .any(|(n, v)| n == "retry-after" && v == "1"));
+    assert!(has_header(&h.sent[0].headers, "retry-after", "1"));
     assert!(h.counters.contains(&Counter::Rejected(0)));
 }
 
@@ -110,11 +104,7 @@ fn trailers_end_a_keyed_request_body() {
     )
     .unwrap();
     let mut f = Flow::new(Rc::new(cfg), test_breaker());
-    let mut h = FakeHost::get("/pay");
-    h.request.headers.insert(":method".into(), b"POST".to_vec());
-    h.request
-        .headers
-        .insert("idempotency-key".into(), b"k1".to_vec());
+    let mut h = FakeHost::post("/pay", b"k1");
     h.request_body = b"body".to_vec();
     assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
     assert_eq!(f.on_request_body(&mut h, 4, false), Action::Pause);
@@ -267,10 +257,7 @@ fn local_mode_spends_a_per_envoy_budget_when_redis_fails() {
     assert_eq!(count(&h, Counter::LocalAllowed), 2);
     assert_eq!(count(&h, Counter::LocalRejected), 2);
     let reply = h.sent.last().unwrap();
-    assert!(reply
-        .headers
-        .iter()
-        .any(|(n, v)| n == "retry-after" && v == "60"));
+    assert!(has_header(&reply.headers, "retry-after", "60"));
     assert_eq!(h.shared.len(), 1, "one budget per descriptor");
 }
 
@@ -285,14 +272,7 @@ fn limits_and_the_idempotency_record_share_one_hash_tag() {
     )
     .unwrap();
     let mut f = Flow::new(Rc::new(cfg), test_breaker());
-    let mut h = FakeHost::get("/pay");
-    h.request.headers.insert(":method".into(), b"POST".to_vec());
-    h.request
-        .headers
-        .insert("x-tenant".into(), b"acme".to_vec());
-    h.request
-        .headers
-        .insert("idempotency-key".into(), b"k1".to_vec());
+    let mut h = FakeHost::post("/pay", b"k1").with("x-tenant", b"acme");
     assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
     assert_eq!(h.dispatched.len(), 1, "one round trip for both");
     let call = &h.dispatched[0];
@@ -311,15 +291,7 @@ fn a_webdis_503_is_retried_after_a_pause_when_the_host_can_wait() {
     let mut h = FakeHost::get("/api/x");
     h.can_schedule = true;
     f.on_request_headers(&mut h, true);
-    f.on_callout_reply(
-        &mut h,
-        1,
-        CalloutReply {
-            status: Some(503),
-            from_webdis: true,
-            body: vec![],
-        },
-    );
+    f.on_callout_reply(&mut h, 1, refused());
     assert_eq!(h.retries_scheduled, [RETRY_DELAY]);
     assert_eq!(
         h.dispatched.len(),
@@ -337,21 +309,16 @@ fn a_webdis_503_is_retried_after_a_pause_when_the_host_can_wait() {
 
 #[test]
 fn a_webdis_503_is_retried_once_then_fails() {
-    let unavailable = || CalloutReply {
-        status: Some(503),
-        from_webdis: true,
-        body: vec![],
-    };
     let (mut f, mut h) = started("deny");
-    f.on_callout_reply(&mut h, 1, unavailable());
+    f.on_callout_reply(&mut h, 1, refused());
     assert_eq!(h.dispatched.len(), 2);
     assert_eq!(h.dispatched[0], h.dispatched[1], "the same command again");
     f.on_callout_reply(&mut h, 2, ok(ADMIT));
     assert_eq!((h.resumed, h.sent.len()), (1, 0));
 
     let (mut f, mut h) = started("deny");
-    f.on_callout_reply(&mut h, 1, unavailable());
-    f.on_callout_reply(&mut h, 2, unavailable());
+    f.on_callout_reply(&mut h, 1, refused());
+    f.on_callout_reply(&mut h, 2, refused());
     assert_eq!(h.dispatched.len(), 2, "one retry only");
     assert_eq!(h.sent[0].status, 503);
 }
