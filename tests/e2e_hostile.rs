@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
+use support::probe::poll;
 use support::*;
 
 fn config() -> String {
@@ -60,15 +61,24 @@ fn ninety_headers_do_not_disturb_the_decision() {
 fn a_keyed_body_that_stops_mid_stream_takes_no_lock() {
     let stack = Stack::start(&config(), 1);
     let e = stack.envoy();
+    let stat = |name: &str| admin_stat(e.admin_port, &format!("http.ingress.{name}"));
     {
         let mut s = TcpStream::connect(("127.0.0.1", e.port)).unwrap();
         s.write_all(
             b"POST /pay/cut HTTP/1.1\r\nhost: x\r\nidempotency-key: k-cut\r\ncontent-length: 100\r\n\r\n0123456789",
         )
         .unwrap();
-        std::thread::sleep(Duration::from_millis(200));
+        // Envoy has the headers (the filter has seen the key) before the
+        // client goes.
+        poll("the request reaches Envoy", Duration::from_secs(5), || {
+            (stat("downstream_rq_total") >= 1).then_some(())
+        });
     } // closed with 90 bytes missing
-    std::thread::sleep(Duration::from_millis(200));
+    poll(
+        "Envoy sees the client leave",
+        Duration::from_secs(5),
+        || (stat("downstream_cx_destroy_remote_active_rq") >= 1).then_some(()),
+    );
     assert!(
         keys(&stack, "rg:idem:*").is_empty(),
         "no body, no decision, no lock"
