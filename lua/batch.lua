@@ -42,7 +42,8 @@ end
 -- wrote before it returned an error, so a malformed member found late would
 -- leave the members before it charged (and locked) for a batch the filter
 -- sees fail.
-local members = {}
+-- Members are read where they lie in KEYS and ARGV (offsets), not copied.
+local ko, ao = {}, {}
 local k, a = 1, 2 + 2 * m
 for j = 1, m do
   local nkeys = tonumber(ARGV[2 * j])
@@ -51,15 +52,12 @@ for j = 1, m do
       or k + nkeys - 1 > #KEYS or a + nargs - 1 > #ARGV then
     return redis.error_reply('ERR redis-guard batch: member sizes do not match KEYS and ARGV')
   end
-  local keys, argv = {}, {}
-  for i = 1, nkeys do keys[i] = KEYS[k + i - 1] end
-  for i = 1, nargs do argv[i] = ARGV[a + i - 1] end
-  k, a = k + nkeys, a + nargs
-  local bad = malformed(keys, argv)
+  local bad = malformed(KEYS, k - 1, nkeys, ARGV, a - 1, nargs)
   if bad then
     return redis.error_reply(bad)
   end
-  members[j] = { keys, argv }
+  ko[j], ao[j] = k - 1, a - 1
+  k, a = k + nkeys, a + nargs
 end
 if k - 1 ~= #KEYS or a - 1 ~= #ARGV then
   return redis.error_reply('ERR redis-guard batch: member sizes do not match KEYS and ARGV')
@@ -67,7 +65,7 @@ end
 
 local out = { m }
 for j = 1, m do
-  local reply = decide(members[j][1], members[j][2])
+  local reply = decide_checked(KEYS, ko[j], ARGV, ao[j])
   if reply.err then
     return reply
   end

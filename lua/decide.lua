@@ -4,7 +4,9 @@ of each member of lua/batch.lua.
 This file is not a script on its own: src/scripts.rs joins it after the
 algorithm and idempotency files. decide(keys, argv) takes one request's KEYS
 and ARGV in the layout lua/ratelimit.lua documents and returns its reply (the
-flat array documented there), or an error reply. It writes only what that
+flat array documented there), or an error reply; decide_checked(keys, ko,
+argv, ao) the same for a request malformed() has already passed, read from
+KEYS and ARGV at offsets. It writes only what that
 reply says was charged or locked, so requests decided one after another in
 one script see each other exactly as separate calls in the same order would.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
@@ -13,39 +15,43 @@ Reads    `now` (ms, from Redis TIME) set by the preamble.
 -- Why one request's KEYS and ARGV cannot be decided, or nil: checked before
 -- anything is written, so a malformed request (or batch member) changes
 -- nothing.
-local function malformed(keys, argv)
-  local n = tonumber(argv[1])
-  local keyed = n ~= nil and argv[2 + 6 * n] == '1'
-  if n == nil or n + (keyed and 1 or 0) ~= #keys then
+local function malformed(keys, ko, nk, argv, ao, na)
+  local n = tonumber(argv[ao + 1])
+  local keyed = n ~= nil and 2 + 6 * n <= na and argv[ao + 2 + 6 * n] == '1'
+  if n == nil or n < 0 or n + (keyed and 1 or 0) ~= nk then
     return 'ERR redis-guard ratelimit: ARGV[1] must match #KEYS'
   end
   for i = 1, n do
-    local base = 2 + (i - 1) * 6
-    local alg = argv[base]
+    local base = ao + 2 + (i - 1) * 6
+    local alg = base - ao <= na and argv[base] or nil
     if alg ~= 'tb' and alg ~= 'sw' then
       return 'ERR redis-guard ratelimit: unknown algorithm'
     end
     for j = 1, 4 do
-      if tonumber(argv[base + j]) == nil then
+      if base - ao + j > na or tonumber(argv[base + j]) == nil then
         return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs numbers'
       end
     end
   end
+  if keyed and 5 + 6 * n > na then
+    return 'ERR redis-guard ratelimit: an idempotency key needs owner, fingerprint and lock TTL'
+  end
   return nil
 end
 
-local function decide(keys, argv)
-  local bad = malformed(keys, argv)
-  if bad then
-    return redis.error_reply(bad)
-  end
-  local n = tonumber(argv[1])
-  local keyed = argv[2 + 6 * n] == '1'
+-- decide() for a request malformed() has passed, whose KEYS start after
+-- keys[ko] and ARGV after argv[ao]: lua/batch.lua checks every member before
+-- deciding any, and reads each member where it lies in KEYS and ARGV (checking
+-- twice, or copying each member's values out, costs a member about as much
+-- as its token bucket does).
+local function decide_checked(keys, ko, argv, ao)
+  local n = tonumber(argv[ao + 1])
+  local keyed = argv[ao + 2 + 6 * n] == '1'
 
   local idem
   if keyed then
-    local ib = 3 + 6 * n
-    idem = idem_check(keys[n + 1], argv[ib], argv[ib + 1], tonumber(argv[ib + 2]))
+    local ib = ao + 3 + 6 * n
+    idem = idem_check(keys[ko + n + 1], argv[ib], argv[ib + 1], tonumber(argv[ib + 2]))
     if idem.verdict ~= 1 then
       return idem.reply
     end
@@ -54,7 +60,7 @@ local function decide(keys, argv)
   local results = {}
   local admit = 1
   for i = 1, n do
-    local base = 2 + (i - 1) * 6
+    local base = ao + 2 + (i - 1) * 6
     local alg = argv[base]
     local a = tonumber(argv[base + 1])
     local b = tonumber(argv[base + 2])
@@ -63,9 +69,9 @@ local function decide(keys, argv)
     local enforce = argv[base + 5] == '1'
     local r
     if alg == 'tb' then
-      r = tb_check(keys[i], a, b, c, cost)
+      r = tb_check(keys[ko + i], a, b, c, cost)
     else
-      r = sw_check(keys[i], a, b, cost)
+      r = sw_check(keys[ko + i], a, b, cost)
     end
     r.alg = alg
     if enforce and r.allowed == 0 then
@@ -103,4 +109,12 @@ local function decide(keys, argv)
     out[#out + 1] = r.reset
   end
   return out
+end
+
+local function decide(keys, argv)
+  local bad = malformed(keys, 0, #keys, argv, 0, #argv)
+  if bad then
+    return redis.error_reply(bad)
+  end
+  return decide_checked(keys, 0, argv, 0)
 end

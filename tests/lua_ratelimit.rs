@@ -919,6 +919,28 @@ fn rejects_an_unknown_algorithm() {
 }
 
 #[test]
+fn rejects_a_keyed_request_without_its_idempotency_arguments_and_writes_nothing() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let (a, rec) = ("t:{x}:err:a", "t:{x}:err:rec");
+    // Keyed ("1" after the limit), but no owner, fingerprint or lock TTL.
+    let err = script::eval_raw(
+        &mut con,
+        &RATELIMIT,
+        &[a, rec],
+        &["1", "tb", "10", "1", "1000", "1", "1", "1"],
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("needs owner, fingerprint and lock TTL"),
+        "unexpected error: {err}"
+    );
+    assert!(
+        !exists(&mut con, a) && !exists(&mut con, rec),
+        "errors write nothing"
+    );
+}
+
+#[test]
 fn redis_names_the_script_by_the_sha1_the_filter_sends() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     assert_eq!(script::load(&mut con, &RATELIMIT), RATELIMIT.sha1);
