@@ -188,6 +188,27 @@ SCENARIOS = [
         "goal": 0.65,
     },
     {
+        # Diagnostics for the batching defaults (not in the default run).
+        "id": "i",
+        "name": "batched, 1 call in flight",
+        "what": "f with maxInFlight 1: bigger batches, a reply waited for before the next call",
+        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)],
+                                batch={"maxRequests": 32, "maxInFlight": 1}),
+        "request": "get",
+        "expect": "2xx",
+        "optional": True,
+    },
+    {
+        "id": "j",
+        "name": "batched, 4 calls in flight",
+        "what": "f with maxInFlight 4: smaller batches, more calls out at once",
+        "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)],
+                                batch={"maxRequests": 32, "maxInFlight": 4}),
+        "request": "get",
+        "expect": "2xx",
+        "optional": True,
+    },
+    {
         "id": "g",
         "name": "strict, 1 connection",
         "what": "b at `-c1` (one request at a time): what a quiet Envoy pays per call",
