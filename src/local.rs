@@ -30,7 +30,21 @@ impl LocalBucket {
                 refill: scale(refill),
                 period_ms,
             },
-            Algorithm::SlidingWindow { limit, window_ms } => LocalBucket {
+            // GCRA admits exactly what this bucket does.
+            Algorithm::Gcra {
+                rate,
+                period_ms,
+                burst,
+            } => LocalBucket {
+                capacity: scale(burst),
+                refill: scale(rate),
+                period_ms,
+            },
+            // The window kinds, locally: their limit per window as a bucket
+            // that refills it over one window (no burst at a window's edge).
+            Algorithm::SlidingWindow { limit, window_ms }
+            | Algorithm::FixedWindow { limit, window_ms }
+            | Algorithm::SlidingWindowCounter { limit, window_ms } => LocalBucket {
                 capacity: scale(limit),
                 refill: scale(limit),
                 period_ms: window_ms,
@@ -133,5 +147,41 @@ mod tests {
             window_ms: 1000,
         };
         assert_eq!(LocalBucket::for_limit(&tiny, 100).capacity, 1, "never zero");
+    }
+
+    #[test]
+    fn gcra_runs_locally_as_the_bucket_it_equals_and_the_window_kinds_as_their_window() {
+        let gcra = Algorithm::Gcra {
+            rate: 30,
+            period_ms: 1000,
+            burst: 50,
+        };
+        assert_eq!(
+            LocalBucket::for_limit(&gcra, 100),
+            LocalBucket {
+                capacity: 5,
+                refill: 3,
+                period_ms: 1000
+            }
+        );
+        for window in [
+            Algorithm::FixedWindow {
+                limit: 100,
+                window_ms: 60_000,
+            },
+            Algorithm::SlidingWindowCounter {
+                limit: 100,
+                window_ms: 60_000,
+            },
+        ] {
+            assert_eq!(
+                LocalBucket::for_limit(&window, 100),
+                LocalBucket {
+                    capacity: 10,
+                    refill: 10,
+                    period_ms: 60_000
+                }
+            );
+        }
     }
 }

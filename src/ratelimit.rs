@@ -127,6 +127,15 @@ impl Plan {
                     period_ms,
                 } => ("tb", capacity, refill, period_ms),
                 Algorithm::SlidingWindow { limit, window_ms } => ("sw", limit, window_ms, 0),
+                Algorithm::Gcra {
+                    rate,
+                    period_ms,
+                    burst,
+                } => ("gcra", burst, rate, period_ms),
+                Algorithm::FixedWindow { limit, window_ms } => ("fw", limit, window_ms, 0),
+                Algorithm::SlidingWindowCounter { limit, window_ms } => {
+                    ("swc", limit, window_ms, 0)
+                }
             };
             argv.push(alg.as_bytes().to_vec());
             argv.push(a.to_string().into_bytes());
@@ -447,6 +456,30 @@ mod tests {
         assert_eq!(
             argv,
             ["2", "tb", "10", "2", "1000", "1", "1", "sw", "5", "60000", "0", "1", "0"]
+        );
+    }
+
+    #[test]
+    fn script_args_name_each_new_kind_by_its_code() {
+        let cfg = config(
+            r#"[{"name":"g","gcra":{"rate":3,"periodMs":1000,"burst":5},"cost":2},
+                {"name":"f","fixedWindow":{"limit":100,"windowMs":60000}},
+                {"name":"s","shadow":true,"slidingWindowCounter":{"limit":7,"windowMs":1000}}]"#,
+        );
+        let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
+        let (keys, argv) = p.script_args(&cfg, None);
+        assert_eq!(keys.len(), 3);
+        let argv: Vec<String> = argv
+            .into_iter()
+            .map(|a| String::from_utf8(a).unwrap())
+            .collect();
+        // gcra: burst, rate, periodMs; the window kinds: limit, windowMs, 0.
+        assert_eq!(
+            argv,
+            [
+                "3", "gcra", "5", "3", "1000", "2", "1", "fw", "100", "60000", "0", "1", "1",
+                "swc", "7", "1000", "0", "1", "0"
+            ]
         );
     }
 

@@ -130,9 +130,9 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "limit_no_algorithm.json",
         "limits[0]",
-        "set exactly one of `tokenBucket` and `slidingWindow`",
+        "set exactly one of `tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow` and `slidingWindowCounter`",
     ),
-    ("limit_both_algorithms.json", "limits[0]", "not both"),
+    ("limit_both_algorithms.json", "limits[0]", "not several"),
     (
         "limit_name_duplicate.json",
         "limits[1].name",
@@ -194,6 +194,107 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "sliding_window_window_too_large.json",
         "limits[0].slidingWindow.windowMs",
         "below 2^53",
+    ),
+    // gcra, fixedWindow, slidingWindowCounter
+    (
+        "gcra_rate_zero.json",
+        "limits[0].gcra.rate",
+        "must be at least 1",
+    ),
+    (
+        "gcra_period_zero.json",
+        "limits[0].gcra.periodMs",
+        "must be at least 1",
+    ),
+    (
+        "gcra_burst_zero.json",
+        "limits[0].gcra.burst",
+        "must be at least 1",
+    ),
+    (
+        "gcra_burst_missing.json",
+        "limits[0].gcra",
+        "missing field `burst`",
+    ),
+    (
+        "gcra_burst_times_period_overflow.json",
+        "limits[0].gcra",
+        "burst * periodMs must stay below 2^52",
+    ),
+    (
+        "gcra_rate_times_period_overflow.json",
+        "limits[0].gcra",
+        "rate * periodMs must stay below 2^53",
+    ),
+    (
+        "gcra_cost_above_burst.json",
+        "limits[0].cost",
+        "must be between 1 and 20 (the limit's quota",
+    ),
+    (
+        "gcra_unknown_field.json",
+        "limits[0].gcra.capacity",
+        "unknown field `capacity`",
+    ),
+    (
+        "lease_on_gcra.json",
+        "limits[0].lease",
+        "tokenBucket limits only",
+    ),
+    (
+        "fixed_window_limit_zero.json",
+        "limits[0].fixedWindow.limit",
+        "must be at least 1",
+    ),
+    (
+        "fixed_window_limit_too_large.json",
+        "limits[0].fixedWindow.limit",
+        "at most 2^50",
+    ),
+    (
+        "fixed_window_window_zero.json",
+        "limits[0].fixedWindow.windowMs",
+        "must be at least 1",
+    ),
+    (
+        "fixed_window_window_too_large.json",
+        "limits[0].fixedWindow.windowMs",
+        "below 2^53",
+    ),
+    (
+        "fixed_window_cost_header_max_above_limit.json",
+        "limits[0].costHeader.max",
+        "must be between 1 and 100",
+    ),
+    (
+        "sliding_window_counter_limit_zero.json",
+        "limits[0].slidingWindowCounter.limit",
+        "must be at least 1",
+    ),
+    (
+        "sliding_window_counter_limit_too_large.json",
+        "limits[0].slidingWindowCounter.limit",
+        "at most 2^50",
+    ),
+    (
+        "sliding_window_counter_window_zero.json",
+        "limits[0].slidingWindowCounter.windowMs",
+        "must be at least 1",
+    ),
+    (
+        "sliding_window_counter_window_too_large.json",
+        "limits[0].slidingWindowCounter.windowMs",
+        "below 2^53",
+    ),
+    (
+        "sliding_window_counter_cost_above_limit.json",
+        "limits[0].cost",
+        "must be between 1 and 100",
+    ),
+    (
+        "limit_gcra_and_fixed_window.json",
+        "limits[0]",
+        "not several",
     ),
     // cost and costHeader
     (
@@ -848,6 +949,76 @@ fn every_bad_fixture_is_in_a_table() {
         problems.push(format!("{name}: listed but missing from bad/"));
     }
     fail_if_any(&problems);
+}
+
+#[test]
+fn every_limit_kind_parses_to_its_algorithm_and_key_signature() {
+    use redis_guard::config::Algorithm;
+    let config = Config::parse(&read_fixture("good", "every_limit_kind.json")).unwrap();
+    let got: Vec<(Algorithm, String, u64, u64)> = config
+        .limits
+        .iter()
+        .map(|l| {
+            (
+                l.algorithm,
+                l.algorithm.signature(),
+                l.algorithm.quota(),
+                l.algorithm.window_ms(),
+            )
+        })
+        .collect();
+    let max = 1u64 << 50;
+    let want = vec![
+        (
+            Algorithm::TokenBucket {
+                capacity: 10,
+                refill: 1,
+                period_ms: 1000,
+            },
+            "tb.10.1.1000".to_string(),
+            10,
+            10_000,
+        ),
+        (
+            Algorithm::SlidingWindow {
+                limit: 10,
+                window_ms: 1000,
+            },
+            "sw.10.1000".to_string(),
+            10,
+            1000,
+        ),
+        (
+            Algorithm::Gcra {
+                rate: 3,
+                period_ms: 1000,
+                burst: 5,
+            },
+            "gcra.3.1000.5".to_string(),
+            5,
+            // 5 units at 3 per second: 1667 ms from empty to full.
+            1667,
+        ),
+        (
+            Algorithm::FixedWindow {
+                limit: max,
+                window_ms: 60_000,
+            },
+            format!("fw.{max}.60000"),
+            max,
+            60_000,
+        ),
+        (
+            Algorithm::SlidingWindowCounter {
+                limit: 100,
+                window_ms: 9_007_199_254_740_991,
+            },
+            "swc.100.9007199254740991".to_string(),
+            100,
+            9_007_199_254_740_991,
+        ),
+    ];
+    assert_eq!(got, want);
 }
 
 #[test]

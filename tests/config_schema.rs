@@ -149,6 +149,7 @@ const SHAPE_REASONS: &[&str] = &[
     "missing field",
     "invalid value: integer `-",
     "found an array",
+    "set exactly one of `tokenBucket`",
 ];
 
 #[test]
@@ -192,7 +193,10 @@ fn base() -> Value {
              "cost": 1, "costHeader": {"name": "x-cost", "max": 1},
              "failureMode": "local", "localFraction": 0.5,
              "lease": {"tokens": 1, "ttlMs": 1000}},
-            {"name": "sw", "slidingWindow": {"limit": 1000000, "windowMs": 60000}}
+            {"name": "sw", "slidingWindow": {"limit": 1000000, "windowMs": 60000}},
+            {"name": "gcra", "gcra": {"rate": 10, "periodMs": 1000, "burst": 20}},
+            {"name": "fw", "fixedWindow": {"limit": 1000, "windowMs": 60000}},
+            {"name": "swc", "slidingWindowCounter": {"limit": 1000, "windowMs": 60000}}
         ],
         "idempotency": [
             {"name": "pay", "lockTtlMs": 30000, "recordTtlMs": 86400000,
@@ -221,6 +225,21 @@ const BOUNDED: &[(&str, &str, &str)] = &[
     (
         "/limits/1/slidingWindow/windowMs",
         "SlidingWindow",
+        "windowMs",
+    ),
+    ("/limits/2/gcra/rate", "Gcra", "rate"),
+    ("/limits/2/gcra/periodMs", "Gcra", "periodMs"),
+    ("/limits/2/gcra/burst", "Gcra", "burst"),
+    ("/limits/3/fixedWindow/limit", "FixedWindow", "limit"),
+    ("/limits/3/fixedWindow/windowMs", "FixedWindow", "windowMs"),
+    (
+        "/limits/4/slidingWindowCounter/limit",
+        "SlidingWindowCounter",
+        "limit",
+    ),
+    (
+        "/limits/4/slidingWindowCounter/windowMs",
+        "SlidingWindowCounter",
         "windowMs",
     ),
     ("/limits/0/cost", "Limit", "cost"),

@@ -17,11 +17,30 @@ const LUA_EXACT_MAX: u64 = 1 << 53;
 pub const DEFAULT_LOCAL_PER_MILLE: u64 = 100;
 /// Most units one request may spend from a sliding window.
 pub const MAX_WINDOW_COST: u64 = 1000;
+/// Largest limit of a counting kind (fixed window, sliding-window counter):
+/// their state is a count, so any limit a Lua double counts exactly, with
+/// room for one request's cost on top.
+pub const MAX_COUNTER_LIMIT: u64 = 1 << 50;
+/// GCRA keeps its state in units of 1/rate ms and compares `burst * periodMs`
+/// against a difference that can reach twice that: one bit of headroom.
+const GCRA_EXACT_MAX: u64 = 1 << 52;
 
-/// One rate limit: exactly one of tokenBucket or slidingWindow.
+/// The algorithm fields of a limit, by their JSON names, for its errors.
+const ALGORITHM_FIELDS: &str =
+    "`tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow` and `slidingWindowCounter`";
+
+/// One rate limit: exactly one of tokenBucket, slidingWindow, gcra,
+/// fixedWindow or slidingWindowCounter.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Limit")]
+#[schemars(extend("oneOf" = [
+    {"required": ["tokenBucket"]},
+    {"required": ["slidingWindow"]},
+    {"required": ["gcra"]},
+    {"required": ["fixedWindow"]},
+    {"required": ["slidingWindowCounter"]}
+]))]
 pub(super) struct RawLimit {
     /// Unique limit name: letters, digits, '-', '_', '.'; part of keys and stats.
     #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9._-]+$"))]
@@ -36,6 +55,12 @@ pub(super) struct RawLimit {
     token_bucket: Option<RawTokenBucket>,
     #[serde(default)]
     sliding_window: Option<RawSlidingWindow>,
+    #[serde(default)]
+    gcra: Option<RawGcra>,
+    #[serde(default)]
+    fixed_window: Option<RawFixedWindow>,
+    #[serde(default)]
+    sliding_window_counter: Option<RawSlidingWindowCounter>,
     /// Units one request spends (default 1).
     #[serde(default)]
     #[schemars(range(min = 1))]
@@ -96,6 +121,47 @@ struct RawSlidingWindow {
     window_ms: u64,
 }
 
+/// GCRA (generic cell rate algorithm): `rate` units per `periodMs`, up to
+/// `burst` at once. Exact, like the token bucket with capacity `burst`, but
+/// its state is one value per key (the theoretical arrival time).
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Gcra")]
+struct RawGcra {
+    #[schemars(range(min = 1))]
+    rate: u64,
+    #[schemars(range(min = 1))]
+    period_ms: u64,
+    #[schemars(range(min = 1))]
+    burst: u64,
+}
+
+/// At most `limit` units per window of `windowMs`, windows aligned to the
+/// Unix epoch on Redis' clock. One counter per key; up to twice `limit` may
+/// pass across a window's edge.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "FixedWindow")]
+struct RawFixedWindow {
+    #[schemars(range(min = 1, max = 1125899906842624_u64))]
+    limit: u64,
+    #[schemars(range(min = 1))]
+    window_ms: u64,
+}
+
+/// About `limit` units in any `windowMs`: the current and the previous
+/// fixed window, the previous weighted by its overlap with the sliding
+/// window. Constant memory, approximate (see the README for its worst case).
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "SlidingWindowCounter")]
+struct RawSlidingWindowCounter {
+    #[schemars(range(min = 1, max = 1125899906842624_u64))]
+    limit: u64,
+    #[schemars(range(min = 1))]
+    window_ms: u64,
+}
+
 /// Cost from a request header: a positive integer up to `max`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -117,6 +183,19 @@ pub enum Algorithm {
         limit: u64,
         window_ms: u64,
     },
+    Gcra {
+        rate: u64,
+        period_ms: u64,
+        burst: u64,
+    },
+    FixedWindow {
+        limit: u64,
+        window_ms: u64,
+    },
+    SlidingWindowCounter {
+        limit: u64,
+        window_ms: u64,
+    },
 }
 
 impl Algorithm {
@@ -124,12 +203,15 @@ impl Algorithm {
     pub fn quota(&self) -> u64 {
         match *self {
             Algorithm::TokenBucket { capacity, .. } => capacity,
-            Algorithm::SlidingWindow { limit, .. } => limit,
+            Algorithm::Gcra { burst, .. } => burst,
+            Algorithm::SlidingWindow { limit, .. }
+            | Algorithm::FixedWindow { limit, .. }
+            | Algorithm::SlidingWindowCounter { limit, .. } => limit,
         }
     }
 
-    /// The policy window in ms: for a token bucket, the time to refill it from
-    /// empty; for a sliding window, the window.
+    /// The policy window in ms: for a token bucket and GCRA, the time to
+    /// refill from empty; for the window kinds, the window.
     pub fn window_ms(&self) -> u64 {
         match *self {
             Algorithm::TokenBucket {
@@ -137,7 +219,14 @@ impl Algorithm {
                 refill,
                 period_ms,
             } => (capacity * period_ms).div_ceil(refill),
-            Algorithm::SlidingWindow { window_ms, .. } => window_ms,
+            Algorithm::Gcra {
+                rate,
+                period_ms,
+                burst,
+            } => (burst * period_ms).div_ceil(rate),
+            Algorithm::SlidingWindow { window_ms, .. }
+            | Algorithm::FixedWindow { window_ms, .. }
+            | Algorithm::SlidingWindowCounter { window_ms, .. } => window_ms,
         }
     }
 
@@ -152,6 +241,15 @@ impl Algorithm {
                 period_ms,
             } => format!("tb.{capacity}.{refill}.{period_ms}"),
             Algorithm::SlidingWindow { limit, window_ms } => format!("sw.{limit}.{window_ms}"),
+            Algorithm::Gcra {
+                rate,
+                period_ms,
+                burst,
+            } => format!("gcra.{rate}.{period_ms}.{burst}"),
+            Algorithm::FixedWindow { limit, window_ms } => format!("fw.{limit}.{window_ms}"),
+            Algorithm::SlidingWindowCounter { limit, window_ms } => {
+                format!("swc.{limit}.{window_ms}")
+            }
         }
     }
 }
@@ -210,75 +308,15 @@ pub(super) fn compile_limit(
             "must be 1 to 64 characters of A-Z a-z 0-9 - _ .",
         ));
     }
+    let algorithm = compile_algorithm(&raw, at)?;
     let matcher = compile_match(raw.matcher, &format!("{at}.match"))?;
     let descriptor = compile_parts(raw.descriptor, &format!("{at}.descriptor"))?;
-
-    let algorithm = match (raw.token_bucket, raw.sliding_window) {
-        (Some(_), Some(_)) => {
-            return Err(ConfigError::new(
-                at,
-                "set exactly one of `tokenBucket` and `slidingWindow`, not both",
-            ))
-        }
-        (None, None) => {
-            return Err(ConfigError::new(
-                at,
-                "set exactly one of `tokenBucket` and `slidingWindow`",
-            ))
-        }
-        (Some(tb), None) => {
-            let capacity = positive(tb.capacity, format!("{at}.tokenBucket.capacity"))?;
-            let refill = positive(tb.refill, format!("{at}.tokenBucket.refill"))?;
-            let period_ms = positive(tb.period_ms, format!("{at}.tokenBucket.periodMs"))?;
-            if capacity
-                .checked_mul(period_ms)
-                .is_none_or(|p| p >= LUA_EXACT_MAX)
-            {
-                return Err(ConfigError::new(
-                    format!("{at}.tokenBucket"),
-                    "capacity * periodMs must stay below 2^53 (Lua numbers are doubles)",
-                ));
-            }
-            if refill
-                .checked_mul(period_ms)
-                .is_none_or(|p| p >= LUA_EXACT_MAX)
-            {
-                return Err(ConfigError::new(
-                    format!("{at}.tokenBucket"),
-                    "refill * periodMs must stay below 2^53 (Lua numbers are doubles)",
-                ));
-            }
-            Algorithm::TokenBucket {
-                capacity,
-                refill,
-                period_ms,
-            }
-        }
-        (None, Some(sw)) => {
-            let limit = positive(sw.limit, format!("{at}.slidingWindow.limit"))?;
-            let window_ms = positive(sw.window_ms, format!("{at}.slidingWindow.windowMs"))?;
-            // One sorted-set member per admitted unit: bound the memory a key can take.
-            if limit > 1_000_000 {
-                return Err(ConfigError::new(
-                    format!("{at}.slidingWindow.limit"),
-                    "must be at most 1000000 (one sorted-set member per request); use tokenBucket for larger budgets",
-                ));
-            }
-            if window_ms >= LUA_EXACT_MAX {
-                return Err(ConfigError::new(
-                    format!("{at}.slidingWindow.windowMs"),
-                    "must stay below 2^53 ms (Lua numbers are doubles)",
-                ));
-            }
-            Algorithm::SlidingWindow { limit, window_ms }
-        }
-    };
 
     // A sliding window stores one member per unit: one request may add at
     // most MAX_WINDOW_COST of them (a bounded ZADD, a bounded script).
     let quota = match algorithm {
         Algorithm::SlidingWindow { limit, .. } => limit.min(MAX_WINDOW_COST),
-        Algorithm::TokenBucket { capacity, .. } => capacity,
+        other => other.quota(),
     };
     let fixed = raw.cost.unwrap_or(1);
     if fixed == 0 || fixed > quota {
@@ -366,5 +404,128 @@ pub(super) fn compile_limit(
         shadow: raw.shadow,
         failure_mode: raw.failure_mode.unwrap_or(default_failure),
         key_infix,
+    })
+}
+
+/// The one algorithm a limit names, checked so its Lua arithmetic stays exact.
+fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError> {
+    let set = [
+        raw.token_bucket.is_some(),
+        raw.sliding_window.is_some(),
+        raw.gcra.is_some(),
+        raw.fixed_window.is_some(),
+        raw.sliding_window_counter.is_some(),
+    ]
+    .iter()
+    .filter(|s| **s)
+    .count();
+    if set == 0 {
+        return Err(ConfigError::new(
+            at,
+            format!("set exactly one of {ALGORITHM_FIELDS}"),
+        ));
+    }
+    if set > 1 {
+        return Err(ConfigError::new(
+            at,
+            format!("set exactly one of {ALGORITHM_FIELDS}, not several"),
+        ));
+    }
+    if let Some(tb) = &raw.token_bucket {
+        let capacity = positive(tb.capacity, format!("{at}.tokenBucket.capacity"))?;
+        let refill = positive(tb.refill, format!("{at}.tokenBucket.refill"))?;
+        let period_ms = positive(tb.period_ms, format!("{at}.tokenBucket.periodMs"))?;
+        if capacity
+            .checked_mul(period_ms)
+            .is_none_or(|p| p >= LUA_EXACT_MAX)
+        {
+            return Err(ConfigError::new(
+                format!("{at}.tokenBucket"),
+                "capacity * periodMs must stay below 2^53 (Lua numbers are doubles)",
+            ));
+        }
+        if refill
+            .checked_mul(period_ms)
+            .is_none_or(|p| p >= LUA_EXACT_MAX)
+        {
+            return Err(ConfigError::new(
+                format!("{at}.tokenBucket"),
+                "refill * periodMs must stay below 2^53 (Lua numbers are doubles)",
+            ));
+        }
+        return Ok(Algorithm::TokenBucket {
+            capacity,
+            refill,
+            period_ms,
+        });
+    }
+    if let Some(sw) = &raw.sliding_window {
+        let limit = positive(sw.limit, format!("{at}.slidingWindow.limit"))?;
+        let window_ms = positive(sw.window_ms, format!("{at}.slidingWindow.windowMs"))?;
+        // One sorted-set member per admitted unit: bound the memory a key can take.
+        if limit > 1_000_000 {
+            return Err(ConfigError::new(
+                format!("{at}.slidingWindow.limit"),
+                "must be at most 1000000 (one sorted-set member per request); use tokenBucket for larger budgets",
+            ));
+        }
+        if window_ms >= LUA_EXACT_MAX {
+            return Err(ConfigError::new(
+                format!("{at}.slidingWindow.windowMs"),
+                "must stay below 2^53 ms (Lua numbers are doubles)",
+            ));
+        }
+        return Ok(Algorithm::SlidingWindow { limit, window_ms });
+    }
+    if let Some(g) = &raw.gcra {
+        let rate = positive(g.rate, format!("{at}.gcra.rate"))?;
+        let period_ms = positive(g.period_ms, format!("{at}.gcra.periodMs"))?;
+        let burst = positive(g.burst, format!("{at}.gcra.burst"))?;
+        if burst.checked_mul(period_ms).is_none_or(|p| p >= GCRA_EXACT_MAX) {
+            return Err(ConfigError::new(
+                format!("{at}.gcra"),
+                "burst * periodMs must stay below 2^52 (Lua numbers are doubles)",
+            ));
+        }
+        if rate.checked_mul(period_ms).is_none_or(|p| p >= LUA_EXACT_MAX) {
+            return Err(ConfigError::new(
+                format!("{at}.gcra"),
+                "rate * periodMs must stay below 2^53 (Lua numbers are doubles)",
+            ));
+        }
+        return Ok(Algorithm::Gcra {
+            rate,
+            period_ms,
+            burst,
+        });
+    }
+    let (field, limit, window_ms) = match (&raw.fixed_window, &raw.sliding_window_counter) {
+        (Some(fw), _) => ("fixedWindow", fw.limit, fw.window_ms),
+        (None, Some(swc)) => ("slidingWindowCounter", swc.limit, swc.window_ms),
+        (None, None) => {
+            return Err(ConfigError::new(
+                at,
+                format!("set exactly one of {ALGORITHM_FIELDS}"),
+            ))
+        }
+    };
+    let limit = positive(limit, format!("{at}.{field}.limit"))?;
+    let window_ms = positive(window_ms, format!("{at}.{field}.windowMs"))?;
+    if limit > MAX_COUNTER_LIMIT {
+        return Err(ConfigError::new(
+            format!("{at}.{field}.limit"),
+            "must be at most 2^50 (1125899906842624)",
+        ));
+    }
+    if window_ms >= LUA_EXACT_MAX {
+        return Err(ConfigError::new(
+            format!("{at}.{field}.windowMs"),
+            "must stay below 2^53 ms (Lua numbers are doubles)",
+        ));
+    }
+    Ok(if field == "fixedWindow" {
+        Algorithm::FixedWindow { limit, window_ms }
+    } else {
+        Algorithm::SlidingWindowCounter { limit, window_ms }
     })
 }

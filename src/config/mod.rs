@@ -25,7 +25,9 @@ pub use idempotency::{
     Idempotency, DEFAULT_IDEMPOTENCY_HEADER, DEFAULT_LOCK_TTL_MS, DEFAULT_MAX_REQUEST_BODY,
     DEFAULT_MAX_STORED_BODY, DEFAULT_RECORD_TTL_MS, MAX_OFFLOADED_BODY,
 };
-pub use limit::{Algorithm, Cost, Lease, Limit, DEFAULT_LOCAL_PER_MILLE, MAX_WINDOW_COST};
+pub use limit::{
+    Algorithm, Cost, Lease, Limit, DEFAULT_LOCAL_PER_MILLE, MAX_COUNTER_LIMIT, MAX_WINDOW_COST,
+};
 pub use matcher::{HeaderCondition, Matcher, PathMatch};
 pub use object_store::{
     ObjectStore, DEFAULT_OBJECT_KEY_PREFIX, DEFAULT_OBJECT_TIMEOUT_MS, ENV_ACCESS_KEY_ID,
