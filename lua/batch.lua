@@ -43,7 +43,7 @@ end
 -- leave the members before it charged (and locked) for a batch the filter
 -- sees fail.
 -- Members are read where they lie in KEYS and ARGV (offsets), not copied.
-local ko, ao = {}, {}
+local ko, ao, na = {}, {}, {}
 local k, a = 1, 2 + 2 * m
 for j = 1, m do
   local nkeys = tonumber(ARGV[2 * j])
@@ -56,7 +56,7 @@ for j = 1, m do
   if bad then
     return redis.error_reply(bad)
   end
-  ko[j], ao[j] = k - 1, a - 1
+  ko[j], ao[j], na[j] = k - 1, a - 1, nargs
   k, a = k + nkeys, a + nargs
 end
 if k - 1 ~= #KEYS or a - 1 ~= #ARGV then
@@ -65,7 +65,7 @@ end
 
 local out = { m }
 for j = 1, m do
-  local reply = decide_checked(KEYS, ko[j], ARGV, ao[j])
+  local reply = decide_checked(KEYS, ko[j], ARGV, ao[j], na[j])
   if reply.err then
     return reply
   end

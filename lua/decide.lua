@@ -5,8 +5,8 @@ This file is not a script on its own: src/scripts.rs joins it after the
 algorithm and idempotency files. decide(keys, argv) takes one request's KEYS
 and ARGV in the layout lua/ratelimit.lua documents and returns its reply (the
 flat array documented there), or an error reply; decide_checked(keys, ko,
-argv, ao) the same for a request malformed() has already passed, read from
-KEYS and ARGV at offsets. It writes only what that
+argv, ao, na) the same for a request malformed() has already passed, read from
+KEYS and ARGV at offsets (its `na` ARGV values follow argv[ao]). It writes only what that
 reply says was charged or locked, so requests decided one after another in
 one script see each other exactly as separate calls in the same order would.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
@@ -44,9 +44,11 @@ end
 -- deciding any, and reads each member where it lies in KEYS and ARGV (checking
 -- twice, or copying each member's values out, costs a member about as much
 -- as its token bucket does).
-local function decide_checked(keys, ko, argv, ao)
+local function decide_checked(keys, ko, argv, ao, na)
   local n = tonumber(argv[ao + 1])
-  local keyed = argv[ao + 2 + 6 * n] == '1'
+  -- The flag is optional (the filter leaves it out for a request without a
+  -- key): past the request's own values lies the next batch member's.
+  local keyed = 2 + 6 * n <= na and argv[ao + 2 + 6 * n] == '1'
 
   local idem
   if keyed then
@@ -116,5 +118,5 @@ local function decide(keys, argv)
   if bad then
     return redis.error_reply(bad)
   end
-  return decide_checked(keys, 0, argv, 0)
+  return decide_checked(keys, 0, argv, 0, #argv)
 end

@@ -941,6 +941,29 @@ fn rejects_a_keyed_request_without_its_idempotency_arguments_and_writes_nothing(
 }
 
 #[test]
+fn a_batch_of_requests_sent_without_the_idempotency_flag_decides_each_as_unkeyed() {
+    // The filter leaves the flag out for a request without a key, so in a
+    // batch the value after a member's limits is the next member's count
+    // ("1"): it must not read as that member's flag.
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let key = "t:{x}:wire:a";
+    let member = ["tb", "10", "1", "3600000", "1", "1"];
+    let mut argv = vec!["2", "1", "7", "1", "7", "1"];
+    argv.extend(member);
+    argv.push("1");
+    argv.extend(member);
+    let reply = script::eval_raw(&mut con, &redis_guard::scripts::BATCH, &[key, key], &argv).unwrap();
+    let ints: Vec<i64> = redis::from_redis_value(&reply).unwrap();
+    // Two members, each admitted with its own verdicts (length 5).
+    assert_eq!(
+        ints,
+        [2, 5, 1, 1, 9, 0, 3_600_000, 5, 1, 1, 8, 0, 7_200_000],
+        "no member taken for a keyed one"
+    );
+    assert!(exists(&mut con, key));
+}
+
+#[test]
 fn redis_names_the_script_by_the_sha1_the_filter_sends() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     assert_eq!(script::load(&mut con, &RATELIMIT), RATELIMIT.sha1);
