@@ -57,7 +57,7 @@ fn two_envoys_batching_under_load_admit_exactly_the_budget_with_batches_of_sever
     assert_eq!(
         (admitted, rejected),
         (100, 140),
-        "exactly the budget, no 5xx"
+        "exactly the budget, no 5xx: {statuses:?}"
     );
     assert_eq!(stack.upstream.executed(), 100);
     assert_eq!(tokens_left(&mut stack.redis.conn(), "user-u"), 0);
@@ -68,7 +68,8 @@ fn two_envoys_batching_under_load_admit_exactly_the_budget_with_batches_of_sever
     for e in &stack.envoys {
         let checked = e.counter("redis_guard.ratelimit.per-user.checked");
         let cached = e.counter("redis_guard.overlimit_cache.rejected");
-        decided_by_batches += checked - cached;
+        let alone = e.counter("redis_guard.batch.alone");
+        decided_by_batches += checked - cached - alone;
         batch_calls += e.counter("redis_guard.batch.calls");
     }
     assert!(batch_calls > 0);
@@ -76,13 +77,17 @@ fn two_envoys_batching_under_load_admit_exactly_the_budget_with_batches_of_sever
         batch_calls < decided_by_batches,
         "{batch_calls} batch calls for {decided_by_batches} requests: no batch carried two"
     );
-    // Every call was a batch, or a batch sent again (as EVAL after a
-    // NOSCRIPT: on a fresh Redis, several batches can be out before the
-    // first EVAL has cached the script; or after a refusal).
+    // Every call was a batch, a request that found its worker quiet and
+    // went alone, or either sent again (as EVAL after a NOSCRIPT: on a fresh
+    // Redis, several calls can be out before the first EVAL has cached the
+    // script; or after a refusal).
     let sum = |name: &str| -> u64 { stack.envoys.iter().map(|e| e.counter(name)).sum() };
     assert_eq!(
         sum("redis_guard.redis.calls"),
-        batch_calls + sum("redis_guard.redis.script_reloads") + sum("redis_guard.redis.retries")
+        batch_calls
+            + sum("redis_guard.batch.alone")
+            + sum("redis_guard.redis.script_reloads")
+            + sum("redis_guard.redis.retries")
     );
     assert_eq!(sum("redis_guard.redis.errors"), 0);
 }
@@ -129,45 +134,61 @@ fn clients_that_leave_while_queued_are_dropped_and_while_in_flight_are_skipped()
     let f = frozen(&config(10, r#"{"maxInFlight":1}"#, 10_000));
     let e = &f.envoy;
     let calls = || e.counter("redis_guard.batch.calls");
-    let before = calls();
-    // A's batch leaves and waits on the frozen Redis.
-    let a = leaving(e.url("/x"), "user-u", Duration::from_millis(400));
-    poll("A's batch is out", Duration::from_secs(5), || {
-        (calls() == before + 1).then_some(())
+    let alone = || e.counter("redis_guard.batch.alone");
+    let admin = e.admin_port;
+    let arrived = || admin_stat(admin, "http.ingress.downstream_rq_total");
+    let (calls_before, alone_before, in_before) = (calls(), alone(), arrived());
+    // A finds its worker quiet: its own call leaves at once and waits on
+    // the frozen Redis, holding the group.
+    let a = leaving(e.url("/x"), "user-u", Duration::from_millis(600));
+    poll("A's call is out", Duration::from_secs(5), || {
+        (alone() == alone_before + 1).then_some(())
     });
-    // B queues behind it, then its client leaves too.
+    // B, D and C queue behind it; B's client leaves while it is queued.
     let b = leaving(e.url("/x"), "user-u", Duration::from_millis(300));
+    let d = leaving(e.url("/x"), "user-u", Duration::from_millis(2500));
     let url = e.url("/x");
     let c = std::thread::spawn(move || get(&url, &[("x-user", "user-u")]).status);
-    assert!(a.join().unwrap() && b.join().unwrap(), "A and B gave up");
-    let admin = e.admin_port;
-    poll(
-        "Envoy saw both clients leave",
-        Duration::from_secs(5),
-        || {
-            (admin_stat(admin, "http.ingress.downstream_cx_destroy_remote_active_rq") >= 2)
-                .then_some(())
-        },
-    );
+    poll("A, B, D and C arrived", Duration::from_secs(5), || {
+        (arrived() >= in_before + 4).then_some(())
+    });
+    assert!(b.join().unwrap(), "B gave up");
+    // A's client leaves: Envoy cancels its call, the group is free, and the
+    // worker sends what queued (B dropped): D and C in one batch.
+    assert!(a.join().unwrap(), "A gave up");
+    poll("the batch of D and C is out", Duration::from_secs(5), || {
+        (calls() == calls_before + 1).then_some(())
+    });
+    // D's client leaves while its batch is out.
+    assert!(d.join().unwrap(), "D gave up");
+    poll("Envoy saw A, B and D leave", Duration::from_secs(5), || {
+        (admin_stat(admin, "http.ingress.downstream_cx_destroy_remote_active_rq") >= 3)
+            .then_some(())
+    });
     f.redis.freeze(false);
     assert_eq!(c.join().unwrap(), 200, "C, still there, is decided");
-    // A's call ran (Redis charged it) but nobody was there to forward;
-    // B was dropped before its batch left, so only C rode the next one.
+    // A's command had reached Redis before its call was cancelled, and D's
+    // batch ran: both are charged, with nobody there to forward to. B left
+    // before its batch did: not charged.
     let mut con = f.redis.conn();
     assert_eq!(
         tokens_left(&mut con, "user-u"),
-        10 - 2,
-        "A and C charged, B not"
+        10 - 3,
+        "A, D and C charged, B not"
     );
     assert_eq!(f.upstream.executions_of("/x"), 2, "warm-up and C");
-    assert_eq!(calls(), before + 2);
+    assert_eq!(calls(), calls_before + 1);
+    assert_eq!(e.counter("redis_guard.redis.errors"), 0);
 }
 
 #[test]
 fn redis_dying_with_a_batch_out_gives_each_member_its_own_failure_mode() {
-    let mut f = frozen(&config(10, r#"{"maxInFlight":1}"#, 2000));
+    // Two calls per group: the first request goes alone (its worker is
+    // quiet), the next two leave together as a batch beside it.
+    let mut f = frozen(&config(10, r#"{"maxInFlight":2}"#, 2000));
     let e = &f.envoy;
     let before = e.counter("redis_guard.batch.calls");
+    let alone = e.counter("redis_guard.batch.alone");
     let urls = [e.url("/x"), e.url("/open"), e.url("/x")];
     let mut waiting = Vec::new();
     for (i, url) in urls.into_iter().enumerate() {
@@ -175,8 +196,8 @@ fn redis_dying_with_a_batch_out_gives_each_member_its_own_failure_mode() {
             get(&url, &[("x-user", "user-v")]).status
         }));
         if i == 0 {
-            poll("the first batch is out", Duration::from_secs(5), || {
-                (e.counter("redis_guard.batch.calls") == before + 1).then_some(())
+            poll("the first call is out", Duration::from_secs(5), || {
+                (e.counter("redis_guard.batch.alone") == alone + 1).then_some(())
             });
         }
     }
@@ -185,6 +206,9 @@ fn redis_dying_with_a_batch_out_gives_each_member_its_own_failure_mode() {
     let admin = e.admin_port;
     poll("three requests in", Duration::from_secs(5), || {
         (admin_stat(admin, "http.ingress.downstream_rq_total") >= 4).then_some(())
+    });
+    poll("a batch is out", Duration::from_secs(5), || {
+        (e.counter("redis_guard.batch.calls") > before).then_some(())
     });
     f.redis.stop();
     let statuses: Vec<u16> = waiting.into_iter().map(|t| t.join().unwrap()).collect();

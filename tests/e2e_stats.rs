@@ -39,9 +39,10 @@ const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
 const KINDS: [&str; 5] = ["timeout", "dispatch", "http", "redis", "reply"];
 /// Every series without labels, by its name after `redis_guard_`.
-const PLAIN: [&str; 32] = [
+const PLAIN: [&str; 33] = [
     "redis_calls",
     "batch_calls",
+    "batch_alone",
     "redis_script_reloads",
     "redis_retries",
     "redis_errors",
@@ -225,14 +226,16 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     assert_eq!(pay("k3", b"c", &[("x-upstream-status", "500")]).status, 500);
 
     // 7 limit decisions, of which a's second 429 came from the over-limit
-    // cache, each the batch call of one request (batching is on by
-    // default); the lease fetch; k1 take+store, replay, mismatch, k2
-    // take+store, conflict, k3 take+release (keyed requests keep their own
-    // call); and an EVAL after the first NOSCRIPT of each script (the
-    // batch, the keyed decision, the lease, the store, the release) on a
+    // cache, each a request's own call: batching is on by default, but one
+    // request at a time always finds its worker quiet and goes alone; the
+    // lease fetch; k1 take+store, replay, mismatch, k2 take+store,
+    // conflict, k3 take+release (keyed requests keep their own call); and
+    // an EVAL after the first NOSCRIPT of each script (the decision, shared
+    // by lone and keyed requests, the lease, the store, the release) on a
     // fresh Redis.
-    want.set("redis_calls", 6 + 1 + 9 + 5);
-    want.set("batch_calls", 6);
+    want.set("redis_calls", 6 + 1 + 9 + 4);
+    want.set("batch_calls", 0);
+    want.set("batch_alone", 6);
     want.verdicts("burst", [7, 5, 2, 0]);
     // A limit name with a dot stays whole in its label.
     want.verdicts("trial.v2", [2, 1, 0, 1]);
@@ -240,7 +243,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     want.set("lease_fetches", 1);
     want.set("lease_spent", 2);
     want.set("overlimit_cache_rejected", 1);
-    want.set("redis_script_reloads", 5);
+    want.set("redis_script_reloads", 4);
     for (stat, n) in [
         ("acquired", 3),
         ("replayed", 1),
@@ -285,9 +288,9 @@ fn prometheus_scrape_counts_every_decision_exactly() {
         .collect();
     assert_eq!(local, vec![200, 200, 429]);
     // Two more calls (each timed out, each one latency sample), each a
-    // batch of one: the breaker hears of each batch once.
-    want.set("redis_calls", 21 + 2);
-    want.set("batch_calls", 6 + 2);
+    // request alone: the breaker hears of each.
+    want.set("redis_calls", 20 + 2);
+    want.set("batch_alone", 6 + 2);
     want.set("failure_mode_local", 3);
     want.set("local_allowed", 2);
     want.set("local_rejected", 1);
@@ -316,7 +319,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     assert_eq!(r.status, 200);
     // The probe's call, decided by Redis, closed the breaker: a probe goes
     // alone, not in a batch.
-    want.set("redis_calls", 24);
+    want.set("redis_calls", 23);
     want.set("circuit_closed", 1);
     want.set("circuit_open_workers", 0);
     want.verdicts("burst", [12, 6, 2, 0]);

@@ -59,6 +59,10 @@ pub enum Counter {
     /// A call that carried a batch of decisions (of any size; also counted
     /// in the Redis calls).
     BatchCalls,
+    /// A batchable request that found no call of its hash tag out in its
+    /// worker and sent its own at once (a single call, counted in the Redis
+    /// calls): a quiet worker adds no wait.
+    BatchAlone,
     /// A response body uploaded to the object store and its record stored.
     IdemOffloaded,
     /// The upload failed (refused, unreachable, timed out): the lock was
@@ -195,6 +199,7 @@ impl Counter {
             Counter::LeaseSpent,
             Counter::LeaseFetched,
             Counter::BatchCalls,
+            Counter::BatchAlone,
         ]);
         all
     }
@@ -259,6 +264,7 @@ impl Counter {
             Counter::LeaseSpent => fixed("lease.spent"),
             Counter::LeaseFetched => fixed("lease.fetches"),
             Counter::BatchCalls => fixed("batch.calls"),
+            Counter::BatchAlone => fixed("batch.alone"),
         }
     }
 }
@@ -278,10 +284,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 37
+        // The stat list as the README and tests/e2e_stats.rs know it: 38
         // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 37);
-        assert_eq!(names(2).len(), 37 + 8);
+        assert_eq!(names(0).len(), 38);
+        assert_eq!(names(2).len(), 38 + 8);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

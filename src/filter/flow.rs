@@ -384,7 +384,7 @@ impl Flow {
     pub fn on_stream_end<H: Host>(&mut self, host: &mut H) {
         let config = Rc::clone(&self.config);
         self.record.on_stream_end(host, &config);
-        if self.decision.on_stream_end() {
+        if self.decision.on_stream_end(host) {
             self.lease.abandon(host, self.limits.plan());
         }
     }

@@ -130,4 +130,12 @@ pub trait Host: RequestView {
         target: &RedisTarget,
         member: stage::batch::Member,
     ) -> Result<(), call::Failure>;
+    /// True if a request of hash tag `tag` may send its own call now: its
+    /// worker has no call of that tag out and none queued. Its call then
+    /// holds the group's place until [`Host::batch_release`], so requests
+    /// arriving meanwhile queue behind it.
+    fn batch_alone(&mut self, tag: &str) -> bool;
+    /// The call [`Host::batch_alone`] allowed is over (answered, failed, or
+    /// its stream gone): requests that queued behind it may leave.
+    fn batch_release(&mut self, tag: &str);
 }

@@ -61,6 +61,12 @@ pub struct FakeHost {
     pub batched: Vec<Member>,
     /// The batch refuses members at once with this failure.
     pub batch_fails: Option<Failure>,
+    /// The worker has no call of the request's hash tag out: a batchable
+    /// request sends its own call at once (tags recorded in `alone`).
+    pub quiet_worker: bool,
+    pub alone: Vec<String>,
+    /// Tags whose lone call ended.
+    pub released: Vec<String>,
     pub observed: Vec<(Histogram, u64)>,
 }
 
@@ -234,6 +240,15 @@ impl Host for FakeHost {
         }
         self.batched.push(member);
         Ok(())
+    }
+    fn batch_alone(&mut self, tag: &str) -> bool {
+        if self.quiet_worker {
+            self.alone.push(tag.to_string());
+        }
+        self.quiet_worker
+    }
+    fn batch_release(&mut self, tag: &str) {
+        self.released.push(tag.to_string());
     }
     fn unique_token(&mut self) -> String {
         self.tokens += 1;

@@ -232,20 +232,37 @@ impl Host for ProxyHost<'_> {
             context_id: self.context_id,
             flow: self.me.clone(),
         };
-        // The root sends the call: a reply goes to the context that was
-        // running when its call left, and only the root outlives every
-        // member. One wake-up per flush: the root drains what queued.
-        if batcher.join(me, member) && !shared.wake_pending.replace(true) {
-            if let Err(e) = hostcalls::enqueue_shared_queue(queue, Some(b"w")) {
-                // The root's tick flushes instead, a millisecond later.
-                shared.wake_pending.set(false);
-                log::warn!("redis-guard: cannot wake the worker for a batch: {e:?}");
-                let _ = hostcalls::set_effective_context(shared.root_id);
-                let _ = hostcalls::set_tick_period(TICK);
-                let _ = hostcalls::set_effective_context(self.context_id);
-            }
+        if batcher.join(me, member) {
+            wake(shared, queue, self.context_id);
         }
         Ok(())
+    }
+
+    fn batch_alone(&mut self, tag: &str) -> bool {
+        // A wake-up already queued means requests wait for the root's flush:
+        // this one joins them rather than pass them.
+        let Some(shared) = self.shared.filter(|s| !s.wake_pending.get()) else {
+            return false;
+        };
+        let Ok(mut batcher) = shared.batcher.try_borrow_mut() else {
+            return false;
+        };
+        batcher.as_mut().is_some_and(|b| b.try_alone(tag))
+    }
+
+    fn batch_release(&mut self, tag: &str) {
+        let Some(shared) = self.shared else {
+            return;
+        };
+        let (Some(queue), Ok(mut batcher)) = (shared.batch_queue, shared.batcher.try_borrow_mut())
+        else {
+            log::warn!("redis-guard: cannot free the batch group of a lone call");
+            return;
+        };
+        if batcher.as_mut().is_some_and(|b| b.release(tag)) {
+            drop(batcher);
+            wake(shared, queue, self.context_id);
+        }
     }
 
     fn unique_token(&mut self) -> String {
@@ -293,5 +310,23 @@ impl Host for ProxyHost<'_> {
                 let _ = hostcalls::increment_metric(id, by);
             }
         }
+    }
+}
+
+/// Wakes the worker's root to send what queued. The root sends every batch:
+/// a reply goes to the context that was running when its call left, and only
+/// the root outlives every member. One wake-up per flush: the root drains
+/// what queued by then.
+fn wake(shared: &Shared, queue: u32, me: u32) {
+    if shared.wake_pending.replace(true) {
+        return;
+    }
+    if let Err(e) = hostcalls::enqueue_shared_queue(queue, Some(b"w")) {
+        // The root's tick flushes instead, a millisecond later.
+        shared.wake_pending.set(false);
+        log::warn!("redis-guard: cannot wake the worker for a batch: {e:?}");
+        let _ = hostcalls::set_effective_context(shared.root_id);
+        let _ = hostcalls::set_tick_period(TICK);
+        let _ = hostcalls::set_effective_context(me);
     }
 }

@@ -105,6 +105,43 @@ impl<W: Waiter> Batcher<W> {
         group.out < self.limits.max_in_flight
     }
 
+    /// True if a request of `tag` may send its own call at once: no call of
+    /// its group is out and none queued. The group then counts that call as
+    /// out until [`Batcher::release`], so what arrives meanwhile queues.
+    pub fn try_alone(&mut self, tag: &str) -> bool {
+        match self.groups.get_mut(tag) {
+            None => {
+                let group = Group {
+                    queued: Vec::new(),
+                    out: 1,
+                };
+                self.groups.insert(tag.to_string(), group);
+                true
+            }
+            Some(group) if group.out == 0 && group.queued.is_empty() => {
+                group.out = 1;
+                true
+            }
+            Some(_) => false,
+        }
+    }
+
+    /// A lone call of `tag` ([`Batcher::try_alone`]) is over. True when
+    /// requests queued behind it and the group has a call to spare: the
+    /// worker should [`Batcher::flush`] soon (as its root: a batch must not
+    /// be the call of one of its members' streams).
+    pub fn release(&mut self, tag: &str) -> bool {
+        let Some(group) = self.groups.get_mut(tag) else {
+            return false;
+        };
+        group.out = group.out.saturating_sub(1);
+        if group.out == 0 && group.queued.is_empty() {
+            self.groups.remove(tag);
+            return false;
+        }
+        !group.queued.is_empty() && group.out < self.limits.max_in_flight
+    }
+
     /// Sends every group that has queued members and a call to spare.
     /// Verdicts of members decided at once (late, or a call that could not
     /// be sent) are returned.

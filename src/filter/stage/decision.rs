@@ -68,6 +68,10 @@ pub struct Decision {
     short_circuited: bool,
     /// The decision rides a batch: the batch tells the breaker, once.
     batched: bool,
+    /// The hash tag whose batch group this request's own call holds (it
+    /// found its worker quiet and went alone): released when the call is
+    /// over, so what queued behind it leaves.
+    alone: Option<String>,
 }
 
 impl Decision {
@@ -82,6 +86,7 @@ impl Decision {
             probe: false,
             short_circuited: false,
             batched: false,
+            alone: None,
         }
     }
 
@@ -110,12 +115,32 @@ impl Decision {
         }
         self.probe = tripped;
         match tag {
+            // A quiet worker: nothing to wait for, the call leaves now from
+            // this stream, as a single call (its reply, retries and failure
+            // are this stage's, as with batching off).
+            Some(tag) if !tripped && host.batch_alone(tag) => {
+                host.count(Counter::BatchAlone);
+                self.alone = Some(tag.to_string());
+                self.call = Some(call);
+                let step = self.send(host, target);
+                self.settle(host, step)
+            }
             Some(tag) if !tripped => self.join(host, target, call, tag),
             _ => {
                 self.call = Some(call);
                 self.send(host, target)
             }
         }
+    }
+
+    /// Releases the batch group a lone call held once the decision is over.
+    fn settle<H: Host>(&mut self, host: &mut H, step: Step) -> Step {
+        if matches!(step, Step::Answered(_) | Step::Failed { .. }) {
+            if let Some(tag) = self.alone.take() {
+                host.batch_release(&tag);
+            }
+        }
+        step
     }
 
     fn join<H: Host>(
@@ -197,7 +222,7 @@ impl Decision {
         let Some(call) = self.call.as_mut() else {
             return Step::Waiting;
         };
-        match call.answer(host, target, reply) {
+        let step = match call.answer(host, target, reply) {
             Answer::Ran(reply) => {
                 self.state = State::Done;
                 Step::Answered(reply)
@@ -208,7 +233,8 @@ impl Decision {
             }
             Answer::Refused(failure) => self.retry(host, target, failure),
             Answer::Failed(failure) => self.failed(failure),
-        }
+        };
+        self.settle(host, step)
     }
 
     /// A call refused before it ran: sent again after a pause, up to
@@ -241,7 +267,8 @@ impl Decision {
             return None;
         }
         self.retried = true;
-        Some(self.send(host, target))
+        let step = self.send(host, target);
+        Some(self.settle(host, step))
     }
 
     /// Tells the breaker Redis answered.
@@ -277,11 +304,16 @@ impl Decision {
     }
 
     /// The stream is gone: a probe whose answer will find no one must not
-    /// keep the breaker waiting for it. True if the call was pending.
-    pub fn on_stream_end(&mut self) -> bool {
+    /// keep the breaker waiting for it, nor a lone call the requests queued
+    /// behind it (the host cancels a gone stream's calls: no reply will
+    /// release them). True if the call was pending.
+    pub fn on_stream_end<H: Host>(&mut self, host: &mut H) -> bool {
         let pending = self.pending();
         if pending && self.probe {
             self.breaker.abandon_probe();
+        }
+        if let Some(tag) = self.alone.take() {
+            host.batch_release(&tag);
         }
         pending
     }

@@ -7,7 +7,7 @@ use super::*;
 use crate::config::Batch;
 use crate::filter::stage::batch::{Batcher, Member, Verdict, Waiter};
 use crate::filter::Histogram;
-use crate::scripts::BATCH;
+use crate::scripts::{BATCH, RATELIMIT};
 use crate::webdis::{parse_reply, Reply};
 
 /// One limit, batching on (the default).
@@ -152,6 +152,85 @@ impl Waiter for Stream {
     fn gone(&self) -> bool {
         self.1.get()
     }
+}
+
+#[test]
+fn a_request_finding_its_worker_quiet_sends_its_own_call_at_once_and_frees_the_group_when_answered(
+) {
+    let cfg = batched_config();
+    let mut f = Flow::new(cfg.clone(), test_breaker());
+    let mut h = FakeHost::get("/x");
+    h.quiet_worker = true;
+    assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+    assert!(h.batched.is_empty(), "no queue, no wake-up");
+    assert_eq!(h.dispatched.len(), 1, "its own call, from its own stream");
+    assert!(
+        h.dispatched[0].starts_with(&format!("EVALSHA/{}/", RATELIMIT.sha1)),
+        "the single-request script"
+    );
+    assert_eq!(count(&h, Counter::BatchAlone), 1);
+    assert_eq!(count(&h, Counter::BatchCalls), 0);
+    let plan = Plan::build(&cfg, &RequestLine::read(&h), &h).unwrap();
+    assert_eq!(h.alone, [plan.tag.clone().unwrap()]);
+    assert!(h.released.is_empty(), "held while the call is out");
+    f.on_callout_reply(&mut h, 1, ok(ADMIT));
+    assert_eq!(h.resumed, 1);
+    assert_eq!(h.released, h.alone, "answered: the group is free");
+    f.on_stream_end(&mut h);
+    assert_eq!(h.released.len(), 1, "released once");
+}
+
+#[test]
+fn a_lone_call_keeps_its_group_through_a_retry_and_frees_it_when_it_fails_or_its_stream_ends() {
+    let cfg = batched_config();
+    // Refused (Webdis 503), retried after a pause, then timed out: failed.
+    let mut f = Flow::new(cfg.clone(), test_breaker());
+    let mut h = FakeHost::get("/x");
+    h.quiet_worker = true;
+    h.can_schedule = true;
+    f.on_request_headers(&mut h, true);
+    f.on_callout_reply(&mut h, 1, refused());
+    assert_eq!(h.retries_scheduled.len(), 1);
+    assert!(h.released.is_empty(), "held through the pause");
+    f.on_retry_due(&mut h);
+    assert_eq!(h.dispatched.len(), 2);
+    f.on_callout_reply(&mut h, 2, no_answer());
+    assert_eq!(h.sent.last().map(|r| r.status), Some(503), "deny");
+    assert_eq!(h.released.len(), 1);
+
+    // The client leaves with the call out: the host cancels the call, so
+    // no reply will come to free the group; the stream's end does.
+    let mut f = Flow::new(cfg, test_breaker());
+    let mut h = FakeHost::get("/x");
+    h.quiet_worker = true;
+    f.on_request_headers(&mut h, true);
+    assert!(h.released.is_empty());
+    f.on_stream_end(&mut h);
+    assert_eq!(h.released, h.alone);
+}
+
+#[test]
+fn a_group_held_by_a_lone_call_queues_what_arrives_and_wakes_the_worker_when_freed() {
+    let (mut b, _) = batcher(32, 1);
+    let mut h = FakeHost::get("/");
+    assert!(b.try_alone("{t}"), "nothing out: go alone");
+    assert!(!b.try_alone("{t}"), "one out: the next one queues");
+    assert!(!b.join(stream(1), member("k", 300)), "no call to spare");
+    assert!(b.flush(&mut h, &target()).is_empty());
+    assert!(h.dispatched.is_empty(), "it waits for the lone call");
+    assert!(b.release("{t}"), "freed: wake the worker to send what queued");
+    assert!(b.flush(&mut h, &target()).is_empty());
+    assert_eq!(h.dispatched.len(), 1);
+    assert!(!b.try_alone("{t}"), "a batch is out");
+    b.on_reply(&mut h, &target(), 1, &batch_admit(1));
+    assert!(b.try_alone("{t}"), "quiet again");
+    assert!(!b.release("{t}"), "nothing queued: no wake-up");
+    assert!(b.try_alone("{t}"), "the group was emptied");
+    // With two calls allowed, a lone call leaves room for a batch.
+    let (mut b, _) = batcher(32, 2);
+    assert!(b.try_alone("{t}"));
+    assert!(b.join(stream(2), member("k", 300)), "one call to spare");
+    assert!(!b.try_alone("{t}"), "something queued: join it");
 }
 
 fn stream(n: usize) -> Stream {
