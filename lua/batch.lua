@@ -23,7 +23,11 @@ calls sent one by one in this order would. A malformed member makes the
 whole batch an error: the filter built it, so it is a bug, not a verdict.
 
 Composition: src/scripts.rs joins lua/token_bucket.lua, lua/sliding_window.lua,
-lua/idempotency.lua and lua/decide.lua (the one-request driver) at the marker.
+lua/gcra.lua, lua/fixed_window.lua, lua/sliding_window_counter.lua,
+lua/idempotency.lua and lua/decide.lua (the one-request driver) at the
+marker. The kinds that keep a per-run cache write each charged key once, in
+flush_all() after the last member: however many members charge a key, it is
+read once and written once.
 
 Clock: Redis TIME, read once for the whole batch: its members are decided at
 one instant, as calls arriving together would be.
@@ -72,5 +76,5 @@ for j = 1, m do
   out[#out + 1] = #reply
   for i = 1, #reply do out[#out + 1] = reply[i] end
 end
-tb_flush()
+flush_all()
 return out

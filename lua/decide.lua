@@ -10,7 +10,37 @@ KEYS and ARGV at offsets (its `na` ARGV values follow argv[ao]). It writes only 
 reply says was charged or locked, so requests decided one after another in
 one script see each other exactly as separate calls in the same order would.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
+Kinds    "tb" token_bucket.lua, "sw" sliding_window.lua, "gcra" gcra.lua,
+         "fw" fixed_window.lua, "swc" sliding_window_counter.lua; each
+         kind's check reads its key, its charge records the new state, and
+         the kinds that cache state per run write it in flush_all(), which
+         the script calls once before it returns.
 ]]
+
+-- The kinds malformed() lets through.
+local known_kinds = { tb = true, sw = true, gcra = true, fw = true, swc = true }
+
+-- A whole number lo <= x <= hi (tonumber() also takes fractions, "nan" and
+-- "inf").
+local function whole(x, lo, hi)
+  return x == math.floor(x) and x >= lo and x <= hi
+end
+
+-- Why a GCRA, fixed-window or sliding-window-counter limit's numbers would
+-- corrupt its state or its exactness, or nil. The filter validates the
+-- config; this only keeps a contract bug from writing fractions, NaN or
+-- zero divisors into a key (the bounds are the ones each file's header
+-- relies on).
+local function kind_params_bad(alg, a, b, c, cost)
+  if not whole(cost, 1, 2^52) then
+    return true
+  end
+  if alg == 'gcra' then
+    return not (whole(a, 1, 2^52) and whole(b, 1, 2^53) and whole(c, 1, 2^53)
+                and a * c < 2^52 and b * c < 2^53)
+  end
+  return not (whole(a, 1, 2^50) and whole(b, 1, 2^53 - 1))
+end
 
 -- Why one request's KEYS and ARGV cannot be decided, or nil: checked before
 -- anything is written, so a malformed request (or batch member) changes
@@ -24,13 +54,18 @@ local function malformed(keys, ko, nk, argv, ao, na)
   for i = 1, n do
     local base = ao + 2 + (i - 1) * 6
     local alg = base - ao <= na and argv[base] or nil
-    if alg ~= 'tb' and alg ~= 'sw' then
+    if not known_kinds[alg] then
       return 'ERR redis-guard ratelimit: unknown algorithm'
     end
     for j = 1, 4 do
       if base - ao + j > na or tonumber(argv[base + j]) == nil then
         return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs numbers'
       end
+    end
+    if alg ~= 'tb' and alg ~= 'sw' and kind_params_bad(alg,
+        tonumber(argv[base + 1]), tonumber(argv[base + 2]),
+        tonumber(argv[base + 3]), tonumber(argv[base + 4])) then
+      return 'ERR redis-guard ratelimit: limit ' .. i .. ' has numbers out of range'
     end
   end
   if keyed and 5 + 6 * n > na then
@@ -72,8 +107,14 @@ local function decide_checked(keys, ko, argv, ao, na)
     local r
     if alg == 'tb' then
       r = tb_check(keys[ko + i], a, b, c, cost)
-    else
+    elseif alg == 'sw' then
       r = sw_check(keys[ko + i], a, b, cost)
+    elseif alg == 'gcra' then
+      r = gcra_check(keys[ko + i], a, b, c, cost)
+    elseif alg == 'fw' then
+      r = fw_check(keys[ko + i], a, b, c, cost)
+    else
+      r = swc_check(keys[ko + i], a, b, c, cost)
     end
     r.alg = alg
     if enforce and r.allowed == 0 then
@@ -89,20 +130,36 @@ local function decide_checked(keys, ko, argv, ao, na)
   local out = { admit }
   for i = 1, n do
     local r = results[i]
+    local alg = r.alg
     if admit == 1 and r.allowed == 1 then
-      if r.alg == 'tb' then tb_charge(r) else sw_charge(r) end
+      if alg == 'tb' then tb_charge(r)
+      elseif alg == 'sw' then sw_charge(r)
+      elseif alg == 'gcra' then gcra_charge(r)
+      elseif alg == 'fw' then fw_charge(r)
+      else swc_charge(r) end
     elseif r.allowed == 1 then
-      -- Not charged: report the budget as it stands.
-      if r.alg == 'tb' then
+      -- Not charged: report the budget as it stands (remaining without this
+      -- request's cost; reset: until whole again, 0 if it already is).
+      if alg == 'tb' then
         r.remaining = math.floor(r.credits / r.period)
         r.reset = math.ceil((r.full - r.credits) / r.refill)
-      else
+      elseif alg == 'sw' then
         r.remaining = r.remaining + r.cost
         if r.newest then
           r.reset = math.max(0, r.newest + r.window - now)
         else
           r.reset = 0
         end
+      elseif alg == 'gcra' then
+        -- An admitting verdict always has its backlog d (0 <= d <= full).
+        r.remaining = math.floor((r.full - r.d) / r.period)
+        r.reset = math.ceil(r.d / r.rate)
+      elseif alg == 'fw' then
+        r.remaining = r.remaining + r.cost
+        r.reset = r.count > 0 and r.ends or 0
+      else
+        r.remaining = r.remaining + r.cost
+        r.reset = swc_restored_in(r.cur, r.prev, r)
       end
     end
     out[#out + 1] = r.allowed
@@ -111,6 +168,15 @@ local function decide_checked(keys, ko, argv, ao, na)
     out[#out + 1] = r.reset
   end
   return out
+end
+
+-- Writes what the kinds with a per-run cache charged, each key once. Called
+-- once by the script before it returns, after every request is decided.
+local function flush_all()
+  tb_flush()
+  gcra_flush()
+  fw_flush()
+  swc_flush()
 end
 
 local function decide(keys, argv)

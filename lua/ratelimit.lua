@@ -7,12 +7,23 @@ KEYS[N+1]  the idempotency record, when ARGV[2+6N] is "1"
            tag, so the whole call runs on one slot.
 ARGV[1]  N, the number of limits
 ARGV per limit i, six values starting at 2 + (i-1)*6:
-  algorithm  "tb" (token bucket, one hash) or "sw" (sliding-window log, one sorted set)
-  a          tb: capacity (tokens)          sw: limit (requests per window)
-  b          tb: refill (tokens per period) sw: window (ms)
-  c          tb: period (ms)                sw: ignored (0)
-  cost       units this request spends (1 <= cost <= capacity or limit)
+  algorithm  "tb"   token bucket (one hash)
+             "sw"   sliding-window log (one sorted set)
+             "gcra" GCRA (one string: the theoretical arrival time)
+             "fw"   fixed window aligned to the epoch (one string)
+             "swc"  sliding-window counter (one hash)
+  a          tb: capacity (tokens)           sw, fw, swc: limit (units per window)
+             gcra: burst (units)
+  b          tb: refill (tokens per period)  sw, fw, swc: window (ms)
+             gcra: rate (units per period)
+  c          tb, gcra: period (ms)           sw, fw, swc: ignored (0)
+  cost       units this request spends (1 <= cost <= capacity, burst or
+             limit; a larger cost is a rejection that writes nothing, see
+             each kind's file)
   enforce    "1": a rejection rejects the request; "0": shadow, reported only
+  gcra, fw and swc take whole numbers within the bounds their files' headers
+  give (the filter's config validation keeps them there); numbers that
+  would corrupt a key are an error reply, and nothing is written.
 ARGV[2+6N]  "1" if the request carries an idempotency key, else "0" or absent;
             then owner token, request fingerprint, lock TTL (ms): see
             lua/idempotency.lua
@@ -33,8 +44,11 @@ Returns a flat array (Webdis' raw output cannot carry nested arrays):
     remaining  units left after this request (after the charge, if charged)
     retry_ms   0 when allowed; otherwise ms until this limit could admit it
     reset_ms   allowed: ms until the limit is fully restored (for the token
-               bucket: full again; for the window: its newest member gone),
-               which is also the key's TTL after a charge;
+               bucket: full again; for the window: its newest member gone;
+               gcra: the theoretical arrival time reached; fw: the window's
+               end; swc: the estimate back to 0), which is also the key's
+               TTL after a charge; not charged (another limit rejected): the
+               same for the state as it stands, 0 if already restored;
                rejected: equal to retry_ms, so Retry-After and the reset agree
 
 All-or-nothing: nothing is written unless every enforced limit admits the
@@ -42,8 +56,11 @@ request, so a rejected request costs nothing. Then every limit that admits it
 is charged (a shadow limit that would reject is reported, not charged).
 
 Composition: src/scripts.rs sends this preamble, lua/token_bucket.lua,
-lua/sliding_window.lua, lua/idempotency.lua and the driver in lua/decide.lua
-as one script (one SHA-1), so one EVALSHA decides every limit atomically.
+lua/sliding_window.lua, lua/gcra.lua, lua/fixed_window.lua,
+lua/sliding_window_counter.lua, lua/idempotency.lua and the driver in
+lua/decide.lua as one script (one SHA-1), so one EVALSHA decides every limit
+atomically. Charges of the kinds that keep a per-run cache are written by
+flush_all() just before the reply.
 
 Clock: Redis TIME, read once; the proxies' clocks are never used, so every
 Envoy instance sees one time line. Every key written gets a PEXPIRE equal to
@@ -56,5 +73,5 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- @@ALGORITHMS@@
 
 local reply = decide(KEYS, ARGV)
-tb_flush()
+flush_all()
 return reply

@@ -37,7 +37,7 @@ fn compose(main: &str, parts: &[&str]) -> String {
 }
 
 /// A request's idempotency lock and every rate limit in one atomic call: the
-/// driver and clock from lua/ratelimit.lua, with both algorithms and the
+/// driver and clock from lua/ratelimit.lua, with every limit kind and the
 /// idempotency record joined in.
 pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
@@ -45,6 +45,9 @@ pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
         &[
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/sliding_window.lua"),
+            include_str!("../lua/gcra.lua"),
+            include_str!("../lua/fixed_window.lua"),
+            include_str!("../lua/sliding_window_counter.lua"),
             include_str!("../lua/idempotency.lua"),
             include_str!("../lua/decide.lua"),
         ],
@@ -59,6 +62,9 @@ pub static BATCH: LazyLock<Script> = LazyLock::new(|| {
         &[
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/sliding_window.lua"),
+            include_str!("../lua/gcra.lua"),
+            include_str!("../lua/fixed_window.lua"),
+            include_str!("../lua/sliding_window_counter.lua"),
             include_str!("../lua/idempotency.lua"),
             include_str!("../lua/decide.lua"),
         ],
@@ -95,6 +101,46 @@ mod tests {
             Script::new(String::new()).sha1,
             "da39a3ee5e6b4b0d3255bfef95601890afd80709"
         );
+    }
+
+    #[test]
+    fn every_limit_kind_is_joined_into_ratelimit_and_batch_before_the_driver() {
+        for (name, script, main) in [
+            ("RATELIMIT", &*RATELIMIT, include_str!("../lua/ratelimit.lua")),
+            ("BATCH", &*BATCH, include_str!("../lua/batch.lua")),
+        ] {
+            assert!(main.contains(ALGORITHMS), "{name}: marker");
+            let src = &script.source;
+            let at = |needle: &str| {
+                src.find(needle)
+                    .unwrap_or_else(|| panic!("{name} lacks {needle}"))
+            };
+            let order = [
+                at("redis.call('TIME')"),
+                at("local function tb_check"),
+                at("local function sw_check"),
+                at("local function gcra_check"),
+                at("local function fw_check"),
+                at("local function swc_check"),
+                at("local function idem_check"),
+                at("local function flush_all"),
+                at("flush_all()\nreturn"),
+            ];
+            assert!(order.windows(2).all(|w| w[0] < w[1]), "{name}: {order:?}");
+            // Each kind joined once, and nothing left of the marker.
+            for f in ["gcra_check", "fw_check", "swc_check"] {
+                assert_eq!(src.matches(&format!("local function {f}")).count(), 1, "{name}");
+            }
+            assert!(!src.contains(ALGORITHMS), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_lease_script_takes_only_the_token_bucket() {
+        let src = &LEASE.source;
+        assert!(src.contains("local function tb_check"));
+        assert!(src.contains("tb_flush()"));
+        assert!(!src.contains("gcra_check") && !src.contains("flush_all"));
     }
 
     #[test]
