@@ -22,7 +22,7 @@ rejected member writes nothing, so a batch admits exactly what the same
 calls sent one by one in this order would. A malformed member makes the
 whole batch an error: the filter built it, so it is a bug, not a verdict.
 
-Composition: src/scripts.rs joins lua/token_bucket.lua, lua/sliding_window.lua,
+Composition: src/scripts.rs joins lua/wire.lua, lua/token_bucket.lua, lua/sliding_window.lua,
 lua/gcra.lua, lua/fixed_window.lua, lua/sliding_window_counter.lua,
 lua/idempotency.lua and lua/decide.lua (the one-request driver) at the
 marker. The kinds that keep a per-run cache write each charged key once, in

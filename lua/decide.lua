@@ -163,9 +163,9 @@ local function decide_checked(keys, ko, argv, ao, na)
       end
     end
     out[#out + 1] = r.allowed
-    out[#out + 1] = r.remaining
-    out[#out + 1] = r.retry
-    out[#out + 1] = r.reset
+    out[#out + 1] = wire(r.remaining)
+    out[#out + 1] = wire(r.retry)
+    out[#out + 1] = wire(r.reset)
   end
   return out
 end

@@ -31,7 +31,8 @@ what is left when its lease ends. The price is under-admission: tokens an
 Envoy holds but does not spend are lost to the others, at most `lease` per
 Envoy and key at a time.
 
-Composition: src/scripts.rs joins lua/token_bucket.lua at the marker below.
+Composition: src/scripts.rs joins lua/wire.lua and lua/token_bucket.lua at the marker
+below.
 Clock: Redis TIME, read once.
 ]]
 
@@ -62,7 +63,7 @@ end
 
 local r = tb_check(KEYS[1], capacity, refill, period, cost)
 if r.allowed == 0 then
-  return { 0, 0, r.remaining, r.retry, r.reset, 0 }
+  return { 0, 0, wire(r.remaining), wire(r.retry), wire(r.reset), 0 }
 end
 local spare = math.floor((r.credits - r.need) / period)
 local granted = math.min(lease, spare)
@@ -70,5 +71,5 @@ r.need = r.need + granted * period
 tb_charge(r)
 tb_flush()
 local left = r.credits - r.need
-return { 1, 1, math.floor(left / period), 0,
-         math.ceil((r.full - left) / refill), granted }
+return { 1, 1, wire(math.floor(left / period)), 0,
+         wire(math.ceil((r.full - left) / refill)), wire(granted) }

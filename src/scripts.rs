@@ -43,6 +43,7 @@ pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/ratelimit.lua"),
         &[
+            include_str!("../lua/wire.lua"),
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/sliding_window.lua"),
             include_str!("../lua/gcra.lua"),
@@ -60,6 +61,7 @@ pub static BATCH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/batch.lua"),
         &[
+            include_str!("../lua/wire.lua"),
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/sliding_window.lua"),
             include_str!("../lua/gcra.lua"),
@@ -76,7 +78,10 @@ pub static BATCH: LazyLock<Script> = LazyLock::new(|| {
 pub static LEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/lease.lua"),
-        &[include_str!("../lua/token_bucket.lua")],
+        &[
+            include_str!("../lua/wire.lua"),
+            include_str!("../lua/token_bucket.lua"),
+        ],
     ))
 });
 
@@ -132,6 +137,16 @@ mod tests {
                 assert_eq!(src.matches(&format!("local function {f}")).count(), 1, "{name}");
             }
             assert!(!src.contains(ALGORITHMS), "{name}");
+        }
+    }
+
+    #[test]
+    fn every_script_returning_limit_figures_hands_large_ones_over_as_strings() {
+        for script in [&*RATELIMIT, &*BATCH, &*LEASE] {
+            let src = &script.source;
+            let wire = src.find("local function wire").unwrap();
+            assert!(wire < src.find("local function tb_check").unwrap());
+            assert!(src.contains("wire(r.remaining)") || src.contains("wire(granted)"));
         }
     }
 

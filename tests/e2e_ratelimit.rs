@@ -188,7 +188,7 @@ fn shadow_limit_never_rejects_but_reports() {
             "shadow limits are not advertised"
         );
     }
-    assert_eq!(stack.upstream.executed(), 5);
+    assert_eq!(stack.upstream.executed(), 4, "big, slow twice, leased");
     assert_eq!(e.counter("redis_guard.ratelimit.trial.allowed"), 2);
     assert_eq!(e.counter("redis_guard.ratelimit.trial.shadow_rejected"), 3);
     assert_eq!(e.counter("redis_guard.ratelimit.trial.rejected"), 0);
@@ -492,4 +492,52 @@ fn a_stalled_redis_is_given_up_at_the_timeout() {
         (floor * 0.9875..=400.0 * 1.0125 + 100.0).contains(&stalled_ms),
         "each stalled call took {stalled_ms} ms on Envoy's clock"
     );
+}
+
+#[test]
+fn figures_of_2_to_the_31_and_more_reach_the_filter_through_webdis() {
+    // Webdis 0.1.9 truncates an integer reply of 2^31 or more, and drops the
+    // connection on one inside an array: the scripts send such figures as
+    // strings. Here every verdict carries some: a bucket of 3e9 tokens, one
+    // refilled per 2^32 ms (about 50 days), and a leased one.
+    let period: u64 = 1 << 32;
+    let cfg = config(
+        2000,
+        "deny",
+        &format!(
+            r#"[{{"name":"big","match":{{"pathPrefix":"/big"}},"descriptor":[{{"header":"x-user"}}],
+                 "tokenBucket":{{"capacity":3000000000,"refill":3000000000,"periodMs":1000}}}},
+               {{"name":"slow","match":{{"pathPrefix":"/slow"}},"descriptor":[{{"header":"x-user"}}],
+                 "tokenBucket":{{"capacity":2,"refill":1,"periodMs":{period}}}}},
+               {{"name":"leased","match":{{"pathPrefix":"/leased"}},"descriptor":[{{"header":"x-user"}}],
+                 "tokenBucket":{{"capacity":3000000000,"refill":1,"periodMs":1000}},
+                 "lease":{{"tokens":2500000000,"ttlMs":60000}}}}]"#
+        ),
+    );
+    let stack = Stack::start(&cfg, 1);
+    let e = stack.envoy();
+    let user = [("x-user", "big")];
+    let r = get(&e.url("/big"), &user);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("2999999999"));
+    let r = get(&e.url("/slow"), &user);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("1"));
+    // One token short of full: back in one period, 2^32 ms.
+    let reset: u64 = r.header("x-ratelimit-reset").unwrap().parse().unwrap();
+    assert_eq!(reset, period.div_ceil(1000));
+    get(&e.url("/slow"), &user);
+    let r = get(&e.url("/slow"), &user);
+    assert_eq!(r.status, 429);
+    let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!(
+        retry > (1 << 31) / 1000 && retry <= period.div_ceil(1000),
+        "Retry-After {retry}"
+    );
+    // The lease grant itself is above 2^31.
+    let r = get(&e.url("/leased"), &user);
+    assert_eq!(r.status, 200);
+    assert_eq!(e.counter("redis_guard.lease.fetches"), 1);
+    assert_eq!(e.counter("redis_guard.redis.errors"), 0);
+    assert_eq!(stack.upstream.executed(), 4, "big, slow twice, leased");
 }
