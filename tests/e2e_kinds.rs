@@ -1,0 +1,115 @@
+//! The limit kinds beyond the token bucket and the sliding-window log (GCRA,
+//! fixed window, sliding-window counter) end to end: real Envoys, Webdis and
+//! Redis. Each admits exactly its budget across two Envoys under concurrent
+//! load, and answers with its own headers and Retry-After.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use support::*;
+
+/// A window no test run can cross the edge of: 2^40 ms (about 35 years),
+/// aligned to the Unix epoch, so its current window ends in 2039.
+const LONG_WINDOW_MS: u64 = 1 << 40;
+
+/// One limit per kind, each on its own path, keyed by x-user.
+fn config(gcra: &str, fixed: &str, counter: &str) -> String {
+    filter_config(5000)
+        .limits(&format!(
+            r#"[{{"name":"g","match":{{"pathPrefix":"/gcra"}},"descriptor":[{{"header":"x-user"}}],
+                 "gcra":{gcra}}},
+               {{"name":"f","match":{{"pathPrefix":"/fw"}},"descriptor":[{{"header":"x-user"}}],
+                 "fixedWindow":{fixed}}},
+               {{"name":"s","match":{{"pathPrefix":"/swc"}},"descriptor":[{{"header":"x-user"}}],
+                 "slidingWindowCounter":{counter}}}]"#
+        ))
+        .build()
+}
+
+#[test]
+fn two_envoys_under_concurrent_load_admit_exactly_each_kinds_budget() {
+    // GCRA: a burst of 30, then one per hour; the windows: 30 per window
+    // that no run crosses the edge of.
+    let cfg = config(
+        r#"{"rate":1,"periodMs":3600000,"burst":30}"#,
+        &format!(r#"{{"limit":30,"windowMs":{LONG_WINDOW_MS}}}"#),
+        &format!(r#"{{"limit":30,"windowMs":{LONG_WINDOW_MS}}}"#),
+    );
+    let stack = Stack::start(&cfg, 2);
+    for path in ["/gcra", "/fw", "/swc"] {
+        let jobs: Vec<usize> = (0..80).collect();
+        let statuses = run_jobs(&jobs, 32, Duration::from_secs(60), agent, |agent, i, _| {
+            let e = &stack.envoys[i % 2];
+            http_with(agent, "GET", &e.url(path), &[("x-user", "load")], None).status
+        });
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        let rejected = statuses.iter().filter(|s| **s == 429).count();
+        assert_eq!((admitted, rejected), (30, 50), "{path}: exactly the budget");
+        assert_eq!(stack.upstream.executions_of(path), 30, "{path}");
+    }
+    let errors: u64 = stack
+        .envoys
+        .iter()
+        .map(|e| e.counter("redis_guard.redis.errors"))
+        .sum();
+    assert_eq!(errors, 0);
+}
+
+/// Ms since the Unix epoch on this machine, which runs Redis too.
+fn now_ms() -> u64 {
+    u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()).unwrap()
+}
+
+#[test]
+fn each_kind_admits_its_budget_with_its_headers_then_answers_429_with_retry_after() {
+    let cfg = config(
+        // 3 at once, then one every 2 s: 6 s from empty to full.
+        r#"{"rate":1,"periodMs":2000,"burst":3}"#,
+        &format!(r#"{{"limit":3,"windowMs":{LONG_WINDOW_MS}}}"#),
+        r#"{"limit":3,"windowMs":3600000}"#,
+    );
+    let stack = Stack::start(&cfg, 1);
+    let e = stack.envoy();
+    let user = [("x-user", "alice")];
+    for (path, name, window_s) in [
+        ("/gcra", "g", 6),
+        ("/fw", "f", LONG_WINDOW_MS.div_ceil(1000)),
+        ("/swc", "s", 3600),
+    ] {
+        for remaining in ["2", "1", "0"] {
+            let r = get(&e.url(path), &user);
+            assert_eq!(r.status, 200, "{path}");
+            assert_eq!(r.header("x-ratelimit-limit"), Some("3"), "{path}");
+            assert_eq!(r.header("x-ratelimit-remaining"), Some(remaining), "{path}");
+            assert_eq!(
+                r.header("ratelimit-policy"),
+                Some(format!("\"{name}\";q=3;w={window_s}").as_str()),
+                "{path}"
+            );
+        }
+        let r = get(&e.url(path), &user);
+        assert_eq!(r.status, 429, "{path}");
+        let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+        assert_eq!(r.header("x-ratelimit-remaining"), Some("0"), "{path}");
+        match path {
+            // The next unit is due 2 s after the first of the burst.
+            "/gcra" => assert!((1..=2).contains(&retry), "{path}: Retry-After {retry}"),
+            // The window ends at the next multiple of 2^40 ms since the epoch.
+            "/fw" => {
+                let now = now_ms();
+                let end_s = (now / LONG_WINDOW_MS + 1) * LONG_WINDOW_MS / 1000;
+                let expected = end_s - now / 1000;
+                assert!(
+                    retry.abs_diff(expected) <= 2,
+                    "{path}: Retry-After {retry}, the window ends in {expected} s"
+                );
+            }
+            // Within the current window, or once it has passed.
+            _ => assert!((1..=7200).contains(&retry), "{path}: Retry-After {retry}"),
+        }
+    }
+    assert_eq!(stack.upstream.executed(), 9, "three per kind reached the upstream");
+}
