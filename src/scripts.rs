@@ -111,7 +111,11 @@ mod tests {
     #[test]
     fn every_limit_kind_is_joined_into_ratelimit_and_batch_before_the_driver() {
         for (name, script, main) in [
-            ("RATELIMIT", &*RATELIMIT, include_str!("../lua/ratelimit.lua")),
+            (
+                "RATELIMIT",
+                &*RATELIMIT,
+                include_str!("../lua/ratelimit.lua"),
+            ),
             ("BATCH", &*BATCH, include_str!("../lua/batch.lua")),
         ] {
             assert!(main.contains(ALGORITHMS), "{name}: marker");
@@ -134,7 +138,11 @@ mod tests {
             assert!(order.windows(2).all(|w| w[0] < w[1]), "{name}: {order:?}");
             // Each kind joined once, and nothing left of the marker.
             for f in ["gcra_check", "fw_check", "swc_check"] {
-                assert_eq!(src.matches(&format!("local function {f}")).count(), 1, "{name}");
+                assert_eq!(
+                    src.matches(&format!("local function {f}")).count(),
+                    1,
+                    "{name}"
+                );
             }
             assert!(!src.contains(ALGORITHMS), "{name}");
         }

@@ -156,9 +156,11 @@ fn clients_that_leave_while_queued_are_dropped_and_while_in_flight_are_skipped()
     // A's client leaves: Envoy cancels its call, the group is free, and the
     // worker sends what queued (B dropped): D and C in one batch.
     assert!(a.join().unwrap(), "A gave up");
-    poll("the batch of D and C is out", Duration::from_secs(5), || {
-        (calls() == calls_before + 1).then_some(())
-    });
+    poll(
+        "the batch of D and C is out",
+        Duration::from_secs(5),
+        || (calls() == calls_before + 1).then_some(()),
+    );
     // D's client leaves while its batch is out.
     assert!(d.join().unwrap(), "D gave up");
     poll("Envoy saw A, B and D leave", Duration::from_secs(5), || {

@@ -60,7 +60,13 @@ fn two_envoys_under_concurrent_load_admit_exactly_each_kinds_budget() {
 
 /// Ms since the Unix epoch on this machine, which runs Redis too.
 fn now_ms() -> u64 {
-    u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()).unwrap()
+    u64::try_from(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -111,5 +117,9 @@ fn each_kind_admits_its_budget_with_its_headers_then_answers_429_with_retry_afte
             _ => assert!((1..=7200).contains(&retry), "{path}: Retry-After {retry}"),
         }
     }
-    assert_eq!(stack.upstream.executed(), 9, "three per kind reached the upstream");
+    assert_eq!(
+        stack.upstream.executed(),
+        9,
+        "three per kind reached the upstream"
+    );
 }

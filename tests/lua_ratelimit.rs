@@ -931,7 +931,8 @@ fn rejects_a_keyed_request_without_its_idempotency_arguments_and_writes_nothing(
     )
     .unwrap_err();
     assert!(
-        err.to_string().contains("needs owner, fingerprint and lock TTL"),
+        err.to_string()
+            .contains("needs owner, fingerprint and lock TTL"),
         "unexpected error: {err}"
     );
     assert!(
@@ -952,7 +953,8 @@ fn a_batch_of_requests_sent_without_the_idempotency_flag_decides_each_as_unkeyed
     argv.extend(member);
     argv.push("1");
     argv.extend(member);
-    let reply = script::eval_raw(&mut con, &redis_guard::scripts::BATCH, &[key, key], &argv).unwrap();
+    let reply =
+        script::eval_raw(&mut con, &redis_guard::scripts::BATCH, &[key, key], &argv).unwrap();
     let ints: Vec<i64> = redis::from_redis_value(&reply).unwrap();
     // Two members, each admitted with its own verdicts (length 5).
     assert_eq!(

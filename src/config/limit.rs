@@ -481,13 +481,19 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
         let rate = positive(g.rate, format!("{at}.gcra.rate"))?;
         let period_ms = positive(g.period_ms, format!("{at}.gcra.periodMs"))?;
         let burst = positive(g.burst, format!("{at}.gcra.burst"))?;
-        if burst.checked_mul(period_ms).is_none_or(|p| p >= GCRA_EXACT_MAX) {
+        if burst
+            .checked_mul(period_ms)
+            .is_none_or(|p| p >= GCRA_EXACT_MAX)
+        {
             return Err(ConfigError::new(
                 format!("{at}.gcra"),
                 "burst * periodMs must stay below 2^52 (Lua numbers are doubles)",
             ));
         }
-        if rate.checked_mul(period_ms).is_none_or(|p| p >= LUA_EXACT_MAX) {
+        if rate
+            .checked_mul(period_ms)
+            .is_none_or(|p| p >= LUA_EXACT_MAX)
+        {
             return Err(ConfigError::new(
                 format!("{at}.gcra"),
                 "rate * periodMs must stay below 2^53 (Lua numbers are doubles)",

@@ -155,8 +155,8 @@ impl Waiter for Stream {
 }
 
 #[test]
-fn a_request_finding_its_worker_quiet_sends_its_own_call_at_once_and_frees_the_group_when_answered(
-) {
+fn a_request_finding_its_worker_quiet_sends_its_own_call_at_once_and_frees_the_group_when_answered()
+{
     let cfg = batched_config();
     let mut f = Flow::new(cfg.clone(), test_breaker());
     let mut h = FakeHost::get("/x");
@@ -218,7 +218,10 @@ fn a_group_held_by_a_lone_call_queues_what_arrives_and_wakes_the_worker_when_fre
     assert!(!b.join(stream(1), member("k", 300)), "no call to spare");
     assert!(b.flush(&mut h, &target()).is_empty());
     assert!(h.dispatched.is_empty(), "it waits for the lone call");
-    assert!(b.release("{t}"), "freed: wake the worker to send what queued");
+    assert!(
+        b.release("{t}"),
+        "freed: wake the worker to send what queued"
+    );
     assert!(b.flush(&mut h, &target()).is_empty());
     assert_eq!(h.dispatched.len(), 1);
     assert!(!b.try_alone("{t}"), "a batch is out");
