@@ -3,8 +3,10 @@
 //! parsed, for the script tests (tests/lua_*.rs). One builder per script, so
 //! a change of a script's contract is made here once.
 
+use std::sync::LazyLock;
+
 use redis::{Cmd, Connection, Value};
-use redis_guard::scripts::{Script, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT};
+use redis_guard::scripts::{Script, BATCH, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT};
 
 // ---------------------------------------------------------------------------
 // Sending a script
@@ -43,6 +45,65 @@ pub fn eval_raw(
 }
 
 // ---------------------------------------------------------------------------
+// A test clock
+
+/// The clock preamble of lua/ratelimit.lua and lua/batch.lua: Redis TIME,
+/// in ms, read once.
+const TIME_PREAMBLE: &str = "local t = redis.call('TIME')\n\
+     local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
+
+/// The key the test-clock scripts read `now` (ms) from.
+pub const CLOCK_KEY: &str = "test:clock";
+
+/// `script` with its TIME preamble replaced by a read of [`CLOCK_KEY`], so a
+/// test sets the instant every call is decided at. The preamble must occur
+/// exactly once: a script whose clock is read some other way fails here
+/// instead of silently keeping Redis TIME. (The read names a key outside
+/// KEYS, which a standalone Redis allows; the filter never sends this.)
+pub fn with_test_clock(script: &Script) -> Script {
+    let found = script.source.matches(TIME_PREAMBLE).count();
+    assert_eq!(
+        found, 1,
+        "the TIME preamble occurs {found} times in the script, not once"
+    );
+    let source = script.source.replacen(
+        TIME_PREAMBLE,
+        &format!("local now = tonumber(redis.call('GET', '{CLOCK_KEY}'))\n"),
+        1,
+    );
+    let sha1 = redis::Script::new(&source).get_hash().to_string();
+    Script { source, sha1 }
+}
+
+/// lua/ratelimit.lua deciding at the test clock.
+pub static RATELIMIT_AT: LazyLock<Script> = LazyLock::new(|| with_test_clock(&RATELIMIT));
+
+/// lua/batch.lua deciding at the test clock.
+pub static BATCH_AT: LazyLock<Script> = LazyLock::new(|| with_test_clock(&BATCH));
+
+/// Sets the test clock to `ms`.
+pub fn set_clock(con: &mut Connection, ms: i64) {
+    redis::cmd("SET")
+        .arg(CLOCK_KEY)
+        .arg(ms)
+        .query::<()>(con)
+        .unwrap();
+}
+
+/// One request through lua/ratelimit.lua decided at test-clock instant `now`.
+pub fn request_at(con: &mut Connection, now: i64, limits: &[Limit], idem: Option<&Idem>) -> Reply {
+    set_clock(con, now);
+    let v: Value = with_limits(eval(&RATELIMIT_AT), limits, idem)
+        .query(con)
+        .unwrap_or_else(|e| panic!("EVAL at {now} failed for {limits:?} {idem:?}: {e}"));
+    let reply = parse(v);
+    if let Reply::Decided(d) = &reply {
+        assert_eq!(d.limits.len(), limits.len(), "one verdict per limit");
+    }
+    reply
+}
+
+// ---------------------------------------------------------------------------
 // lua/ratelimit.lua: the limits of one request and its idempotency key
 
 /// One limit as lua/ratelimit.lua takes it: six ARGV values.
@@ -75,6 +136,45 @@ pub fn sw(key: &str, limit: i64, window_ms: i64) -> Limit {
     Limit {
         key: key.to_string(),
         alg: "sw",
+        a: limit,
+        b: window_ms,
+        c: 0,
+        cost: 1,
+        enforce: true,
+    }
+}
+
+/// GCRA: a burst of `burst` units, `rate` units back every `period_ms`.
+pub fn gcra(key: &str, burst: i64, rate: i64, period_ms: i64) -> Limit {
+    Limit {
+        key: key.to_string(),
+        alg: "gcra",
+        a: burst,
+        b: rate,
+        c: period_ms,
+        cost: 1,
+        enforce: true,
+    }
+}
+
+/// Fixed window aligned to the epoch: `limit` units per `window_ms`.
+pub fn fw(key: &str, limit: i64, window_ms: i64) -> Limit {
+    Limit {
+        key: key.to_string(),
+        alg: "fw",
+        a: limit,
+        b: window_ms,
+        c: 0,
+        cost: 1,
+        enforce: true,
+    }
+}
+
+/// Sliding-window counter: `limit` units per (estimated) `window_ms`.
+pub fn swc(key: &str, limit: i64, window_ms: i64) -> Limit {
+    Limit {
+        key: key.to_string(),
+        alg: "swc",
         a: limit,
         b: window_ms,
         c: 0,
