@@ -3,8 +3,9 @@
 //! requests sent one by one to `lua/ratelimit.lua` in the same order, and
 //! leave the same state behind (issue 13).
 //!
-//! The property test sends random sequences over mixed token buckets and
-//! sliding windows, costs, shadow limits, idempotency keys and rejections both
+//! The property test sends random sequences over every limit kind (token
+//! buckets, sliding-window logs, GCRA, fixed windows, sliding-window
+//! counters), costs, shadow limits, idempotency keys and rejections both
 //! ways and compares. The deterministic tests pin down the cases a reader
 //! asks about first: a batch of one, a rejection in the middle, shadow limits,
 //! a hot key, idempotency locks inside a batch, malformed sizes, TTLs.
@@ -23,6 +24,19 @@
 //! * sliding window: a member leaves only once it is a window (>= 1 h) old,
 //!   so both runs count the same members; `retry_ms` and `reset_ms` are
 //!   `stamp + window - now`, again lower by the member's age (<= elapsed).
+//! * GCRA: the token bucket's arithmetic on one stored instant (the TAT),
+//!   with the same hour-scale periods and rates: the same verdicts and
+//!   remaining counts, `retry_ms` and `reset_ms` lower by the age of the
+//!   TAT's first charge in B (<= elapsed), and the stored TATs apart by
+//!   when B first charged, after the batch (<= the whole span of A and B);
+//! * fixed window and sliding-window counter: windows are aligned to hour
+//!   edges, so while no edge falls between the batch and the last
+//!   one-by-one call, both runs count in the same window (and, the keys
+//!   being new, no previous window weighs): counts, verdicts and stored
+//!   state agree exactly, and `retry_ms` and `reset_ms` run to the same
+//!   window edges, lower in B by how much later its call ran (<= the whole
+//!   span). A case an edge falls into is not compared (about one case in
+//!   50000 at a few tens of ms a case).
 //!
 //! So verdicts and remaining counts must agree exactly; `retry_ms`, `reset_ms`
 //! and a lock's PTTL are exact where no earlier state is involved, and
@@ -35,7 +49,7 @@ use support::script::{idem, sw, tb, Idem, Limit};
 use support::{hash_fields, key_exists, key_pttl, read_bucket, redis_now_ms};
 
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::collection::vec;
 use proptest::option;
@@ -231,9 +245,9 @@ fn credits(con: &mut Connection, key: &str) -> Option<i64> {
 // The property: a batch decides as the same members sent one by one
 
 /// Cases of the property: each a sequence of up to `MAX_MEMBERS` requests,
-/// enough to find ordering bugs, few enough that the test takes about a
-/// second in a debug build.
-const CASES: u32 = 64;
+/// enough to find ordering bugs over five kinds, few enough that the test
+/// takes about a second or two in a debug build.
+const CASES: u32 = 96;
 const MAX_MEMBERS: usize = 24;
 /// Limit definitions per case: few, so members collide on keys constantly.
 const POOL: usize = 5;
@@ -251,12 +265,21 @@ fn config() -> ProptestConfig {
 #[derive(Debug, Clone)]
 struct Def {
     alg: &'static str,
-    /// tb: capacity; sw: limit. 1..=6, so rejections are frequent.
+    /// tb: capacity; gcra: burst; sw, fw, swc: limit. 1..=6, so rejections
+    /// are frequent.
     a: i64,
-    /// tb: refill tokens per period; sw: window (ms).
+    /// tb: refill tokens per period; gcra: rate per period; sw, fw, swc:
+    /// window (ms).
     b: i64,
-    /// tb: period (ms); sw: 0.
+    /// tb, gcra: period (ms); sw, fw, swc: 0.
     c: i64,
+}
+
+impl Def {
+    /// Fixed window or sliding-window counter: times run to window edges.
+    fn windowed(&self) -> bool {
+        self.alg == "fw" || self.alg == "swc"
+    }
 }
 
 /// One limit of a member: which definition, the drawn cost (clamped to the
@@ -295,6 +318,24 @@ fn def_strategy() -> impl Strategy<Value = Def> {
         }),
         (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
             alg: "sw",
+            a,
+            b,
+            c: 0
+        }),
+        (1..=6i64, 1..=3i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b, c)| Def {
+            alg: "gcra",
+            a,
+            b,
+            c
+        }),
+        (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
+            alg: "fw",
+            a,
+            b,
+            c: 0
+        }),
+        (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
+            alg: "swc",
             a,
             b,
             c: 0
@@ -379,6 +420,10 @@ struct Seen {
     verdicts: [Cell<u32>; 5],
     shadow_rejections_admitted: Cell<u32>,
     time_dependent_compared: Cell<u32>,
+    /// Per kind: (limits that admitted, limits that rejected).
+    by_kind: RefCell<BTreeMap<&'static str, (u32, u32)>>,
+    /// Cases not compared because an hour edge fell between the runs.
+    at_an_edge: Cell<u32>,
 }
 
 fn bump(c: &Cell<u32>) {
@@ -398,13 +443,13 @@ fn check_time_dependent(what: &str, a: i64, b: i64, elapsed: i64) -> Result<(), 
 
 /// Compares the replies member by member. `a` from the batch, `b` from the
 /// one-by-one calls, which spanned at most `elapsed` ms; `a_elapsed` is how
-/// long the batch call took (bounds PTTLs read inside it).
+/// long the batch call took (bounds PTTLs read inside it); `span` is from
+/// the batch's start to the last one-by-one call's end.
 fn compare_replies(
     case: &Case,
     a: &[Vec<i64>],
     b: &[Vec<i64>],
-    elapsed: i64,
-    a_elapsed: i64,
+    (elapsed, a_elapsed, span): (i64, i64, i64),
     seen: &Seen,
 ) -> Result<(), TestCaseError> {
     prop_assert_eq!(a.len(), b.len());
@@ -427,6 +472,15 @@ fn compare_replies(
                     let what = format!("{at}, limit {i} ({d:?}, {u:?})");
                     prop_assert_eq!(va[0], vb[0], "allowed: {}", what);
                     prop_assert_eq!(va[1], vb[1], "remaining: {}", what);
+                    {
+                        let mut by_kind = seen.by_kind.borrow_mut();
+                        let e = by_kind.entry(d.alg).or_default();
+                        if va[0] == 1 {
+                            e.0 += 1;
+                        } else {
+                            e.1 += 1;
+                        }
+                    }
                     let charged = verdict == 1 && va[0] == 1;
                     if va[0] == 1 {
                         prop_assert_eq!((va[2], vb[2]), (0, 0), "retry when allowed: {}", what);
@@ -436,16 +490,19 @@ fn compare_replies(
                         bump(&seen.shadow_rejections_admitted);
                     }
                     // A key nobody charged yet is fresh in both (full bucket,
-                    // empty window), and a charged window's reset is its
-                    // window: time cannot change these, so they are exact.
-                    let exact = !touched[u.def] || (d.alg == "sw" && charged);
+                    // empty window, no TAT), and a charged window's reset is
+                    // its window: time cannot change these, so they are
+                    // exact. A fixed window's or counter's times run to
+                    // window edges, so they depend on when each call ran.
+                    let exact = !d.windowed() && (!touched[u.def] || (d.alg == "sw" && charged));
+                    let bound = if d.windowed() { span } else { elapsed };
                     if exact {
                         prop_assert_eq!(va[2], vb[2], "retry_ms: {}", what);
                         prop_assert_eq!(va[3], vb[3], "reset_ms: {}", what);
                     } else {
                         bump(&seen.time_dependent_compared);
-                        check_time_dependent(&format!("retry_ms: {what}"), va[2], vb[2], elapsed)?;
-                        check_time_dependent(&format!("reset_ms: {what}"), va[3], vb[3], elapsed)?;
+                        check_time_dependent(&format!("retry_ms: {what}"), va[2], vb[2], bound)?;
+                        check_time_dependent(&format!("reset_ms: {what}"), va[3], vb[3], bound)?;
                     }
                 }
                 // What this member charged is no longer fresh for later ones.
@@ -469,12 +526,22 @@ fn compare_replies(
     Ok(())
 }
 
-/// Compares the state each namespace holds afterwards, key by key.
+/// A GCRA key's TAT as (ms, rem): "<ms>" or "<ms>:<rem>".
+fn tat(con: &mut Connection, key: &str) -> Option<(i64, i64)> {
+    let v: Option<String> = redis::cmd("GET").arg(key).query(con).unwrap();
+    v.map(|v| match v.split_once(':') {
+        Some((ms, rem)) => (ms.parse().unwrap(), rem.parse().unwrap()),
+        None => (v.parse().unwrap(), 0),
+    })
+}
+
+/// Compares the state each namespace holds afterwards, key by key. B's
+/// calls spanned `elapsed` ms, and ended `span` ms after the batch began.
 fn compare_state(
     con: &mut Connection,
     case: &Case,
     (na, nb): (&str, &str),
-    elapsed: i64,
+    (elapsed, span): (i64, i64),
 ) -> Result<(), TestCaseError> {
     let mut expected_a = BTreeSet::new();
     let mut expected_b = BTreeSet::new();
@@ -485,7 +552,40 @@ fn compare_state(
             expected_a.insert(ka.clone());
             expected_b.insert(kb.clone());
         }
-        if d.alg == "tb" {
+        if d.alg == "gcra" {
+            match (tat(con, &ka), tat(con, &kb)) {
+                (None, None) => {}
+                (Some((ma, ra)), Some((mb, rb))) => {
+                    // The same units charged, from a first charge in B at
+                    // most `span` ms after the batch's instant.
+                    prop_assert_eq!(ra, rb, "TAT fraction of {} vs {}", ka, kb);
+                    prop_assert!(
+                        mb >= ma && mb - ma <= span,
+                        "TAT {ma} (batch) vs {mb} (one by one), span {span} ms"
+                    );
+                }
+                other => prop_assert!(false, "{} vs {}: {:?}", ka, kb, other),
+            }
+        } else if d.alg == "fw" {
+            let get = |con: &mut Connection, k: &str| -> Option<String> {
+                redis::cmd("GET").arg(k).query(con).unwrap()
+            };
+            prop_assert_eq!(
+                get(con, &ka),
+                get(con, &kb),
+                "window count {} vs {}",
+                ka,
+                kb
+            );
+        } else if d.alg == "swc" {
+            prop_assert_eq!(
+                hash_fields(con, &ka),
+                hash_fields(con, &kb),
+                "counter {} vs {}",
+                ka,
+                kb
+            );
+        } else if d.alg == "tb" {
             match (credits(con, &ka), credits(con, &kb)) {
                 (None, None) => {}
                 (Some(ca), Some(cb)) => {
@@ -543,7 +643,8 @@ fn a_batch_decides_exactly_as_the_same_members_sent_one_by_one_in_order() {
         let (na, nb) = (format!("a{n}"), format!("b{n}"));
 
         // A: the whole sequence as one EVAL of BATCH.
-        let t0 = redis_now_ms(con);
+        let start = redis_now_ms(con);
+        let t0 = start;
         let a = batch_ints(con, &case.requests(&na));
         let a_elapsed = redis_now_ms(con) - t0;
 
@@ -554,14 +655,22 @@ fn a_batch_decides_exactly_as_the_same_members_sent_one_by_one_in_order() {
             .iter()
             .map(|r| ints(&ratelimit(con, r)))
             .collect();
-        let elapsed = redis_now_ms(con) - t0;
+        let end = redis_now_ms(con);
+        let elapsed = end - t0;
+        let span = end - start;
         // The module comment's reasoning needs refill * elapsed below one
         // period (elapsed < HOUR / 3 at refill 3 per hour): check it, with
         // margin, rather than assume it.
         prop_assert!(elapsed < HOUR / 6, "one-by-one calls took {} ms", elapsed);
+        // Every window here ends on an hour edge; one between the runs puts
+        // them in different windows (see the module comment).
+        if case.defs.iter().any(Def::windowed) && start / HOUR != end / HOUR {
+            bump(&seen.at_an_edge);
+            return Ok(());
+        }
 
-        compare_replies(&case, &a, &b, elapsed, a_elapsed, &seen)?;
-        compare_state(con, &case, (&na, &nb), elapsed)
+        compare_replies(&case, &a, &b, (elapsed, a_elapsed, span), &seen)?;
+        compare_state(con, &case, (&na, &nb), (elapsed, span))
     });
     if let Err(e) = result {
         panic!("{e}");
@@ -575,6 +684,18 @@ fn a_batch_decides_exactly_as_the_same_members_sent_one_by_one_in_order() {
         );
         assert!(seen.shadow_rejections_admitted.get() > 0);
         assert!(seen.time_dependent_compared.get() > 0);
+        // Every kind both admitted and rejected somewhere.
+        let by_kind = seen.by_kind.borrow();
+        for kind in ["tb", "sw", "gcra", "fw", "swc"] {
+            let (yes, no) = by_kind.get(kind).copied().unwrap_or_default();
+            assert!(yes > 0 && no > 0, "{kind}: {yes} admitted, {no} rejected");
+        }
+        // Only a rare case lands on an edge (not, say, every case).
+        let edges = seen.at_an_edge.get();
+        assert!(
+            edges * 100 <= runner.config().cases,
+            "{edges} cases at an hour edge"
+        );
     }
 }
 
