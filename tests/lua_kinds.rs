@@ -3,8 +3,9 @@
 //! lua/sliding_window_counter.lua) against a real redis-server: exact
 //! boundaries, costs that can never fit, clocks that step back, expiry,
 //! memory per key, all-or-nothing with every other kind, property tests
-//! against the token bucket and against models, and the sliding-window
-//! counter's documented worst cases.
+//! against the token bucket and against models, a batch against its members
+//! one by one at one instant, and the sliding-window counter's documented
+//! worst cases.
 //!
 //! Where exact time matters, the scripts run with a test clock
 //! (`support::script::RATELIMIT_AT`: the production source with its TIME
@@ -19,7 +20,7 @@
 mod support;
 
 use support::script::{
-    self, admits, fw, gcra, rejects, sw, swc, tb, with_limits, Decision, Limit, Verdict,
+    self, admits, fw, gcra, rejects, sw, swc, tb, with_limits, Decision, Limit, Verdict, BATCH_AT,
     RATELIMIT_AT,
 };
 use support::{assert_expires_in, key_exists as exists, pexpiretime, redis_now_ms as now_ms};
@@ -62,21 +63,40 @@ fn one(con: &mut Connection, now: i64, limit: &Limit) -> Verdict {
 /// not expect. (Every script here must be right without expiry anyway: a
 /// state says which instant or window it belongs to.)
 fn one_kept(con: &mut Connection, now: i64, limit: &Limit) -> Verdict {
+    let d = decide_kept(con, now, std::slice::from_ref(limit));
+    assert_eq!(d.admitted, d.limits[0].allowed, "{d:?}");
+    d.limits[0]
+}
+
+/// `at`, keeping the limits' keys (see `one_kept`).
+fn decide_kept(con: &mut Connection, now: i64, limits: &[Limit]) -> Decision {
+    let keys: Vec<&str> = limits.iter().map(|l| l.key.as_str()).collect();
+    let v = kept(
+        con,
+        now,
+        with_limits(script::eval(&RATELIMIT_AT), limits, None),
+        &keys,
+    );
+    let d = script::parse(v).decision();
+    assert_eq!(d.limits.len(), limits.len());
+    d
+}
+
+/// Runs `call` at `now` on the test clock, and removes the TTL of `keys`,
+/// all in one MULTI: inside it Redis' own clock stands still, so no key the
+/// call wrote can expire before its TTL is gone.
+fn kept(con: &mut Connection, now: i64, call: redis::Cmd, keys: &[&str]) -> Value {
     let mut pipe = redis::pipe();
     pipe.atomic();
     pipe.cmd("SET").arg(script::CLOCK_KEY).arg(now).ignore();
-    pipe.add_command(with_limits(
-        script::eval(&RATELIMIT_AT),
-        std::slice::from_ref(limit),
-        None,
-    ));
-    pipe.cmd("PERSIST").arg(&limit.key).ignore();
+    pipe.add_command(call);
+    for k in keys {
+        pipe.cmd("PERSIST").arg(*k).ignore();
+    }
     let (v,): (Value,) = pipe
         .query(con)
-        .unwrap_or_else(|e| panic!("{limit:?} at {now}: {e}"));
-    let d = script::parse(v).decision();
-    assert_eq!(d.limits.len(), 1);
-    d.limits[0]
+        .unwrap_or_else(|e| panic!("call at {now} on {keys:?}: {e}"));
+    v
 }
 
 // ---------------------------------------------------------------------------
@@ -1270,6 +1290,164 @@ fn a_batch_reads_and_writes_each_key_of_the_new_kinds_once_however_many_members_
         tat - t <= 20 * HOUR && tat - t > 20 * HOUR - 1000,
         "TAT {tat}, now {t}"
     );
+}
+
+/// lua/batch.lua at `now` on the test clock (keys kept, see `kept`): each
+/// member's decision.
+fn batch_kept(con: &mut Connection, now: i64, members: &[Vec<Limit>]) -> Vec<Decision> {
+    let (keys, argv) = batch_args(members);
+    let mut call = script::eval(&BATCH_AT);
+    call.arg(keys.len()).arg(&keys).arg(&argv);
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let Value::Array(items) = kept(con, now, call, &key_refs) else {
+        panic!("batch reply is not an array")
+    };
+    assert_eq!(items[0], Value::Int(members.len() as i64), "{items:?}");
+    let mut out = Vec::new();
+    let mut i = 1;
+    while i < items.len() {
+        let Value::Int(len) = items[i] else {
+            panic!("member length in {items:?}")
+        };
+        let len = usize::try_from(len).unwrap();
+        out.push(script::parse(Value::Array(items[i + 1..i + 1 + len].to_vec())).decision());
+        i += 1 + len;
+    }
+    assert_eq!(out.len(), members.len());
+    out
+}
+
+/// One limit of each kind with drawn parameters, small periods and windows
+/// included; members pick 1..=3 of them with a cost and enforce flag.
+#[derive(Debug, Clone)]
+struct Instant {
+    pool: Vec<Limit>,
+    /// Requests at `t1` that leave state behind (backlogs, counts that are
+    /// the previous window's by `t2`).
+    warmup: Vec<Vec<(usize, i64, bool)>>,
+    /// The requests decided at `t2`, as one batch and one by one.
+    members: Vec<Vec<(usize, i64, bool)>>,
+    t1: i64,
+    t2: i64,
+}
+
+impl Instant {
+    fn limits(&self, ns: &str, member: &[(usize, i64, bool)]) -> Vec<Limit> {
+        member
+            .iter()
+            .map(|&(i, cost, enforce)| {
+                let d = &self.pool[i];
+                let mut l = d.clone().cost(cost.min(d.a));
+                l.key = format!("{ns}:{}", d.alg);
+                if !enforce {
+                    l = l.shadow();
+                }
+                l
+            })
+            .collect()
+    }
+}
+
+fn instant_strategy() -> impl Strategy<Value = Instant> {
+    let periods = || select(vec![7i64, SECOND, MINUTE]);
+    let windows = || select(vec![10i64, SECOND, MINUTE]);
+    let pool = (
+        (1..=6i64, 1..=5i64, periods()),
+        (1..=6i64, windows()),
+        (1..=6i64, 1..=7i64, periods()),
+        (1..=6i64, windows()),
+        (1..=6i64, windows()),
+    )
+        .prop_map(|(t, s, g, f, c)| {
+            vec![
+                tb("", t.0, t.1, t.2),
+                sw("", s.0, s.1),
+                gcra("", g.0, g.1, g.2),
+                fw("", f.0, f.1),
+                swc("", c.0, c.1),
+            ]
+        });
+    let member = || {
+        (
+            proptest::sample::subsequence((0..5).collect::<Vec<usize>>(), 1..=3).prop_shuffle(),
+            vec((1..=3i64, prop::bool::weighted(0.8)), 3),
+        )
+            .prop_map(|(defs, params)| {
+                defs.into_iter()
+                    .zip(params)
+                    .map(|(i, (cost, enforce))| (i, cost, enforce))
+                    .collect::<Vec<_>>()
+            })
+    };
+    (
+        pool,
+        vec(member(), 0..=6),
+        vec(member(), 1..=12),
+        0..MINUTE,
+        prop_oneof![Just(0i64), 0..=20i64, 0..=2 * MINUTE],
+    )
+        .prop_map(|(pool, warmup, members, start, gap)| Instant {
+            pool,
+            warmup,
+            members,
+            t1: T0 + start,
+            t2: T0 + start + gap,
+        })
+}
+
+#[test]
+fn a_batch_at_one_instant_answers_and_writes_exactly_as_its_members_one_by_one() {
+    // lua/batch.lua and lua/ratelimit.lua at the same test-clock instant,
+    // over state left by earlier requests (backlogs, previous windows that
+    // weigh, periods and windows of a few ms): every number of every reply,
+    // and every key's value, must be identical. (tests/lua_batch.rs checks
+    // the same on Redis' own clock, where only hour-scale limits compare.)
+    let redis = support::Redis::start();
+    let con = RefCell::new(redis.conn());
+    let case_no = Cell::new(0usize);
+    // Per kind (pool index): limits that admitted, and that rejected.
+    let seen: [(Cell<u32>, Cell<u32>); 5] = Default::default();
+    let mut runner = TestRunner::new(support::fixed_seed::config(64, 0x696e_7374_616e_7421, 256));
+    let result = runner.run(&instant_strategy(), |case| {
+        let con = &mut *con.borrow_mut();
+        let n = case_no.get();
+        case_no.set(n + 1);
+        let (na, nb) = (format!("a{n}:{{i}}"), format!("b{n}:{{i}}"));
+        for m in &case.warmup {
+            decide_kept(con, case.t1, &case.limits(&na, m));
+            decide_kept(con, case.t1, &case.limits(&nb, m));
+        }
+        let members: Vec<Vec<Limit>> = case.members.iter().map(|m| case.limits(&na, m)).collect();
+        let a = batch_kept(con, case.t2, &members);
+        for (j, m) in case.members.iter().enumerate() {
+            let b = decide_kept(con, case.t2, &case.limits(&nb, m));
+            prop_assert_eq!(&a[j], &b, "member {}: {:?}", j, case);
+            for (&(i, _, _), v) in m.iter().zip(&b.limits) {
+                bump(if v.allowed { &seen[i].0 } else { &seen[i].1 });
+            }
+        }
+        for d in &case.pool {
+            let (ka, kb) = (format!("{na}:{}", d.alg), format!("{nb}:{}", d.alg));
+            prop_assert_eq!(
+                dump(con, &ka),
+                dump(con, &kb),
+                "{} vs {}: {:?}",
+                ka,
+                kb,
+                case
+            );
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    for (i, (yes, no)) in seen.iter().enumerate() {
+        assert!(
+            yes.get() > 0 && no.get() > 0,
+            "kind {i}: {yes:?} admitted, {no:?} rejected"
+        );
+    }
 }
 
 #[test]
