@@ -783,6 +783,45 @@ fn sliding_window_counter_holds_back_the_whole_limit_that_the_log_admits_after_a
 }
 
 #[test]
+fn sliding_window_counter_past_exact_products_is_off_by_at_most_one_unit_and_still_admits_when_it_says(
+) {
+    // prev * (W - e) above 2^53: the weight may be a unit off (the header),
+    // and retry and reset come from searching the weight as computed, so
+    // they must still be the first ms at which the script itself admits.
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    const W: i64 = 1_000_000_000_039;
+    const L: i64 = 999_999_937;
+    let (a, b) = (swc("t:{k}:big:a", L, W), swc("t:{k}:big:b", L, W));
+    // The whole limit in the last ms but 5 of window 0 = [0, W), on both keys.
+    let charged = W - 5;
+    let reset = one(&mut con, charged, &a.clone().cost(L)).reset_ms;
+    assert_eq!(one(&mut con, charged, &b.clone().cost(L)).reset_ms, reset);
+    // 12345 ms into window 1: the L weigh floor(L (W - 12345) / W).
+    let t = W + 12_345;
+    let third = a.clone().cost(L / 3);
+    let v = one(&mut con, t, &third);
+    let exact = i64::try_from(i128::from(L) * i128::from(W - 12_345) / i128::from(W)).unwrap();
+    assert!(!v.allowed, "{v:?}");
+    assert!(
+        (v.remaining - (L - exact)).abs() <= 1,
+        "{v:?}, exact estimate {exact}"
+    );
+    let r = v.retry_ms;
+    assert!(!one(&mut con, t + r - 1, &third).allowed, "retry {r}");
+    assert!(one(&mut con, t + r, &third).allowed, "retry {r}");
+    // Fully restored (the estimate 0: a request of L fits) exactly at reset.
+    let whole = b.clone().cost(L);
+    assert!(
+        !one(&mut con, charged + reset - 1, &whole).allowed,
+        "reset {reset}"
+    );
+    assert!(
+        one(&mut con, charged + reset, &whole).allowed,
+        "reset {reset}"
+    );
+}
+
+#[test]
 fn sliding_window_counter_answers_as_its_formula_with_a_retry_and_reset_that_hold_to_the_ms() {
     // A model written from the header's formula alone, in exact integers:
     // the verdict and remaining must match it, a rejection's retry must be
