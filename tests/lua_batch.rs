@@ -205,9 +205,14 @@ fn ratelimit(con: &mut Connection, req: &Request) -> Vec<Value> {
     items
 }
 
+/// An integer of the reply; figures of 2^31 and more come as decimal
+/// strings (lua/wire.lua).
 fn int(v: &Value) -> i64 {
     match v {
         Value::Int(i) => *i,
+        Value::BulkString(b) if b.len() > 9 && b.iter().all(u8::is_ascii_digit) => {
+            std::str::from_utf8(b).unwrap().parse().unwrap()
+        }
         other => panic!("expected an integer, got {other:?}"),
     }
 }

@@ -337,8 +337,13 @@ pub fn parse(v: Value) -> Reply {
     let Value::Array(items) = v else {
         panic!("reply is not an array: {v:?}")
     };
+    // Figures of 2^31 and more come as decimal strings (lua/wire.lua), as
+    // the filter reads them too.
     let int = |v: &Value| match v {
         Value::Int(i) => *i,
+        Value::BulkString(b) if b.len() > 9 && b.iter().all(u8::is_ascii_digit) => {
+            std::str::from_utf8(b).unwrap().parse().unwrap()
+        }
         other => panic!("expected an integer, got {other:?} in {items:?}"),
     };
     let bytes = |v: &Value| match v {
