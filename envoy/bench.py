@@ -18,6 +18,12 @@ direct_response, and one Envoy under test per scenario (envoy/envoy.yaml,
   f  batched        b with batching on (the default): group commit per worker
   g  1 connection   b at -c1
   h  batched, -c1   f at -c1 (every batch has one member)
+  k  GCRA           b with a GCRA limit instead of the token bucket
+  l  fixed window   b with a fixed window
+  m  sw counter     b with a sliding-window counter
+  n  sw log         b with a sliding-window log
+  i, j              diagnostics (not in the default run): f with maxInFlight
+                    1 and 4
 
 Then wrk runs them alternating (a b c d e x, a b c d e x, ...) for --rounds
 rounds of --duration seconds after one --warmup run each, and reports per
@@ -88,6 +94,19 @@ def tb(name, capacity, refill, period_ms, **extra):
 # Large enough that no run exhausts it: 1e9 tokens, refilled 1e9 per second
 # (capacity x periodMs stays below 2^53).
 BIG = 1_000_000_000
+
+
+def kind(name, field, params):
+    """One limit per x-user of the given kind (its JSON field and parameters)."""
+    return {"name": name, "descriptor": [{"header": "x-user"}], field: params}
+
+
+def mem_limit(field, params):
+    """A slow limit of a kind that only requests carrying x-mem meet (see
+    memory_per_key)."""
+    limit = kind(f"bench-mem-{field}", field, params)
+    limit["match"] = {"headers": [{"name": "x-mem", "present": True}]}
+    return limit
 
 
 # The single-call path: every decision its own call (batching off).
@@ -207,6 +226,59 @@ SCENARIOS = [
         "request": "get",
         "expect": "2xx",
         "optional": True,
+    },
+    # One scenario per limit kind, as (b): always under budget, batching off
+    # (one EVALSHA per request), so the kinds compare call for call. Each
+    # config also holds a slow limit of the same kind that only requests
+    # carrying x-mem meet: memory_per_key() measures its key, which lives long
+    # enough to be read (the scenario's own key expires within a millisecond).
+    {
+        "id": "k",
+        "name": "strict, GCRA",
+        "what": "b with one GCRA limit (rate 1e9 per second, burst 1e9) instead of the token "
+        "bucket",
+        "filter": filter_config([kind("bench-gcra", "gcra", {"rate": BIG, "periodMs": 1000,
+                                                             "burst": BIG}),
+                                 mem_limit("gcra", {"rate": 1, "periodMs": 3_600_000,
+                                                    "burst": 10})], batch=SINGLE),
+        "request": "get",
+        "expect": "2xx",
+        "goal_vs": "b",
+    },
+    {
+        "id": "l",
+        "name": "strict, fixed window",
+        "what": "b with one fixed window (1e9 per second) instead of the token bucket",
+        "filter": filter_config([kind("bench-fw", "fixedWindow", {"limit": BIG,
+                                                                  "windowMs": 1000}),
+                                 mem_limit("fixedWindow", {"limit": 10,
+                                                           "windowMs": 3_600_000})],
+                                batch=SINGLE),
+        "request": "get",
+        "expect": "2xx",
+        "goal_vs": "b",
+    },
+    {
+        "id": "m",
+        "name": "strict, sliding-window counter",
+        "what": "b with one sliding-window counter (1e9 per second) instead of the token bucket",
+        "filter": filter_config([kind("bench-swc", "slidingWindowCounter",
+                                      {"limit": BIG, "windowMs": 1000}),
+                                 mem_limit("slidingWindowCounter", {"limit": 10,
+                                                                    "windowMs": 3_600_000})],
+                                batch=SINGLE),
+        "request": "get",
+        "expect": "2xx",
+    },
+    {
+        "id": "n",
+        "name": "strict, sliding-window log",
+        "what": "b with one sliding-window log (1e6 per 10 s) instead of the token bucket",
+        "filter": filter_config([kind("bench-sw", "slidingWindow", {"limit": 1_000_000,
+                                                                    "windowMs": 10_000})],
+                                batch=SINGLE),
+        "request": "get",
+        "expect": "2xx",
     },
     {
         "id": "g",
@@ -921,6 +993,12 @@ def memory_per_key(stack):
     if "d" in stack.envoys and "d" not in stack.unavailable:
         hreq(stack.envoys["d"]["port"], "GET", PATH, {"x-user": "mem-tb"})
         usage(":bench-over:", "token bucket (hash)")
+    for sid, field, what in (("k", "gcra", "GCRA (string)"),
+                             ("l", "fixedWindow", "fixed window"),
+                             ("m", "slidingWindowCounter", "sliding-window counter")):
+        if sid in stack.envoys and sid not in stack.unavailable:
+            hreq(stack.envoys[sid]["port"], "GET", PATH, {"x-user": f"mem-{sid}", "x-mem": "1"})
+            usage(f":bench-mem-{field}:", what)
     if "c" in stack.envoys and "c" not in stack.unavailable:
         port = stack.envoys["c"]["port"]
         for members in (1, 100, 1000):
@@ -958,7 +1036,7 @@ def median(xs):
 
 def summarize(sc, runs, base_runs):
     s = {"id": sc["id"], "name": sc["name"], "what": sc["what"], "goal": sc.get("goal"),
-         "rounds": len(runs)}
+         "goal_vs": sc.get("goal_vs"), "rounds": len(runs)}
     s["rps"] = median([x["rps"] for x in runs])
     ratios = [x["rps"] / b["rps"] for x, b in zip(runs, base_runs) if b["rps"]]
     s["ratio"] = median(ratios)
@@ -1216,6 +1294,51 @@ def goals_section(res):
     return out
 
 
+# The limit kinds side by side: (b) and (n) exist before issue 14's kinds.
+KINDS = [
+    ("b", "token bucket", "exact", "token bucket (hash)"),
+    ("n", "sliding-window log", "exact", "sliding window, 1000 member(s) (sorted set)"),
+    ("k", "GCRA", "exact", "GCRA (string)"),
+    ("l", "fixed window", "exact per aligned window; up to 2× the limit across an edge",
+     "fixed window"),
+    ("m", "sliding-window counter", "approximate (see the README's worst case)",
+     "sliding-window counter"),
+]
+
+
+def kinds_section(res):
+    """The limit kinds in one table, and GCRA's and the fixed window's goal:
+    at or above the token bucket's (b), round by round in this run."""
+    by_id = {s["id"]: s for s in res["scenarios"]}
+    if not any(k in by_id for k, *_ in KINDS[2:]):
+        return []
+    mem = {m["key"]: m.get("bytes") for m in res.get("memory", [])}
+    out = ["## Limit kinds", "",
+           "One limit per request, batching off (one EVALSHA each), always under budget; "
+           "memory per key from the table below (the log's grows with its members).", "",
+           "| kind | scenario | exactness | bytes per key | Redis cmds/req | Redis CPU µs/req "
+           "| × (a) |", "|---|---|---|---:|---:|---:|---:|"]
+    for sid, name, exact, mem_key in KINDS:
+        s = by_id.get(sid)
+        if not s or s.get("unavailable"):
+            continue
+        out.append(f"| {name} | ({sid}) | {exact} | {fmt(mem.get(mem_key), 'd')} | "
+                   f"{fmt(s['redis_cmds_per_req'])} | {fmt(s['cpu_us_per_req']['redis'], '.1f')} "
+                   f"| {fmt(s['ratio'], '.3f')} |")
+    out.append("")
+    for s in res["scenarios"]:
+        vs = by_id.get(s.get("goal_vs") or "")
+        if not vs or s.get("unavailable") or vs.get("unavailable"):
+            continue
+        per_round = [a / b for a, b in zip(s["ratios"], vs["ratios"]) if b]
+        rel = median(per_round)
+        verdict = "met" if rel is not None and rel >= 1.0 else "**missed**"
+        out.append(f"* ({s['id']}) {s['name']}: {fmt(rel, '.3f')}× of ({vs['id']}) (median of "
+                   f"the per-round ratios {', '.join(f'{r:.2f}' for r in per_round)}), goal "
+                   f"≥ 1: {verdict}.")
+    return out
+
+
 def runtimes_section(res):
     """(b), (e), (x) under each Wasm runtime side by side (--runtimes), from this run."""
     by_id = {s["id"]: s for s in res["scenarios"]}
@@ -1298,6 +1421,8 @@ def write_benchmarks(res, path):
     lines += ["Scenarios:", ""]
     for s in res["scenarios"]:
         goal = f" Goal: ≥ {s['goal']}× of (a)." if s.get("goal") is not None else ""
+        if s.get("goal_vs"):
+            goal = f" Goal: at or above ({s['goal_vs']})."
         lines.append(f"* **({s['id']}) {s['name']}**: {s['what']}.{goal}")
     lines += ["", "CPU time per request, µs, by process (where the time goes; *machine busy* is "
               "both cores' use during the runs, *other work* the most of it that was not the "
@@ -1314,6 +1439,9 @@ def write_benchmarks(res, path):
                      f"request: {parts}")
     lines += ["", *goals_section(res)]
     lines += ["", *batching_section(res)]
+    kinds = kinds_section(res)
+    if kinds:
+        lines += ["", *kinds]
     runtimes = runtimes_section(res)
     if runtimes:
         lines += ["", *runtimes]
@@ -1353,7 +1481,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="seconds of warm-up per scenario")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="wrk threads")
-    ap.add_argument("--scenarios", default="abcdexfgh",
+    ap.add_argument("--scenarios", default="abcdexfghklmn",
                     help="which, e.g. 'ab' ((a) is always run); 'x' adds a diagnostic: the "
                     "filter loaded but no limit applying")
     ap.add_argument("--runtimes", default="v8",
