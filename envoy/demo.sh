@@ -112,6 +112,11 @@ echo "bob has his own bucket:"
 show "GET /api/orders (x-user: bob)" -H 'x-user: bob' "$URL/api/orders"
 echo "the 429 body (RFC 9457 problem):"
 curl -s -H 'x-user: alice' "$URL/api/orders"; echo
+echo "limit reports-gcra: GCRA, 2 per second with a burst of 3, per x-api-key (one value per key in Redis):"
+for i in 1 2 3 4; do show "GET /api/reports (x-api-key: k1) #$i" -H 'x-api-key: k1' "$URL/api/reports"; done
+sleep 0.5
+echo "  half a second later one unit is back (GCRA spaces them 500 ms apart):"
+show "GET /api/reports (x-api-key: k1) #5" -H 'x-api-key: k1' "$URL/api/reports"
 echo "shadow limit search-trial (2 per 10 s) never rejects, it counts:"
 for i in 1 2 3; do show "GET /api/search #$i" -H "x-user: carol$i" "$URL/api/search"; done
 echo "idempotency rule payments: POST /api/payments with an Idempotency-Key runs once"
