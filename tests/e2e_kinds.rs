@@ -123,3 +123,43 @@ fn each_kind_admits_its_budget_with_its_headers_then_answers_429_with_retry_afte
         "three per kind reached the upstream"
     );
 }
+
+#[test]
+fn with_redis_down_each_kind_takes_its_failure_mode_and_gcra_runs_locally_as_its_bucket() {
+    // GCRA in `local` mode with the whole budget local (localFraction 1):
+    // the Envoy's own bucket of capacity `burst` admits 3, then 429. The
+    // fixed window denies; the counter allows.
+    let cfg = filter_config(300)
+        .limits(
+            r#"[{"name":"g","match":{"pathPrefix":"/gcra"},"descriptor":[{"header":"x-user"}],
+                 "gcra":{"rate":1,"periodMs":3600000,"burst":3},
+                 "failureMode":"local","localFraction":1},
+               {"name":"f","match":{"pathPrefix":"/fw"},"descriptor":[{"header":"x-user"}],
+                 "fixedWindow":{"limit":3,"windowMs":60000},"failureMode":"deny"},
+               {"name":"s","match":{"pathPrefix":"/swc"},"descriptor":[{"header":"x-user"}],
+                 "slidingWindowCounter":{"limit":3,"windowMs":60000},"failureMode":"allow"}]"#,
+        )
+        .build();
+    let mut stack = Stack::start(&cfg, 1);
+    stack.redis.stop();
+    let e = stack.envoy();
+    let agent = agent();
+    let user = [("x-user", "down")];
+    let local: Vec<u16> = (0..4)
+        .map(|_| http_with(&agent, "GET", &e.url("/gcra"), &user, None).status)
+        .collect();
+    assert_eq!(local, [200, 200, 200, 429], "the local bucket: burst 3");
+    assert_eq!(
+        http_with(&agent, "GET", &e.url("/fw"), &user, None).status,
+        503
+    );
+    assert_eq!(
+        http_with(&agent, "GET", &e.url("/swc"), &user, None).status,
+        200
+    );
+    assert_eq!(e.counter("redis_guard.local.allowed"), 3);
+    assert_eq!(e.counter("redis_guard.local.rejected"), 1);
+    assert_eq!(e.counter("redis_guard.failure_mode.denied"), 1);
+    assert_eq!(e.counter("redis_guard.failure_mode.allowed"), 1);
+    assert_eq!(stack.upstream.executed(), 4, "3 local, 1 allowed");
+}
