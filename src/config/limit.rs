@@ -435,24 +435,21 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
         let capacity = positive(tb.capacity, format!("{at}.tokenBucket.capacity"))?;
         let refill = positive(tb.refill, format!("{at}.tokenBucket.refill"))?;
         let period_ms = positive(tb.period_ms, format!("{at}.tokenBucket.periodMs"))?;
-        if capacity
-            .checked_mul(period_ms)
-            .is_none_or(|p| p >= LUA_EXACT_MAX)
-        {
-            return Err(ConfigError::new(
-                format!("{at}.tokenBucket"),
-                "capacity * periodMs must stay below 2^53 (Lua numbers are doubles)",
-            ));
-        }
-        if refill
-            .checked_mul(period_ms)
-            .is_none_or(|p| p >= LUA_EXACT_MAX)
-        {
-            return Err(ConfigError::new(
-                format!("{at}.tokenBucket"),
-                "refill * periodMs must stay below 2^53 (Lua numbers are doubles)",
-            ));
-        }
+        let field = format!("{at}.tokenBucket");
+        exact_product(
+            capacity,
+            period_ms,
+            LUA_EXACT_MAX,
+            &field,
+            "capacity * periodMs",
+        )?;
+        exact_product(
+            refill,
+            period_ms,
+            LUA_EXACT_MAX,
+            &field,
+            "refill * periodMs",
+        )?;
         return Ok(Algorithm::TokenBucket {
             capacity,
             refill,
@@ -469,36 +466,16 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
                 "must be at most 1000000 (one sorted-set member per request); use tokenBucket for larger budgets",
             ));
         }
-        if window_ms >= LUA_EXACT_MAX {
-            return Err(ConfigError::new(
-                format!("{at}.slidingWindow.windowMs"),
-                "must stay below 2^53 ms (Lua numbers are doubles)",
-            ));
-        }
+        exact_window(window_ms, format!("{at}.slidingWindow.windowMs"))?;
         return Ok(Algorithm::SlidingWindow { limit, window_ms });
     }
     if let Some(g) = &raw.gcra {
         let rate = positive(g.rate, format!("{at}.gcra.rate"))?;
         let period_ms = positive(g.period_ms, format!("{at}.gcra.periodMs"))?;
         let burst = positive(g.burst, format!("{at}.gcra.burst"))?;
-        if burst
-            .checked_mul(period_ms)
-            .is_none_or(|p| p >= GCRA_EXACT_MAX)
-        {
-            return Err(ConfigError::new(
-                format!("{at}.gcra"),
-                "burst * periodMs must stay below 2^52 (Lua numbers are doubles)",
-            ));
-        }
-        if rate
-            .checked_mul(period_ms)
-            .is_none_or(|p| p >= LUA_EXACT_MAX)
-        {
-            return Err(ConfigError::new(
-                format!("{at}.gcra"),
-                "rate * periodMs must stay below 2^53 (Lua numbers are doubles)",
-            ));
-        }
+        let field = format!("{at}.gcra");
+        exact_product(burst, period_ms, GCRA_EXACT_MAX, &field, "burst * periodMs")?;
+        exact_product(rate, period_ms, LUA_EXACT_MAX, &field, "rate * periodMs")?;
         return Ok(Algorithm::Gcra {
             rate,
             period_ms,
@@ -523,15 +500,36 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
             "must be at most 2^50 (1125899906842624)",
         ));
     }
-    if window_ms >= LUA_EXACT_MAX {
-        return Err(ConfigError::new(
-            format!("{at}.{field}.windowMs"),
-            "must stay below 2^53 ms (Lua numbers are doubles)",
-        ));
-    }
+    exact_window(window_ms, format!("{at}.{field}.windowMs"))?;
     Ok(if field == "fixedWindow" {
         Algorithm::FixedWindow { limit, window_ms }
     } else {
         Algorithm::SlidingWindowCounter { limit, window_ms }
     })
+}
+
+/// `a * b` stays below `max` (a power of two), so the Lua doubles that hold
+/// it stay exact.
+fn exact_product(a: u64, b: u64, max: u64, field: &str, what: &str) -> Result<(), ConfigError> {
+    if a.checked_mul(b).is_none_or(|p| p >= max) {
+        return Err(ConfigError::new(
+            field,
+            format!(
+                "{what} must stay below 2^{} (Lua numbers are doubles)",
+                max.trailing_zeros()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A window in ms that Lua doubles hold exactly.
+fn exact_window(window_ms: u64, field: String) -> Result<(), ConfigError> {
+    if window_ms >= LUA_EXACT_MAX {
+        return Err(ConfigError::new(
+            field,
+            "must stay below 2^53 ms (Lua numbers are doubles)",
+        ));
+    }
+    Ok(())
 }
