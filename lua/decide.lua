@@ -51,6 +51,11 @@ local function malformed(keys, ko, nk, argv, ao, na)
   if n == nil or n < 0 or n + (keyed and 1 or 0) ~= nk then
     return 'ERR redis-guard ratelimit: ARGV[1] must match #KEYS'
   end
+  -- Every limit's six values, enforce flag included, must be the request's
+  -- own: in a batch, past them lies the next member's.
+  if 1 + 6 * n > na then
+    return 'ERR redis-guard ratelimit: limit ' .. n .. ' needs numbers'
+  end
   for i = 1, n do
     local base = ao + 2 + (i - 1) * 6
     local alg = base - ao <= na and argv[base] or nil

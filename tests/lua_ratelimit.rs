@@ -966,6 +966,21 @@ fn a_batch_of_requests_sent_without_the_idempotency_flag_decides_each_as_unkeyed
 }
 
 #[test]
+fn a_batch_member_missing_its_enforce_flag_is_an_error_not_the_next_members_count() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let key = "t:{x}:wire:b";
+    // The first member has five of its limit's six values: its "enforce"
+    // would be the second member's count.
+    let mut argv = vec!["2", "1", "6", "1", "7", "1"];
+    argv.extend(["tb", "10", "1", "3600000", "1"]);
+    argv.extend(["1", "tb", "10", "1", "3600000", "1", "1"]);
+    let err =
+        script::eval_raw(&mut con, &redis_guard::scripts::BATCH, &[key, key], &argv).unwrap_err();
+    assert!(err.to_string().contains("needs numbers"), "{err}");
+    assert!(!exists(&mut con, key), "errors write nothing");
+}
+
+#[test]
 fn redis_names_the_script_by_the_sha1_the_filter_sends() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     assert_eq!(script::load(&mut con, &RATELIMIT), RATELIMIT.sha1);

@@ -239,15 +239,20 @@ impl Host for ProxyHost<'_> {
     }
 
     fn batch_alone(&mut self, tag: &str) -> bool {
-        // A wake-up already queued means requests wait for the root's flush:
-        // this one joins them rather than pass them.
-        let Some(shared) = self.shared.filter(|s| !s.wake_pending.get()) else {
+        let Some(shared) = self.shared else {
             return false;
         };
         let Ok(mut batcher) = shared.batcher.try_borrow_mut() else {
             return false;
         };
-        batcher.as_mut().is_some_and(|b| b.try_alone(tag))
+        match batcher.as_mut() {
+            // Batching is on but this worker could not register its wake-up
+            // queue: every request sends its own call.
+            None => true,
+            // A wake-up already queued means requests wait for the root's
+            // flush: this one joins them rather than pass them.
+            Some(b) => !shared.wake_pending.get() && b.try_alone(tag),
+        }
     }
 
     fn batch_release(&mut self, tag: &str) {

@@ -119,10 +119,12 @@ impl Decision {
             // this stream, as a single call (its reply, retries and failure
             // are this stage's, as with batching off).
             Some(tag) if !tripped && host.batch_alone(tag) => {
-                host.count(Counter::BatchAlone);
                 self.alone = Some(tag.to_string());
                 self.call = Some(call);
                 let step = self.send(host, target);
+                if matches!(step, Step::Sent(_)) {
+                    host.count(Counter::BatchAlone);
+                }
                 self.settle(host, step)
             }
             Some(tag) if !tripped => self.join(host, target, call, tag),

@@ -198,6 +198,34 @@ fn a_lone_call_keeps_its_group_through_a_retry_and_frees_it_when_it_fails_or_its
     assert_eq!(h.sent.last().map(|r| r.status), Some(503), "deny");
     assert_eq!(h.released.len(), 1);
 
+    // NOSCRIPT: the same call again as EVAL, the group still held.
+    let mut f = Flow::new(cfg.clone(), test_breaker());
+    let mut h = FakeHost::get("/x");
+    h.quiet_worker = true;
+    f.on_request_headers(&mut h, true);
+    f.on_callout_reply(&mut h, 1, ok(b"-NOSCRIPT No matching script.\r\n"));
+    assert_eq!(h.dispatched.len(), 2);
+    assert!(h.dispatched[1].starts_with("EVAL/"));
+    assert!(h.released.is_empty(), "held through the reload");
+    f.on_callout_reply(&mut h, 2, ok(ADMIT));
+    assert_eq!((h.resumed, h.released.len()), (1, 1));
+    assert_eq!(
+        count(&h, Counter::BatchAlone),
+        1,
+        "one lone call, resent once"
+    );
+
+    // A call that cannot be sent is no lone call: failed, counted as none,
+    // the group freed at once.
+    let mut f = Flow::new(cfg.clone(), test_breaker());
+    let mut h = FakeHost::get("/x");
+    h.quiet_worker = true;
+    h.dispatch_fails = true;
+    f.on_request_headers(&mut h, true);
+    assert_eq!(h.sent.last().map(|r| r.status), Some(503));
+    assert_eq!(count(&h, Counter::BatchAlone), 0);
+    assert_eq!(h.released, h.alone);
+
     // The client leaves with the call out: the host cancels the call, so
     // no reply will come to free the group; the stream's end does.
     let mut f = Flow::new(cfg, test_breaker());
