@@ -17,7 +17,7 @@ direct_response, and one Envoy under test per scenario (envoy/envoy.yaml,
                     filter costs before any Redis call
   f  batched        b with batching on (the default): group commit per worker
   g  1 connection   b at -c1
-  h  batched, -c1   f at -c1 (every batch has one member)
+  h  batched, -c1   f at -c1 (each request finds its worker quiet: its own call)
   k  GCRA           b with a GCRA limit instead of the token bucket
   l  fixed window   b with a fixed window
   m  sw counter     b with a sliding-window counter
@@ -292,7 +292,8 @@ SCENARIOS = [
     {
         "id": "h",
         "name": "batched, 1 connection",
-        "what": "f at `-c1`: every batch has one member; its latency must be no worse than (g)",
+        "what": "f at `-c1`: each request finds its worker quiet and sends its own call at once "
+        "(batch.alone); its latency must be no worse than (g)",
         "filter": filter_config([tb("bench-tb", BIG, BIG, 1000)]),
         "request": "get",
         "expect": "2xx",
