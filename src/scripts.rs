@@ -36,42 +36,34 @@ fn compose(main: &str, parts: &[&str]) -> String {
     out
 }
 
+/// What a decision runs, in the order it is joined in after the clock: the
+/// reply helper, every limit kind, the idempotency record and the driver.
+/// RATELIMIT and BATCH share them, so a batch decides as single calls do.
+const DECISION_PARTS: [&str; 8] = [
+    include_str!("../lua/wire.lua"),
+    include_str!("../lua/token_bucket.lua"),
+    include_str!("../lua/sliding_window.lua"),
+    include_str!("../lua/gcra.lua"),
+    include_str!("../lua/fixed_window.lua"),
+    include_str!("../lua/sliding_window_counter.lua"),
+    include_str!("../lua/idempotency.lua"),
+    include_str!("../lua/decide.lua"),
+];
+
 /// A request's idempotency lock and every rate limit in one atomic call: the
 /// driver and clock from lua/ratelimit.lua, with every limit kind and the
 /// idempotency record joined in.
 pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/ratelimit.lua"),
-        &[
-            include_str!("../lua/wire.lua"),
-            include_str!("../lua/token_bucket.lua"),
-            include_str!("../lua/sliding_window.lua"),
-            include_str!("../lua/gcra.lua"),
-            include_str!("../lua/fixed_window.lua"),
-            include_str!("../lua/sliding_window_counter.lua"),
-            include_str!("../lua/idempotency.lua"),
-            include_str!("../lua/decide.lua"),
-        ],
+        &DECISION_PARTS,
     ))
 });
 
 /// Requests of one worker decided in one call, one after another, each as
 /// its own RATELIMIT call would be (lua/batch.lua around the same parts).
-pub static BATCH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(compose(
-        include_str!("../lua/batch.lua"),
-        &[
-            include_str!("../lua/wire.lua"),
-            include_str!("../lua/token_bucket.lua"),
-            include_str!("../lua/sliding_window.lua"),
-            include_str!("../lua/gcra.lua"),
-            include_str!("../lua/fixed_window.lua"),
-            include_str!("../lua/sliding_window_counter.lua"),
-            include_str!("../lua/idempotency.lua"),
-            include_str!("../lua/decide.lua"),
-        ],
-    ))
-});
+pub static BATCH: LazyLock<Script> =
+    LazyLock::new(|| Script::new(compose(include_str!("../lua/batch.lua"), &DECISION_PARTS)));
 
 /// One request admitted against a token bucket plus a batch of tokens leased
 /// to the calling Envoy (lua/lease.lua with the token bucket joined in).
