@@ -59,15 +59,12 @@ EXCLUDED = {}
 # (version, test) -> why that test cannot pass on that release, whatever the
 # runtime. The test still runs: its failure is reported as this exclusion,
 # and if it passes the cell fails (a stale exclusion).
-STATS = "prometheus_scrape_counts_every_decision_exactly"
-OLD_BUCKETS = ("Envoy before 1.38 counts a histogram sample equal to a bucket's bound in the "
-               "next bucket (envoyproxy/envoy#36549; libcircllhist 0.3.2, envoyproxy/envoy#43041, "
-               "changed it), so the batch-size samples of exactly 1 land in le=5, not le=1, and "
-               "the test's exact bucket check fails; every count and the sample total match")
-EXCLUDED_TESTS = {
-    ("1.36.4", STATS): OLD_BUCKETS,
-    ("1.37.0", STATS): OLD_BUCKETS,
-}
+# None today: prometheus_scrape_counts_every_decision_exactly was excluded on
+# 1.36 and 1.37 (before 1.38 Envoy counts a histogram sample equal to a
+# bucket's bound in the next bucket, envoyproxy/envoy#36549), while its
+# one-at-a-time requests were batches of one; they now send their own calls
+# and put no sample on a bound, and it passes there.
+EXCLUDED_TESTS = {}
 
 # The representative part of the e2e suite: test binary -> test names (run
 # with --exact, so a renamed test fails the cell instead of running nothing).

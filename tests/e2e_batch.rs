@@ -73,6 +73,15 @@ fn two_envoys_batching_under_load_admit_exactly_the_budget_with_batches_of_sever
         batch_calls += e.counter("redis_guard.batch.calls");
     }
     assert!(batch_calls > 0);
+    // The batch-size histogram holds one sample per batch call, and its
+    // samples add up to the requests the batches decided (Envoy merges it
+    // on its stats flush).
+    for e in &stack.envoys {
+        let calls = e.counter("redis_guard.batch.calls");
+        let s = scrape_with_samples(e, "redis_guard_batch_size", calls);
+        let (_, samples, _) = s.histogram("redis_guard_batch_size");
+        assert_eq!(samples, calls, "one batch-size sample per batch call");
+    }
     assert!(
         batch_calls < decided_by_batches,
         "{batch_calls} batch calls for {decided_by_batches} requests: no batch carried two"
