@@ -28,8 +28,9 @@ batch). A key still there at that edge holds the old window's count; with the
 index beside it, it is recognised as the old window's and ignored, never read
 as the new one's.
 
-TTL: until the window's end, (i + 1) * window - now >= 1 ms: then the count
-no longer applies, and reset_ms after a charge is the same number.
+TTL: until the window's end, (i + 1) * window - now >= 1 ms, plus 2 ms (see
+fw_flush): then the count no longer applies. reset_ms after a charge is the
+time to the window's end.
 
 What a fixed window admits: at most `limit` per aligned window, but up to
 2 * limit within any span of `window` ms that straddles an edge (a full
@@ -103,11 +104,19 @@ local function fw_charge(r)
                      ttl = r.ends }
 end
 
+-- Redis 7.2 and later count a PX inside a script from the script's start,
+-- which can be a ms before the TIME this script read: a key set to expire
+-- exactly at its window's end could then vanish in that window's last ms,
+-- and a request there would count from zero (up to twice the limit in the
+-- window). The index stored beside the count makes a key that outlives its
+-- window harmless, so it is kept FW_EDGE_MS longer.
+local FW_EDGE_MS = 2
+
 local function fw_flush()
   for _, key in ipairs(fw_charged) do
     local s = fw_seen[key]
     redis.call('SET', key, string.format('%d:%d', s.w, s.c),
-               'PX', string.format('%d', s.ttl))
+               'PX', string.format('%d', s.ttl + FW_EDGE_MS))
   end
   fw_charged = {}
 end
