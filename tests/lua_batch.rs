@@ -45,7 +45,7 @@
 
 mod support;
 
-use support::script::{idem, sw, tb, Idem, Limit};
+use support::script::{idem, request_argv, sw, tb, Idem, Limit};
 use support::{hash_fields, key_exists, key_pttl, read_bucket, redis_now_ms};
 
 use std::cell::{Cell, RefCell};
@@ -97,30 +97,9 @@ impl Request {
         keys
     }
 
-    /// ARGV in the documented order; an unkeyed request sends the flag "0",
-    /// as the filter does.
+    /// ARGV as the filter sends it: an unkeyed request without the flag.
     fn argv(&self) -> Vec<String> {
-        let mut argv = vec![self.limits.len().to_string()];
-        for l in &self.limits {
-            argv.extend([
-                l.alg.to_string(),
-                l.a.to_string(),
-                l.b.to_string(),
-                l.c.to_string(),
-                l.cost.to_string(),
-                if l.enforce { "1" } else { "0" }.to_string(),
-            ]);
-        }
-        match &self.idem {
-            Some(i) => argv.extend([
-                "1".to_string(),
-                i.owner.clone(),
-                i.fingerprint.clone(),
-                i.lock_ms.to_string(),
-            ]),
-            None => argv.push("0".to_string()),
-        }
-        argv
+        request_argv(&self.limits, self.idem.as_ref())
     }
 }
 

@@ -1243,25 +1243,15 @@ fn a_shadow_limit_of_a_new_kind_that_admits_is_charged() {
 // ---------------------------------------------------------------------------
 // Batches, concurrency, contract
 
-/// KEYS and ARGV of lua/batch.lua for unkeyed members, each a list of limits.
+/// KEYS and ARGV of lua/batch.lua for unkeyed members, each a list of
+/// limits, each member's ARGV as the filter sends it.
 fn batch_args(members: &[Vec<Limit>]) -> (Vec<String>, Vec<String>) {
     let mut keys = Vec::new();
     let mut header = vec![members.len().to_string()];
     let mut body = Vec::new();
     for limits in members {
-        let mut argv = vec![limits.len().to_string()];
-        for l in limits {
-            keys.push(l.key.clone());
-            argv.extend([
-                l.alg.to_string(),
-                l.a.to_string(),
-                l.b.to_string(),
-                l.c.to_string(),
-                l.cost.to_string(),
-                if l.enforce { "1" } else { "0" }.to_string(),
-            ]);
-        }
-        argv.push("0".to_string());
+        keys.extend(limits.iter().map(|l| l.key.clone()));
+        let argv = script::request_argv(limits, None);
         header.push(limits.len().to_string());
         header.push(argv.len().to_string());
         body.extend(argv);

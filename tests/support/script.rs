@@ -225,22 +225,36 @@ pub fn with_limits(mut cmd: Cmd, limits: &[Limit], idem: Option<&Idem>) -> Cmd {
     if let Some(i) = idem {
         cmd.arg(&i.key);
     }
-    cmd.arg(limits.len());
+    cmd.arg(request_argv(limits, idem));
+    cmd
+}
+
+/// One request's ARGV for lua/ratelimit.lua, and for each member of
+/// lua/batch.lua, exactly as the filter builds it (src/ratelimit.rs,
+/// `script_args`): six values per limit, then the idempotency flag and its
+/// values only when the request carries a key. An unkeyed request sends no
+/// flag, so in a batch the next member's values follow its last limit.
+pub fn request_argv(limits: &[Limit], idem: Option<&Idem>) -> Vec<String> {
+    let mut argv = vec![limits.len().to_string()];
     for l in limits {
-        cmd.arg(l.alg)
-            .arg(l.a)
-            .arg(l.b)
-            .arg(l.c)
-            .arg(l.cost)
-            .arg(if l.enforce { "1" } else { "0" });
+        argv.extend([
+            l.alg.to_string(),
+            l.a.to_string(),
+            l.b.to_string(),
+            l.c.to_string(),
+            l.cost.to_string(),
+            if l.enforce { "1" } else { "0" }.to_string(),
+        ]);
     }
     if let Some(i) = idem {
-        cmd.arg("1")
-            .arg(&i.owner)
-            .arg(&i.fingerprint)
-            .arg(i.lock_ms);
+        argv.extend([
+            "1".to_string(),
+            i.owner.clone(),
+            i.fingerprint.clone(),
+            i.lock_ms.to_string(),
+        ]);
     }
-    cmd
+    argv
 }
 
 /// One limit's verdict: four integers of the reply.
