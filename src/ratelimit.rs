@@ -440,19 +440,26 @@ mod tests {
         assert_eq!(p.checks[0].cost, 2);
     }
 
-    #[test]
-    fn script_args_follow_the_contract() {
-        let cfg = config(
-            r#"[{"name":"a","tokenBucket":{"capacity":10,"refill":2,"periodMs":1000}},
-                {"name":"b","shadow":true,"slidingWindow":{"limit":5,"windowMs":60000}}]"#,
-        );
+    /// The number of KEYS and the ARGV of an unkeyed GET under `limits`.
+    fn unkeyed_args(limits: &str) -> (usize, Vec<String>) {
+        let cfg = config(limits);
         let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
         let (keys, argv) = p.script_args(&cfg, None);
-        assert_eq!(keys.len(), 2);
-        let argv: Vec<String> = argv
+        let argv = argv
             .into_iter()
             .map(|a| String::from_utf8(a).unwrap())
             .collect();
+        (keys.len(), argv)
+    }
+
+    #[test]
+    fn script_args_follow_the_contract() {
+        let (keys, argv) = unkeyed_args(
+            r#"[{"name":"a","tokenBucket":{"capacity":10,"refill":2,"periodMs":1000}},
+                {"name":"b","shadow":true,"slidingWindow":{"limit":5,"windowMs":60000}}]"#,
+        );
+        assert_eq!(keys, 2);
+        // No idempotency flag after the limits: the request carries no key.
         assert_eq!(
             argv,
             ["2", "tb", "10", "2", "1000", "1", "1", "sw", "5", "60000", "0", "1", "0"]
@@ -461,18 +468,12 @@ mod tests {
 
     #[test]
     fn script_args_name_each_new_kind_by_its_code() {
-        let cfg = config(
+        let (keys, argv) = unkeyed_args(
             r#"[{"name":"g","gcra":{"rate":3,"periodMs":1000,"burst":5},"cost":2},
                 {"name":"f","fixedWindow":{"limit":100,"windowMs":60000}},
                 {"name":"s","shadow":true,"slidingWindowCounter":{"limit":7,"windowMs":1000}}]"#,
         );
-        let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
-        let (keys, argv) = p.script_args(&cfg, None);
-        assert_eq!(keys.len(), 3);
-        let argv: Vec<String> = argv
-            .into_iter()
-            .map(|a| String::from_utf8(a).unwrap())
-            .collect();
+        assert_eq!(keys, 3);
         // gcra: burst, rate, periodMs; the window kinds: limit, windowMs, 0.
         assert_eq!(
             argv,
