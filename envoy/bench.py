@@ -122,6 +122,22 @@ def filter_config(limits, idempotency=None, batch=None):
     return cfg
 
 
+def kind_scenario(sid, name, what, field, params, mem_params=None, goal_vs=None):
+    """(b) with one limit of another kind. With `mem_params`, the config also
+    holds a slow limit of that kind that only requests carrying x-mem meet:
+    memory_per_key() measures its key, which lives long enough to be read
+    (the scenario's own key expires within a millisecond)."""
+    limits = [kind(f"bench-{field}", field, params)]
+    if mem_params:
+        limits.append(mem_limit(field, mem_params))
+    sc = {"id": sid, "name": f"strict, {name}",
+          "what": f"b with {what} instead of the token bucket",
+          "filter": filter_config(limits, batch=SINGLE), "request": "get", "expect": "2xx"}
+    if goal_vs:
+        sc["goal_vs"] = goal_vs
+    return sc
+
+
 SCENARIOS = [
     {
         "id": "a",
@@ -228,58 +244,18 @@ SCENARIOS = [
         "optional": True,
     },
     # One scenario per limit kind, as (b): always under budget, batching off
-    # (one EVALSHA per request), so the kinds compare call for call. Each
-    # config also holds a slow limit of the same kind that only requests
-    # carrying x-mem meet: memory_per_key() measures its key, which lives long
-    # enough to be read (the scenario's own key expires within a millisecond).
-    {
-        "id": "k",
-        "name": "strict, GCRA",
-        "what": "b with one GCRA limit (rate 1e9 per second, burst 1e9) instead of the token "
-        "bucket",
-        "filter": filter_config([kind("bench-gcra", "gcra", {"rate": BIG, "periodMs": 1000,
-                                                             "burst": BIG}),
-                                 mem_limit("gcra", {"rate": 1, "periodMs": 3_600_000,
-                                                    "burst": 10})], batch=SINGLE),
-        "request": "get",
-        "expect": "2xx",
-        "goal_vs": "b",
-    },
-    {
-        "id": "l",
-        "name": "strict, fixed window",
-        "what": "b with one fixed window (1e9 per second) instead of the token bucket",
-        "filter": filter_config([kind("bench-fw", "fixedWindow", {"limit": BIG,
-                                                                  "windowMs": 1000}),
-                                 mem_limit("fixedWindow", {"limit": 10,
-                                                           "windowMs": 3_600_000})],
-                                batch=SINGLE),
-        "request": "get",
-        "expect": "2xx",
-        "goal_vs": "b",
-    },
-    {
-        "id": "m",
-        "name": "strict, sliding-window counter",
-        "what": "b with one sliding-window counter (1e9 per second) instead of the token bucket",
-        "filter": filter_config([kind("bench-swc", "slidingWindowCounter",
-                                      {"limit": BIG, "windowMs": 1000}),
-                                 mem_limit("slidingWindowCounter", {"limit": 10,
-                                                                    "windowMs": 3_600_000})],
-                                batch=SINGLE),
-        "request": "get",
-        "expect": "2xx",
-    },
-    {
-        "id": "n",
-        "name": "strict, sliding-window log",
-        "what": "b with one sliding-window log (1e6 per 10 s) instead of the token bucket",
-        "filter": filter_config([kind("bench-sw", "slidingWindow", {"limit": 1_000_000,
-                                                                    "windowMs": 10_000})],
-                                batch=SINGLE),
-        "request": "get",
-        "expect": "2xx",
-    },
+    # (one EVALSHA per request), so the kinds compare call for call.
+    kind_scenario("k", "GCRA", "one GCRA limit (rate 1e9 per second, burst 1e9)", "gcra",
+                  {"rate": BIG, "periodMs": 1000, "burst": BIG},
+                  {"rate": 1, "periodMs": 3_600_000, "burst": 10}, goal_vs="b"),
+    kind_scenario("l", "fixed window", "one fixed window (1e9 per second)", "fixedWindow",
+                  {"limit": BIG, "windowMs": 1000}, {"limit": 10, "windowMs": 3_600_000},
+                  goal_vs="b"),
+    kind_scenario("m", "sliding-window counter", "one sliding-window counter (1e9 per second)",
+                  "slidingWindowCounter", {"limit": BIG, "windowMs": 1000},
+                  {"limit": 10, "windowMs": 3_600_000}),
+    kind_scenario("n", "sliding-window log", "one sliding-window log (1e6 per 10 s)",
+                  "slidingWindow", {"limit": 1_000_000, "windowMs": 10_000}),
     {
         "id": "g",
         "name": "strict, 1 connection",
