@@ -24,7 +24,7 @@ whole batch an error: the filter built it, so it is a bug, not a verdict.
 
 Composition: src/scripts.rs joins lua/wire.lua, lua/token_bucket.lua, lua/sliding_window.lua,
 lua/gcra.lua, lua/fixed_window.lua, lua/sliding_window_counter.lua,
-lua/idempotency.lua and lua/decide.lua (the one-request driver) at the
+lua/concurrency.lua, lua/idempotency.lua and lua/decide.lua (the one-request driver) at the
 marker. The kinds that keep a per-run cache write each charged key once, in
 flush_all() after the last member: however many members charge a key, it is
 read once and written once.

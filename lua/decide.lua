@@ -11,14 +11,16 @@ reply says was charged or locked, so requests decided one after another in
 one script see each other exactly as separate calls in the same order would.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
 Kinds    "tb" token_bucket.lua, "sw" sliding_window.lua, "gcra" gcra.lua,
-         "fw" fixed_window.lua, "swc" sliding_window_counter.lua; each
+         "fw" fixed_window.lua, "swc" sliding_window_counter.lua, "cc"
+         concurrency.lua; each
          kind's check reads its key, its charge records the new state, and
          the kinds that cache state per run write it in flush_all(), which
          the script calls once before it returns.
 ]]
 
 -- The kinds malformed() lets through.
-local known_kinds = { tb = true, sw = true, gcra = true, fw = true, swc = true }
+local known_kinds = { tb = true, sw = true, gcra = true, fw = true, swc = true,
+                      cc = true }
 
 -- A whole number lo <= x <= hi (tonumber() also takes fractions, "nan" and
 -- "inf").
@@ -38,6 +40,10 @@ local function kind_params_bad(alg, a, b, c, cost)
   if alg == 'gcra' then
     return not (whole(a, 1, 2^52) and whole(b, 1, 2^53) and whole(c, 1, 2^53)
                 and a * c < 2^52 and b * c < 2^53)
+  end
+  if alg == 'cc' then
+    -- c is the slot id (a string), checked by the caller.
+    return not (whole(a, 1, 2^20) and whole(b, 1, 2^32) and cost <= 1000)
   end
   return not (whole(a, 1, 2^50) and whole(b, 1, 2^53 - 1))
 end
@@ -63,13 +69,18 @@ local function malformed(keys, ko, nk, argv, ao, na)
       return 'ERR redis-guard ratelimit: unknown algorithm'
     end
     for j = 1, 4 do
-      if base - ao + j > na or tonumber(argv[base + j]) == nil then
+      -- A concurrency limit's third value is its slot id, not a number.
+      if base - ao + j > na
+          or (tonumber(argv[base + j]) == nil and not (alg == 'cc' and j == 3)) then
         return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs numbers'
       end
     end
+    if alg == 'cc' and cc_slot_bad(argv[base + 3]) then
+      return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs a slot id'
+    end
     if alg ~= 'tb' and alg ~= 'sw' and kind_params_bad(alg,
         tonumber(argv[base + 1]), tonumber(argv[base + 2]),
-        tonumber(argv[base + 3]), tonumber(argv[base + 4])) then
+        tonumber(argv[base + 3]) or 0, tonumber(argv[base + 4])) then
       return 'ERR redis-guard ratelimit: limit ' .. i .. ' has numbers out of range'
     end
   end
@@ -106,20 +117,22 @@ local function decide_checked(keys, ko, argv, ao, na)
     local alg = argv[base]
     local a = tonumber(argv[base + 1])
     local b = tonumber(argv[base + 2])
-    local c = tonumber(argv[base + 3])
+    local c = argv[base + 3]
     local cost = tonumber(argv[base + 4])
     local enforce = argv[base + 5] == '1'
     local r
     if alg == 'tb' then
-      r = tb_check(keys[ko + i], a, b, c, cost)
+      r = tb_check(keys[ko + i], a, b, tonumber(c), cost)
     elseif alg == 'sw' then
       r = sw_check(keys[ko + i], a, b, cost)
     elseif alg == 'gcra' then
-      r = gcra_check(keys[ko + i], a, b, c, cost)
+      r = gcra_check(keys[ko + i], a, b, tonumber(c), cost)
     elseif alg == 'fw' then
-      r = fw_check(keys[ko + i], a, b, c, cost)
+      r = fw_check(keys[ko + i], a, b, 0, cost)
+    elseif alg == 'swc' then
+      r = swc_check(keys[ko + i], a, b, 0, cost)
     else
-      r = swc_check(keys[ko + i], a, b, c, cost)
+      r = cc_check(keys[ko + i], a, b, c, cost)
     end
     r.alg = alg
     if enforce and r.allowed == 0 then
@@ -141,7 +154,8 @@ local function decide_checked(keys, ko, argv, ao, na)
       elseif alg == 'sw' then sw_charge(r)
       elseif alg == 'gcra' then gcra_charge(r)
       elseif alg == 'fw' then fw_charge(r)
-      else swc_charge(r) end
+      elseif alg == 'swc' then swc_charge(r)
+      else cc_charge(r) end
     elseif r.allowed == 1 then
       -- Not charged: report the budget as it stands (remaining without this
       -- request's cost; reset: until whole again, 0 if it already is).
@@ -162,9 +176,12 @@ local function decide_checked(keys, ko, argv, ao, na)
       elseif alg == 'fw' then
         r.remaining = r.remaining + r.cost
         r.reset = r.count > 0 and r.ends or 0
-      else
+      elseif alg == 'swc' then
         r.remaining = r.remaining + r.cost
         r.reset = swc_restored_in(r.cur, r.prev, r)
+      else
+        -- No slot taken: the free slots as they stand.
+        r.remaining = r.remaining + r.cost
       end
     end
     out[#out + 1] = r.allowed

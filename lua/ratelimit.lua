@@ -12,16 +12,18 @@ ARGV per limit i, six values starting at 2 + (i-1)*6:
              "gcra" GCRA (one string: the theoretical arrival time)
              "fw"   fixed window aligned to the epoch (one string)
              "swc"  sliding-window counter (one hash)
+             "cc"   concurrency: requests in flight (one sorted set)
   a          tb: capacity (tokens)           sw, fw, swc: limit (units per window)
-             gcra: burst (units)
+             gcra: burst (units)             cc: max (slots)
   b          tb: refill (tokens per period)  sw, fw, swc: window (ms)
-             gcra: rate (units per period)
+             gcra: rate (units per period)   cc: lease (ms)
   c          tb, gcra: period (ms)           sw, fw, swc: ignored (0)
+             cc: the request's slot id (hex; see lua/concurrency.lua)
   cost       units this request spends (1 <= cost <= capacity, burst or
              limit; a larger cost is a rejection that writes nothing, see
              each kind's file)
   enforce    "1": a rejection rejects the request; "0": shadow, reported only
-  gcra, fw and swc take whole numbers within the bounds their files' headers
+  gcra, fw, swc and cc take whole numbers within the bounds their files' headers
   give (the filter's config validation keeps them there); numbers that
   would corrupt a key are an error reply, and nothing is written.
 ARGV[2+6N]  "1" if the request carries an idempotency key, else "0" or absent;
@@ -46,10 +48,12 @@ Returns a flat array (Webdis' raw output cannot carry nested arrays):
     reset_ms   allowed: ms until the limit is fully restored (for the token
                bucket: full again; for the window: its newest member gone;
                gcra: the theoretical arrival time reached; fw: the window's
-               end; swc: the estimate back to 0), which is also the key's
-               TTL after a charge; not charged (another limit rejected): the
+               end; swc: the estimate back to 0; cc: always 0, capacity
+               comes back when requests end), which is also the key's
+               TTL after a charge (cc: its lease); not charged (another limit rejected): the
                same for the state as it stands, 0 if already restored;
                rejected: equal to retry_ms, so Retry-After and the reset agree
+               (cc: reset 0, retry_ms 1000)
 
 All-or-nothing: nothing is written unless every enforced limit admits the
 request, so a rejected request costs nothing. Then every limit that admits it
@@ -57,7 +61,7 @@ is charged (a shadow limit that would reject is reported, not charged).
 
 Composition: src/scripts.rs sends this preamble, lua/wire.lua, lua/token_bucket.lua,
 lua/sliding_window.lua, lua/gcra.lua, lua/fixed_window.lua,
-lua/sliding_window_counter.lua, lua/idempotency.lua and the driver in
+lua/sliding_window_counter.lua, lua/concurrency.lua, lua/idempotency.lua and the driver in
 lua/decide.lua as one script (one SHA-1), so one EVALSHA decides every limit
 atomically. Charges of the kinds that keep a per-run cache are written by
 flush_all() just before the reply.

@@ -9,6 +9,7 @@
 pub mod batch;
 pub mod breaker;
 pub mod codec;
+pub mod concurrency;
 pub mod config;
 pub mod filter;
 pub mod idempotency;

@@ -18,9 +18,12 @@ pub struct LocalBucket {
 }
 
 impl LocalBucket {
-    pub fn for_limit(algorithm: &Algorithm, fraction_per_mille: u64) -> LocalBucket {
+    /// `None` for a concurrency limit: what it bounds is requests in flight,
+    /// which no bucket refilled with time can stand for (config refuses it a
+    /// local failure mode).
+    pub fn for_limit(algorithm: &Algorithm, fraction_per_mille: u64) -> Option<LocalBucket> {
         let scale = |v: u64| (v.saturating_mul(fraction_per_mille) / 1000).max(1);
-        match *algorithm {
+        Some(match *algorithm {
             Algorithm::TokenBucket {
                 capacity,
                 refill,
@@ -49,7 +52,8 @@ impl LocalBucket {
                 refill: scale(limit),
                 period_ms: window_ms,
             },
-        }
+            Algorithm::Concurrency { .. } => return None,
+        })
     }
 }
 
@@ -135,7 +139,7 @@ mod tests {
             window_ms: 60_000,
         };
         assert_eq!(
-            LocalBucket::for_limit(&sw, 100),
+            LocalBucket::for_limit(&sw, 100).unwrap(),
             LocalBucket {
                 capacity: 10,
                 refill: 10,
@@ -146,7 +150,20 @@ mod tests {
             limit: 3,
             window_ms: 1000,
         };
-        assert_eq!(LocalBucket::for_limit(&tiny, 100).capacity, 1, "never zero");
+        assert_eq!(
+            LocalBucket::for_limit(&tiny, 100).unwrap().capacity,
+            1,
+            "never zero"
+        );
+    }
+
+    #[test]
+    fn a_concurrency_limit_has_no_local_bucket() {
+        let cc = Algorithm::Concurrency {
+            max: 10,
+            lease_ms: 30_000,
+        };
+        assert_eq!(LocalBucket::for_limit(&cc, 1000), None);
     }
 
     #[test]
@@ -157,7 +174,7 @@ mod tests {
             burst: 50,
         };
         assert_eq!(
-            LocalBucket::for_limit(&gcra, 100),
+            LocalBucket::for_limit(&gcra, 100).unwrap(),
             LocalBucket {
                 capacity: 5,
                 refill: 3,
@@ -175,7 +192,7 @@ mod tests {
             },
         ] {
             assert_eq!(
-                LocalBucket::for_limit(&window, 100),
+                LocalBucket::for_limit(&window, 100).unwrap(),
                 LocalBucket {
                     capacity: 10,
                     refill: 10,

@@ -109,17 +109,29 @@ impl Plan {
     }
 
     /// KEYS and ARGV for `lua/ratelimit.lua`, in its documented order, with
-    /// the idempotency lock when the request carries a key.
+    /// the idempotency lock when the request carries a key, and the
+    /// request's slot id for its concurrency limits (none: an empty id the
+    /// script refuses, never another request's).
     pub fn script_args(
         &self,
         config: &Config,
         idem: Option<&IdemArgs>,
+        slot: Option<&str>,
     ) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
         let mut keys: Vec<Vec<u8>> = self.checks.iter().map(|c| c.key.clone()).collect();
         let mut argv = Vec::with_capacity(1 + self.checks.len() * 6);
         argv.push(self.checks.len().to_string().into_bytes());
         for check in &self.checks {
             let limit = &config.limits[check.limit];
+            if let Algorithm::Concurrency { max, lease_ms } = limit.algorithm {
+                argv.push(b"cc".to_vec());
+                argv.push(max.to_string().into_bytes());
+                argv.push(lease_ms.to_string().into_bytes());
+                argv.push(slot.unwrap_or("").as_bytes().to_vec());
+                argv.push(check.cost.to_string().into_bytes());
+                argv.push(enforce_flag(limit.shadow));
+                continue;
+            }
             let (alg, a, b, c) = match limit.algorithm {
                 Algorithm::TokenBucket {
                     capacity,
@@ -136,17 +148,14 @@ impl Plan {
                 Algorithm::SlidingWindowCounter { limit, window_ms } => {
                     ("swc", limit, window_ms, 0)
                 }
+                Algorithm::Concurrency { .. } => continue,
             };
             argv.push(alg.as_bytes().to_vec());
             argv.push(a.to_string().into_bytes());
             argv.push(b.to_string().into_bytes());
             argv.push(c.to_string().into_bytes());
             argv.push(check.cost.to_string().into_bytes());
-            argv.push(if limit.shadow {
-                b"0".to_vec()
-            } else {
-                b"1".to_vec()
-            });
+            argv.push(enforce_flag(limit.shadow));
         }
         if let Some(idem) = idem {
             keys.push(idem.key.clone());
@@ -174,6 +183,15 @@ impl Plan {
         } else {
             FailureMode::Allow
         }
+    }
+}
+
+/// A limit's enforce flag: a shadow limit is reported, never enforced.
+fn enforce_flag(shadow: bool) -> Vec<u8> {
+    if shadow {
+        b"0".to_vec()
+    } else {
+        b"1".to_vec()
     }
 }
 
@@ -444,7 +462,7 @@ mod tests {
     fn unkeyed_args(limits: &str) -> (usize, Vec<String>) {
         let cfg = config(limits);
         let p = plan(&cfg, &FakeRequest::new("GET", "/")).unwrap();
-        let (keys, argv) = p.script_args(&cfg, None);
+        let (keys, argv) = p.script_args(&cfg, None, None);
         let argv = argv
             .into_iter()
             .map(|a| String::from_utf8(a).unwrap())
@@ -495,7 +513,7 @@ mod tests {
             fingerprint: "f1".into(),
             lock_ttl_ms: 30000,
         };
-        let (keys, argv) = p.script_args(&cfg, Some(&idem));
+        let (keys, argv) = p.script_args(&cfg, Some(&idem), None);
         assert_eq!(keys.len(), 2);
         assert_eq!(keys[1], idem.key);
         let tail: Vec<String> = argv[7..]

@@ -180,12 +180,17 @@ pub fn rate_limit_headers(
             if limit.shadow {
                 continue;
             }
-            policy.push(format!(
-                "\"{}\";q={};w={}",
-                limit.name,
-                limit.algorithm.quota(),
-                seconds_up(limit.algorithm.window_ms())
-            ));
+            // A concurrency limit has no window: its quota is requests in
+            // flight, back when they end, not with time.
+            match limit.algorithm.window_ms() {
+                0 => policy.push(format!("\"{}\";q={}", limit.name, limit.algorithm.quota())),
+                window => policy.push(format!(
+                    "\"{}\";q={};w={}",
+                    limit.name,
+                    limit.algorithm.quota(),
+                    seconds_up(window)
+                )),
+            }
             state.push(format!(
                 "\"{}\";r={};t={}",
                 limit.name,

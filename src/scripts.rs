@@ -39,13 +39,15 @@ fn compose(main: &str, parts: &[&str]) -> String {
 /// What a decision runs, in the order it is joined in after the clock: the
 /// reply helper, every limit kind, the idempotency record and the driver.
 /// RATELIMIT and BATCH share them, so a batch decides as single calls do.
-const DECISION_PARTS: [&str; 8] = [
+const DECISION_PARTS: [&str; 10] = [
     include_str!("../lua/wire.lua"),
     include_str!("../lua/token_bucket.lua"),
     include_str!("../lua/sliding_window.lua"),
     include_str!("../lua/gcra.lua"),
     include_str!("../lua/fixed_window.lua"),
     include_str!("../lua/sliding_window_counter.lua"),
+    include_str!("../lua/concurrency_slots.lua"),
+    include_str!("../lua/concurrency.lua"),
     include_str!("../lua/idempotency.lua"),
     include_str!("../lua/decide.lua"),
 ];
@@ -76,6 +78,51 @@ pub static LEASE: LazyLock<Script> = LazyLock::new(|| {
         ],
     ))
 });
+
+/// Renews the leases of a running request's concurrency slots
+/// (lua/concurrency_renew.lua with lua/concurrency_slots.lua joined in).
+pub static CC_RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(compose(
+        include_str!("../lua/concurrency_renew.lua"),
+        &[include_str!("../lua/concurrency_slots.lua")],
+    ))
+});
+
+/// Gives back a finished request's concurrency slots
+/// (lua/concurrency_release.lua with lua/concurrency_slots.lua joined in),
+/// without its comments: every request under a concurrency limit sends it
+/// whole (EVAL) at its end.
+pub static CC_RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(without_comments(&compose(
+        include_str!("../lua/concurrency_release.lua"),
+        &[include_str!("../lua/concurrency_slots.lua")],
+    )))
+});
+
+/// `source` without its comment lines and `--[[ ]]` blocks (both start a
+/// line in these files) and without blank lines: what Redis runs of it, for
+/// a script whose source travels with every call.
+fn without_comments(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut in_block = false;
+    for line in source.lines() {
+        let t = line.trim_start();
+        if in_block {
+            in_block = !t.contains("]]");
+            continue;
+        }
+        if t.starts_with("--[[") {
+            in_block = !t.contains("]]");
+            continue;
+        }
+        if t.is_empty() || t.starts_with("--") {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
 
 /// IN_PROGRESS -> COMPLETED for the lock's owner.
 pub static IDEM_COMPLETE: LazyLock<Script> =
@@ -123,13 +170,14 @@ mod tests {
                 at("local function gcra_check"),
                 at("local function fw_check"),
                 at("local function swc_check"),
+                at("local function cc_check"),
                 at("local function idem_check"),
                 at("local function flush_all"),
                 at("flush_all()\nreturn"),
             ];
             assert!(order.windows(2).all(|w| w[0] < w[1]), "{name}: {order:?}");
             // Each kind joined once, and nothing left of the marker.
-            for f in ["gcra_check", "fw_check", "swc_check"] {
+            for f in ["gcra_check", "fw_check", "swc_check", "cc_check"] {
                 assert_eq!(
                     src.matches(&format!("local function {f}")).count(),
                     1,
@@ -156,6 +204,32 @@ mod tests {
         assert!(src.contains("local function tb_check"));
         assert!(src.contains("tb_flush()"));
         assert!(!src.contains("gcra_check") && !src.contains("flush_all"));
+    }
+
+    #[test]
+    fn the_slot_scripts_take_the_concurrency_part_after_their_clock() {
+        for script in [&*CC_RENEW, &*CC_RELEASE] {
+            let src = &script.source;
+            let part = src.find("local function cc_members").unwrap();
+            assert!(part < src.find("local slot = ARGV[1]").unwrap());
+            assert!(!src.contains(ALGORITHMS) && !src.contains("tb_check"));
+            assert!(!src.contains("cc_check"), "only the slots part");
+            assert!(src.contains("cc_slot_bad(slot)"));
+        }
+        let renew = &CC_RENEW.source;
+        assert!(renew.find("redis.call('TIME')") < renew.find("local function cc_members"));
+    }
+
+    #[test]
+    fn the_release_travels_without_its_comments() {
+        let src = &CC_RELEASE.source;
+        assert!(!src.contains("--"), "{src}");
+        assert!(src.contains("local function cc_members") && src.contains("ZREM"));
+        assert!(src.len() < 1200, "{} bytes", src.len());
+        assert_eq!(
+            without_comments("--[[ a\nb ]]\nx = 1 -- y\n\n  -- z\nreturn x\n"),
+            "x = 1 -- y\nreturn x\n"
+        );
     }
 
     #[test]

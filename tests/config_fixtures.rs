@@ -130,7 +130,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "limit_no_algorithm.json",
         "limits[0]",
-        "set exactly one of `tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow` and `slidingWindowCounter`",
+        "set exactly one of `tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter` and `concurrency`",
     ),
     ("limit_both_algorithms.json", "limits[0]", "not several"),
     (
@@ -293,6 +293,67 @@ const REJECTED: &[(&str, &str, &str)] = &[
     ),
     (
         "limit_gcra_and_fixed_window.json",
+        "limits[0]",
+        "not several",
+    ),
+    // concurrency
+    (
+        "concurrency_max_zero.json",
+        "limits[0].concurrency.max",
+        "must be at least 1",
+    ),
+    (
+        "concurrency_max_too_large.json",
+        "limits[0].concurrency.max",
+        "at most 1000000",
+    ),
+    (
+        "concurrency_max_missing.json",
+        "limits[0].concurrency",
+        "missing field `max`",
+    ),
+    (
+        "concurrency_lease_too_short.json",
+        "limits[0].concurrency.leaseMs",
+        "between 300 and 3600000",
+    ),
+    (
+        "concurrency_lease_too_long.json",
+        "limits[0].concurrency.leaseMs",
+        "between 300 and 3600000",
+    ),
+    (
+        "concurrency_cost_above_max.json",
+        "limits[0].cost",
+        "must be between 1 and 10 (the limit's quota",
+    ),
+    (
+        "concurrency_cost_header_max_above_1000.json",
+        "limits[0].costHeader.max",
+        "must be between 1 and 1000",
+    ),
+    (
+        "concurrency_failure_mode_local.json",
+        "limits[0].failureMode",
+        "no local budget",
+    ),
+    (
+        "concurrency_inherits_failure_mode_local.json",
+        "limits[0].failureMode",
+        "set this limit's failureMode to `allow` or `deny`",
+    ),
+    (
+        "concurrency_unknown_field.json",
+        "limits[0].concurrency.ttlMs",
+        "unknown field `ttlMs`",
+    ),
+    (
+        "lease_on_concurrency.json",
+        "limits[0].lease",
+        "tokenBucket limits only",
+    ),
+    (
+        "limit_concurrency_and_token_bucket.json",
         "limits[0]",
         "not several",
     ),
@@ -1016,6 +1077,27 @@ fn every_limit_kind_parses_to_its_algorithm_and_key_signature() {
             "swc.100.9007199254740991".to_string(),
             100,
             9_007_199_254_740_991,
+        ),
+        // No window: capacity comes back when requests end. The key does
+        // not name max or lease, so a changed limit keeps counting the
+        // requests in flight.
+        (
+            Algorithm::Concurrency {
+                max: 1_000_000,
+                lease_ms: 300,
+            },
+            "cc".to_string(),
+            1_000_000,
+            0,
+        ),
+        (
+            Algorithm::Concurrency {
+                max: 3,
+                lease_ms: 30_000,
+            },
+            "cc".to_string(),
+            3,
+            0,
         ),
     ];
     assert_eq!(got, want);

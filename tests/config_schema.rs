@@ -196,7 +196,8 @@ fn base() -> Value {
             {"name": "sw", "slidingWindow": {"limit": 1000000, "windowMs": 60000}},
             {"name": "gcra", "gcra": {"rate": 10, "periodMs": 1000, "burst": 20}},
             {"name": "fw", "fixedWindow": {"limit": 1000, "windowMs": 60000}},
-            {"name": "swc", "slidingWindowCounter": {"limit": 1000, "windowMs": 60000}}
+            {"name": "swc", "slidingWindowCounter": {"limit": 1000, "windowMs": 60000}},
+            {"name": "cc", "concurrency": {"max": 1000, "leaseMs": 30000}}
         ],
         "idempotency": [
             {"name": "pay", "lockTtlMs": 30000, "recordTtlMs": 86400000,
@@ -242,6 +243,8 @@ const BOUNDED: &[(&str, &str, &str)] = &[
         "SlidingWindowCounter",
         "windowMs",
     ),
+    ("/limits/5/concurrency/max", "Concurrency", "max"),
+    ("/limits/5/concurrency/leaseMs", "Concurrency", "leaseMs"),
     ("/limits/0/cost", "Limit", "cost"),
     ("/limits/0/costHeader/max", "CostHeader", "max"),
     ("/limits/0/localFraction", "Limit", "localFraction"),

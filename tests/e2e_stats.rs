@@ -39,7 +39,7 @@ const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
 const KINDS: [&str; 5] = ["timeout", "dispatch", "http", "redis", "reply"];
 /// Every series without labels, by its name after `redis_guard_`.
-const PLAIN: [&str; 33] = [
+const PLAIN: [&str; 36] = [
     "redis_calls",
     "batch_calls",
     "batch_alone",
@@ -73,6 +73,9 @@ const PLAIN: [&str; 33] = [
     "idempotency_object_missing",
     "idempotency_object_corrupt",
     "idempotency_object_fetch_failed",
+    "concurrency_released",
+    "concurrency_renewed",
+    "concurrency_lost",
 ];
 
 const BATCH_SIZE: &str = "redis_guard_batch_size";

@@ -379,7 +379,7 @@ impl Case {
                             alg: d.alg,
                             a: d.a,
                             b: d.b,
-                            c: d.c,
+                            c: d.c.to_string(),
                             cost: u.cost.min(d.a),
                             enforce: u.enforce,
                         }

@@ -27,10 +27,20 @@ const GCRA_EXACT_MAX: u64 = 1 << 52;
 
 /// The algorithm fields of a limit, by their JSON names, for its errors.
 const ALGORITHM_FIELDS: &str =
-    "`tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow` and `slidingWindowCounter`";
+    "`tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter` and `concurrency`";
+/// Most requests one concurrency limit lets in flight (one sorted-set member
+/// per slot).
+pub const MAX_CONCURRENCY: u64 = 1_000_000;
+/// A concurrency slot's lease when the config names none: long enough that
+/// its renewals (three per lease) cost nothing to speak of, short enough that
+/// a crashed Envoy's slots come back within a minute.
+pub const DEFAULT_CONCURRENCY_LEASE_MS: u64 = 30_000;
+/// Bounds of a lease: renewed every third of it, so not too often; a crashed
+/// Envoy's slots come back within it, so not too long.
+pub const CONCURRENCY_LEASE_MS: std::ops::RangeInclusive<u64> = 300..=3_600_000;
 
 /// One rate limit: exactly one of tokenBucket, slidingWindow, gcra,
-/// fixedWindow or slidingWindowCounter.
+/// fixedWindow, slidingWindowCounter or concurrency.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Limit")]
@@ -39,7 +49,8 @@ const ALGORITHM_FIELDS: &str =
     {"required": ["slidingWindow"]},
     {"required": ["gcra"]},
     {"required": ["fixedWindow"]},
-    {"required": ["slidingWindowCounter"]}
+    {"required": ["slidingWindowCounter"]},
+    {"required": ["concurrency"]}
 ]))]
 pub(super) struct RawLimit {
     /// Unique limit name: letters, digits, '-', '_', '.'; part of keys and stats.
@@ -61,6 +72,8 @@ pub(super) struct RawLimit {
     fixed_window: Option<RawFixedWindow>,
     #[serde(default)]
     sliding_window_counter: Option<RawSlidingWindowCounter>,
+    #[serde(default)]
+    concurrency: Option<RawConcurrency>,
     /// Units one request spends (default 1).
     #[serde(default)]
     #[schemars(range(min = 1))]
@@ -162,6 +175,22 @@ struct RawSlidingWindowCounter {
     window_ms: u64,
 }
 
+/// At most `max` requests in flight at once, across every Envoy. Each holds
+/// a slot from its decision until its stream ends; its Envoy renews the
+/// slot's lease while it runs, so a crashed Envoy's slots come back when
+/// their lease ends.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Concurrency")]
+struct RawConcurrency {
+    #[schemars(range(min = 1, max = 1000000))]
+    max: u64,
+    /// How long a slot outlives an Envoy that died holding it (ms, default 30000).
+    #[serde(default)]
+    #[schemars(range(min = 300, max = 3600000))]
+    lease_ms: Option<u64>,
+}
+
 /// Cost from a request header: a positive integer up to `max`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -196,6 +225,10 @@ pub enum Algorithm {
         limit: u64,
         window_ms: u64,
     },
+    Concurrency {
+        max: u64,
+        lease_ms: u64,
+    },
 }
 
 impl Algorithm {
@@ -204,6 +237,7 @@ impl Algorithm {
         match *self {
             Algorithm::TokenBucket { capacity, .. } => capacity,
             Algorithm::Gcra { burst, .. } => burst,
+            Algorithm::Concurrency { max, .. } => max,
             Algorithm::SlidingWindow { limit, .. }
             | Algorithm::FixedWindow { limit, .. }
             | Algorithm::SlidingWindowCounter { limit, .. } => limit,
@@ -211,7 +245,8 @@ impl Algorithm {
     }
 
     /// The policy window in ms: for a token bucket and GCRA, the time to
-    /// refill from empty; for the window kinds, the window.
+    /// refill from empty; for the window kinds, the window; none (0) for a
+    /// concurrency limit, whose capacity comes back when requests end.
     pub fn window_ms(&self) -> u64 {
         match *self {
             Algorithm::TokenBucket {
@@ -227,6 +262,7 @@ impl Algorithm {
             Algorithm::SlidingWindow { window_ms, .. }
             | Algorithm::FixedWindow { window_ms, .. }
             | Algorithm::SlidingWindowCounter { window_ms, .. } => window_ms,
+            Algorithm::Concurrency { .. } => 0,
         }
     }
 
@@ -250,6 +286,9 @@ impl Algorithm {
             Algorithm::SlidingWindowCounter { limit, window_ms } => {
                 format!("swc.{limit}.{window_ms}")
             }
+            // The slots held are the same whatever the max or the lease:
+            // a changed limit keeps counting the requests in flight.
+            Algorithm::Concurrency { .. } => "cc".to_string(),
         }
     }
 }
@@ -312,17 +351,20 @@ pub(super) fn compile_limit(
     let matcher = compile_match(raw.matcher, &format!("{at}.match"))?;
     let descriptor = compile_parts(raw.descriptor, &format!("{at}.descriptor"))?;
 
-    // A sliding window stores one member per unit: one request may add at
-    // most MAX_WINDOW_COST of them (a bounded ZADD, a bounded script).
+    // A sliding window and a concurrency limit store one member per unit:
+    // one request may add at most MAX_WINDOW_COST of them (a bounded ZADD,
+    // a bounded script).
     let quota = match algorithm {
-        Algorithm::SlidingWindow { limit, .. } => limit.min(MAX_WINDOW_COST),
+        Algorithm::SlidingWindow { limit, .. } | Algorithm::Concurrency { max: limit, .. } => {
+            limit.min(MAX_WINDOW_COST)
+        }
         other => other.quota(),
     };
     let fixed = raw.cost.unwrap_or(1);
     if fixed == 0 || fixed > quota {
         return Err(ConfigError::new(
             format!("{at}.cost"),
-            format!("must be between 1 and {quota} (the limit's quota; at most {MAX_WINDOW_COST} for a sliding window)"),
+            format!("must be between 1 and {quota} (the limit's quota; at most {MAX_WINDOW_COST} for a sliding window or a concurrency limit)"),
         ));
     }
     let cost = match raw.cost_header {
@@ -332,7 +374,7 @@ pub(super) fn compile_limit(
             if h.max == 0 || h.max > quota {
                 return Err(ConfigError::new(
                     format!("{at}.costHeader.max"),
-                    format!("must be between 1 and {quota} (the limit's quota; at most {MAX_WINDOW_COST} for a sliding window)"),
+                    format!("must be between 1 and {quota} (the limit's quota; at most {MAX_WINDOW_COST} for a sliding window or a concurrency limit)"),
                 ));
             }
             if fixed > h.max {
@@ -392,6 +434,15 @@ pub(super) fn compile_limit(
             })
         }
     };
+    let failure_mode = raw.failure_mode.unwrap_or(default_failure);
+    if matches!(algorithm, Algorithm::Concurrency { .. }) && failure_mode == FailureMode::Local {
+        // A local slot would need a release of its own at the stream's end,
+        // and a share of `max` per Envoy is no bound on the whole: not built.
+        return Err(ConfigError::new(
+            format!("{at}.failureMode"),
+            "a concurrency limit has no local budget: set this limit's failureMode to `allow` or `deny`",
+        ));
+    }
     let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
     Ok(Limit {
         lease,
@@ -402,7 +453,7 @@ pub(super) fn compile_limit(
         algorithm,
         cost,
         shadow: raw.shadow,
-        failure_mode: raw.failure_mode.unwrap_or(default_failure),
+        failure_mode,
         key_infix,
     })
 }
@@ -415,6 +466,7 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
         raw.gcra.is_some(),
         raw.fixed_window.is_some(),
         raw.sliding_window_counter.is_some(),
+        raw.concurrency.is_some(),
     ]
     .iter()
     .filter(|s| **s)
@@ -481,6 +533,27 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
             period_ms,
             burst,
         });
+    }
+    if let Some(c) = &raw.concurrency {
+        let max = positive(c.max, format!("{at}.concurrency.max"))?;
+        if max > MAX_CONCURRENCY {
+            return Err(ConfigError::new(
+                format!("{at}.concurrency.max"),
+                format!("must be at most {MAX_CONCURRENCY} (one sorted-set member per request in flight)"),
+            ));
+        }
+        let lease_ms = c.lease_ms.unwrap_or(DEFAULT_CONCURRENCY_LEASE_MS);
+        if !CONCURRENCY_LEASE_MS.contains(&lease_ms) {
+            return Err(ConfigError::new(
+                format!("{at}.concurrency.leaseMs"),
+                format!(
+                    "must be between {} and {}",
+                    CONCURRENCY_LEASE_MS.start(),
+                    CONCURRENCY_LEASE_MS.end()
+                ),
+            ));
+        }
+        return Ok(Algorithm::Concurrency { max, lease_ms });
     }
     let (field, limit, window_ms) = match (&raw.fixed_window, &raw.sliding_window_counter) {
         (Some(fw), _) => ("fixedWindow", fw.limit, fw.window_ms),

@@ -26,7 +26,8 @@ pub use idempotency::{
     DEFAULT_MAX_STORED_BODY, DEFAULT_RECORD_TTL_MS, MAX_OFFLOADED_BODY,
 };
 pub use limit::{
-    Algorithm, Cost, Lease, Limit, DEFAULT_LOCAL_PER_MILLE, MAX_COUNTER_LIMIT, MAX_WINDOW_COST,
+    Algorithm, Cost, Lease, Limit, CONCURRENCY_LEASE_MS, DEFAULT_CONCURRENCY_LEASE_MS,
+    DEFAULT_LOCAL_PER_MILLE, MAX_CONCURRENCY, MAX_COUNTER_LIMIT, MAX_WINDOW_COST,
 };
 pub use matcher::{HeaderCondition, Matcher, PathMatch};
 pub use object_store::{

@@ -77,6 +77,13 @@ pub enum Counter {
     /// A replay whose object could not be fetched (refused, unreachable,
     /// timed out): 503 with Retry-After, never re-executed.
     IdemObjectFetchFailed,
+    /// A request's concurrency slots given back at its stream's end.
+    SlotsReleased,
+    /// A renewal of a running request's slot leases.
+    SlotsRenewed,
+    /// A running request's slot was gone at its renewal (its Envoy was cut
+    /// off from Redis longer than the lease): the request runs on uncounted.
+    SlotsLost,
 }
 
 /// Why a Redis call did not decide a request: one stat each.
@@ -157,7 +164,7 @@ pub const CALLOUT_LATENCY_US: &str = "redis_guard.redis.callout_latency_us";
 impl Counter {
     /// Every counter event a configuration with `limits` limits can raise.
     pub fn all(limits: usize) -> Vec<Counter> {
-        let mut all = Vec::with_capacity(4 * limits + 40);
+        let mut all = Vec::with_capacity(4 * limits + 44);
         for i in 0..limits {
             all.extend([
                 Counter::Checked(i),
@@ -200,6 +207,9 @@ impl Counter {
             Counter::LeaseFetched,
             Counter::BatchCalls,
             Counter::BatchAlone,
+            Counter::SlotsReleased,
+            Counter::SlotsRenewed,
+            Counter::SlotsLost,
         ]);
         all
     }
@@ -265,6 +275,9 @@ impl Counter {
             Counter::LeaseFetched => fixed("lease.fetches"),
             Counter::BatchCalls => fixed("batch.calls"),
             Counter::BatchAlone => fixed("batch.alone"),
+            Counter::SlotsReleased => fixed("concurrency.released"),
+            Counter::SlotsRenewed => fixed("concurrency.renewed"),
+            Counter::SlotsLost => fixed("concurrency.lost"),
         }
     }
 }
@@ -284,10 +297,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 38
+        // The stat list as the README and tests/e2e_stats.rs know it: 41
         // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 38);
-        assert_eq!(names(2).len(), 38 + 8);
+        assert_eq!(names(0).len(), 41);
+        assert_eq!(names(2).len(), 41 + 8);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

@@ -15,6 +15,7 @@ use crate::breaker::Breaker;
 use crate::config::{Config, FailureMode};
 use crate::filter::call::{Budget, ScriptCall};
 use crate::filter::stage::batch::Verdict as BatchVerdict;
+use crate::filter::stage::concurrency::Concurrency;
 use crate::filter::stage::decision::{Decision, Step};
 use crate::filter::stage::fallback::{self, Undecided};
 use crate::filter::stage::idempotency::intake::{Intake, Ready};
@@ -38,6 +39,8 @@ pub enum Owner {
     Record,
     Upload,
     Replay,
+    /// A renewal of the request's concurrency slots.
+    Slots,
 }
 
 /// Callouts in flight for this request: token -> owning stage. A request
@@ -64,6 +67,7 @@ pub struct Flow {
     config: Rc<Config>,
     calls: Calls,
     limits: RateLimit,
+    slots: Concurrency,
     lease: LeaseStage,
     decision: Decision,
     intake: Intake,
@@ -77,6 +81,7 @@ impl Flow {
             config,
             calls: Calls::default(),
             limits: RateLimit::default(),
+            slots: Concurrency::default(),
             lease: LeaseStage::default(),
             decision: Decision::new(breaker),
             intake: Intake::default(),
@@ -91,6 +96,7 @@ impl Flow {
         if let Err(reply) = self.limits.on_request(host, &config, &line) {
             return answer_locally(host, &reply);
         }
+        self.slots.on_request(host, &config, self.limits.plan());
         let tag = self.limits.tag();
         match self
             .intake
@@ -186,6 +192,7 @@ impl Flow {
         let batchable =
             config.redis.batch.is_some() && self.intake.keyed().is_none() && !self.lease.fetching();
         let tag = self.limits.tag().filter(|_| batchable);
+        self.slots.asking();
         let step = self.decision.start(host, &config.redis, call, tag);
         self.on_step(host, step, false)
     }
@@ -197,7 +204,9 @@ impl Flow {
         self.lease
             .call(&self.config, plan, budget)
             .unwrap_or_else(|| {
-                let args = self.limits.script_args(&self.config, self.intake.args());
+                let args =
+                    self.limits
+                        .script_args(&self.config, self.intake.args(), self.slots.slot());
                 ScriptCall::new(&RATELIMIT, args, budget)
             })
     }
@@ -239,6 +248,7 @@ impl Flow {
     ) -> Action {
         let config = Rc::clone(&self.config);
         self.lease.abandon(host, self.limits.plan());
+        self.slots.on_failed(sent);
         let level = self.decision.count_failure(host, kind);
         let keyed = self.intake.keyed().is_some();
         if sent && keyed {
@@ -274,6 +284,7 @@ impl Flow {
             // answered, so the breaker learns nothing bad.
             Err(e) if completed_reply(reply) => {
                 self.decision.succeeded(host, false);
+                self.slots.not_taken();
                 return self.replay.unreadable(host, &e);
             }
             Err(e) => {
@@ -283,6 +294,10 @@ impl Flow {
             }
         };
         self.decision.succeeded(host, true);
+        match &verdict {
+            Verdict::Limits(outcome) => self.slots.on_outcome(host, self.limits.plan(), outcome),
+            _ => self.slots.not_taken(),
+        }
         match verdict {
             Verdict::Limits(outcome) => match self.limits.on_outcome(host, &config, &outcome) {
                 Ok(()) => {
@@ -315,12 +330,14 @@ impl Flow {
         self.on_step(host, step, true);
     }
 
-    /// The pause after a refusal is over: send the call again.
-    pub fn on_retry_due<H: Host>(&mut self, host: &mut H) {
+    /// A wake-up the request asked for: the pause after a refusal is over
+    /// (send the call again), or its slots' leases are due for renewal.
+    pub fn on_wake<H: Host>(&mut self, host: &mut H) {
         let config = Rc::clone(&self.config);
         if let Some(step) = self.decision.on_retry_due(host, &config.redis) {
             self.on_step(host, step, true);
         }
+        self.slots.on_wake(host, &config, &mut self.calls);
     }
 
     /// Hands a callout's reply to the stage that sent the call; replies to
@@ -338,6 +355,7 @@ impl Flow {
                     .on_upload_reply(host, &config, &mut self.calls, &reply)
             }
             Some(Owner::Replay) => self.replay.on_reply(host, reply),
+            Some(Owner::Slots) => self.slots.on_reply(host, &config, &mut self.calls, &reply),
             None => {}
         }
     }
@@ -379,11 +397,12 @@ impl Flow {
     }
 
     /// The stream is over (done, reset or aborted): what this request held
-    /// for others (its lock, the breaker's probe, a lease fetch's claim)
-    /// must not stay held.
+    /// for others (its lock, its concurrency slots, the breaker's probe, a
+    /// lease fetch's claim) must not stay held.
     pub fn on_stream_end<H: Host>(&mut self, host: &mut H) {
         let config = Rc::clone(&self.config);
         self.record.on_stream_end(host, &config);
+        self.slots.on_stream_end(host, &config);
         if self.decision.on_stream_end(host) {
             self.lease.abandon(host, self.limits.plan());
         }

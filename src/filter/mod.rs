@@ -107,8 +107,9 @@ pub trait Host: RequestView {
         body: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<u32, String>;
-    /// Calls `Flow::on_retry_due` after `delay`; false if the host cannot.
-    fn retry_later(&mut self, delay: Duration) -> bool;
+    /// Calls `Flow::on_wake` after `delay` (a retry pause, a lease renewal);
+    /// false if the host cannot.
+    fn wake_later(&mut self, delay: Duration) -> bool;
     /// A token no other request of any Envoy will produce (lock owner).
     fn unique_token(&mut self) -> String;
     /// Shared data of this Envoy (all workers): value and its CAS token.

@@ -44,7 +44,7 @@ pub struct FakeHost {
     pub response_resumed: usize,
     pub tokens: u32,
     pub shared: HashMap<String, (Vec<u8>, u32)>,
-    pub retries_scheduled: Vec<Duration>,
+    pub wakes: Vec<Duration>,
     pub can_schedule: bool,
     pub prefetched: Vec<(String, Prefetch)>,
     /// Object-store calls; tokens from OBJECT_TOKENS.
@@ -227,8 +227,8 @@ impl Host for FakeHost {
         self.shared.insert(key.to_string(), (value.to_vec(), next));
         true
     }
-    fn retry_later(&mut self, delay: Duration) -> bool {
-        self.retries_scheduled.push(delay);
+    fn wake_later(&mut self, delay: Duration) -> bool {
+        self.wakes.push(delay);
         self.can_schedule
     }
     fn observe(&mut self, histogram: Histogram, value: u64) {

@@ -6,7 +6,9 @@
 use std::sync::LazyLock;
 
 use redis::{Cmd, Connection, Value};
-use redis_guard::scripts::{Script, BATCH, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT};
+use redis_guard::scripts::{
+    Script, BATCH, CC_RELEASE, CC_RENEW, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT,
+};
 
 // ---------------------------------------------------------------------------
 // Sending a script
@@ -113,7 +115,8 @@ pub struct Limit {
     pub alg: &'static str,
     pub a: i64,
     pub b: i64,
-    pub c: i64,
+    /// A number, or a concurrency limit's slot id.
+    pub c: String,
     pub cost: i64,
     pub enforce: bool,
 }
@@ -125,7 +128,7 @@ pub fn tb(key: &str, capacity: i64, refill: i64, period_ms: i64) -> Limit {
         alg: "tb",
         a: capacity,
         b: refill,
-        c: period_ms,
+        c: period_ms.to_string(),
         cost: 1,
         enforce: true,
     }
@@ -138,7 +141,7 @@ pub fn sw(key: &str, limit: i64, window_ms: i64) -> Limit {
         alg: "sw",
         a: limit,
         b: window_ms,
-        c: 0,
+        c: "0".to_string(),
         cost: 1,
         enforce: true,
     }
@@ -151,7 +154,7 @@ pub fn gcra(key: &str, burst: i64, rate: i64, period_ms: i64) -> Limit {
         alg: "gcra",
         a: burst,
         b: rate,
-        c: period_ms,
+        c: period_ms.to_string(),
         cost: 1,
         enforce: true,
     }
@@ -164,7 +167,7 @@ pub fn fw(key: &str, limit: i64, window_ms: i64) -> Limit {
         alg: "fw",
         a: limit,
         b: window_ms,
-        c: 0,
+        c: "0".to_string(),
         cost: 1,
         enforce: true,
     }
@@ -177,7 +180,21 @@ pub fn swc(key: &str, limit: i64, window_ms: i64) -> Limit {
         alg: "swc",
         a: limit,
         b: window_ms,
-        c: 0,
+        c: "0".to_string(),
+        cost: 1,
+        enforce: true,
+    }
+}
+
+/// Concurrency: at most `max` slots in flight, each leased for `lease_ms`;
+/// `slot` is the request's slot id (hex).
+pub fn cc(key: &str, max: i64, lease_ms: i64, slot: &str) -> Limit {
+    Limit {
+        key: key.to_string(),
+        alg: "cc",
+        a: max,
+        b: lease_ms,
+        c: slot.to_string(),
         cost: 1,
         enforce: true,
     }
@@ -241,7 +258,7 @@ pub fn request_argv(limits: &[Limit], idem: Option<&Idem>) -> Vec<String> {
             l.alg.to_string(),
             l.a.to_string(),
             l.b.to_string(),
-            l.c.to_string(),
+            l.c.clone(),
             l.cost.to_string(),
             if l.enforce { "1" } else { "0" }.to_string(),
         ]);
@@ -544,4 +561,82 @@ pub fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: 
         .unwrap_or_else(|e| panic!("lease EVAL on {key} ({b:?}, cost {cost}, lease {lease}): {e}"));
     raw.try_into()
         .unwrap_or_else(|raw| panic!("a lease reply is six integers: {raw:?}"))
+}
+
+// ---------------------------------------------------------------------------
+// lua/concurrency_renew.lua and lua/concurrency_release.lua
+
+/// lua/concurrency_renew.lua renewing at the test clock.
+pub static CC_RENEW_AT: LazyLock<Script> = LazyLock::new(|| with_test_clock(&CC_RENEW));
+
+/// One concurrency limit a request holds its slot in, as the renewal and
+/// the release name it: the limit's key, its lease (ms), the request's cost.
+#[derive(Debug, Clone)]
+pub struct Held {
+    pub key: String,
+    pub lease_ms: i64,
+    pub cost: i64,
+}
+
+impl Limit {
+    /// This concurrency limit as a held slot (its key, lease and cost).
+    pub fn held(&self) -> Held {
+        assert_eq!(self.alg, "cc", "only a concurrency limit holds a slot");
+        Held {
+            key: self.key.clone(),
+            lease_ms: self.b,
+            cost: self.cost,
+        }
+    }
+}
+
+/// Appends lua/concurrency_renew.lua's KEYS and ARGV: the keys, the slot
+/// id, then lease and cost per key.
+pub fn with_renewal(mut cmd: Cmd, slot: &str, held: &[Held]) -> Cmd {
+    cmd.arg(held.len());
+    for h in held {
+        cmd.arg(&h.key);
+    }
+    cmd.arg(slot);
+    for h in held {
+        cmd.arg(h.lease_ms).arg(h.cost);
+    }
+    cmd
+}
+
+/// Appends lua/concurrency_release.lua's KEYS and ARGV: the keys, the slot
+/// id, then the cost per key.
+pub fn with_release(mut cmd: Cmd, slot: &str, held: &[Held]) -> Cmd {
+    cmd.arg(held.len());
+    for h in held {
+        cmd.arg(&h.key);
+    }
+    cmd.arg(slot);
+    for h in held {
+        cmd.arg(h.cost);
+    }
+    cmd
+}
+
+/// lua/concurrency_renew.lua on Redis' clock: 1 or 0 per key.
+pub fn cc_renew(con: &mut Connection, slot: &str, held: &[Held]) -> Vec<i64> {
+    with_renewal(eval(&CC_RENEW), slot, held)
+        .query(con)
+        .unwrap_or_else(|e| panic!("renewal of {slot} in {held:?}: {e}"))
+}
+
+/// lua/concurrency_renew.lua at test-clock instant `now`: 1 or 0 per key.
+pub fn cc_renew_at(con: &mut Connection, now: i64, slot: &str, held: &[Held]) -> Vec<i64> {
+    set_clock(con, now);
+    with_renewal(eval(&CC_RENEW_AT), slot, held)
+        .query(con)
+        .unwrap_or_else(|e| panic!("renewal at {now} of {slot} in {held:?}: {e}"))
+}
+
+/// lua/concurrency_release.lua (EVAL, as the filter sends it): how many of
+/// the keys held the slot.
+pub fn cc_release(con: &mut Connection, slot: &str, held: &[Held]) -> i64 {
+    with_release(eval(&CC_RELEASE), slot, held)
+        .query(con)
+        .unwrap_or_else(|e| panic!("release of {slot} in {held:?}: {e}"))
 }

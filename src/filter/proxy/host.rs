@@ -186,15 +186,19 @@ impl Host for ProxyHost<'_> {
         }
     }
 
-    fn retry_later(&mut self, delay: Duration) -> bool {
+    fn wake_later(&mut self, delay: Duration) -> bool {
         let Some(shared) = self.shared else {
             return false;
         };
         let Ok(mut waiting) = shared.waiting.try_borrow_mut() else {
             return false;
         };
-        waiting.push((self.context_id, self.now() + delay, self.me.clone()));
+        let due = self.now() + delay;
+        waiting.push((self.context_id, due, self.me.clone()));
         drop(waiting);
+        if due < shared.next_wake.get() {
+            shared.next_wake.set(due);
+        }
         // The tick runs on the root context, which owns the period.
         let _ = hostcalls::set_effective_context(shared.root_id);
         let ok = hostcalls::set_tick_period(TICK).is_ok();

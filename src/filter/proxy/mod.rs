@@ -50,8 +50,13 @@ pub(super) struct Shared {
     /// Seeds owner tokens: random per VM (WASI random), then a counter.
     token_seed: std::collections::hash_map::RandomState,
     token_counter: std::cell::Cell<u64>,
-    /// Streams waiting out the pause after a Webdis 503: (stream, due, flow).
+    /// Streams waiting for a wake-up (the pause after a Webdis 503, a slot
+    /// renewal): (stream, due, flow).
     waiting: RefCell<Vec<(u32, Duration, FlowRef)>>,
+    /// The earliest due time in `waiting`: a tick before it looks at none of
+    /// them (a request holding a concurrency slot waits seconds for its
+    /// renewal, while the tick runs every millisecond).
+    next_wake: std::cell::Cell<Duration>,
     /// Calls the root sent for a stream (on tick): token -> (stream, flow).
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
     /// When each call in flight was sent, for the latency histogram.
@@ -352,6 +357,7 @@ impl RootContext for Root {
                     token_seed,
                     token_counter: std::cell::Cell::new(0),
                     waiting: RefCell::new(Vec::new()),
+                    next_wake: std::cell::Cell::new(Duration::MAX),
                     routed: RefCell::new(HashMap::new()),
                     sent_at: RefCell::new(HashMap::new()),
                     prefetches: RefCell::new(HashMap::new()),
@@ -427,10 +433,14 @@ impl RootContext for Root {
             }
         }
         let due: Vec<(u32, FlowRef)> = match shared.waiting.try_borrow_mut() {
+            // Nothing due yet, and something waits: the tick goes on.
+            Ok(_) if now < shared.next_wake.get() => Vec::new(),
             Ok(mut waiting) => {
                 let (due, later): (Vec<_>, Vec<_>) =
                     waiting.drain(..).partition(|(_, at, _)| *at <= now);
                 *waiting = later;
+                let next = waiting.iter().map(|(_, at, _)| *at).min();
+                shared.next_wake.set(next.unwrap_or(Duration::MAX));
                 // The tick stops only when nothing waits for it: no stream's
                 // pause, no batch sent back after a refusal (whose due time
                 // is not one of `waiting`'s), no queue whose wake-up failed.
@@ -446,9 +456,7 @@ impl RootContext for Root {
             Err(_) => return,
         };
         for (context_id, weak) in due {
-            Root::as_stream(&shared, context_id, &weak, |flow, host| {
-                flow.on_retry_due(host)
-            });
+            Root::as_stream(&shared, context_id, &weak, |flow, host| flow.on_wake(host));
         }
         let _ = hostcalls::set_effective_context(self.context_id);
     }

@@ -202,7 +202,7 @@ impl<W: Waiter> Batcher<W> {
                     Budget::Each(timeout) => timeout,
                 };
                 let pause = pause_before(flight.pauses);
-                if flight.pauses < MAX_PAUSES && left > pause && host.retry_later(pause) {
+                if flight.pauses < MAX_PAUSES && left > pause && host.wake_later(pause) {
                     host.count(Counter::RedisRetries);
                     flight.pauses += 1;
                     self.retrying.push((host.now() + pause, flight));

@@ -249,7 +249,7 @@ impl Decision {
         };
         let left = deadline.saturating_sub(host.now());
         let pause = pause_before(self.pauses);
-        if self.pauses < MAX_PAUSES && left > pause && host.retry_later(pause) {
+        if self.pauses < MAX_PAUSES && left > pause && host.wake_later(pause) {
             host.count(Counter::RedisRetries);
             self.pauses += 1;
             self.state = State::Waiting;

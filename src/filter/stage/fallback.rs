@@ -83,7 +83,9 @@ fn decide_locally<H: Host>(host: &mut H, config: &Config, checks: &[Check]) -> O
         if limit.shadow || limit.failure_mode != FailureMode::Local {
             continue;
         }
-        let bucket = LocalBucket::for_limit(&limit.algorithm, limit.local_per_mille);
+        let Some(bucket) = LocalBucket::for_limit(&limit.algorithm, limit.local_per_mille) else {
+            continue;
+        };
         let key = format!("redis-guard/local/{}", crate::codec::sha256_hex(&check.key));
         let mut taken = None;
         let update = cas::update(host, &key, |state| {

@@ -4,6 +4,7 @@
 //! shared-data updates through [`crate::filter::cas`].
 
 pub mod batch;
+pub mod concurrency;
 pub mod decision;
 pub mod fallback;
 pub mod idempotency;

@@ -1,7 +1,7 @@
 //! The over-limit cache: a 429 Redis gave is answered again by this Envoy,
 //! without a call, until Redis said the request's cost could fit again.
 
-use crate::config::Config;
+use crate::config::{Algorithm, Config};
 use crate::filter::{millis, Counter, Host};
 use crate::overlimit::Slot;
 use crate::ratelimit::{LimitResult, Outcome, Plan};
@@ -49,7 +49,9 @@ pub fn cached<H: Host>(host: &mut H, config: &Config, plan: &Plan) -> Option<Loc
 
 /// Records every enforced limit that rejected, counted from when the call
 /// left (never later than Redis' own view of it). A plain write, not a
-/// compare-and-swap: any worker's newer answer is as good as ours.
+/// compare-and-swap: any worker's newer answer is as good as ours. Never a
+/// concurrency limit: its capacity comes back when a request ends, which no
+/// time-out in this cache can foresee.
 pub fn remember<H: Host>(
     host: &mut H,
     config: &Config,
@@ -59,7 +61,12 @@ pub fn remember<H: Host>(
 ) {
     let sent_ms = millis(sent_at);
     for (check, result) in plan.checks.iter().zip(&outcome.results) {
-        if result.allowed || result.retry_ms == 0 || config.limits[check.limit].shadow {
+        let limit = &config.limits[check.limit];
+        if result.allowed
+            || result.retry_ms == 0
+            || limit.shadow
+            || matches!(limit.algorithm, Algorithm::Concurrency { .. })
+        {
             continue;
         }
         let slot = Slot::of(&check.key);

@@ -38,9 +38,15 @@ impl RateLimit {
         self.plan.tag.as_deref()
     }
 
-    /// KEYS and ARGV of the request script, with the idempotency acquire.
-    pub fn script_args(&self, config: &Config, idem: Option<&IdemArgs>) -> ScriptArgs {
-        self.plan.script_args(config, idem)
+    /// KEYS and ARGV of the request script, with the idempotency acquire
+    /// and the slot id its concurrency limits take their slots under.
+    pub fn script_args(
+        &self,
+        config: &Config,
+        idem: Option<&IdemArgs>,
+        slot: Option<&str>,
+    ) -> ScriptArgs {
+        self.plan.script_args(config, idem, slot)
     }
 
     pub fn failure_mode(&self, config: &Config) -> FailureMode {

@@ -37,7 +37,7 @@ fn a_request_joins_its_workers_batch_instead_of_calling() {
     let plan = Plan::build(&cfg, &RequestLine::read(&h), &h).unwrap();
     assert_eq!(
         member.args,
-        plan.script_args(&cfg, None),
+        plan.script_args(&cfg, None, None),
         "its own call's arguments"
     );
     assert_eq!(Some(member.tag.as_str()), plan.tag.as_deref());
@@ -190,9 +190,9 @@ fn a_lone_call_keeps_its_group_through_a_retry_and_frees_it_when_it_fails_or_its
     h.can_schedule = true;
     f.on_request_headers(&mut h, true);
     f.on_callout_reply(&mut h, 1, refused());
-    assert_eq!(h.retries_scheduled.len(), 1);
+    assert_eq!(h.wakes.len(), 1);
     assert!(h.released.is_empty(), "held through the pause");
-    f.on_retry_due(&mut h);
+    f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 2);
     f.on_callout_reply(&mut h, 2, no_answer());
     assert_eq!(h.sent.last().map(|r| r.status), Some(503), "deny");
@@ -527,7 +527,7 @@ fn a_refused_batch_keeps_the_timer_running_until_it_is_sent_again() {
     join_all(&mut b, &mut h, vec![(stream(1), member("k", 300))]);
     assert!(!b.needs_tick(), "one call out, nothing queued");
     assert!(b.on_reply(&mut h, &target(), 1, &refused()).is_empty());
-    assert_eq!(h.retries_scheduled, [Duration::from_millis(25)]);
+    assert_eq!(h.wakes, [Duration::from_millis(25)]);
     assert!(b.needs_tick(), "the pause is the timer's");
     h.clock_ms = 24;
     assert!(b.on_tick(&mut h, &target()).is_empty());

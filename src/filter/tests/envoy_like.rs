@@ -25,10 +25,10 @@ fn retries_run_out_after_the_last_pause_and_the_failure_mode_answers() {
     let (mut f, mut h) = pausable();
     for pause in 1..=3 {
         f.on_callout_reply(&mut h, pause, refused());
-        assert_eq!(h.retries_scheduled.len(), pause as usize);
+        assert_eq!(h.wakes.len(), pause as usize);
         assert_eq!(h.dispatched.len(), pause as usize, "sent only when due");
         h.clock_ms += 25;
-        f.on_retry_due(&mut h);
+        f.on_wake(&mut h);
         assert_eq!(h.dispatched.len(), pause as usize + 1);
     }
     // The fourth refusal: the pauses are spent and the single immediate
@@ -49,7 +49,7 @@ fn no_pause_is_taken_when_the_deadline_is_nearer_than_the_pause() {
     // 280 of 300 ms spent: 20 ms left, less than the 25 ms pause.
     h.clock_ms = 280;
     f.on_callout_reply(&mut h, 1, refused());
-    assert!(h.retries_scheduled.is_empty(), "the host was not asked");
+    assert!(h.wakes.is_empty(), "the host was not asked");
     assert_eq!(h.dispatched.len(), 2, "one immediate retry instead");
     assert_eq!(
         h.timeouts,
@@ -67,7 +67,7 @@ fn the_attempt_after_a_pause_gets_what_is_left_of_the_timeout() {
     h.clock_ms = 100;
     f.on_callout_reply(&mut h, 1, refused());
     h.clock_ms = 126;
-    f.on_retry_due(&mut h);
+    f.on_wake(&mut h);
     assert_eq!(
         h.timeouts,
         [Duration::from_millis(300), Duration::from_millis(174)]
@@ -82,7 +82,7 @@ fn a_pause_that_outlives_the_deadline_is_a_timeout_without_another_call() {
     f.on_callout_reply(&mut h, 1, refused());
     // The host's timer fired late: nothing is left of the 300 ms.
     h.clock_ms = 300;
-    f.on_retry_due(&mut h);
+    f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 1);
     assert_eq!(count(&h, Counter::RedisError(ErrorKind::Timeout)), 1);
     assert_eq!(h.sent.last().map(|r| r.status), Some(503));

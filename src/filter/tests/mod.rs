@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod batch;
+mod concurrency;
 mod envoy_like;
 mod idempotency;
 mod offload;

@@ -292,18 +292,18 @@ fn a_webdis_503_is_retried_after_a_pause_when_the_host_can_wait() {
     h.can_schedule = true;
     f.on_request_headers(&mut h, true);
     f.on_callout_reply(&mut h, 1, refused());
-    assert_eq!(h.retries_scheduled, [RETRY_DELAY]);
+    assert_eq!(h.wakes, [RETRY_DELAY]);
     assert_eq!(
         h.dispatched.len(),
         1,
         "nothing sent before the pause is over"
     );
-    f.on_retry_due(&mut h);
+    f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 2);
     assert_eq!(h.dispatched[0], h.dispatched[1]);
     f.on_callout_reply(&mut h, 2, ok(ADMIT));
     assert_eq!((h.resumed, h.sent.len()), (1, 0));
-    f.on_retry_due(&mut h);
+    f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 2, "a stale timer changes nothing");
 }
 
@@ -584,8 +584,8 @@ fn a_cluster_refusal_before_the_script_ran_is_retried_not_no_answer() {
         h.can_schedule = true;
         f.on_request_headers(&mut h, true);
         f.on_callout_reply(&mut h, 1, ok(refusal));
-        assert_eq!(h.retries_scheduled, [RETRY_DELAY]);
-        f.on_retry_due(&mut h);
+        assert_eq!(h.wakes, [RETRY_DELAY]);
+        f.on_wake(&mut h);
         assert_eq!(h.dispatched.len(), 2);
         assert_eq!(h.dispatched[0], h.dispatched[1], "the same command again");
         f.on_callout_reply(&mut h, 2, ok(ADMIT));

@@ -1,0 +1,220 @@
+use super::*;
+use crate::scripts::{CC_RELEASE, CC_RENEW};
+
+/// A concurrency limit of 2 slots leased for 3 s on /api, a token bucket on
+/// /both beside it.
+fn cc_flow(failure: &str) -> Flow {
+    let cfg = Config::parse(
+        format!(
+            r#"{{"redis":{{"batch":{{"enabled":false}},"cluster":"webdis"}},"failureMode":"{failure}","limits":[
+            {{"name":"slots","match":{{"pathPrefix":"/api"}},"concurrency":{{"max":2,"leaseMs":3000}}}}]}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    Flow::new(Rc::new(cfg), test_breaker())
+}
+
+/// A request under the limit whose decision (token 1) is in flight.
+fn cc_started(failure: &str) -> (Flow, FakeHost) {
+    let mut f = cc_flow(failure);
+    let mut h = FakeHost::get("/api/x");
+    h.can_schedule = true;
+    assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+    (f, h)
+}
+
+/// `[1, allowed, remaining, retry, reset]` for the one limit.
+const CC_ADMIT: &[u8] = b"*5\r\n$1\r\n1\r\n$1\r\n1\r\n$1\r\n1\r\n$1\r\n0\r\n$1\r\n0\r\n";
+const CC_REJECT: &[u8] = b"*5\r\n$1\r\n0\r\n$1\r\n0\r\n$1\r\n0\r\n$4\r\n1000\r\n$1\r\n0\r\n";
+
+/// The slot id the filter derives from the fake host's first token
+/// ("owner-1": its hex digits).
+const SLOT: &str = "e1";
+
+#[test]
+fn the_decision_takes_the_slot_under_the_requests_own_slot_id() {
+    let (_, h) = cc_started("allow");
+    assert_eq!(h.dispatched.len(), 1);
+    let call = &h.dispatched[0];
+    assert!(
+        call.starts_with(&format!("EVALSHA/{}/1/", RATELIMIT.sha1)),
+        "{call}"
+    );
+    // max, lease, slot id, cost, enforced; no idempotency flag.
+    assert!(
+        call.ends_with(&format!("/1/cc/2/3000/{SLOT}/1/1.raw")),
+        "{call}"
+    );
+}
+
+#[test]
+fn an_admitted_request_holds_its_slot_until_its_stream_ends_then_gives_it_back() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    assert_eq!(h.resumed, 1);
+    // Renewed every third of the lease.
+    assert_eq!(h.wakes, [Duration::from_millis(1000)]);
+    assert!(h.detached.is_empty());
+    f.on_stream_end(&mut h);
+    assert_eq!(h.detached.len(), 1);
+    // Sent whole (EVAL): nobody reads its answer to fall back on.
+    let release = &h.detached[0];
+    assert!(release.starts_with("EVAL/"), "{release}");
+    assert!(
+        release.contains(&escaped(&CC_RELEASE.source[..40])),
+        "{release}"
+    );
+    assert!(release.ends_with(&format!("/{SLOT}/1.raw")), "{release}");
+    assert_eq!(count(&h, Counter::SlotsReleased), 1);
+    // Once only.
+    f.on_stream_end(&mut h);
+    assert_eq!(h.detached.len(), 1);
+}
+
+/// Text as Webdis' path encoding writes it.
+fn escaped(s: &str) -> String {
+    let body = String::from_utf8(command_body("X", &[s.as_bytes()])).unwrap();
+    body.trim_start_matches("X/")
+        .trim_end_matches(".raw")
+        .to_string()
+}
+
+#[test]
+fn a_rejected_request_holds_nothing_and_its_429_is_never_cached() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_REJECT));
+    assert_eq!(h.sent.len(), 1);
+    assert_eq!(h.sent[0].status, 429);
+    assert!(has_header(&h.sent[0].headers, "retry-after", "1"));
+    // Capacity comes back when a request ends: no time-out could say when.
+    assert!(
+        h.shared.is_empty(),
+        "over-limit cache written: {:?}",
+        h.shared.keys()
+    );
+    f.on_stream_end(&mut h);
+    assert!(h.detached.is_empty());
+    assert!(h.wakes.is_empty());
+}
+
+#[test]
+fn a_running_request_renews_its_lease_when_due_and_only_then() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    // A wake-up before the renewal is due (another reason) sends nothing.
+    h.clock_ms = 999;
+    f.on_wake(&mut h);
+    assert_eq!(h.dispatched.len(), 1);
+    h.clock_ms = 1000;
+    f.on_wake(&mut h);
+    assert_eq!(h.dispatched.len(), 2);
+    let renew = &h.dispatched[1];
+    assert!(
+        renew.starts_with(&format!("EVALSHA/{}/1/", CC_RENEW.sha1)),
+        "{renew}"
+    );
+    assert!(renew.ends_with(&format!("/{SLOT}/3000/1.raw")), "{renew}");
+    assert_eq!(h.wakes.len(), 2);
+    // Still out at the next due time: no second renewal on top of it.
+    h.clock_ms = 2000;
+    f.on_wake(&mut h);
+    assert_eq!(h.dispatched.len(), 2);
+    f.on_callout_reply(&mut h, 2, ok(&resp(&[b"1"])));
+    assert_eq!(count(&h, Counter::SlotsRenewed), 1);
+    assert_eq!(count(&h, Counter::SlotsLost), 0);
+    h.clock_ms = 3000;
+    f.on_wake(&mut h);
+    assert_eq!(h.dispatched.len(), 3);
+    // The slot still held is given back at the end.
+    f.on_stream_end(&mut h);
+    assert_eq!(h.detached.len(), 1);
+}
+
+#[test]
+fn a_slot_found_gone_at_its_renewal_is_counted_lost_and_neither_renewed_nor_released() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.clock_ms = 1000;
+    f.on_wake(&mut h);
+    f.on_callout_reply(&mut h, 2, ok(&resp(&[b"0"])));
+    assert_eq!(count(&h, Counter::SlotsLost), 1);
+    h.clock_ms = 2000;
+    f.on_wake(&mut h);
+    assert_eq!(h.dispatched.len(), 2, "nothing left to renew");
+    f.on_stream_end(&mut h);
+    assert!(h.detached.is_empty(), "nothing left to give back");
+}
+
+#[test]
+fn a_renewal_after_redis_lost_its_scripts_goes_again_as_eval() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.clock_ms = 1000;
+    f.on_wake(&mut h);
+    f.on_callout_reply(&mut h, 2, ok(b"-NOSCRIPT No matching script.\r\n"));
+    assert_eq!(h.dispatched.len(), 3);
+    assert!(h.dispatched[2].starts_with("EVAL/"));
+    f.on_callout_reply(&mut h, 3, ok(&resp(&[b"1"])));
+    assert_eq!(count(&h, Counter::SlotsRenewed), 1);
+}
+
+#[test]
+fn a_failed_renewal_keeps_the_slot_for_the_next_one() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.clock_ms = 1000;
+    f.on_wake(&mut h);
+    f.on_callout_reply(&mut h, 2, no_answer());
+    h.clock_ms = 2000;
+    f.on_wake(&mut h);
+    assert_eq!(h.dispatched.len(), 3, "renewed again");
+    f.on_stream_end(&mut h);
+    assert_eq!(h.detached.len(), 1);
+}
+
+#[test]
+fn a_decision_that_may_have_run_gives_back_what_it_may_have_taken() {
+    // Timed out: the script may have taken the slot; the request goes on
+    // (failure mode allow) and its end releases the slot all the same.
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, no_answer());
+    assert_eq!(h.resumed, 1);
+    assert!(
+        h.wakes.is_empty(),
+        "a slot not known to be held is not renewed"
+    );
+    f.on_stream_end(&mut h);
+    assert_eq!(h.detached.len(), 1);
+    assert!(h.detached[0].ends_with(&format!("/{SLOT}/1.raw")));
+}
+
+#[test]
+fn a_decision_that_never_left_took_nothing_to_give_back() {
+    let mut f = cc_flow("allow");
+    let mut h = FakeHost::get("/api/x");
+    h.dispatch_fails = true;
+    assert_eq!(f.on_request_headers(&mut h, true), Action::Continue);
+    f.on_stream_end(&mut h);
+    assert!(h.detached.is_empty());
+}
+
+#[test]
+fn a_client_gone_before_the_decision_answered_gives_back_the_slot_it_may_get() {
+    let (mut f, mut h) = cc_started("deny");
+    f.on_stream_end(&mut h);
+    assert_eq!(h.detached.len(), 1);
+    // The late answer finds nothing to resume and nothing to renew.
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    assert!(h.wakes.is_empty());
+}
+
+#[test]
+fn a_release_the_host_refuses_is_left_to_the_lease() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.detached_fails = true;
+    f.on_stream_end(&mut h);
+    assert!(h.detached.is_empty());
+    assert_eq!(count(&h, Counter::SlotsReleased), 0);
+}
