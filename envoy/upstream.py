@@ -3,7 +3,10 @@
 document and counts what it executed, so the demo and the tests can see what
 reached the upstream.
 
-  GET /__stats            -> {"requests": N, "byPath": {...}} (not counted)
+  GET /__stats            -> {"requests": N, "byPath": {...}, "inFlight":
+                             {...}, "peakInFlight": {...}} (not counted):
+                             requests executed, being executed now, and the
+                             most executed at once, per path
   header x-upstream-status -> answer with that status
   header x-upstream-delay-ms -> wait that long first (bounded to 10 s)
   header x-upstream-pad-bytes -> add that many spaces to the body (<= 1 MiB)
@@ -24,7 +27,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATS = {"requests": 0, "byPath": {}}
+STATS = {"requests": 0, "byPath": {}, "inFlight": {}, "peakInFlight": {}}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -44,6 +47,17 @@ class Handler(BaseHTTPRequestHandler):
             STATS["requests"] += 1
             STATS["byPath"][self.path] = STATS["byPath"].get(self.path, 0) + 1
             n = STATS["requests"]
+            now = STATS["inFlight"].get(self.path, 0) + 1
+            STATS["inFlight"][self.path] = now
+            peak = STATS["peakInFlight"]
+            peak[self.path] = max(peak.get(self.path, 0), now)
+        try:
+            self._execute(n, body)
+        finally:
+            with LOCK:
+                STATS["inFlight"][self.path] -= 1
+
+    def _execute(self, n, body):
         delay = min(int(self.headers.get("x-upstream-delay-ms") or 0), 10_000)
         if delay:
             time.sleep(delay / 1000)

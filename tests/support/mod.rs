@@ -462,6 +462,16 @@ impl Upstream {
         self.stats()["requests"].as_u64().unwrap()
     }
 
+    /// The most requests for `path` the upstream was executing at once.
+    pub fn peak_in_flight(&self, path: &str) -> u64 {
+        self.stats()["peakInFlight"][path].as_u64().unwrap_or(0)
+    }
+
+    /// How many requests for `path` the upstream is executing now.
+    pub fn in_flight(&self, path: &str) -> u64 {
+        self.stats()["inFlight"][path].as_u64().unwrap_or(0)
+    }
+
     /// How many requests for `path` reached the upstream.
     pub fn executions_of(&self, path: &str) -> u64 {
         self.stats()["byPath"][path].as_u64().unwrap_or(0)
@@ -578,6 +588,11 @@ impl Envoy {
             proc,
             dir,
         }
+    }
+
+    /// Kills this Envoy with SIGKILL: nothing it holds is given back.
+    pub fn kill(&mut self) {
+        self.proc.kill();
     }
 
     pub fn url(&self, path: &str) -> String {
