@@ -49,7 +49,10 @@ fn wait_for_slots(con: &mut redis::Connection, n: u64, limit: Duration) {
         if held == n {
             return;
         }
-        assert!(Instant::now() < deadline, "{held} slots held, waited for {n}");
+        assert!(
+            Instant::now() < deadline,
+            "{held} slots held, waited for {n}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -64,7 +67,10 @@ fn open_request(port: u16, path: &str, user: &str, delay_ms: u64) -> TcpStream {
         "GET",
         path,
         "",
-        &[("x-user", user.as_bytes()), ("x-upstream-delay-ms", delay.as_bytes())],
+        &[
+            ("x-user", user.as_bytes()),
+            ("x-upstream-delay-ms", delay.as_bytes()),
+        ],
         b"",
     );
     s.write_all(&req).unwrap();
@@ -75,7 +81,10 @@ fn open_request(port: u16, path: &str, user: &str, delay_ms: u64) -> TcpStream {
 fn wait_in_flight(upstream: &Upstream, path: &str, n: u64) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while upstream.in_flight(path) != n {
-        assert!(Instant::now() < deadline, "upstream never ran {n} of {path}");
+        assert!(
+            Instant::now() < deadline,
+            "upstream never ran {n} of {path}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -160,7 +169,11 @@ fn a_client_that_leaves_frees_its_slot_at_once() {
     let user = [("x-user", "carol")];
     let client = open_request(e.port, "/slow?left", "carol", 10_000);
     wait_in_flight(&stack.upstream, "/slow?left", 1);
-    assert_eq!(get(&e.url("/slow?next"), &user).status, 429, "the slot is held");
+    assert_eq!(
+        get(&e.url("/slow?next"), &user).status,
+        429,
+        "the slot is held"
+    );
     let left = Instant::now();
     drop(client);
     // The lease is 30 s: only the release frees the slot this soon.

@@ -5,7 +5,7 @@
 //!
 //! The property test sends random sequences over every limit kind (token
 //! buckets, sliding-window logs, GCRA, fixed windows, sliding-window
-//! counters), costs, shadow limits, idempotency keys and rejections both
+//! counters, concurrency limits), costs, shadow limits, idempotency keys and rejections both
 //! ways and compares. The deterministic tests pin down the cases a reader
 //! asks about first: a batch of one, a rejection in the middle, shadow limits,
 //! a hot key, idempotency locks inside a batch, malformed sizes, TTLs.
@@ -37,6 +37,13 @@
 //!   window edges, lower in B by how much later its call ran (<= the whole
 //!   span). A case an edge falls into is not compared (about one case in
 //!   50000 at a few tens of ms a case).
+//! * concurrency: leases of an hour or more, so no slot's lease ends while a
+//!   case runs and both runs count the same live slots: verdicts, remaining
+//!   counts, `retry_ms` (1 s when rejected) and `reset_ms` (always 0) agree
+//!   exactly. Each member's slot id is its own and the same in both runs,
+//!   so both sets hold the same members; their scores (lease ends) are the
+//!   batch's one instant plus the lease in A, and lie up to the whole span
+//!   later in B.
 //!
 //! So verdicts and remaining counts must agree exactly; `retry_ms`, `reset_ms`
 //! and a lock's PTTL are exact where no earlier state is involved, and
@@ -229,7 +236,7 @@ fn credits(con: &mut Connection, key: &str) -> Option<i64> {
 // The property: a batch decides as the same members sent one by one
 
 /// Cases of the property: each a sequence of up to `MAX_MEMBERS` requests,
-/// enough to find ordering bugs over five kinds, few enough that the test
+/// enough to find ordering bugs over six kinds, few enough that the test
 /// takes about a second or two in a debug build.
 const CASES: u32 = 96;
 const MAX_MEMBERS: usize = 24;
@@ -249,13 +256,14 @@ fn config() -> ProptestConfig {
 #[derive(Debug, Clone)]
 struct Def {
     alg: &'static str,
-    /// tb: capacity; gcra: burst; sw, fw, swc: limit. 1..=6, so rejections
-    /// are frequent.
+    /// tb: capacity; gcra: burst; sw, fw, swc: limit; cc: max. 1..=6, so
+    /// rejections are frequent.
     a: i64,
     /// tb: refill tokens per period; gcra: rate per period; sw, fw, swc:
-    /// window (ms).
+    /// window (ms); cc: lease (ms).
     b: i64,
-    /// tb, gcra: period (ms); sw, fw, swc: 0.
+    /// tb, gcra: period (ms); sw, fw, swc: 0; cc: 0 (the slot id is the
+    /// member's own: see `Case::requests`).
     c: i64,
 }
 
@@ -324,6 +332,12 @@ fn def_strategy() -> impl Strategy<Value = Def> {
             b,
             c: 0
         }),
+        (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
+            alg: "cc",
+            a,
+            b,
+            c: 0
+        }),
     ]
 }
 
@@ -362,8 +376,15 @@ impl Case {
         format!("{ns}:i{r}")
     }
 
+    /// Member j's concurrency slot id (hex, as the filter's): its own, and
+    /// the same under both namespaces, so the sets compare equal.
+    fn slot(j: usize) -> String {
+        format!("{:x}", 0xa0 + j)
+    }
+
     /// The members as requests on keys under `ns`. Member j's owner token is
-    /// `owner-j` under both namespaces, so the records compare equal.
+    /// `owner-j` and its slot id `Case::slot(j)` under both namespaces, so
+    /// the records and the slots compare equal.
     fn requests(&self, ns: &str) -> Vec<Request> {
         self.members
             .iter()
@@ -379,7 +400,11 @@ impl Case {
                             alg: d.alg,
                             a: d.a,
                             b: d.b,
-                            c: d.c.to_string(),
+                            c: if d.alg == "cc" {
+                                Case::slot(j)
+                            } else {
+                                d.c.to_string()
+                            },
                             cost: u.cost.min(d.a),
                             enforce: u.enforce,
                         }
@@ -477,8 +502,10 @@ fn compare_replies(
                     // empty window, no TAT), and a charged window's reset is
                     // its window: time cannot change these, so they are
                     // exact. A fixed window's or counter's times run to
-                    // window edges, so they depend on when each call ran.
-                    let exact = !d.windowed() && (!touched[u.def] || (d.alg == "sw" && charged));
+                    // window edges, so they depend on when each call ran. A
+                    // concurrency limit's never depend on time.
+                    let exact = d.alg == "cc"
+                        || (!d.windowed() && (!touched[u.def] || (d.alg == "sw" && charged)));
                     let bound = if d.windowed() { span } else { elapsed };
                     if exact {
                         prop_assert_eq!(va[2], vb[2], "retry_ms: {}", what);
@@ -517,6 +544,25 @@ fn tat(con: &mut Connection, key: &str) -> Option<(i64, i64)> {
         Some((ms, rem)) => (ms.parse().unwrap(), rem.parse().unwrap()),
         None => (v.parse().unwrap(), 0),
     })
+}
+
+/// A concurrency key's members (slots) and their scores (lease ends).
+fn slot_ends(con: &mut Connection, key: &str) -> BTreeMap<String, i64> {
+    let raw: Vec<(String, String)> = redis::cmd("ZRANGE")
+        .arg(key)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(con)
+        .unwrap();
+    raw.into_iter()
+        .map(|(m, s)| {
+            let end = s
+                .parse()
+                .unwrap_or_else(|_| panic!("{key}: lease end {s} of {m} is not a whole ms"));
+            (m, end)
+        })
+        .collect()
 }
 
 /// Compares the state each namespace holds afterwards, key by key. B's
@@ -583,6 +629,25 @@ fn compare_state(
                     );
                 }
                 other => prop_assert!(false, "{} vs {}: {:?}", ka, kb, other),
+            }
+        } else if d.alg == "cc" {
+            let (sa, sb) = (slot_ends(con, &ka), slot_ends(con, &kb));
+            prop_assert_eq!(
+                sa.keys().collect::<Vec<_>>(),
+                sb.keys().collect::<Vec<_>>(),
+                "slots of {} vs {}",
+                ka,
+                kb
+            );
+            // A charged every slot at its one instant, with one lease.
+            let a_ends: BTreeSet<i64> = sa.values().copied().collect();
+            prop_assert!(a_ends.len() <= 1, "{} lease ends {:?}", ka, a_ends);
+            for (m, ea) in &sa {
+                let eb = sb[m];
+                prop_assert!(
+                    eb >= *ea && eb - ea <= span,
+                    "{m}: lease end {ea} (batch) vs {eb} (one by one), span {span} ms"
+                );
             }
         } else {
             prop_assert_eq!(zcard(con, &ka), zcard(con, &kb), "ZCARD {} vs {}", ka, kb);
@@ -670,7 +735,7 @@ fn a_batch_decides_exactly_as_the_same_members_sent_one_by_one_in_order() {
         assert!(seen.time_dependent_compared.get() > 0);
         // Every kind both admitted and rejected somewhere.
         let by_kind = seen.by_kind.borrow();
-        for kind in ["tb", "sw", "gcra", "fw", "swc"] {
+        for kind in ["tb", "sw", "gcra", "fw", "swc", "cc"] {
             let (yes, no) = by_kind.get(kind).copied().unwrap_or_default();
             assert!(yes > 0 && no > 0, "{kind}: {yes} admitted, {no} rejected");
         }
