@@ -22,6 +22,9 @@ direct_response, and one Envoy under test per scenario (envoy/envoy.yaml,
   l  fixed window   b with a fixed window
   m  sw counter     b with a sliding-window counter
   n  sw log         b with a sliding-window log
+  o  concurrency    b with a concurrency limit (1e6 in flight): the slot is
+                    taken by the decision and given back by a second call
+                    when the stream ends
   i, j              diagnostics (not in the default run): f with maxInFlight
                     1 and 4
 
@@ -256,6 +259,9 @@ SCENARIOS = [
                   {"limit": 10, "windowMs": 3_600_000}),
     kind_scenario("n", "sliding-window log", "one sliding-window log (1e6 per 10 s)",
                   "slidingWindow", {"limit": 1_000_000, "windowMs": 10_000}),
+    kind_scenario("o", "concurrency", "one concurrency limit (1e6 in flight; its slot given "
+                  "back by a second call as the stream ends)", "concurrency",
+                  {"max": 1_000_000, "leaseMs": 30_000}),
     {
         "id": "g",
         "name": "strict, 1 connection",
@@ -976,6 +982,29 @@ def memory_per_key(stack):
         if sid in stack.envoys and sid not in stack.unavailable:
             hreq(stack.envoys[sid]["port"], "GET", PATH, {"x-user": f"mem-{sid}", "x-mem": "1"})
             usage(f":bench-mem-{field}:", what)
+    if "o" in stack.envoys and "o" not in stack.unavailable:
+        # A slot lives as long as its request: POSTs whose body never comes
+        # stay open (the upstream reads the body before it answers) while
+        # their slots are measured.
+        port = stack.envoys["o"]["port"]
+        for slots in (1, 10, 100):
+            user = f"mem-cc{slots}"
+            held = []
+            for _ in range(slots):
+                s = socket.create_connection((HOST, port), timeout=5)
+                s.sendall(f"POST {PATH} HTTP/1.1\r\nhost: bench\r\nx-user: {user}\r\n"
+                          "content-length: 10\r\n\r\n".encode())
+                held.append(s)
+            deadline = time.time() + 5
+            pattern = (":bench-concurrency:", f":{len(user)}:{user}")
+            while time.time() < deadline:
+                keys = [k for k in scan(r, "*") if all(p in k for p in pattern)]
+                if keys and r.cmd("ZCARD", keys[0]) == slots:
+                    break
+                time.sleep(0.02)
+            usage(pattern, f"concurrency, {slots} slot(s) (sorted set)")
+            for s in held:
+                s.close()
     if "c" in stack.envoys and "c" not in stack.unavailable:
         port = stack.envoys["c"]["port"]
         for members in (1, 100, 1000):
@@ -1280,6 +1309,7 @@ KINDS = [
      "fixed window"),
     ("m", "sliding-window counter", "approximate (see the README's worst case)",
      "sliding-window counter"),
+    ("o", "concurrency", "exact (requests in flight)", "concurrency, 1 slot(s) (sorted set)"),
 ]
 
 
@@ -1458,7 +1488,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="seconds of warm-up per scenario")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="wrk threads")
-    ap.add_argument("--scenarios", default="abcdexfghklmn",
+    ap.add_argument("--scenarios", default="abcdexfghklmno",
                     help="which, e.g. 'ab' ((a) is always run); 'x' adds a diagnostic: the "
                     "filter loaded but no limit applying")
     ap.add_argument("--runtimes", default="v8",

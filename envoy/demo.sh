@@ -117,6 +117,19 @@ for i in 1 2 3 4; do show "GET /api/reports (x-api-key: k1) #$i" -H 'x-api-key: 
 sleep 0.5
 echo "  half a second later one unit is back (GCRA spaces them 500 ms apart):"
 show "GET /api/reports (x-api-key: k1) #5" -H 'x-api-key: k1' "$URL/api/reports"
+echo "limit exports-concurrency: at most 2 exports in flight per x-api-key, across every Envoy"
+echo "  (each request holds a slot in Redis until it ends); 4 exports of 1 s each at once:"
+EXPORTS=()
+for i in 1 2 3 4; do
+  curl -s -o /dev/null -w "  GET /api/exports (x-api-key: k1) #$i           -> %{http_code}\n" \
+    -H 'x-api-key: k1' -H 'x-upstream-delay-ms: 1000' "$URL/api/exports" &
+  EXPORTS+=($!)
+done
+wait "${EXPORTS[@]}"
+PEAK=$(curl -s "http://127.0.0.1:$UPSTREAM_PORT/__stats" \
+  | python3 -c 'import json,sys; print(json.load(sys.stdin)["peakInFlight"].get("/api/exports", 0))')
+echo "  the upstream ran at most $PEAK exports at once; they ended, so their slots are free again:"
+show "GET /api/exports (x-api-key: k1) #5" -H 'x-api-key: k1' "$URL/api/exports"
 echo "shadow limit search-trial (2 per 10 s) never rejects, it counts:"
 for i in 1 2 3; do show "GET /api/search #$i" -H "x-user: carol$i" "$URL/api/search"; done
 echo "idempotency rule payments: POST /api/payments with an Idempotency-Key runs once"
