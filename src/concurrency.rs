@@ -78,11 +78,15 @@ impl Slots {
         !self.held.is_empty()
     }
 
-    /// KEYS and ARGV of lua/concurrency_release.lua.
+    /// KEYS and ARGV of lua/concurrency_release.lua: a slot id and a cost
+    /// per key, so the releases of several requests join into one call.
     pub fn release_args(&self) -> ScriptArgs {
         let keys = self.held.iter().map(|h| h.key.clone()).collect();
-        let mut argv = vec![self.id.as_bytes().to_vec()];
-        argv.extend(self.held.iter().map(|h| h.cost.to_string().into_bytes()));
+        let mut argv = Vec::with_capacity(2 * self.held.len());
+        for h in &self.held {
+            argv.push(self.id.as_bytes().to_vec());
+            argv.push(h.cost.to_string().into_bytes());
+        }
         (keys, argv)
     }
 
@@ -208,7 +212,10 @@ mod tests {
         };
         let (keys, argv) = s.release_args();
         assert_eq!(keys, vec![p.checks[0].key.clone(), p.checks[2].key.clone()]);
-        assert_eq!(text(argv), ["abcdef0123456789", "2", "1"]);
+        assert_eq!(
+            text(argv),
+            ["abcdef0123456789", "2", "abcdef0123456789", "1"]
+        );
         let (_, argv) = s.renew_args();
         assert_eq!(text(argv), ["abcdef0123456789", "3000", "2", "900", "1"]);
     }

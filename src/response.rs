@@ -140,6 +140,42 @@ pub fn stored_response_unavailable() -> LocalReply {
     reply
 }
 
+/// When a response is complete for its client: at the stream's end, or as
+/// soon as all its content-length has passed (an HTTP/1.1 client stops
+/// reading there, before Envoy's end of stream). Says so once.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Completion {
+    expected: Option<usize>,
+    seen: usize,
+    done: bool,
+}
+
+impl Completion {
+    /// The response's headers (`end`: nothing follows them).
+    pub fn headers(&mut self, content_length: Option<usize>, end: bool) -> bool {
+        self.expected = content_length;
+        self.ends(end || content_length == Some(0))
+    }
+
+    /// A piece of its body of `size` bytes.
+    pub fn body(&mut self, size: usize, end: bool) -> bool {
+        self.seen = self.seen.saturating_add(size);
+        let whole = self.expected.is_some_and(|n| self.seen >= n);
+        self.ends(end || whole)
+    }
+
+    /// Its trailers: nothing follows them.
+    pub fn trailers(&mut self) -> bool {
+        self.ends(true)
+    }
+
+    fn ends(&mut self, end: bool) -> bool {
+        let first = end && !self.done;
+        self.done |= end;
+        first
+    }
+}
+
 /// Fail-closed answer when Redis cannot decide.
 pub fn unavailable(detail: &str) -> LocalReply {
     problem_reply(503, "Service Unavailable", detail, json!({}))
@@ -260,6 +296,27 @@ pub fn too_many_requests(config: &Config, plan: &Plan, outcome: &Outcome) -> Loc
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_response_is_complete_once_at_its_content_length_or_its_end() {
+        let mut c = Completion::default();
+        assert!(!c.headers(Some(5), false));
+        assert!(!c.body(3, false));
+        assert!(c.body(2, false), "all 5 bytes: the client has it all");
+        assert!(!c.body(0, true), "said once");
+        assert!(!c.trailers());
+        let mut c = Completion::default();
+        assert!(!c.headers(None, false));
+        assert!(!c.body(100, false));
+        assert!(c.body(0, true));
+        let mut c = Completion::default();
+        assert!(c.headers(Some(0), false), "an empty body");
+        let mut c = Completion::default();
+        assert!(c.headers(None, true));
+        let mut c = Completion::default();
+        c.headers(None, false);
+        assert!(c.trailers());
+    }
     use crate::ratelimit::{Check, LimitResult};
 
     fn setup(headers: &str) -> (Config, Plan) {

@@ -88,41 +88,14 @@ pub static CC_RENEW: LazyLock<Script> = LazyLock::new(|| {
     ))
 });
 
-/// Gives back a finished request's concurrency slots
-/// (lua/concurrency_release.lua with lua/concurrency_slots.lua joined in),
-/// without its comments: every request under a concurrency limit sends it
-/// whole (EVAL) at its end.
+/// Gives back the concurrency slots of requests whose streams ended
+/// (lua/concurrency_release.lua with lua/concurrency_slots.lua joined in).
 pub static CC_RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(without_comments(&compose(
+    Script::new(compose(
         include_str!("../lua/concurrency_release.lua"),
         &[include_str!("../lua/concurrency_slots.lua")],
-    )))
+    ))
 });
-
-/// `source` without its comment lines and `--[[ ]]` blocks (both start a
-/// line in these files) and without blank lines: what Redis runs of it, for
-/// a script whose source travels with every call.
-fn without_comments(source: &str) -> String {
-    let mut out = String::with_capacity(source.len());
-    let mut in_block = false;
-    for line in source.lines() {
-        let t = line.trim_start();
-        if in_block {
-            in_block = !t.contains("]]");
-            continue;
-        }
-        if t.starts_with("--[[") {
-            in_block = !t.contains("]]");
-            continue;
-        }
-        if t.is_empty() || t.starts_with("--") {
-            continue;
-        }
-        out.push_str(line);
-        out.push('\n');
-    }
-    out
-}
 
 /// IN_PROGRESS -> COMPLETED for the lock's owner.
 pub static IDEM_COMPLETE: LazyLock<Script> =
@@ -211,25 +184,13 @@ mod tests {
         for script in [&*CC_RENEW, &*CC_RELEASE] {
             let src = &script.source;
             let part = src.find("local function cc_members").unwrap();
-            assert!(part < src.find("local slot = ARGV[1]").unwrap());
+            assert!(part < src.find("for i = 1, #KEYS do").unwrap());
             assert!(!src.contains(ALGORITHMS) && !src.contains("tb_check"));
             assert!(!src.contains("cc_check"), "only the slots part");
-            assert!(src.contains("cc_slot_bad(slot)"));
+            assert!(src.contains("cc_slot_bad("));
         }
         let renew = &CC_RENEW.source;
         assert!(renew.find("redis.call('TIME')") < renew.find("local function cc_members"));
-    }
-
-    #[test]
-    fn the_release_travels_without_its_comments() {
-        let src = &CC_RELEASE.source;
-        assert!(!src.contains("--"), "{src}");
-        assert!(src.contains("local function cc_members") && src.contains("ZREM"));
-        assert!(src.len() < 1200, "{} bytes", src.len());
-        assert_eq!(
-            without_comments("--[[ a\nb ]]\nx = 1 -- y\n\n  -- z\nreturn x\n"),
-            "x = 1 -- y\nreturn x\n"
-        );
     }
 
     #[test]

@@ -254,3 +254,23 @@ fn a_stream_longer_than_its_lease_keeps_its_slot() {
     assert!((10..=18).contains(&renewed), "{renewed} renewals");
     assert_eq!(e.counter("redis_guard.concurrency.lost"), 0);
 }
+
+#[test]
+fn a_client_sending_one_request_after_another_never_finds_its_own_slot_still_taken() {
+    // The response's last piece waits for the release: once the client has
+    // the whole response, its slot is free, on either Envoy.
+    let stack = Stack::start(&config(1, 30_000), 2);
+    let agent = agent();
+    for i in 0..40 {
+        let e = &stack.envoys[i % 2];
+        let r = http_with(&agent, "GET", &e.url("/slow"), &[("x-user", "frank")], None);
+        assert_eq!(r.status, 200, "request {i}");
+        assert_eq!(r.header("x-ratelimit-remaining"), Some("0"), "request {i}");
+    }
+    let released: u64 = stack
+        .envoys
+        .iter()
+        .map(|e| e.counter("redis_guard.concurrency.released"))
+        .sum();
+    assert_eq!(released, 40);
+}

@@ -313,6 +313,38 @@ fn a_release_frees_exactly_its_requests_slots_in_every_key_that_held_them() {
     );
 }
 
+#[test]
+fn one_release_call_gives_back_the_slots_of_several_requests_each_its_own() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let (k1, k2) = ("t:{k}:cc:many1", "t:{k}:cc:many2");
+    for slot in ["a", "b", "c"] {
+        assert!(at(&mut con, T0, &[cc(k1, 5, MINUTE, slot)]).admitted);
+    }
+    assert!(at(&mut con, T0, &[cc(k2, 5, MINUTE, "b").cost(2)]).admitted);
+    // As a worker joins the releases of streams that ended together: a
+    // slot id and a cost per key, a key once per request; "d" never held one.
+    let released: i64 = redis::cmd("EVAL")
+        .arg(&CC_RELEASE.source)
+        .arg(4)
+        .arg(k1)
+        .arg(k2)
+        .arg(k1)
+        .arg(k1)
+        .arg("a")
+        .arg(1)
+        .arg("b")
+        .arg(2)
+        .arg("b")
+        .arg(1)
+        .arg("d")
+        .arg(1)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(released, 3);
+    assert_eq!(slots(&mut con, k1), ends(&[("c", T0 + MINUTE)]));
+    assert!(!exists(&mut con, k2), "its last slot gone, the set is gone");
+}
+
 // ---------------------------------------------------------------------------
 // Renewal
 
@@ -964,17 +996,18 @@ fn a_renewal_or_release_with_a_bad_slot_or_bad_numbers_is_an_error_and_writes_no
         );
     }
     let releases: Vec<(&str, Vec<&str>)> = vec![
-        ("upper case slot", vec!["A1", "1", "1"]),
-        ("a ':' in the slot", vec!["a1:1", "1", "1"]),
-        ("empty slot", vec!["", "1", "1"]),
-        ("33-digit slot", vec![&long, "1", "1"]),
-        ("one key's cost missing", vec!["a1", "1"]),
-        ("a value too many", vec!["a1", "1", "1", "1"]),
-        ("cost 0", vec!["a1", "1", "0"]),
-        ("cost 1001", vec!["a1", "1", "1001"]),
-        ("fractional cost", vec!["a1", "1", "1.5"]),
-        ("cost not a number", vec!["a1", "1", "x"]),
-        ("cost nan", vec!["a1", "1", "nan"]),
+        // The first pair is well formed: the second's fault stops both.
+        ("upper case slot", vec!["a1", "1", "A1", "1"]),
+        ("a ':' in the slot", vec!["a1", "1", "a1:1", "1"]),
+        ("empty slot", vec!["a1", "1", "", "1"]),
+        ("33-digit slot", vec!["a1", "1", &long, "1"]),
+        ("one key's cost missing", vec!["a1", "1", "a1"]),
+        ("a value too many", vec!["a1", "1", "a1", "1", "1"]),
+        ("cost 0", vec!["a1", "1", "a1", "0"]),
+        ("cost 1001", vec!["a1", "1", "a1", "1001"]),
+        ("fractional cost", vec!["a1", "1", "a1", "1.5"]),
+        ("cost not a number", vec!["a1", "1", "a1", "x"]),
+        ("cost nan", vec!["a1", "1", "a1", "nan"]),
     ];
     for (what, argv) in releases {
         let err = error_of(&mut con, &CC_RELEASE, &[k1, k2], &argv);

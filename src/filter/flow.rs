@@ -28,7 +28,7 @@ use crate::filter::stage::ratelimit::RateLimit;
 use crate::filter::{Action, CalloutReply, ErrorKind, Host};
 use crate::ratelimit::{parse_verdict, Verdict};
 use crate::request::RequestLine;
-use crate::response::LocalReply;
+use crate::response::{Completion, LocalReply};
 use crate::scripts::RATELIMIT;
 use crate::webdis::Reply;
 
@@ -73,6 +73,8 @@ pub struct Flow {
     intake: Intake,
     record: Record,
     replay: Replay,
+    /// When the client has the whole response.
+    response: Completion,
 }
 
 impl Flow {
@@ -87,6 +89,7 @@ impl Flow {
             intake: Intake::default(),
             record: Record::default(),
             replay: Replay::default(),
+            response: Completion::default(),
         }
     }
 
@@ -355,7 +358,10 @@ impl Flow {
                     .on_upload_reply(host, &config, &mut self.calls, &reply)
             }
             Some(Owner::Replay) => self.replay.on_reply(host, reply),
-            Some(Owner::Slots) => self.slots.on_reply(host, &config, &mut self.calls, &reply),
+            Some(Owner::Slots) => {
+                self.slots
+                    .on_reply(host, &config, &mut self.calls, token, &reply)
+            }
             None => {}
         }
     }
@@ -375,8 +381,43 @@ impl Flow {
     pub fn on_response_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         self.limits.on_response_headers(host);
         let config = Rc::clone(&self.config);
-        self.record
-            .on_response_headers(host, &config, &mut self.calls, end_of_stream)
+        let action = self
+            .record
+            .on_response_headers(host, &config, &mut self.calls, end_of_stream);
+        let length = host
+            .response_header("content-length")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
+        let complete = self.response.headers(length, end_of_stream);
+        self.on_response_part(host, action, complete)
+    }
+
+    /// After the record stage saw a piece of the response: when it
+    /// completes the response, the concurrency slots go back (the piece
+    /// waits for that unless the record already holds it).
+    fn on_response_part<H: Host>(
+        &mut self,
+        host: &mut H,
+        record: Action,
+        complete: bool,
+    ) -> Action {
+        if !complete {
+            // What follows a held piece waits with it (Envoy hands the
+            // filter the rest, end of stream included, while it holds).
+            return if self.slots.holding() {
+                Action::Pause
+            } else {
+                record
+            };
+        }
+        let config = Rc::clone(&self.config);
+        let hold = record == Action::Continue;
+        match self
+            .slots
+            .on_response_end(host, &config, &mut self.calls, hold)
+        {
+            Action::Pause => Action::Pause,
+            Action::Continue => record,
+        }
     }
 
     pub fn on_response_body<H: Host>(
@@ -386,14 +427,20 @@ impl Flow {
         end_of_stream: bool,
     ) -> Action {
         let config = Rc::clone(&self.config);
-        self.record
-            .on_response_body(host, &config, &mut self.calls, body_size, end_of_stream)
+        let action =
+            self.record
+                .on_response_body(host, &config, &mut self.calls, body_size, end_of_stream);
+        let complete = self.response.body(body_size, end_of_stream);
+        self.on_response_part(host, action, complete)
     }
 
     pub fn on_response_trailers<H: Host>(&mut self, host: &mut H) -> Action {
         let config = Rc::clone(&self.config);
-        self.record
-            .on_response_trailers(host, &config, &mut self.calls)
+        let action = self
+            .record
+            .on_response_trailers(host, &config, &mut self.calls);
+        let complete = self.response.trailers();
+        self.on_response_part(host, action, complete)
     }
 
     /// The stream is over (done, reset or aborted): what this request held

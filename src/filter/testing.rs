@@ -68,6 +68,10 @@ pub struct FakeHost {
     /// Tags whose lone call ended.
     pub released: Vec<String>,
     pub observed: Vec<(Histogram, u64)>,
+    /// Slot releases handed to the worker: (tag, KEYS, ARGV as text).
+    pub slot_releases: Vec<(String, Vec<String>, Vec<String>)>,
+    /// The worker takes no releases (the stream sends its own).
+    pub no_worker: bool,
 }
 
 /// An object-store call's headers and body.
@@ -249,6 +253,23 @@ impl Host for FakeHost {
     }
     fn batch_release(&mut self, tag: &str) {
         self.released.push(tag.to_string());
+    }
+    fn release_slots(
+        &mut self,
+        tag: &str,
+        (keys, argv): crate::ratelimit::ScriptArgs,
+    ) -> Result<(), String> {
+        if self.no_worker {
+            return Err("no worker".into());
+        }
+        let text = |v: Vec<Vec<u8>>| {
+            v.into_iter()
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .collect()
+        };
+        self.slot_releases
+            .push((tag.to_string(), text(keys), text(argv)));
+        Ok(())
     }
     fn unique_token(&mut self) -> String {
         self.tokens += 1;

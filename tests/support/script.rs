@@ -604,16 +604,15 @@ pub fn with_renewal(mut cmd: Cmd, slot: &str, held: &[Held]) -> Cmd {
     cmd
 }
 
-/// Appends lua/concurrency_release.lua's KEYS and ARGV: the keys, the slot
-/// id, then the cost per key.
+/// Appends lua/concurrency_release.lua's KEYS and ARGV: the keys, then the
+/// slot id and the cost per key.
 pub fn with_release(mut cmd: Cmd, slot: &str, held: &[Held]) -> Cmd {
     cmd.arg(held.len());
     for h in held {
         cmd.arg(&h.key);
     }
-    cmd.arg(slot);
     for h in held {
-        cmd.arg(h.cost);
+        cmd.arg(slot).arg(h.cost);
     }
     cmd
 }
@@ -633,8 +632,8 @@ pub fn cc_renew_at(con: &mut Connection, now: i64, slot: &str, held: &[Held]) ->
         .unwrap_or_else(|e| panic!("renewal at {now} of {slot} in {held:?}: {e}"))
 }
 
-/// lua/concurrency_release.lua (EVAL, as the filter sends it): how many of
-/// the keys held the slot.
+/// lua/concurrency_release.lua for one request: how many of the keys held
+/// its slot.
 pub fn cc_release(con: &mut Connection, slot: &str, held: &[Held]) -> i64 {
     with_release(eval(&CC_RELEASE), slot, held)
         .query(con)

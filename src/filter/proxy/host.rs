@@ -274,6 +274,28 @@ impl Host for ProxyHost<'_> {
         }
     }
 
+    fn release_slots(
+        &mut self,
+        tag: &str,
+        args: crate::ratelimit::ScriptArgs,
+    ) -> Result<(), String> {
+        let Some(shared) = self.shared else {
+            return Err("not configured".to_string());
+        };
+        // The root sends it on its next tick (the period it owns); queued
+        // only once a tick is sure to come.
+        let _ = hostcalls::set_effective_context(shared.root_id);
+        let ticking = hostcalls::set_tick_period(TICK);
+        let _ = hostcalls::set_effective_context(self.context_id);
+        ticking.map_err(|e| format!("{e:?}"))?;
+        shared
+            .releases
+            .try_borrow_mut()
+            .map_err(|_| "release queue busy".to_string())?
+            .add(tag, args);
+        Ok(())
+    }
+
     fn unique_token(&mut self) -> String {
         use std::hash::BuildHasher;
         let Some(shared) = self.shared else {

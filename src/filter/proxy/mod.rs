@@ -16,6 +16,7 @@ use crate::breaker::Breaker;
 use crate::config::{Config, RedisTarget};
 use crate::filter::flow::Flow;
 use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
+use crate::filter::stage::concurrency::Releases;
 use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
 use crate::filter::{Action as FlowAction, CalloutReply};
 
@@ -77,6 +78,9 @@ pub(super) struct Shared {
     /// A wake-up is queued and not yet handled: members join without
     /// queueing another.
     wake_pending: std::cell::Cell<bool>,
+    /// Concurrency slots of this worker's ended streams, sent by the root on
+    /// its next tick, and the release calls in flight.
+    releases: RefCell<Releases>,
 }
 
 /// A batch member as the worker knows it: its stream's context and flow.
@@ -273,6 +277,17 @@ impl Context for Root {
         if Root::on_batch_reply(&shared, self.context_id, token_id, num_headers, body_size) {
             return;
         }
+        if shared.releases.try_borrow().is_ok_and(|r| r.owns(token_id)) {
+            // Nobody waits on a release: its answer matters only for a
+            // NOSCRIPT (sent again as EVAL) and the log.
+            let reply = callout_reply(num_headers, body_size, usize::MAX);
+            let mut host = Root::host_for(&shared, self.context_id, Weak::new());
+            host.via_root = false;
+            if let Ok(mut releases) = shared.releases.try_borrow_mut() {
+                releases.on_reply(&mut host, &shared.config.redis, token_id, &reply);
+            }
+            return;
+        }
         let prefetch = take(&shared.prefetches, token_id);
         if let Some(note) = prefetch {
             if let Ok(mut routed) = shared.routed.try_borrow_mut() {
@@ -365,6 +380,7 @@ impl RootContext for Root {
                     batch_queue,
                     wake_pending: std::cell::Cell::new(false),
                     batcher: RefCell::new(batcher),
+                    releases: RefCell::new(Releases::default()),
                 }));
                 true
             }
@@ -400,6 +416,13 @@ impl RootContext for Root {
         Root::with_batcher(&shared, self.context_id, |b, host, target| {
             b.on_tick(host, target)
         });
+        if let Ok(mut releases) = shared.releases.try_borrow_mut() {
+            if releases.pending() {
+                let mut host = Root::host_for(&shared, self.context_id, Weak::new());
+                host.via_root = false;
+                releases.flush(&mut host, &shared.config.redis);
+            }
+        }
         let now = host_now();
         let prefetches: Vec<_> = match shared.to_prefetch.try_borrow_mut() {
             Ok(mut queued) => queued.drain(..).collect(),
@@ -434,7 +457,7 @@ impl RootContext for Root {
         }
         let due: Vec<(u32, FlowRef)> = match shared.waiting.try_borrow_mut() {
             // Nothing due yet, and something waits: the tick goes on.
-            Ok(_) if now < shared.next_wake.get() => Vec::new(),
+            Ok(waiting) if !waiting.is_empty() && now < shared.next_wake.get() => Vec::new(),
             Ok(mut waiting) => {
                 let (due, later): (Vec<_>, Vec<_>) =
                     waiting.drain(..).partition(|(_, at, _)| *at <= now);

@@ -1,17 +1,21 @@
 //! The concurrency stage: the request's slots in its concurrency limits. The
 //! decision takes them (with every other limit, all or nothing); this stage
 //! renews their leases while the request runs and gives them back when its
-//! stream ends in any way, from the root context so the release outlives
-//! the stream.
+//! stream ends in any way. The release is the worker's ([`Releases`]): its
+//! root sends the releases of every stream that ended since its last tick
+//! as one call, so it outlives the stream and costs a request a fraction of
+//! a call.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::concurrency::Slots;
 use crate::config::Config;
+use crate::config::RedisTarget;
 use crate::filter::call::{Answer, Budget, ScriptCall};
 use crate::filter::flow::{Calls, Owner};
-use crate::filter::{CalloutReply, Counter, Host};
-use crate::ratelimit::{Outcome, Plan};
+use crate::filter::{Action, CalloutReply, Counter, Host};
+use crate::ratelimit::{Outcome, Plan, ScriptArgs};
 use crate::scripts::{CC_RELEASE, CC_RENEW};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -23,8 +27,11 @@ enum State {
     Planned,
     /// The decision's call left: its script may have taken the slots.
     Asked,
-    /// The decision took them: renewed until the stream ends.
+    /// The decision took them: renewed until the response ends.
     Held,
+    /// The response ended: the release is out (its last piece may wait
+    /// for it).
+    Releasing,
     /// Given back (or never taken): nothing more to do.
     Done,
 }
@@ -32,9 +39,15 @@ enum State {
 #[derive(Debug, Default)]
 pub struct Concurrency {
     slots: Option<Slots>,
+    /// The request's hash tag: its release joins those of that tag.
+    tag: String,
     state: State,
-    /// The renewal in flight (its answer may send it again after NOSCRIPT).
-    renewal: Option<ScriptCall>,
+    /// The renewal in flight, by token (its answer may send it again after
+    /// NOSCRIPT).
+    renewal: Option<(u32, ScriptCall)>,
+    /// The release sent as the response ended, by token, and whether the
+    /// response's last piece waits for it.
+    release: Option<(u32, ScriptCall, bool)>,
     /// When the next renewal is due, on the host's clock.
     due: Duration,
 }
@@ -46,6 +59,7 @@ impl Concurrency {
         self.slots = Slots::of_plan(config, plan, || host.unique_token());
         if self.slots.is_some() {
             self.state = State::Planned;
+            self.tag = plan.tag.clone().unwrap_or_default();
         }
     }
 
@@ -118,7 +132,7 @@ impl Concurrency {
             match call.send(host, &config.redis) {
                 Ok(token) => {
                     calls.expect(token, Owner::Slots);
-                    self.renewal = Some(call);
+                    self.renewal = Some((token, call));
                 }
                 Err((_, why)) => log::warn!("redis-guard: cannot renew slot leases: {why}"),
             }
@@ -127,23 +141,102 @@ impl Concurrency {
         host.wake_later(every);
     }
 
-    /// The answer to a renewal.
+    /// The response's last piece is here: the upstream is done with the
+    /// request, so its slots go back now. With `hold`, that piece waits for
+    /// the release, so a client that sends its next request once it has the
+    /// whole response never finds its own slot still taken (`Pause`). A
+    /// stage already holding the piece passes `hold` false: the release
+    /// leaves as that stage's call does.
+    pub fn on_response_end<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        calls: &mut Calls,
+        hold: bool,
+    ) -> Action {
+        if !matches!(self.state, State::Asked | State::Held) {
+            return Action::Continue;
+        }
+        let Some(slots) = self.slots.as_ref() else {
+            return Action::Continue;
+        };
+        let budget = Budget::Each(config.redis.timeout);
+        let call = ScriptCall::new(&CC_RELEASE, slots.release_args(), budget);
+        match call.send(host, &config.redis) {
+            Ok(token) => {
+                calls.expect(token, Owner::Slots);
+                host.count(Counter::SlotsReleased);
+                self.state = State::Releasing;
+                self.release = Some((token, call, hold));
+                if hold {
+                    Action::Pause
+                } else {
+                    Action::Continue
+                }
+            }
+            Err((_, why)) => {
+                log::debug!("redis-guard: releasing slots through the worker: {why}");
+                self.on_stream_end(host, config);
+                Action::Continue
+            }
+        }
+    }
+
+    /// The response's end waits for the release.
+    pub fn holding(&self) -> bool {
+        matches!(self.release, Some((_, _, true)))
+    }
+
+    /// The answer to a renewal or to the release.
     pub fn on_reply<H: Host>(
         &mut self,
         host: &mut H,
         config: &Config,
         calls: &mut Calls,
+        token: u32,
         reply: &CalloutReply,
     ) {
-        let Some(call) = self.renewal.as_mut() else {
+        if let Some((t, call, held)) = self.release.as_mut() {
+            if *t == token {
+                let held = *held;
+                match call.answer(host, &config.redis, reply) {
+                    Answer::Resent(token) => {
+                        *t = token;
+                        calls.expect(token, Owner::Slots);
+                        return;
+                    }
+                    Answer::Ran(_) => self.state = State::Done,
+                    Answer::Refused((_, why)) | Answer::Failed((_, why)) => {
+                        // The worker tries once more; the lease ends it
+                        // otherwise.
+                        log::warn!("redis-guard: slot release failed: {why}");
+                        self.state = State::Held;
+                        self.on_stream_end_queued(host);
+                    }
+                }
+                self.release = None;
+                if held {
+                    host.resume_response();
+                }
+                return;
+            }
+        }
+        let Some((t, call)) = self.renewal.as_mut() else {
             return;
         };
+        if *t != token {
+            return;
+        }
         let answer = call.answer(host, &config.redis, reply);
         if let Answer::Resent(token) = answer {
+            *t = token;
             calls.expect(token, Owner::Slots);
             return;
         }
         self.renewal = None;
+        if self.state != State::Held {
+            return;
+        }
         let Some(slots) = self.slots.as_mut() else {
             return;
         };
@@ -172,11 +265,31 @@ impl Concurrency {
         }
     }
 
-    /// The stream is over, however it ended: gives back what the request
-    /// holds or may hold, as the root context (the stream is going away).
-    /// The script is sent whole: nobody reads the answer to fall back on
-    /// after a NOSCRIPT. A slot that cannot be given back ends with its lease.
+    /// A release that failed goes to the worker, not counted twice.
+    fn on_stream_end_queued<H: Host>(&mut self, host: &mut H) {
+        self.state = State::Done;
+        if let Some(slots) = self.slots.as_ref() {
+            if let Err(why) = host.release_slots(&self.tag, slots.release_args()) {
+                log::warn!(
+                    "redis-guard: cannot release concurrency slots (they end with their lease): {why}"
+                );
+            }
+        }
+    }
+
+    /// The stream is over, however it ended (a client reset, a local reply,
+    /// a response that never ended): gives back what the request holds or
+    /// may hold, or what a release still out may not have given back (the
+    /// host cancels a gone stream's calls). The worker sends it (the stream
+    /// is going away);
+    /// without a worker to take it, it goes at once as the root context,
+    /// the script whole, since nobody reads the answer to fall back on after
+    /// a NOSCRIPT. A slot that cannot be given back ends with its lease.
     pub fn on_stream_end<H: Host>(&mut self, host: &mut H, config: &Config) {
+        if self.state == State::Releasing {
+            self.release = None;
+            return self.on_stream_end_queued(host);
+        }
         if !matches!(self.state, State::Asked | State::Held) {
             return;
         }
@@ -184,15 +297,97 @@ impl Concurrency {
         let Some(slots) = self.slots.as_ref() else {
             return;
         };
-        let call = ScriptCall::new(
-            &CC_RELEASE,
-            slots.release_args(),
-            Budget::Each(config.redis.timeout),
-        );
-        match call.with_source().send_detached(host, &config.redis) {
-            Ok(_) => host.count(Counter::SlotsReleased),
-            Err((_, why)) => log::warn!(
+        let queued = host.release_slots(&self.tag, slots.release_args());
+        let sent = queued.or_else(|why| {
+            log::debug!("redis-guard: releasing slots from the stream: {why}");
+            let budget = Budget::Each(config.redis.timeout);
+            let call = ScriptCall::new(&CC_RELEASE, slots.release_args(), budget);
+            call.with_source()
+                .send_detached(host, &config.redis)
+                .map(|_| ())
+                .map_err(|(_, why)| why)
+        });
+        match sent {
+            Ok(()) => host.count(Counter::SlotsReleased),
+            Err(why) => log::warn!(
                 "redis-guard: cannot release concurrency slots (they end with their lease): {why}"
+            ),
+        }
+    }
+}
+
+/// Most keys one release call carries: releases that end together share a
+/// call, but a bounded one.
+pub const MAX_RELEASE_KEYS: usize = 256;
+
+/// One worker's releases: queued by its streams as they end, sent by its
+/// root on its next tick (a millisecond later at most), one call per hash
+/// tag, so every call touches one Redis Cluster slot.
+#[derive(Debug, Default)]
+pub struct Releases {
+    queued: HashMap<String, ScriptArgs>,
+    calls: HashMap<u32, ScriptCall>,
+}
+
+impl Releases {
+    pub fn add(&mut self, tag: &str, (keys, argv): ScriptArgs) {
+        let entry = self.queued.entry(tag.to_string()).or_default();
+        entry.0.extend(keys);
+        entry.1.extend(argv);
+    }
+
+    /// Releases wait for the next tick.
+    pub fn pending(&self) -> bool {
+        !self.queued.is_empty()
+    }
+
+    /// Sends what queued: one call per tag (per MAX_RELEASE_KEYS keys).
+    pub fn flush<H: Host>(&mut self, host: &mut H, target: &RedisTarget) {
+        for (_, (keys, argv)) in self.queued.drain() {
+            // Two values of ARGV per key.
+            for (k, a) in keys
+                .chunks(MAX_RELEASE_KEYS)
+                .zip(argv.chunks(2 * MAX_RELEASE_KEYS))
+            {
+                let budget = Budget::Each(target.timeout);
+                let call = ScriptCall::new(&CC_RELEASE, (k.to_vec(), a.to_vec()), budget);
+                match call.send(host, target) {
+                    Ok(token) => {
+                        self.calls.insert(token, call);
+                    }
+                    Err((_, why)) => log::warn!(
+                        "redis-guard: cannot release {} concurrency slot(s) (they end with their lease): {why}",
+                        k.len()
+                    ),
+                }
+            }
+        }
+    }
+
+    /// The call behind `token` is a release.
+    pub fn owns(&self, token: u32) -> bool {
+        self.calls.contains_key(&token)
+    }
+
+    /// A release's answer: after a NOSCRIPT it goes again as EVAL; a failure
+    /// leaves the slots to their lease.
+    pub fn on_reply<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        token: u32,
+        reply: &CalloutReply,
+    ) {
+        let Some(mut call) = self.calls.remove(&token) else {
+            return;
+        };
+        match call.answer(host, target, reply) {
+            Answer::Resent(token) => {
+                self.calls.insert(token, call);
+            }
+            Answer::Ran(_) => {}
+            Answer::Refused((_, why)) | Answer::Failed((_, why)) => log::warn!(
+                "redis-guard: concurrency slots not released (they end with their lease): {why}"
             ),
         }
     }

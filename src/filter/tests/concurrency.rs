@@ -1,4 +1,6 @@
 use super::*;
+use crate::config::RedisTarget;
+use crate::filter::stage::concurrency::{Releases, MAX_RELEASE_KEYS};
 use crate::scripts::{CC_RELEASE, CC_RENEW};
 
 /// A concurrency limit of 2 slots leased for 3 s on /api, a token bucket on
@@ -55,10 +57,30 @@ fn an_admitted_request_holds_its_slot_until_its_stream_ends_then_gives_it_back()
     assert_eq!(h.resumed, 1);
     // Renewed every third of the lease.
     assert_eq!(h.wakes, [Duration::from_millis(1000)]);
+    assert!(h.slot_releases.is_empty());
+    f.on_stream_end(&mut h);
+    // Handed to the worker, under the request's hash tag.
+    assert_eq!(h.slot_releases.len(), 1);
+    let (tag, keys, argv) = &h.slot_releases[0];
+    assert_eq!(tag, "e3b0c44298fc1c14");
+    assert_eq!(keys.len(), 1);
+    assert!(keys[0].contains(":slots:cc:"), "{keys:?}");
+    assert_eq!(argv, &[SLOT, "1"]);
+    assert_eq!(count(&h, Counter::SlotsReleased), 1);
     assert!(h.detached.is_empty());
+    // Once only.
+    f.on_stream_end(&mut h);
+    assert_eq!(h.slot_releases.len(), 1);
+}
+
+#[test]
+fn without_a_worker_to_take_it_the_stream_sends_its_release_whole_as_the_root() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.no_worker = true;
     f.on_stream_end(&mut h);
     assert_eq!(h.detached.len(), 1);
-    // Sent whole (EVAL): nobody reads its answer to fall back on.
+    // EVAL: nobody reads its answer to fall back on after a NOSCRIPT.
     let release = &h.detached[0];
     assert!(release.starts_with("EVAL/"), "{release}");
     assert!(
@@ -67,9 +89,6 @@ fn an_admitted_request_holds_its_slot_until_its_stream_ends_then_gives_it_back()
     );
     assert!(release.ends_with(&format!("/{SLOT}/1.raw")), "{release}");
     assert_eq!(count(&h, Counter::SlotsReleased), 1);
-    // Once only.
-    f.on_stream_end(&mut h);
-    assert_eq!(h.detached.len(), 1);
 }
 
 /// Text as Webdis' path encoding writes it.
@@ -94,7 +113,7 @@ fn a_rejected_request_holds_nothing_and_its_429_is_never_cached() {
         h.shared.keys()
     );
     f.on_stream_end(&mut h);
-    assert!(h.detached.is_empty());
+    assert!(h.slot_releases.is_empty() && h.detached.is_empty());
     assert!(h.wakes.is_empty());
 }
 
@@ -128,7 +147,7 @@ fn a_running_request_renews_its_lease_when_due_and_only_then() {
     assert_eq!(h.dispatched.len(), 3);
     // The slot still held is given back at the end.
     f.on_stream_end(&mut h);
-    assert_eq!(h.detached.len(), 1);
+    assert_eq!(h.slot_releases.len(), 1);
 }
 
 #[test]
@@ -143,7 +162,7 @@ fn a_slot_found_gone_at_its_renewal_is_counted_lost_and_neither_renewed_nor_rele
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 2, "nothing left to renew");
     f.on_stream_end(&mut h);
-    assert!(h.detached.is_empty(), "nothing left to give back");
+    assert!(h.slot_releases.is_empty(), "nothing left to give back");
 }
 
 #[test]
@@ -170,7 +189,7 @@ fn a_failed_renewal_keeps_the_slot_for_the_next_one() {
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 3, "renewed again");
     f.on_stream_end(&mut h);
-    assert_eq!(h.detached.len(), 1);
+    assert_eq!(h.slot_releases.len(), 1);
 }
 
 #[test]
@@ -185,8 +204,8 @@ fn a_decision_that_may_have_run_gives_back_what_it_may_have_taken() {
         "a slot not known to be held is not renewed"
     );
     f.on_stream_end(&mut h);
-    assert_eq!(h.detached.len(), 1);
-    assert!(h.detached[0].ends_with(&format!("/{SLOT}/1.raw")));
+    assert_eq!(h.slot_releases.len(), 1);
+    assert_eq!(h.slot_releases[0].2, [SLOT, "1"]);
 }
 
 #[test]
@@ -196,14 +215,14 @@ fn a_decision_that_never_left_took_nothing_to_give_back() {
     h.dispatch_fails = true;
     assert_eq!(f.on_request_headers(&mut h, true), Action::Continue);
     f.on_stream_end(&mut h);
-    assert!(h.detached.is_empty());
+    assert!(h.slot_releases.is_empty() && h.detached.is_empty());
 }
 
 #[test]
 fn a_client_gone_before_the_decision_answered_gives_back_the_slot_it_may_get() {
     let (mut f, mut h) = cc_started("deny");
     f.on_stream_end(&mut h);
-    assert_eq!(h.detached.len(), 1);
+    assert_eq!(h.slot_releases.len(), 1);
     // The late answer finds nothing to resume and nothing to renew.
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
     assert!(h.wakes.is_empty());
@@ -213,8 +232,167 @@ fn a_client_gone_before_the_decision_answered_gives_back_the_slot_it_may_get() {
 fn a_release_the_host_refuses_is_left_to_the_lease() {
     let (mut f, mut h) = cc_started("allow");
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.no_worker = true;
     h.detached_fails = true;
     f.on_stream_end(&mut h);
     assert!(h.detached.is_empty());
     assert_eq!(count(&h, Counter::SlotsReleased), 0);
+}
+
+fn target() -> RedisTarget {
+    Config::parse(br#"{"redis":{"cluster":"webdis"}}"#)
+        .unwrap()
+        .redis
+}
+
+fn args(keys: &[&str], slot: &str) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let k = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
+    let a = keys
+        .iter()
+        .flat_map(|_| [slot.as_bytes().to_vec(), b"1".to_vec()])
+        .collect();
+    (k, a)
+}
+
+#[test]
+fn the_worker_sends_the_releases_of_one_tag_as_one_call() {
+    let mut r = Releases::default();
+    let mut h = FakeHost::get("/");
+    r.add("{a}", args(&["{a}k1", "{a}k2"], "s1"));
+    r.add("{a}", args(&["{a}k1"], "s2"));
+    r.add("{b}", args(&["{b}k"], "s3"));
+    assert!(r.pending());
+    r.flush(&mut h, &target());
+    assert!(!r.pending());
+    assert_eq!(h.dispatched.len(), 2, "one call per tag");
+    let a = h
+        .dispatched
+        .iter()
+        .find(|d| d.contains("s1"))
+        .unwrap()
+        .clone();
+    assert!(
+        a.starts_with(&format!("EVALSHA/{}/3/", CC_RELEASE.sha1)),
+        "{a}"
+    );
+    assert!(a.ends_with("/s1/1/s1/1/s2/1.raw"), "{a}");
+    // Nothing left to send on the next tick.
+    r.flush(&mut h, &target());
+    assert_eq!(h.dispatched.len(), 2);
+}
+
+#[test]
+fn a_release_call_carries_at_most_max_release_keys() {
+    let mut r = Releases::default();
+    let mut h = FakeHost::get("/");
+    for i in 0..MAX_RELEASE_KEYS + 1 {
+        r.add("{a}", args(&["{a}k"], &format!("{i:x}")));
+    }
+    r.flush(&mut h, &target());
+    assert_eq!(h.dispatched.len(), 2);
+    assert!(
+        h.dispatched[0].starts_with(&format!("EVALSHA/{}/{MAX_RELEASE_KEYS}/", CC_RELEASE.sha1))
+    );
+    assert!(h.dispatched[1].starts_with(&format!("EVALSHA/{}/1/", CC_RELEASE.sha1)));
+    // The last slot alone, with its cost: keys and values split alike.
+    assert!(h.dispatched[1].ends_with(&format!("/{:x}/1.raw", MAX_RELEASE_KEYS)));
+}
+
+#[test]
+fn a_release_after_redis_lost_its_scripts_goes_again_as_eval_and_a_failure_is_let_go() {
+    let mut r = Releases::default();
+    let mut h = FakeHost::get("/");
+    r.add("{a}", args(&["{a}k"], "s1"));
+    r.flush(&mut h, &target());
+    assert!(r.owns(1) && !r.owns(2));
+    r.on_reply(
+        &mut h,
+        &target(),
+        1,
+        &ok(b"-NOSCRIPT No matching script.\r\n"),
+    );
+    assert_eq!(h.dispatched.len(), 2);
+    assert!(h.dispatched[1].starts_with("EVAL/"));
+    assert!(r.owns(2) && !r.owns(1));
+    r.on_reply(&mut h, &target(), 2, &no_answer());
+    assert!(!r.owns(2));
+    assert_eq!(h.dispatched.len(), 2, "the lease ends what a failure left");
+}
+
+#[test]
+fn the_responses_last_piece_waits_for_the_release_so_a_next_request_finds_the_slot_free() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.respond(&[(":status", "200"), ("content-length", "4")]);
+    assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+    assert_eq!(h.dispatched.len(), 1, "nothing sent before the end");
+    // All of the content-length is here: the client would stop reading.
+    assert_eq!(f.on_response_body(&mut h, 4, false), Action::Pause);
+    assert_eq!(h.dispatched.len(), 2);
+    // Envoy hands over the rest (the end of stream) while it is held: it
+    // waits too.
+    assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
+    let release = &h.dispatched[1];
+    assert!(
+        release.starts_with(&format!("EVALSHA/{}/1/", CC_RELEASE.sha1)),
+        "{release}"
+    );
+    assert!(release.ends_with(&format!("/{SLOT}/1.raw")), "{release}");
+    assert_eq!(h.response_resumed, 0);
+    // Redis lost its scripts: once more as EVAL, the piece still waiting.
+    f.on_callout_reply(&mut h, 2, ok(b"-NOSCRIPT No matching script.\r\n"));
+    assert!(h.dispatched[2].starts_with("EVAL/"));
+    assert_eq!(h.response_resumed, 0);
+    f.on_callout_reply(&mut h, 3, ok(b":1\r\n"));
+    assert_eq!(h.response_resumed, 1);
+    assert_eq!(count(&h, Counter::SlotsReleased), 1);
+    // Given back already: the stream's end adds nothing, and no renewal
+    // follows.
+    f.on_stream_end(&mut h);
+    assert!(h.slot_releases.is_empty() && h.detached.is_empty());
+    h.clock_ms = 5000;
+    f.on_wake(&mut h);
+    assert_eq!(h.dispatched.len(), 3);
+    assert_eq!(count(&h, Counter::SlotsReleased), 1);
+}
+
+#[test]
+fn a_response_ending_with_its_headers_releases_there() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.respond(&[(":status", "204")]);
+    assert_eq!(f.on_response_headers(&mut h, true), Action::Pause);
+    assert_eq!(h.dispatched.len(), 2);
+    f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
+    assert_eq!(h.response_resumed, 1);
+}
+
+#[test]
+fn a_release_that_fails_at_the_responses_end_lets_the_piece_go_and_the_worker_tries_again() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.respond(&[(":status", "200")]);
+    f.on_response_headers(&mut h, false);
+    assert_eq!(f.on_response_body(&mut h, 0, true), Action::Pause);
+    f.on_callout_reply(&mut h, 2, no_answer());
+    assert_eq!(h.response_resumed, 1);
+    assert_eq!(h.slot_releases.len(), 1);
+    assert_eq!(h.slot_releases[0].2, [SLOT, "1"]);
+    f.on_stream_end(&mut h);
+    assert_eq!(h.slot_releases.len(), 1, "once");
+    assert_eq!(count(&h, Counter::SlotsReleased), 1);
+}
+
+#[test]
+fn a_client_gone_while_the_release_is_out_has_the_worker_release_again() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.respond(&[(":status", "200")]);
+    f.on_response_headers(&mut h, false);
+    f.on_response_body(&mut h, 0, true);
+    // Envoy cancels a gone stream's calls: the release may never land.
+    f.on_stream_end(&mut h);
+    assert_eq!(h.slot_releases.len(), 1);
+    f.on_callout_reply(&mut h, 2, ok(b":1\r\n"));
+    assert_eq!(h.response_resumed, 0, "nothing left to resume");
 }
