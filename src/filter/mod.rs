@@ -15,6 +15,7 @@ pub mod stage;
 pub mod testing;
 #[cfg(test)]
 mod tests;
+pub mod timers;
 
 use std::time::Duration;
 

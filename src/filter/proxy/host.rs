@@ -193,12 +193,8 @@ impl Host for ProxyHost<'_> {
         let Ok(mut waiting) = shared.waiting.try_borrow_mut() else {
             return false;
         };
-        let due = self.now() + delay;
-        waiting.push((self.context_id, due, self.me.clone()));
+        waiting.push(self.now() + delay, (self.context_id, self.me.clone()));
         drop(waiting);
-        if due < shared.next_wake.get() {
-            shared.next_wake.set(due);
-        }
         // The tick runs on the root context, which owns the period.
         let _ = hostcalls::set_effective_context(shared.root_id);
         let ok = hostcalls::set_tick_period(TICK).is_ok();

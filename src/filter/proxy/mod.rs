@@ -18,6 +18,7 @@ use crate::filter::flow::Flow;
 use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
 use crate::filter::stage::concurrency::Releases;
 use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
+use crate::filter::timers::Timers;
 use crate::filter::{Action as FlowAction, CalloutReply};
 
 mod host;
@@ -53,11 +54,7 @@ pub(super) struct Shared {
     token_counter: std::cell::Cell<u64>,
     /// Streams waiting for a wake-up (the pause after a Webdis 503, a slot
     /// renewal): (stream, due, flow).
-    waiting: RefCell<Vec<(u32, Duration, FlowRef)>>,
-    /// The earliest due time in `waiting`: a tick before it looks at none of
-    /// them (a request holding a concurrency slot waits seconds for its
-    /// renewal, while the tick runs every millisecond).
-    next_wake: std::cell::Cell<Duration>,
+    waiting: RefCell<Timers<(u32, FlowRef)>>,
     /// Calls the root sent for a stream (on tick): token -> (stream, flow).
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
     /// When each call in flight was sent, for the latency histogram.
@@ -371,8 +368,7 @@ impl RootContext for Root {
                     root_id: self.context_id,
                     token_seed,
                     token_counter: std::cell::Cell::new(0),
-                    waiting: RefCell::new(Vec::new()),
-                    next_wake: std::cell::Cell::new(Duration::MAX),
+                    waiting: RefCell::new(Timers::default()),
                     routed: RefCell::new(HashMap::new()),
                     sent_at: RefCell::new(HashMap::new()),
                     prefetches: RefCell::new(HashMap::new()),
@@ -456,14 +452,8 @@ impl RootContext for Root {
             }
         }
         let due: Vec<(u32, FlowRef)> = match shared.waiting.try_borrow_mut() {
-            // Nothing due yet, and something waits: the tick goes on.
-            Ok(waiting) if !waiting.is_empty() && now < shared.next_wake.get() => Vec::new(),
             Ok(mut waiting) => {
-                let (due, later): (Vec<_>, Vec<_>) =
-                    waiting.drain(..).partition(|(_, at, _)| *at <= now);
-                *waiting = later;
-                let next = waiting.iter().map(|(_, at, _)| *at).min();
-                shared.next_wake.set(next.unwrap_or(Duration::MAX));
+                let due = waiting.take_due(now);
                 // The tick stops only when nothing waits for it: no stream's
                 // pause, no batch sent back after a refusal (whose due time
                 // is not one of `waiting`'s), no queue whose wake-up failed.
@@ -474,7 +464,7 @@ impl RootContext for Root {
                 if waiting.is_empty() && !batches_wait {
                     let _ = hostcalls::set_tick_period(Duration::ZERO);
                 }
-                due.into_iter().map(|(ctx, _, w)| (ctx, w)).collect()
+                due
             }
             Err(_) => return,
         };
