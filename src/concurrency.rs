@@ -4,17 +4,13 @@
 
 use std::time::Duration;
 
-use crate::config::{Algorithm, Config};
+use crate::config::{Algorithm, Config, RENEWALS_PER_LEASE};
 use crate::ratelimit::{Outcome, Plan, ScriptArgs};
 use crate::webdis::Reply;
 
 /// Hex digits of a slot id: 64 bits, so two requests in flight at once
 /// never share one (and the member stays short: it is stored per slot).
 pub const SLOT_ID_LEN: usize = 16;
-
-/// Leases are renewed this many times per lease: two renewals may fail
-/// (a slow or restarting Redis) before a running request loses its slot.
-pub const RENEWALS_PER_LEASE: u32 = 3;
 
 /// One concurrency limit the request may hold a slot in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +20,8 @@ pub struct Held {
     pub key: Vec<u8>,
     pub cost: u64,
     pub lease_ms: u64,
+    /// Not a shadow limit: it can reject.
+    pub enforced: bool,
 }
 
 /// The request's slots: its slot id, and the limits it may hold one in.
@@ -47,6 +45,7 @@ impl Slots {
                     key: check.key.clone(),
                     cost: check.cost,
                     lease_ms,
+                    enforced: !config.limits[check.limit].shadow,
                 }),
                 _ => None,
             })
@@ -196,8 +195,8 @@ mod tests {
         assert_eq!(s.id, "0123456789abcdef");
         assert_eq!(s.held.len(), 2);
         assert_eq!((s.held[0].cost, s.held[0].lease_ms), (2, 3000));
-        // Renewed three times per lease of the shortest.
-        assert_eq!(s.renew_every(), Duration::from_millis(300));
+        // Renewed four times per lease of the shortest.
+        assert_eq!(s.renew_every(), Duration::from_millis(225));
     }
 
     #[test]

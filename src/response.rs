@@ -151,10 +151,12 @@ pub struct Completion {
 }
 
 impl Completion {
-    /// The response's headers (`end`: nothing follows them).
+    /// The response's headers (`end`: nothing follows them). A
+    /// `content-length: 0` is complete at the end of stream, as the
+    /// idempotency record counts it.
     pub fn headers(&mut self, content_length: Option<usize>, end: bool) -> bool {
         self.expected = content_length;
-        self.ends(end || content_length == Some(0))
+        self.ends(end)
     }
 
     /// A piece of its body of `size` bytes.
@@ -310,7 +312,11 @@ mod tests {
         assert!(!c.body(100, false));
         assert!(c.body(0, true));
         let mut c = Completion::default();
-        assert!(c.headers(Some(0), false), "an empty body");
+        assert!(
+            !c.headers(Some(0), false),
+            "an empty body: complete at its end"
+        );
+        assert!(c.body(0, true));
         let mut c = Completion::default();
         assert!(c.headers(None, true));
         let mut c = Completion::default();

@@ -323,6 +323,11 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "between 300 and 3600000",
     ),
     (
+        "concurrency_lease_below_four_timeouts.json",
+        "limits[0].concurrency.leaseMs",
+        "must be at least 400 ms (4 × redis.timeoutMs)",
+    ),
+    (
         "concurrency_cost_above_max.json",
         "limits[0].cost",
         "must be between 1 and 10 (the limit's quota",

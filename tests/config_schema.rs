@@ -186,7 +186,7 @@ fn schema_rejects_every_bad_fixture_whose_problem_is_its_shape() {
 /// accept, so one field at a time can be moved to and past its bounds.
 fn base() -> Value {
     json!({
-        "redis": {"cluster": "webdis", "timeoutMs": 100,
+        "redis": {"cluster": "webdis", "timeoutMs": 75,
                   "circuitBreaker": {"failures": 5, "coolDownMs": 1000}},
         "limits": [
             {"name": "tb", "tokenBucket": {"capacity": 1000000, "refill": 1, "periodMs": 1000},
@@ -197,7 +197,9 @@ fn base() -> Value {
             {"name": "gcra", "gcra": {"rate": 10, "periodMs": 1000, "burst": 20}},
             {"name": "fw", "fixedWindow": {"limit": 1000, "windowMs": 60000}},
             {"name": "swc", "slidingWindowCounter": {"limit": 1000, "windowMs": 60000}},
-            {"name": "cc", "concurrency": {"max": 1000, "leaseMs": 30000}}
+            // A lease of at least 4 × redis.timeoutMs at every edge of
+            // either (a rule across fields, the parser's alone).
+            {"name": "cc", "concurrency": {"max": 1000, "leaseMs": 3600000}}
         ],
         "idempotency": [
             {"name": "pay", "lockTtlMs": 30000, "recordTtlMs": 86400000,

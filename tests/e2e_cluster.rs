@@ -503,3 +503,108 @@ fn a_tenant_whose_slot_moves_to_another_master_keeps_its_exact_budget() {
     assert_eq!(by_node.keys().copied().collect::<Vec<_>>(), [to]);
     stack.assert_clean();
 }
+
+#[test]
+fn concurrency_slots_hold_exactly_per_tenant_and_come_back_over_the_cluster() {
+    const MAX: usize = 2;
+    let cfg = config(
+        &format!(
+            r#"[{{"name":"cc","match":{{"pathPrefix":"/cc"}},"descriptor":[{{"header":"x-tenant"}}],
+                 "concurrency":{{"max":{MAX},"leaseMs":30000}}}}]"#
+        ),
+        "[]",
+    );
+    let stack = ClusterStack::start(&cfg);
+    let tenants = tenants(6);
+    // Six requests per tenant at once, each running 2 s upstream: exactly
+    // MAX per tenant get in, each tenant's slots on its own master.
+    let jobs: Vec<&str> = tenants
+        .iter()
+        .flat_map(|t| std::iter::repeat_n(t.as_str(), 6))
+        .collect();
+    let statuses = run_jobs(
+        &jobs,
+        jobs.len(),
+        Duration::from_secs(30),
+        agent,
+        |agent, i, t| {
+            let e = &stack.envoys[i % 2];
+            let headers = [("x-tenant", *t), ("x-upstream-delay-ms", "2000")];
+            http_with(agent, "GET", &e.url(&format!("/cc?{t}")), &headers, None).status
+        },
+    );
+    for t in &tenants {
+        let mine: Vec<u16> = jobs
+            .iter()
+            .zip(&statuses)
+            .filter(|(j, _)| **j == t.as_str())
+            .map(|(_, s)| *s)
+            .collect();
+        assert_eq!(
+            mine.iter().filter(|s| **s == 200).count(),
+            MAX,
+            "{t}: {mine:?}"
+        );
+        assert_eq!(mine.iter().filter(|s| **s == 429).count(), 6 - MAX, "{t}");
+        assert_eq!(
+            stack.upstream.peak_in_flight(&format!("/cc?{t}")),
+            MAX as u64
+        );
+    }
+    // Released as each response completed: no slot left on any master.
+    assert!(stack.cluster.keys_by_node("rg:*").is_empty());
+
+    // Clients of every tenant leave at once: their worker gathers the
+    // releases, one call per tenant's tag, so none crosses slots.
+    let mut held = Vec::new();
+    for t in &tenants {
+        for _ in 0..MAX {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", stack.envoys[0].port)).unwrap();
+            let req = raw_request_bytes(
+                "GET",
+                &format!("/cc?left-{t}"),
+                "",
+                &[
+                    ("x-tenant", t.as_bytes()),
+                    ("x-upstream-delay-ms", b"10000"),
+                ],
+                b"",
+            );
+            std::io::Write::write_all(&mut s, &req).unwrap();
+            held.push(s);
+        }
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let running = || {
+        tenants
+            .iter()
+            .map(|t| stack.upstream.in_flight(&format!("/cc?left-{t}")))
+            .sum::<u64>()
+    };
+    while running() != (tenants.len() * MAX) as u64 {
+        assert!(std::time::Instant::now() < deadline, "never all running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let slots: usize = stack
+        .cluster
+        .keys_by_node("rg:*")
+        .values()
+        .map(Vec::len)
+        .sum();
+    assert_eq!(slots, tenants.len(), "one set per tenant");
+    drop(held);
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while !stack.cluster.keys_by_node("rg:*").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slots left behind: {:?}",
+            stack.cluster.keys_by_node("rg:*")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        stack.counter("redis_guard.concurrency.released"),
+        (tenants.len() * MAX * 2) as u64
+    );
+    stack.assert_clean();
+}

@@ -32,11 +32,16 @@ const ALGORITHM_FIELDS: &str =
 /// per slot).
 pub const MAX_CONCURRENCY: u64 = 1_000_000;
 /// A concurrency slot's lease when the config names none: long enough that
-/// its renewals (three per lease) cost nothing to speak of, short enough that
+/// its renewals (four per lease) cost nothing to speak of, short enough that
 /// a crashed Envoy's slots come back within a minute.
 pub const DEFAULT_CONCURRENCY_LEASE_MS: u64 = 30_000;
-/// Bounds of a lease: renewed every third of it, so not too often; a crashed
-/// Envoy's slots come back within it, so not too long.
+/// Leases are renewed this many times per lease: two renewals in a row may
+/// fail (a slow or restarting Redis) before a running request loses its
+/// slot, the third landing before the lease ends (config keeps `timeoutMs`
+/// at most a quarter of `leaseMs`, so each renewal is over before the next).
+pub const RENEWALS_PER_LEASE: u32 = 4;
+/// Bounds of a lease: renewed every quarter of it, so not too often; a
+/// crashed Envoy's slots come back within it, so not too long.
 pub const CONCURRENCY_LEASE_MS: std::ops::RangeInclusive<u64> = 300..=3_600_000;
 
 /// One rate limit: exactly one of tokenBucket, slidingWindow, gcra,

@@ -28,6 +28,7 @@ pub use idempotency::{
 pub use limit::{
     Algorithm, Cost, Lease, Limit, CONCURRENCY_LEASE_MS, DEFAULT_CONCURRENCY_LEASE_MS,
     DEFAULT_LOCAL_PER_MILLE, MAX_CONCURRENCY, MAX_COUNTER_LIMIT, MAX_WINDOW_COST,
+    RENEWALS_PER_LEASE,
 };
 pub use matcher::{HeaderCondition, Matcher, PathMatch};
 pub use object_store::{
@@ -330,6 +331,21 @@ fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Confi
                 format!("{at}.name"),
                 format!("duplicate limit name `{}`", limit.name),
             ));
+        }
+        // A running request renews its slot every quarter lease; each renewal
+        // must be over (answered or timed out) before the next is due, or
+        // one slow call costs the slot.
+        if let Algorithm::Concurrency { lease_ms, .. } = limit.algorithm {
+            let least = redis.timeout.saturating_mul(RENEWALS_PER_LEASE);
+            if Duration::from_millis(lease_ms) < least {
+                return Err(ConfigError::new(
+                    format!("{at}.concurrency.leaseMs"),
+                    format!(
+                        "must be at least {} ms ({RENEWALS_PER_LEASE} × redis.timeoutMs): the lease is renewed every quarter of it, each renewal within the timeout",
+                        least.as_millis()
+                    ),
+                ));
+            }
         }
         limits.push(limit);
     }

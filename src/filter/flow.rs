@@ -410,7 +410,9 @@ impl Flow {
             };
         }
         let config = Rc::clone(&self.config);
-        let hold = record == Action::Continue;
+        // A keyed request's record may hold this piece, or one after it:
+        // then the release does not hold it too (one resume would let it go).
+        let hold = record == Action::Continue && self.intake.keyed().is_none();
         match self
             .slots
             .on_response_end(host, &config, &mut self.calls, hold)

@@ -138,12 +138,14 @@ pub trait Host: RequestView {
     /// arriving meanwhile queue behind it.
     fn batch_alone(&mut self, tag: &str) -> bool;
     /// Hands a stream's release of its concurrency slots to its worker,
-    /// whose root sends the releases of one hash tag together on its next
-    /// tick ([`stage::concurrency::Releases`]). `Err`: no worker took it.
+    /// whose root sends the releases of one hash tag together on its first
+    /// tick `after` from now ([`stage::concurrency::Releases`]). `Err`: no
+    /// worker took it.
     fn release_slots(
         &mut self,
         tag: &str,
         args: crate::ratelimit::ScriptArgs,
+        after: Duration,
     ) -> Result<(), String>;
     /// The call [`Host::batch_alone`] allowed is over (answered, failed, or
     /// its stream gone): requests that queued behind it may leave.

@@ -70,6 +70,8 @@ pub struct FakeHost {
     pub observed: Vec<(Histogram, u64)>,
     /// Slot releases handed to the worker: (tag, KEYS, ARGV as text).
     pub slot_releases: Vec<(String, Vec<String>, Vec<String>)>,
+    /// How long after its handing over each of those is due.
+    pub release_delays: Vec<Duration>,
     /// The worker takes no releases (the stream sends its own).
     pub no_worker: bool,
 }
@@ -258,6 +260,7 @@ impl Host for FakeHost {
         &mut self,
         tag: &str,
         (keys, argv): crate::ratelimit::ScriptArgs,
+        after: Duration,
     ) -> Result<(), String> {
         if self.no_worker {
             return Err("no worker".into());
@@ -269,6 +272,7 @@ impl Host for FakeHost {
         };
         self.slot_releases
             .push((tag.to_string(), text(keys), text(argv)));
+        self.release_delays.push(after);
         Ok(())
     }
     fn unique_token(&mut self) -> String {

@@ -193,8 +193,11 @@ impl Host for ProxyHost<'_> {
         let Ok(mut waiting) = shared.waiting.try_borrow_mut() else {
             return false;
         };
-        waiting.push(self.now() + delay, (self.context_id, self.me.clone()));
+        waiting.push(self.now() + delay, self.context_id);
         drop(waiting);
+        if let Ok(mut flows) = shared.wakeable.try_borrow_mut() {
+            flows.insert(self.context_id, self.me.clone());
+        }
         // The tick runs on the root context, which owns the period.
         let _ = hostcalls::set_effective_context(shared.root_id);
         let ok = hostcalls::set_tick_period(TICK).is_ok();
@@ -274,12 +277,13 @@ impl Host for ProxyHost<'_> {
         &mut self,
         tag: &str,
         args: crate::ratelimit::ScriptArgs,
+        after: Duration,
     ) -> Result<(), String> {
         let Some(shared) = self.shared else {
             return Err("not configured".to_string());
         };
-        // The root sends it on its next tick (the period it owns); queued
-        // only once a tick is sure to come.
+        // The root sends it on a tick (the period it owns); queued only
+        // once a tick is sure to come.
         let _ = hostcalls::set_effective_context(shared.root_id);
         let ticking = hostcalls::set_tick_period(TICK);
         let _ = hostcalls::set_effective_context(self.context_id);
@@ -288,7 +292,7 @@ impl Host for ProxyHost<'_> {
             .releases
             .try_borrow_mut()
             .map_err(|_| "release queue busy".to_string())?
-            .add(tag, args);
+            .add(tag, args, host_now() + after);
         Ok(())
     }
 

@@ -54,7 +54,11 @@ pub(super) struct Shared {
     token_counter: std::cell::Cell<u64>,
     /// Streams waiting for a wake-up (the pause after a Webdis 503, a slot
     /// renewal): (stream, due, flow).
-    waiting: RefCell<Timers<(u32, FlowRef)>>,
+    waiting: RefCell<Timers>,
+    /// The flows of the streams that wait, by context id: removed with the
+    /// stream's wake-ups when it ends, so a wake-up never keeps a gone
+    /// stream's flow allocated.
+    wakeable: RefCell<HashMap<u32, FlowRef>>,
     /// Calls the root sent for a stream (on tick): token -> (stream, flow).
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
     /// When each call in flight was sent, for the latency histogram.
@@ -369,6 +373,7 @@ impl RootContext for Root {
                     token_seed,
                     token_counter: std::cell::Cell::new(0),
                     waiting: RefCell::new(Timers::default()),
+                    wakeable: RefCell::new(HashMap::new()),
                     routed: RefCell::new(HashMap::new()),
                     sent_at: RefCell::new(HashMap::new()),
                     prefetches: RefCell::new(HashMap::new()),
@@ -456,15 +461,20 @@ impl RootContext for Root {
                 let due = waiting.take_due(now);
                 // The tick stops only when nothing waits for it: no stream's
                 // pause, no batch sent back after a refusal (whose due time
-                // is not one of `waiting`'s), no queue whose wake-up failed.
+                // is not one of `waiting`'s), no queue whose wake-up failed,
+                // no release due later.
                 let batches_wait = shared
                     .batcher
                     .try_borrow()
                     .map_or(true, |b| b.as_ref().is_some_and(Batcher::needs_tick));
-                if waiting.is_empty() && !batches_wait {
+                let releases_wait = shared.releases.try_borrow().map_or(true, |r| r.pending());
+                if waiting.is_empty() && !batches_wait && !releases_wait {
                     let _ = hostcalls::set_tick_period(Duration::ZERO);
                 }
-                due
+                let flows = shared.wakeable.try_borrow().ok();
+                due.into_iter()
+                    .filter_map(|ctx| Some((ctx, flows.as_ref()?.get(&ctx)?.clone())))
+                    .collect()
             }
             Err(_) => return,
         };
@@ -482,7 +492,26 @@ struct Http {
     shared: Option<Rc<Shared>>,
 }
 
+impl Drop for Http {
+    fn drop(&mut self) {
+        self.forget_wake_ups();
+    }
+}
+
 impl Http {
+    /// The stream is over: nothing wakes it any more.
+    fn forget_wake_ups(&self) {
+        let Some(shared) = self.shared.as_deref() else {
+            return;
+        };
+        if let Ok(mut waiting) = shared.waiting.try_borrow_mut() {
+            waiting.cancel(self.context_id);
+        }
+        if let Ok(mut flows) = shared.wakeable.try_borrow_mut() {
+            flows.remove(&self.context_id);
+        }
+    }
+
     /// Runs `f` on the flow with a host for this stream.
     fn with_flow<R>(
         &mut self,
@@ -611,6 +640,7 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         self.with_flow((), |flow, host| flow.on_stream_end(host));
+        self.forget_wake_ups();
     }
 }
 

@@ -14,6 +14,7 @@ use crate::config::Config;
 use crate::config::RedisTarget;
 use crate::filter::call::{Answer, Budget, ScriptCall};
 use crate::filter::flow::{Calls, Owner};
+use crate::filter::stage::decision::pause_before;
 use crate::filter::{Action, CalloutReply, Counter, Host};
 use crate::ratelimit::{Outcome, Plan, ScriptArgs};
 use crate::scripts::{CC_RELEASE, CC_RENEW};
@@ -94,7 +95,7 @@ impl Concurrency {
     }
 
     /// Redis decided the limits: an admitted request holds the slots of the
-    /// limits that admitted it, renewed every third of the shortest lease.
+    /// limits that admitted it, renewed every quarter of the shortest lease.
     pub fn on_outcome<H: Host>(&mut self, host: &mut H, plan: &Plan, outcome: &Outcome) {
         if self.state != State::Asked {
             return;
@@ -144,9 +145,12 @@ impl Concurrency {
     /// The response's last piece is here: the upstream is done with the
     /// request, so its slots go back now. With `hold`, that piece waits for
     /// the release, so a client that sends its next request once it has the
-    /// whole response never finds its own slot still taken (`Pause`). A
-    /// stage already holding the piece passes `hold` false: the release
-    /// leaves as that stage's call does.
+    /// whole response never finds its own slot still taken (`Pause`). The
+    /// flow passes `hold` false where another stage may hold the piece (a
+    /// keyed request: two stages resuming one response would let it go at
+    /// the first); only enforced slots are worth the wait (a shadow limit
+    /// never rejects). A request whose decision failed (it may hold a slot)
+    /// releases at its stream's end instead (see `on_stream_end`).
     pub fn on_response_end<H: Host>(
         &mut self,
         host: &mut H,
@@ -154,12 +158,13 @@ impl Concurrency {
         calls: &mut Calls,
         hold: bool,
     ) -> Action {
-        if !matches!(self.state, State::Asked | State::Held) {
+        if self.state != State::Held {
             return Action::Continue;
         }
         let Some(slots) = self.slots.as_ref() else {
             return Action::Continue;
         };
+        let hold = hold && slots.held.iter().any(|h| h.enforced);
         let budget = Budget::Each(config.redis.timeout);
         let call = ScriptCall::new(&CC_RELEASE, slots.release_args(), budget);
         match call.send(host, &config.redis) {
@@ -257,7 +262,7 @@ impl Concurrency {
                 }
                 Err(why) => log::warn!("redis-guard: slot renewal: {why}"),
             },
-            // The next renewal tries again: a lease outlives two failures.
+            // The next renewal tries again: a lease outlives two failed renewals.
             Answer::Refused((_, why)) | Answer::Failed((_, why)) => {
                 log::warn!("redis-guard: slot renewal failed: {why}")
             }
@@ -269,7 +274,8 @@ impl Concurrency {
     fn on_stream_end_queued<H: Host>(&mut self, host: &mut H) {
         self.state = State::Done;
         if let Some(slots) = self.slots.as_ref() {
-            if let Err(why) = host.release_slots(&self.tag, slots.release_args()) {
+            let now = Duration::ZERO;
+            if let Err(why) = host.release_slots(&self.tag, slots.release_args(), now) {
                 log::warn!(
                     "redis-guard: cannot release concurrency slots (they end with their lease): {why}"
                 );
@@ -281,10 +287,13 @@ impl Concurrency {
     /// a response that never ended): gives back what the request holds or
     /// may hold, or what a release still out may not have given back (the
     /// host cancels a gone stream's calls). The worker sends it (the stream
-    /// is going away);
-    /// without a worker to take it, it goes at once as the root context,
-    /// the script whole, since nobody reads the answer to fall back on after
-    /// a NOSCRIPT. A slot that cannot be given back ends with its lease.
+    /// is going away). A request whose decision failed after its call left
+    /// is released once that call can no longer run (`timeoutMs` later, plus
+    /// a margin): a release sent first would find nothing, and the late
+    /// script would take a slot nobody gives back. Without a worker to take
+    /// it, the release goes at once as the root context, the script whole,
+    /// since nobody reads the answer to fall back on after a NOSCRIPT. A
+    /// slot that cannot be given back ends with its lease.
     pub fn on_stream_end<H: Host>(&mut self, host: &mut H, config: &Config) {
         if self.state == State::Releasing {
             self.release = None;
@@ -293,11 +302,16 @@ impl Concurrency {
         if !matches!(self.state, State::Asked | State::Held) {
             return;
         }
+        let after = if self.state == State::Asked {
+            config.redis.timeout + LATE_CALL_MARGIN
+        } else {
+            Duration::ZERO
+        };
         self.state = State::Done;
         let Some(slots) = self.slots.as_ref() else {
             return;
         };
-        let queued = host.release_slots(&self.tag, slots.release_args());
+        let queued = host.release_slots(&self.tag, slots.release_args(), after);
         let sent = queued.or_else(|why| {
             log::debug!("redis-guard: releasing slots from the stream: {why}");
             let budget = Budget::Each(config.redis.timeout);
@@ -316,34 +330,68 @@ impl Concurrency {
     }
 }
 
+/// How long past its timeout a decision's call is still taken to be able to
+/// run (it may sit in Webdis' or Redis' queue when Envoy gives up on it).
+pub const LATE_CALL_MARGIN: Duration = Duration::from_millis(100);
+
 /// Most keys one release call carries: releases that end together share a
 /// call, but a bounded one.
 pub const MAX_RELEASE_KEYS: usize = 256;
 
+/// Tries of one release refused before it ran (Webdis 503, TRYAGAIN…),
+/// after the decision's pauses: a refusal is sure not to have run, so it is
+/// safe to send again.
+pub const RELEASE_TRIES: u8 = 4;
+
 /// One worker's releases: queued by its streams as they end, sent by its
-/// root on its next tick (a millisecond later at most), one call per hash
-/// tag, so every call touches one Redis Cluster slot.
+/// root on its first tick at or after their due time, one call per hash tag
+/// (every call touches one Redis Cluster slot).
 #[derive(Debug, Default)]
 pub struct Releases {
-    queued: HashMap<String, ScriptArgs>,
-    calls: HashMap<u32, ScriptCall>,
+    queued: Vec<Queued>,
+    calls: HashMap<u32, (String, ScriptCall, u8)>,
+}
+
+#[derive(Debug)]
+struct Queued {
+    due: Duration,
+    tag: String,
+    args: ScriptArgs,
+    /// Sends so far (a refused call comes back with one more).
+    tries: u8,
 }
 
 impl Releases {
-    pub fn add(&mut self, tag: &str, (keys, argv): ScriptArgs) {
-        let entry = self.queued.entry(tag.to_string()).or_default();
-        entry.0.extend(keys);
-        entry.1.extend(argv);
+    /// Queues a release, to be sent at `due` (host clock) or after.
+    pub fn add(&mut self, tag: &str, args: ScriptArgs, due: Duration) {
+        self.queued.push(Queued {
+            due,
+            tag: tag.to_string(),
+            args,
+            tries: 0,
+        });
     }
 
-    /// Releases wait for the next tick.
+    /// Releases wait for a tick.
     pub fn pending(&self) -> bool {
         !self.queued.is_empty()
     }
 
-    /// Sends what queued: one call per tag (per MAX_RELEASE_KEYS keys).
+    /// Sends what is due: one call per tag (per MAX_RELEASE_KEYS keys), a
+    /// release refused before apart from first ones.
     pub fn flush<H: Host>(&mut self, host: &mut H, target: &RedisTarget) {
-        for (_, (keys, argv)) in self.queued.drain() {
+        let now = host.now();
+        let (due, later): (Vec<Queued>, Vec<Queued>) = std::mem::take(&mut self.queued)
+            .into_iter()
+            .partition(|q| q.due <= now);
+        self.queued = later;
+        let mut groups: HashMap<(String, u8), ScriptArgs> = HashMap::new();
+        for q in due {
+            let group = groups.entry((q.tag, q.tries)).or_default();
+            group.0.extend(q.args.0);
+            group.1.extend(q.args.1);
+        }
+        for ((tag, tries), (keys, argv)) in groups {
             // Two values of ARGV per key.
             for (k, a) in keys
                 .chunks(MAX_RELEASE_KEYS)
@@ -353,7 +401,7 @@ impl Releases {
                 let call = ScriptCall::new(&CC_RELEASE, (k.to_vec(), a.to_vec()), budget);
                 match call.send(host, target) {
                     Ok(token) => {
-                        self.calls.insert(token, call);
+                        self.calls.insert(token, (tag.clone(), call, tries + 1));
                     }
                     Err((_, why)) => log::warn!(
                         "redis-guard: cannot release {} concurrency slot(s) (they end with their lease): {why}",
@@ -369,8 +417,9 @@ impl Releases {
         self.calls.contains_key(&token)
     }
 
-    /// A release's answer: after a NOSCRIPT it goes again as EVAL; a failure
-    /// leaves the slots to their lease.
+    /// A release's answer: after a NOSCRIPT it goes again as EVAL; one
+    /// refused before it ran is queued again after a pause (as a decision
+    /// would be); a failure leaves the slots to their lease.
     pub fn on_reply<H: Host>(
         &mut self,
         host: &mut H,
@@ -378,14 +427,22 @@ impl Releases {
         token: u32,
         reply: &CalloutReply,
     ) {
-        let Some(mut call) = self.calls.remove(&token) else {
+        let Some((tag, mut call, tries)) = self.calls.remove(&token) else {
             return;
         };
         match call.answer(host, target, reply) {
             Answer::Resent(token) => {
-                self.calls.insert(token, call);
+                self.calls.insert(token, (tag, call, tries));
             }
             Answer::Ran(_) => {}
+            Answer::Refused(_) if tries < RELEASE_TRIES => {
+                self.queued.push(Queued {
+                    due: host.now() + pause_before(tries - 1),
+                    tag,
+                    args: call.into_args(),
+                    tries,
+                });
+            }
             Answer::Refused((_, why)) | Answer::Failed((_, why)) => log::warn!(
                 "redis-guard: concurrency slots not released (they end with their lease): {why}"
             ),

@@ -55,8 +55,8 @@ fn an_admitted_request_holds_its_slot_until_its_stream_ends_then_gives_it_back()
     let (mut f, mut h) = cc_started("allow");
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
     assert_eq!(h.resumed, 1);
-    // Renewed every third of the lease.
-    assert_eq!(h.wakes, [Duration::from_millis(1000)]);
+    // Renewed every quarter of the lease.
+    assert_eq!(h.wakes, [Duration::from_millis(750)]);
     assert!(h.slot_releases.is_empty());
     f.on_stream_end(&mut h);
     // Handed to the worker, under the request's hash tag.
@@ -122,10 +122,10 @@ fn a_running_request_renews_its_lease_when_due_and_only_then() {
     let (mut f, mut h) = cc_started("allow");
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
     // A wake-up before the renewal is due (another reason) sends nothing.
-    h.clock_ms = 999;
+    h.clock_ms = 749;
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 1);
-    h.clock_ms = 1000;
+    h.clock_ms = 750;
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 2);
     let renew = &h.dispatched[1];
@@ -136,13 +136,13 @@ fn a_running_request_renews_its_lease_when_due_and_only_then() {
     assert!(renew.ends_with(&format!("/{SLOT}/3000/1.raw")), "{renew}");
     assert_eq!(h.wakes.len(), 2);
     // Still out at the next due time: no second renewal on top of it.
-    h.clock_ms = 2000;
+    h.clock_ms = 1500;
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 2);
     f.on_callout_reply(&mut h, 2, ok(&resp(&[b"1"])));
     assert_eq!(count(&h, Counter::SlotsRenewed), 1);
     assert_eq!(count(&h, Counter::SlotsLost), 0);
-    h.clock_ms = 3000;
+    h.clock_ms = 2250;
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 3);
     // The slot still held is given back at the end.
@@ -154,11 +154,11 @@ fn a_running_request_renews_its_lease_when_due_and_only_then() {
 fn a_slot_found_gone_at_its_renewal_is_counted_lost_and_neither_renewed_nor_released() {
     let (mut f, mut h) = cc_started("allow");
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
-    h.clock_ms = 1000;
+    h.clock_ms = 750;
     f.on_wake(&mut h);
     f.on_callout_reply(&mut h, 2, ok(&resp(&[b"0"])));
     assert_eq!(count(&h, Counter::SlotsLost), 1);
-    h.clock_ms = 2000;
+    h.clock_ms = 1500;
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 2, "nothing left to renew");
     f.on_stream_end(&mut h);
@@ -169,7 +169,7 @@ fn a_slot_found_gone_at_its_renewal_is_counted_lost_and_neither_renewed_nor_rele
 fn a_renewal_after_redis_lost_its_scripts_goes_again_as_eval() {
     let (mut f, mut h) = cc_started("allow");
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
-    h.clock_ms = 1000;
+    h.clock_ms = 750;
     f.on_wake(&mut h);
     f.on_callout_reply(&mut h, 2, ok(b"-NOSCRIPT No matching script.\r\n"));
     assert_eq!(h.dispatched.len(), 3);
@@ -182,10 +182,10 @@ fn a_renewal_after_redis_lost_its_scripts_goes_again_as_eval() {
 fn a_failed_renewal_keeps_the_slot_for_the_next_one() {
     let (mut f, mut h) = cc_started("allow");
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
-    h.clock_ms = 1000;
+    h.clock_ms = 750;
     f.on_wake(&mut h);
     f.on_callout_reply(&mut h, 2, no_answer());
-    h.clock_ms = 2000;
+    h.clock_ms = 1500;
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 3, "renewed again");
     f.on_stream_end(&mut h);
@@ -203,9 +203,104 @@ fn a_decision_that_may_have_run_gives_back_what_it_may_have_taken() {
         h.wakes.is_empty(),
         "a slot not known to be held is not renewed"
     );
+    // Not at the response's end, and without a hold: Redis just failed.
+    h.respond(&[(":status", "200")]);
+    assert_eq!(f.on_response_headers(&mut h, true), Action::Continue);
+    assert_eq!(h.dispatched.len(), 1);
     f.on_stream_end(&mut h);
     assert_eq!(h.slot_releases.len(), 1);
     assert_eq!(h.slot_releases[0].2, [SLOT, "1"]);
+    // Only once the timed-out call can no longer run (timeoutMs, 50 ms,
+    // and a margin): a release sent first would find nothing, and the late
+    // script would take a slot nobody gives back.
+    assert_eq!(h.release_delays, [Duration::from_millis(150)]);
+}
+
+#[test]
+fn a_shadow_concurrency_limit_releases_without_holding_the_response() {
+    let cfg = Config::parse(
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"webdis"},"limits":[
+        {"name":"slots","shadow":true,"concurrency":{"max":2,"leaseMs":3000}}]}"#,
+    )
+    .unwrap();
+    let mut f = Flow::new(Rc::new(cfg), test_breaker());
+    let mut h = FakeHost::get("/api/x");
+    assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    h.respond(&[(":status", "204")]);
+    // A shadow limit never rejects: nobody's next request waits on it.
+    assert_eq!(f.on_response_headers(&mut h, true), Action::Continue);
+    assert_eq!(h.dispatched.len(), 2, "released all the same");
+}
+
+#[test]
+fn a_keyed_request_releases_beside_its_record_and_never_resumes_the_response_itself() {
+    let cfg = Config::parse(
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"webdis"},
+        "limits":[{"name":"slots","concurrency":{"max":2,"leaseMs":3000}}],
+        "idempotency":[{"name":"pay","match":{"pathPrefix":"/pay"}}]}"#,
+    )
+    .unwrap();
+    let mut f = Flow::new(Rc::new(cfg), test_breaker());
+    let mut h = FakeHost::post("/pay", b"k1");
+    assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
+    h.request_body = b"{}".to_vec();
+    assert_eq!(f.on_request_body(&mut h, 2, true), Action::Pause);
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    assert_eq!(h.resumed, 1);
+    h.respond(&[(":status", "200"), ("content-length", "0")]);
+    assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+    // The end: the record holds it for COMPLETED; the release leaves too.
+    assert_eq!(f.on_response_body(&mut h, 0, true), Action::Pause);
+    assert_eq!(h.dispatched.len(), 3);
+    assert!(h.dispatched.iter().any(|d| d.contains(&CC_RELEASE.sha1)));
+    // Tokens are dispatch positions from 1: the decision was 1.
+    let release = 2 + h.dispatched[1..]
+        .iter()
+        .position(|d| d.contains(&CC_RELEASE.sha1))
+        .unwrap() as u32;
+    // The release answers first: the record still holds the piece.
+    f.on_callout_reply(&mut h, release, ok(b":1\r\n"));
+    assert_eq!(h.response_resumed, 0);
+    let record = if release == 2 { 3 } else { 2 };
+    f.on_callout_reply(&mut h, record, ok(b":1\r\n"));
+    assert_eq!(h.response_resumed, 1);
+}
+
+#[test]
+fn a_release_due_later_waits_for_its_tick_and_a_refused_one_goes_again_after_a_pause() {
+    let mut r = Releases::default();
+    let mut h = FakeHost::get("/");
+    r.add("{a}", args(&["{a}k"], "s1"), Duration::from_millis(150));
+    r.flush(&mut h, &target());
+    assert!(h.dispatched.is_empty() && r.pending());
+    h.clock_ms = 150;
+    r.flush(&mut h, &target());
+    assert_eq!(h.dispatched.len(), 1);
+    assert!(!r.pending());
+    // Webdis' own 503: it never ran, so it is safe to send again.
+    r.on_reply(&mut h, &target(), 1, &refused());
+    assert!(r.pending());
+    h.clock_ms = 174;
+    r.flush(&mut h, &target());
+    assert_eq!(
+        h.dispatched.len(),
+        1,
+        "after the decision's first pause (25 ms)"
+    );
+    h.clock_ms = 175;
+    r.flush(&mut h, &target());
+    assert_eq!(h.dispatched.len(), 2);
+    assert_eq!(h.dispatched[1], h.dispatched[0]);
+    // Refused every time: four sends in all, then left to the lease.
+    for (token, at) in [(2, 225), (3, 325)] {
+        r.on_reply(&mut h, &target(), token, &refused());
+        h.clock_ms = at;
+        r.flush(&mut h, &target());
+    }
+    assert_eq!(h.dispatched.len(), 4);
+    r.on_reply(&mut h, &target(), 4, &refused());
+    assert!(!r.pending());
 }
 
 #[test]
@@ -258,9 +353,9 @@ fn args(keys: &[&str], slot: &str) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
 fn the_worker_sends_the_releases_of_one_tag_as_one_call() {
     let mut r = Releases::default();
     let mut h = FakeHost::get("/");
-    r.add("{a}", args(&["{a}k1", "{a}k2"], "s1"));
-    r.add("{a}", args(&["{a}k1"], "s2"));
-    r.add("{b}", args(&["{b}k"], "s3"));
+    r.add("{a}", args(&["{a}k1", "{a}k2"], "s1"), Duration::ZERO);
+    r.add("{a}", args(&["{a}k1"], "s2"), Duration::ZERO);
+    r.add("{b}", args(&["{b}k"], "s3"), Duration::ZERO);
     assert!(r.pending());
     r.flush(&mut h, &target());
     assert!(!r.pending());
@@ -286,7 +381,7 @@ fn a_release_call_carries_at_most_max_release_keys() {
     let mut r = Releases::default();
     let mut h = FakeHost::get("/");
     for i in 0..MAX_RELEASE_KEYS + 1 {
-        r.add("{a}", args(&["{a}k"], &format!("{i:x}")));
+        r.add("{a}", args(&["{a}k"], &format!("{i:x}")), Duration::ZERO);
     }
     r.flush(&mut h, &target());
     assert_eq!(h.dispatched.len(), 2);
@@ -302,7 +397,7 @@ fn a_release_call_carries_at_most_max_release_keys() {
 fn a_release_after_redis_lost_its_scripts_goes_again_as_eval_and_a_failure_is_let_go() {
     let mut r = Releases::default();
     let mut h = FakeHost::get("/");
-    r.add("{a}", args(&["{a}k"], "s1"));
+    r.add("{a}", args(&["{a}k"], "s1"), Duration::ZERO);
     r.flush(&mut h, &target());
     assert!(r.owns(1) && !r.owns(2));
     r.on_reply(
