@@ -548,21 +548,7 @@ fn tat(con: &mut Connection, key: &str) -> Option<(i64, i64)> {
 
 /// A concurrency key's members (slots) and their scores (lease ends).
 fn slot_ends(con: &mut Connection, key: &str) -> BTreeMap<String, i64> {
-    let raw: Vec<(String, String)> = redis::cmd("ZRANGE")
-        .arg(key)
-        .arg(0)
-        .arg(-1)
-        .arg("WITHSCORES")
-        .query(con)
-        .unwrap();
-    raw.into_iter()
-        .map(|(m, s)| {
-            let end = s
-                .parse()
-                .unwrap_or_else(|_| panic!("{key}: lease end {s} of {m} is not a whole ms"));
-            (m, end)
-        })
-        .collect()
+    support::zset_scores(con, key).into_iter().collect()
 }
 
 /// Compares the state each namespace holds afterwards, key by key. B's

@@ -20,8 +20,8 @@
 mod support;
 
 use support::script::{
-    self, admits, cc, complete, fw, gcra, idem, rejects, sw, swc, tb, Decision, Held, Limit, Reply,
-    Verdict, BATCH_AT, CC_RENEW_AT,
+    self, admits, at, cc, complete, fw, gcra, idem, one, rejects, sw, swc, tb, Decision, Held,
+    Limit, Reply, Verdict, BATCH_AT, CC_RENEW_AT, HOUR, MINUTE, SECOND, T0,
 };
 use support::{
     assert_expires_in, assert_within, key_exists as exists, key_pttl as pttl, pexpiretime,
@@ -33,27 +33,8 @@ use std::collections::BTreeSet;
 use redis::{Connection, Value};
 use redis_guard::scripts::{Script, CC_RELEASE, RATELIMIT};
 
-const SECOND: i64 = 1000;
-const MINUTE: i64 = 60_000;
-const HOUR: i64 = 3_600_000;
-
-/// A test-clock instant on an hour edge: 472222 hours after the epoch.
-const T0: i64 = 1_699_999_200_000;
-
 // ---------------------------------------------------------------------------
 // Calling the scripts at a test-clock instant
-
-/// One request's limits, decided at `now` on the test clock.
-fn at(con: &mut Connection, now: i64, limits: &[Limit]) -> Decision {
-    script::request_at(con, now, limits, None).decision()
-}
-
-/// One limit alone at `now`: its verdict (which is the request's).
-fn one(con: &mut Connection, now: i64, limit: &Limit) -> Verdict {
-    let d = at(con, now, std::slice::from_ref(limit));
-    assert_eq!(d.admitted, d.limits[0].allowed, "{d:?}");
-    d.limits[0]
-}
 
 /// A concurrency limit's admitting verdict: capacity comes back when
 /// requests end, not with time, so its reset is always 0.
@@ -93,21 +74,7 @@ fn release(con: &mut Connection, slot: &str, limits: &[Limit]) -> i64 {
 /// The sorted set's members with their scores (lease ends), in ZRANGE
 /// order: by score, then by name.
 fn slots(con: &mut Connection, key: &str) -> Vec<(String, i64)> {
-    let raw: Vec<(String, String)> = redis::cmd("ZRANGE")
-        .arg(key)
-        .arg(0)
-        .arg(-1)
-        .arg("WITHSCORES")
-        .query(con)
-        .unwrap();
-    raw.into_iter()
-        .map(|(m, s)| {
-            let score = s
-                .parse()
-                .unwrap_or_else(|_| panic!("{key}: score {s} of {m} is not a whole ms"));
-            (m, score)
-        })
-        .collect()
+    support::zset_scores(con, key)
 }
 
 /// `slots` expected: each member with its lease end.

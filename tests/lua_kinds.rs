@@ -20,8 +20,8 @@
 mod support;
 
 use support::script::{
-    self, admits, fw, gcra, rejects, sw, swc, tb, with_limits, Decision, Limit, Verdict, BATCH_AT,
-    RATELIMIT_AT,
+    self, admits, at, fw, gcra, one, rejects, sw, swc, tb, with_limits, Decision, Limit, Verdict,
+    BATCH_AT, HOUR, MINUTE, RATELIMIT_AT, SECOND, T0,
 };
 use support::{assert_expires_in, key_exists as exists, pexpiretime, redis_now_ms as now_ms};
 
@@ -34,28 +34,8 @@ use proptest::test_runner::TestRunner;
 use redis::{Connection, Value};
 use redis_guard::scripts::{BATCH, RATELIMIT};
 
-const SECOND: i64 = 1000;
-const MINUTE: i64 = 60_000;
-const HOUR: i64 = 3_600_000;
-
-/// A test-clock instant on an hour edge (so on every minute and second edge
-/// too): 472222 hours after the epoch.
-const T0: i64 = 1_699_999_200_000;
-
 // ---------------------------------------------------------------------------
 // Calling the script at a test-clock instant
-
-/// One request's limits, decided at `now` on the test clock.
-fn at(con: &mut Connection, now: i64, limits: &[Limit]) -> Decision {
-    script::request_at(con, now, limits, None).decision()
-}
-
-/// One limit alone at `now`: its verdict (which is the request's).
-fn one(con: &mut Connection, now: i64, limit: &Limit) -> Verdict {
-    let d = at(con, now, std::slice::from_ref(limit));
-    assert_eq!(d.admitted, d.limits[0].allowed, "{d:?}");
-    d.limits[0]
-}
 
 /// `one`, with the TTL of the limit's key removed in the same MULTI as the
 /// call: the property tests move the test clock freely, and a key that

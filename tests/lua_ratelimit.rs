@@ -62,14 +62,7 @@ fn zadd(con: &mut Connection, key: &str, score: i64, member: &str) {
 
 /// A sorted set's `(member, score)` pairs, oldest first.
 fn members(con: &mut Connection, key: &str) -> Vec<(String, i64)> {
-    let v: Vec<(String, f64)> = redis::cmd("ZRANGE")
-        .arg(key)
-        .arg(0)
-        .arg(-1)
-        .arg("WITHSCORES")
-        .query(con)
-        .unwrap();
-    v.into_iter().map(|(m, s)| (m, s as i64)).collect()
+    support::zset_scores(con, key)
 }
 
 fn zcard(con: &mut Connection, key: &str) -> i64 {

@@ -882,6 +882,26 @@ pub fn run_jobs<C, J: Sync, R: Send>(
 // ---------------------------------------------------------------------------
 // Redis state, read and written directly by the script tests.
 
+/// A sorted set's `(member, score)` pairs in ZRANGE order (by score, then
+/// name); every score the scripts write is a whole number of ms.
+pub fn zset_scores(con: &mut redis::Connection, key: &str) -> Vec<(String, i64)> {
+    let raw: Vec<(String, String)> = redis::cmd("ZRANGE")
+        .arg(key)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(con)
+        .unwrap();
+    raw.into_iter()
+        .map(|(m, s)| {
+            let score = s
+                .parse()
+                .unwrap_or_else(|_| panic!("{key}: score {s} of {m} is not a whole ms"));
+            (m, score)
+        })
+        .collect()
+}
+
 /// Redis TIME in ms, computed exactly as the scripts do.
 pub fn redis_now_ms(con: &mut redis::Connection) -> i64 {
     let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();

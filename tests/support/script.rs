@@ -92,6 +92,27 @@ pub fn set_clock(con: &mut Connection, ms: i64) {
         .unwrap();
 }
 
+/// Milliseconds, for test-clock instants.
+pub const SECOND: i64 = 1000;
+pub const MINUTE: i64 = 60_000;
+pub const HOUR: i64 = 3_600_000;
+
+/// A test-clock instant on an hour edge (so on every minute and second edge
+/// too): 472222 hours after the epoch.
+pub const T0: i64 = 1_699_999_200_000;
+
+/// One request's limits, decided at `now` on the test clock.
+pub fn at(con: &mut Connection, now: i64, limits: &[Limit]) -> Decision {
+    request_at(con, now, limits, None).decision()
+}
+
+/// One limit alone at `now`: its verdict (which is the request's).
+pub fn one(con: &mut Connection, now: i64, limit: &Limit) -> Verdict {
+    let d = at(con, now, std::slice::from_ref(limit));
+    assert_eq!(d.admitted, d.limits[0].allowed, "{d:?}");
+    d.limits[0]
+}
+
 /// One request through lua/ratelimit.lua decided at test-clock instant `now`.
 pub fn request_at(con: &mut Connection, now: i64, limits: &[Limit], idem: Option<&Idem>) -> Reply {
     set_clock(con, now);

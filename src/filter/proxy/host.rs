@@ -48,6 +48,14 @@ impl RequestView for ProxyHost<'_> {
 }
 
 impl ProxyHost<'_> {
+    /// Makes the worker's root tick (the period is the root's to set).
+    fn tick_root(&self, shared: &Shared) -> Result<(), String> {
+        let _ = hostcalls::set_effective_context(shared.root_id);
+        let ticking = hostcalls::set_tick_period(TICK);
+        let _ = hostcalls::set_effective_context(self.context_id);
+        ticking.map_err(|e| format!("{e:?}"))
+    }
+
     fn route_reply(&self, token: u32) {
         if self.via_root {
             // Sent while the root runs: the SDK hands the reply to the root,
@@ -132,12 +140,9 @@ impl Host for ProxyHost<'_> {
         let Some(shared) = self.shared else {
             return Err("not configured".to_string());
         };
-        // The root sends it on its next tick (the period it owns); queued
-        // only once a tick is sure to come.
-        let _ = hostcalls::set_effective_context(shared.root_id);
-        let ticking = hostcalls::set_tick_period(TICK);
-        let _ = hostcalls::set_effective_context(self.context_id);
-        ticking.map_err(|e| format!("{e:?}"))?;
+        // The root sends it on its next tick; queued only once a tick is
+        // sure to come.
+        self.tick_root(shared)?;
         shared
             .to_prefetch
             .try_borrow_mut()
@@ -198,11 +203,7 @@ impl Host for ProxyHost<'_> {
         if let Ok(mut flows) = shared.wakeable.try_borrow_mut() {
             flows.insert(self.context_id, self.me.clone());
         }
-        // The tick runs on the root context, which owns the period.
-        let _ = hostcalls::set_effective_context(shared.root_id);
-        let ok = hostcalls::set_tick_period(TICK).is_ok();
-        let _ = hostcalls::set_effective_context(self.context_id);
-        ok
+        self.tick_root(shared).is_ok()
     }
 
     fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
@@ -282,12 +283,9 @@ impl Host for ProxyHost<'_> {
         let Some(shared) = self.shared else {
             return Err("not configured".to_string());
         };
-        // The root sends it on a tick (the period it owns); queued only
-        // once a tick is sure to come.
-        let _ = hostcalls::set_effective_context(shared.root_id);
-        let ticking = hostcalls::set_tick_period(TICK);
-        let _ = hostcalls::set_effective_context(self.context_id);
-        ticking.map_err(|e| format!("{e:?}"))?;
+        // The root sends it on a tick; queued only once a tick is sure to
+        // come.
+        self.tick_root(shared)?;
         shared
             .releases
             .try_borrow_mut()
