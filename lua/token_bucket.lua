@@ -54,7 +54,8 @@ local function tb_check(key, capacity, refill, period, cost)
     r.reset = math.ceil((full - (credits - need)) / refill)
   else
     r.allowed = 0
-    r.remaining = math.floor(credits / period)
+    -- Credits below zero are a settled usage cost's debt (lua/settle.lua).
+    r.remaining = math.max(0, math.floor(credits / period))
     r.retry = math.ceil((need - credits) / refill)
     r.reset = r.retry
   end

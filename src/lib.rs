@@ -23,4 +23,5 @@ pub mod request;
 pub mod response;
 pub mod scripts;
 pub mod sigv4;
+pub mod usage;
 pub mod webdis;

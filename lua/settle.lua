@@ -1,0 +1,135 @@
+--[[ redis-guard: settle usage-based costs (issue 15, not wired into the
+filter yet): once a response says what its request really cost, charge the
+difference from what the decision reserved, or refund it.
+
+KEYS[i]  the state key of limit i (as in lua/ratelimit.lua)
+ARGV[1]  N, the number of limits
+ARGV per limit i, five values starting at 2 + (i-1)*5:
+  algorithm  "tb", "gcra", "fw" or "swc" (the sliding-window log keeps a
+             member per unit, and a concurrency limit counts requests, not
+             units: neither settles)
+  a, b, c    as in lua/ratelimit.lua (tb: capacity, refill, period; gcra:
+             burst, rate, period; fw, swc: limit, window, 0)
+  delta      units to charge now: the actual cost minus what was reserved,
+             negative for a refund (a whole number, |delta| < 2^50)
+Returns  one integer per limit: the units left after settling (wire()d);
+         negative is debt.
+
+Debt. The cost comes after the work, so the balance may go below zero: a
+token bucket's credits, a GCRA's theoretical arrival time past the burst, a
+window's count past its limit. Nothing is admitted until the debt has
+refilled (tb, gcra) or its window has passed (fw; swc: the window and, by
+its weight, part of the next). That is the only exact answer when the cost
+is known late. No cap: a cost is bounded by what the upstream reports.
+
+Refunds never make a limit more than whole: a token bucket stops at full, a
+GCRA's arrival time at now, a window's count at 0. A fixed window or counter
+settles into the window current now: a refund whose window has passed is
+dropped (its units are gone with it), a charge lands in the current one.
+
+Composition: src/scripts.rs joins lua/wire.lua, lua/token_bucket.lua,
+lua/fixed_window.lua and lua/sliding_window_counter.lua at the marker: each
+kind's own check reads and rolls its state forward (cost 0), its own charge
+and flush write it, so a settlement stores exactly what a decision would.
+Clock: Redis TIME, as in the decision. Every key written keeps a TTL: the
+time until it equals a missing key.
+]]
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+-- @@ALGORITHMS@@
+
+local n = tonumber(ARGV[1])
+if n == nil or n ~= #KEYS or #ARGV ~= 1 + 5 * n then
+  return redis.error_reply('ERR redis-guard settle: ARGV[1] must match #KEYS, five values per limit')
+end
+
+local function whole(x, lo, hi)
+  return x ~= nil and x == math.floor(x) and x >= lo and x <= hi
+end
+
+-- Every limit is checked before any is written (Redis keeps what a script
+-- wrote before an error).
+for i = 1, n do
+  local base = 2 + (i - 1) * 5
+  local alg = ARGV[base]
+  local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  local ok = whole(tonumber(ARGV[base + 4]), -(2^50 - 1), 2^50 - 1)
+      and whole(a, 1, 2^50) and whole(b, 1, 2^53 - 1) and whole(c, 0, 2^53 - 1)
+  if alg == 'tb' or alg == 'gcra' then
+    ok = ok and c >= 1 and a * c < 2^52 and b * c < 2^53
+  elseif alg ~= 'fw' and alg ~= 'swc' then
+    ok = false
+  end
+  if not ok then
+    return redis.error_reply('ERR redis-guard settle: limit ' .. i .. ' has an unknown kind or numbers out of range')
+  end
+end
+
+-- GCRA, settled on its own terms: the backlog d = (TAT - now) * rate in
+-- credits (lua/gcra.lua), here allowed past the burst (debt), moved by
+-- delta * period, never below 0 (now).
+local function gcra_settle(key, burst, rate, period, delta)
+  local v = redis.call('GET', key)
+  local d = 0
+  if v then
+    local ms, rem = string.match(v, '^(%d+):?(%d*)$')
+    ms, rem = tonumber(ms), tonumber(rem) or 0
+    if ms and ms >= now then
+      d = (ms - now) * rate + rem
+    end
+  end
+  d = math.max(0, d + delta * period)
+  if d == 0 then
+    redis.call('DEL', key)
+  else
+    local whole_ms = math.floor(d / rate)
+    local value = string.format('%d', now + whole_ms)
+    if d - whole_ms * rate > 0 then
+      value = value .. string.format(':%d', d - whole_ms * rate)
+    end
+    redis.call('SET', key, value, 'PX', string.format('%d', math.ceil(d / rate)))
+  end
+  return math.floor((burst * period - d) / period)
+end
+
+local out = {}
+for i = 1, n do
+  local base = 2 + (i - 1) * 5
+  local key, alg = KEYS[i], ARGV[base]
+  local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  local delta = tonumber(ARGV[base + 4])
+  local left
+  if alg == 'tb' then
+    local r = tb_check(key, a, b, c, 0)
+    -- A refund stops at full.
+    r.need = math.max(delta * c, r.credits - r.full)
+    tb_charge(r)
+    left = math.floor((r.credits - r.need) / c)
+  elseif alg == 'gcra' then
+    left = gcra_settle(key, a, b, c, delta)
+  elseif alg == 'fw' then
+    local r = fw_check(key, a, b, 0, 0)
+    r.cost = math.max(delta, -r.count)
+    if r.count + r.cost > 0 or r.count > 0 then
+      fw_charge(r)
+    end
+    left = a - r.count - r.cost
+  else
+    local r = swc_check(key, a, b, 0, 0)
+    r.cost = math.max(delta, -r.cur)
+    r.reset = swc_restored_in(r.cur + r.cost, r.prev, r)
+    if r.reset > 0 then
+      swc_charge(r)
+    else
+      redis.call('DEL', key)
+    end
+    left = a - swc_weight(r.prev, b, r.e) - r.cur - r.cost
+  end
+  out[i] = wire(left)
+end
+tb_flush()
+fw_flush()
+swc_flush()
+return out

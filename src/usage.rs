@@ -1,0 +1,342 @@
+//! Usage-based cost without the host (issue 15, its reading part): what a
+//! response says the request cost, from a JSON body or a streamed
+//! `text/event-stream` body, by JSON Pointer (RFC 6901), one pointer or a
+//! weighted sum of several (prompt tokens × 1 + completion tokens × 4).
+//!
+//! Not wired into the request path yet (issue 15 is open): the settlement
+//! script, the stage and the configuration are still to come.
+//!
+//! Bounded: a JSON body is kept up to its bound and read once whole; an
+//! event stream is scanned event by event, keeping only the unfinished
+//! event (itself bounded). Over a bound the usage is unknown, never guessed:
+//! the caller charges its fallback.
+
+/// One term of the cost: the integer at `pointer`, times `weight`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Term {
+    pub pointer: String,
+    pub weight: u64,
+}
+
+/// Why a response's usage is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unknown {
+    /// No term's pointer named a whole number anywhere in the response.
+    Absent,
+    /// The body (or one event) was larger than its bound.
+    TooLarge,
+    /// The weighted sum does not fit in 64 bits.
+    Overflow,
+}
+
+/// The weighted sum of the terms' values; a term never found counts 0, but
+/// at least one must be found.
+fn weighted(terms: &[Term], values: &[Option<u64>]) -> Result<u64, Unknown> {
+    if values.iter().all(Option::is_none) {
+        return Err(Unknown::Absent);
+    }
+    terms
+        .iter()
+        .zip(values)
+        .try_fold(0u64, |sum, (term, value)| {
+            value
+                .unwrap_or(0)
+                .checked_mul(term.weight)
+                .and_then(|v| sum.checked_add(v))
+        })
+        .ok_or(Unknown::Overflow)
+}
+
+/// Reads each term's value from one JSON document; `None` per term absent
+/// or not a whole non-negative number.
+fn read_terms(doc: &serde_json::Value, terms: &[Term]) -> Vec<Option<u64>> {
+    terms
+        .iter()
+        .map(|t| doc.pointer(&t.pointer).and_then(serde_json::Value::as_u64))
+        .collect()
+}
+
+/// A whole JSON response body, kept up to `max` bytes.
+#[derive(Debug, Clone)]
+pub struct JsonBody {
+    max: usize,
+    buf: Vec<u8>,
+    too_large: bool,
+}
+
+impl JsonBody {
+    pub fn new(max: usize) -> JsonBody {
+        JsonBody {
+            max,
+            buf: Vec::new(),
+            too_large: false,
+        }
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        if self.too_large {
+            return;
+        }
+        if self.buf.len() + chunk.len() > self.max {
+            // Dropped at once: nothing of it will be read.
+            self.too_large = true;
+            self.buf = Vec::new();
+            return;
+        }
+        self.buf.extend_from_slice(chunk);
+    }
+
+    /// The cost the whole body states.
+    pub fn cost(&self, terms: &[Term]) -> Result<u64, Unknown> {
+        if self.too_large {
+            return Err(Unknown::TooLarge);
+        }
+        let doc: serde_json::Value =
+            serde_json::from_slice(&self.buf).map_err(|_| Unknown::Absent)?;
+        weighted(terms, &read_terms(&doc, terms))
+    }
+}
+
+/// A `text/event-stream` body, scanned as it streams: each event's `data:`
+/// lines, joined, are read as JSON, and each term keeps the last value any
+/// event gave it (usage counts are running totals: OpenAI sends them once in
+/// a final chunk, Anthropic its input tokens in `message_start` and its
+/// output tokens, cumulative, in `message_delta`).
+#[derive(Debug, Clone)]
+pub struct EventStream {
+    /// Most bytes of one unfinished event kept.
+    max_event: usize,
+    /// The unfinished event (bytes after the last event boundary).
+    pending: Vec<u8>,
+    /// The last value seen per term.
+    last: Vec<Option<u64>>,
+    too_large: bool,
+}
+
+impl EventStream {
+    pub fn new(terms: usize, max_event: usize) -> EventStream {
+        EventStream {
+            max_event,
+            pending: Vec::new(),
+            last: vec![None; terms],
+            too_large: false,
+        }
+    }
+
+    /// Scans a piece of the stream: every event it completes is read at
+    /// once, and only the unfinished rest is kept.
+    pub fn feed(&mut self, chunk: &[u8], terms: &[Term]) {
+        if self.too_large {
+            return;
+        }
+        self.pending.extend_from_slice(chunk);
+        while let Some((end, next)) = event_boundary(&self.pending) {
+            let event: Vec<u8> = self.pending[..end].to_vec();
+            self.pending.drain(..next);
+            self.read_event(&event, terms);
+        }
+        if self.pending.len() > self.max_event {
+            self.too_large = true;
+            self.pending = Vec::new();
+        }
+    }
+
+    /// The stream ended: a last event without its blank line counts too.
+    pub fn finish(&mut self, terms: &[Term]) -> Result<u64, Unknown> {
+        if self.too_large {
+            return Err(Unknown::TooLarge);
+        }
+        let rest = std::mem::take(&mut self.pending);
+        self.read_event(&rest, terms);
+        weighted(terms, &self.last)
+    }
+
+    fn read_event(&mut self, event: &[u8], terms: &[Term]) {
+        let mut data: Vec<u8> = Vec::new();
+        let mut lines = 0;
+        for line in event.split(|b| *b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let Some(value) = line.strip_prefix(b"data:") else {
+                continue;
+            };
+            let value = value.strip_prefix(b" ").unwrap_or(value);
+            if lines > 0 {
+                data.push(b'\n');
+            }
+            data.extend_from_slice(value);
+            lines += 1;
+        }
+        // Not JSON ("[DONE]", a comment, a keep-alive): nothing to read.
+        let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&data) else {
+            return;
+        };
+        for (last, value) in self.last.iter_mut().zip(read_terms(&doc, terms)) {
+            if value.is_some() {
+                *last = value;
+            }
+        }
+    }
+}
+
+/// Where the first event in `buf` ends, and where the next one starts: a
+/// blank line, in any of the line endings the format allows.
+fn event_boundary(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut i = 0;
+    while i < buf.len() {
+        let eol = match buf[i] {
+            b'\n' => 1,
+            b'\r' if buf.get(i + 1) == Some(&b'\n') => 2,
+            b'\r' => 1,
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        let j = i + eol;
+        match buf.get(j) {
+            Some(b'\n') => return Some((i, j + 1)),
+            Some(b'\r') if buf.get(j + 1) == Some(&b'\n') => return Some((i, j + 2)),
+            // A lone CR could still be followed by its LF: wait for it.
+            Some(b'\r') if j + 1 == buf.len() => return None,
+            Some(b'\r') => return Some((i, j + 1)),
+            _ => i = j,
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn terms(spec: &[(&str, u64)]) -> Vec<Term> {
+        spec.iter()
+            .map(|(p, w)| Term {
+                pointer: p.to_string(),
+                weight: *w,
+            })
+            .collect()
+    }
+
+    const OPENAI_JSON: &[u8] = br#"{"id":"chatcmpl-1","object":"chat.completion",
+        "choices":[{"index":0,"message":{"role":"assistant","content":"Hi"}}],
+        "usage":{"prompt_tokens":12,"completion_tokens":30,"total_tokens":42}}"#;
+
+    #[test]
+    fn a_json_body_states_its_cost_by_one_pointer_or_a_weighted_sum() {
+        let mut body = JsonBody::new(4096);
+        for chunk in OPENAI_JSON.chunks(7) {
+            body.feed(chunk);
+        }
+        assert_eq!(body.cost(&terms(&[("/usage/total_tokens", 1)])), Ok(42));
+        let weighted = terms(&[("/usage/prompt_tokens", 1), ("/usage/completion_tokens", 4)]);
+        assert_eq!(body.cost(&weighted), Ok(12 + 4 * 30));
+        assert_eq!(
+            body.cost(&terms(&[("/usage/cached_tokens", 1)])),
+            Err(Unknown::Absent)
+        );
+        // A term found and one not: the missing one counts 0.
+        let partly = terms(&[("/usage/prompt_tokens", 2), ("/usage/audio_tokens", 9)]);
+        assert_eq!(body.cost(&partly), Ok(24));
+    }
+
+    #[test]
+    fn a_json_body_over_its_bound_or_not_json_has_no_known_cost() {
+        let t = terms(&[("/usage/total_tokens", 1)]);
+        let mut body = JsonBody::new(OPENAI_JSON.len() - 1);
+        body.feed(OPENAI_JSON);
+        assert_eq!(body.cost(&t), Err(Unknown::TooLarge));
+        let mut body = JsonBody::new(100);
+        body.feed(b"<html>502</html>");
+        assert_eq!(body.cost(&t), Err(Unknown::Absent));
+        // Negative, fractional or string counts are no count.
+        for bad in [&b"-3"[..], b"3.5", b"\"3\""] {
+            let mut body = JsonBody::new(100);
+            body.feed(b"{\"usage\":{\"total_tokens\":");
+            body.feed(bad);
+            body.feed(b"}}");
+            assert_eq!(body.cost(&t), Err(Unknown::Absent), "{bad:?}");
+        }
+        let mut body = JsonBody::new(100);
+        body.feed(br#"{"a":18446744073709551615}"#);
+        assert_eq!(body.cost(&terms(&[("/a", 2)])), Err(Unknown::Overflow));
+    }
+
+    /// An OpenAI-style stream: content chunks, a final chunk with usage,
+    /// then `[DONE]`.
+    const OPENAI_SSE: &[u8] = b"data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}],\"usage\":null}\n\n\
+data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}],\"usage\":null}\n\n\
+data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2,\"total_tokens\":11}}\n\n\
+data: [DONE]\n\n";
+
+    /// An Anthropic-style stream: input tokens in `message_start`, output
+    /// tokens (a running total) in `message_delta`, CRLF line endings.
+    const ANTHROPIC_SSE: &[u8] = b"event: message_start\r\n\
+data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\r\n\r\n\
+event: content_block_delta\r\n\
+data: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"Hi\"}}\r\n\r\n\
+event: message_delta\r\n\
+data: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\r\n\r\n\
+event: message_delta\r\n\
+data: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":40}}\r\n\r\n\
+event: message_stop\r\n\
+data: {\"type\":\"message_stop\"}\r\n\r\n";
+
+    fn scan(stream: &[u8], t: &[Term], piece: usize, max_event: usize) -> Result<u64, Unknown> {
+        let mut s = EventStream::new(t.len(), max_event);
+        for chunk in stream.chunks(piece) {
+            s.feed(chunk, t);
+        }
+        s.finish(t)
+    }
+
+    #[test]
+    fn a_stream_states_its_cost_in_whichever_events_carry_it_however_it_is_cut() {
+        let openai = terms(&[("/usage/prompt_tokens", 1), ("/usage/completion_tokens", 4)]);
+        let anthropic = terms(&[
+            ("/message/usage/input_tokens", 1),
+            ("/usage/output_tokens", 5),
+        ]);
+        for piece in [1, 2, 3, 7, 64, 10_000] {
+            assert_eq!(scan(OPENAI_SSE, &openai, piece, 1024), Ok(9 + 8), "{piece}");
+            // The last running total counts, not their sum.
+            assert_eq!(
+                scan(ANTHROPIC_SSE, &anthropic, piece, 1024),
+                Ok(25 + 5 * 40),
+                "{piece}"
+            );
+        }
+    }
+
+    #[test]
+    fn events_split_over_lines_and_a_last_event_without_its_blank_line_count() {
+        let t = terms(&[("/usage/total_tokens", 1)]);
+        let stream = b": keep-alive\n\ndata: {\"usage\":\ndata: {\"total_tokens\": 7}}";
+        assert_eq!(scan(stream, &t, 5, 1024), Ok(7));
+        // A bare CR ends lines too.
+        assert_eq!(
+            scan(b"data: {\"usage\":{\"total_tokens\":3}}\r\r", &t, 1, 1024),
+            Ok(3)
+        );
+    }
+
+    #[test]
+    fn only_the_unfinished_event_is_kept_and_an_event_over_its_bound_voids_the_usage() {
+        let t = terms(&[("/usage/total_tokens", 1)]);
+        let mut s = EventStream::new(1, 64);
+        for _ in 0..1000 {
+            s.feed(
+                b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n",
+                &t,
+            );
+            assert!(s.pending.is_empty());
+        }
+        s.feed(b"data: {\"usage\":{\"total_tokens\":", &t);
+        assert!(!s.pending.is_empty() && s.pending.len() <= 64);
+        s.feed(b"5}}\n\n", &t);
+        assert_eq!(s.finish(&t), Ok(5));
+        let big = format!("data: {{\"pad\":\"{}\"}}\n\n", "x".repeat(100));
+        assert_eq!(scan(big.as_bytes(), &t, 10, 64), Err(Unknown::TooLarge));
+        assert_eq!(scan(b"data: [DONE]\n\n", &t, 3, 64), Err(Unknown::Absent));
+    }
+}
