@@ -2,9 +2,10 @@
 filter yet): once a response says what its request really cost, charge the
 difference from what the decision reserved, or refund it.
 
-KEYS[i]  the state key of limit i (as in lua/ratelimit.lua)
-ARGV[1]  N, the number of limits
-ARGV per limit i, five values starting at 2 + (i-1)*5:
+KEYS[i]  the state key of limit i (as in lua/ratelimit.lua); a key may come
+         more than once (the settlements of several requests in one call, as
+         an Envoy worker sends them): they apply in order
+ARGV per limit i, five values starting at 1 + (i-1)*5:
   algorithm  "tb", "gcra", "fw" or "swc" (the sliding-window log keeps a
              member per unit, and a concurrency limit counts requests, not
              units: neither settles)
@@ -40,9 +41,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- @@ALGORITHMS@@
 
-local n = tonumber(ARGV[1])
-if n == nil or n ~= #KEYS or #ARGV ~= 1 + 5 * n then
-  return redis.error_reply('ERR redis-guard settle: ARGV[1] must match #KEYS, five values per limit')
+local n = #KEYS
+if #ARGV ~= 5 * n then
+  return redis.error_reply('ERR redis-guard settle: five values per key')
 end
 
 local function whole(x, lo, hi)
@@ -52,7 +53,7 @@ end
 -- Every limit is checked before any is written (Redis keeps what a script
 -- wrote before an error).
 for i = 1, n do
-  local base = 2 + (i - 1) * 5
+  local base = 1 + (i - 1) * 5
   local alg = ARGV[base]
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local ok = whole(tonumber(ARGV[base + 4]), -(2^50 - 1), 2^50 - 1)
@@ -96,7 +97,7 @@ end
 
 local out = {}
 for i = 1, n do
-  local base = 2 + (i - 1) * 5
+  local base = 1 + (i - 1) * 5
   local key, alg = KEYS[i], ARGV[base]
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local delta = tonumber(ARGV[base + 4])

@@ -38,7 +38,6 @@ fn settle(con: &mut Connection, now: i64, items: &[(&Limit, i64)]) -> Vec<i64> {
     for (l, _) in items {
         cmd.arg(&l.key);
     }
-    cmd.arg(items.len());
     for (l, delta) in items {
         cmd.arg(l.alg).arg(l.a).arg(l.b).arg(&l.c).arg(*delta);
     }
@@ -159,6 +158,8 @@ fn several_limits_settle_in_one_call_and_a_zero_delta_changes_nothing() {
         .collect();
     assert_eq!(before, after);
     assert_eq!(settle(&mut con, T0, &[(&a, 15), (&b, 995)]), [80, 0]);
+    // Two requests' settlements of one key in one call apply in order.
+    assert_eq!(settle(&mut con, T0, &[(&a, 50), (&a, -20)]), [30, 50]);
 }
 
 #[test]
@@ -179,7 +180,7 @@ fn a_kind_that_cannot_settle_or_a_bad_number_is_an_error_and_writes_nothing() {
     ] {
         script::set_clock(&mut con, T0);
         let mut cmd = eval(&SETTLE_AT);
-        cmd.arg(2).arg(&a.key).arg("s:{k}:other").arg(2);
+        cmd.arg(2).arg(&a.key).arg("s:{k}:other");
         cmd.arg(&["tb", "100", "10", "1000", "5"][..])
             .arg(&second[..]);
         let err = cmd.query::<Value>(&mut con).unwrap_err().to_string();

@@ -7,6 +7,7 @@
 pub mod call;
 pub mod cas;
 pub mod counter;
+pub mod deferred;
 pub mod flow;
 #[cfg(target_arch = "wasm32")]
 pub mod proxy;
@@ -137,12 +138,12 @@ pub trait Host: RequestView {
     /// holds the group's place until [`Host::batch_release`], so requests
     /// arriving meanwhile queue behind it.
     fn batch_alone(&mut self, tag: &str) -> bool;
-    /// Hands a stream's release of its concurrency slots to its worker,
-    /// whose root sends the releases of one hash tag together on its first
-    /// tick `after` from now ([`stage::concurrency::Releases`]). `Err`: no
-    /// worker took it.
-    fn release_slots(
+    /// Hands a call to the stream's worker, whose root sends it (with the
+    /// others of its script and hash tag) on its first tick `after` from now
+    /// ([`deferred::Deferred`]). `Err`: no worker took it.
+    fn defer(
         &mut self,
+        kind: deferred::Kind,
         tag: &str,
         args: crate::ratelimit::ScriptArgs,
         after: Duration,

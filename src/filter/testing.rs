@@ -68,10 +68,13 @@ pub struct FakeHost {
     /// Tags whose lone call ended.
     pub released: Vec<String>,
     pub observed: Vec<(Histogram, u64)>,
-    /// Slot releases handed to the worker: (tag, KEYS, ARGV as text).
+    /// Calls handed to the worker (slot releases, settlements): (tag, KEYS,
+    /// ARGV as text).
     pub slot_releases: Vec<(String, Vec<String>, Vec<String>)>,
     /// How long after its handing over each of those is due.
     pub release_delays: Vec<Duration>,
+    /// The script of each of those (by SHA-1).
+    pub deferred_scripts: Vec<String>,
     /// The worker takes no releases (the stream sends its own).
     pub no_worker: bool,
 }
@@ -256,8 +259,9 @@ impl Host for FakeHost {
     fn batch_release(&mut self, tag: &str) {
         self.released.push(tag.to_string());
     }
-    fn release_slots(
+    fn defer(
         &mut self,
+        kind: crate::filter::deferred::Kind,
         tag: &str,
         (keys, argv): crate::ratelimit::ScriptArgs,
         after: Duration,
@@ -273,6 +277,7 @@ impl Host for FakeHost {
         self.slot_releases
             .push((tag.to_string(), text(keys), text(argv)));
         self.release_delays.push(after);
+        self.deferred_scripts.push(kind.script.sha1.clone());
         Ok(())
     }
     fn unique_token(&mut self) -> String {

@@ -274,8 +274,9 @@ impl Host for ProxyHost<'_> {
         }
     }
 
-    fn release_slots(
+    fn defer(
         &mut self,
+        kind: crate::filter::deferred::Kind,
         tag: &str,
         args: crate::ratelimit::ScriptArgs,
         after: Duration,
@@ -287,10 +288,10 @@ impl Host for ProxyHost<'_> {
         // come.
         self.tick_root(shared)?;
         shared
-            .releases
+            .deferred
             .try_borrow_mut()
-            .map_err(|_| "release queue busy".to_string())?
-            .add(tag, args, host_now() + after);
+            .map_err(|_| "deferred-call queue busy".to_string())?
+            .add(kind, tag, args, host_now() + after);
         Ok(())
     }
 

@@ -14,9 +14,9 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::breaker::Breaker;
 use crate::config::{Config, RedisTarget};
+use crate::filter::deferred::Deferred;
 use crate::filter::flow::Flow;
 use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
-use crate::filter::stage::concurrency::Releases;
 use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
 use crate::filter::timers::Timers;
 use crate::filter::{Action as FlowAction, CalloutReply};
@@ -79,9 +79,9 @@ pub(super) struct Shared {
     /// A wake-up is queued and not yet handled: members join without
     /// queueing another.
     wake_pending: std::cell::Cell<bool>,
-    /// Concurrency slots of this worker's ended streams, sent by the root on
-    /// its next tick, and the release calls in flight.
-    releases: RefCell<Releases>,
+    /// Calls this worker's streams left to the root (slot releases,
+    /// settlements), and those in flight.
+    deferred: RefCell<Deferred>,
 }
 
 /// A batch member as the worker knows it: its stream's context and flow.
@@ -278,14 +278,14 @@ impl Context for Root {
         if Root::on_batch_reply(&shared, self.context_id, token_id, num_headers, body_size) {
             return;
         }
-        if shared.releases.try_borrow().is_ok_and(|r| r.owns(token_id)) {
-            // Nobody waits on a release: its answer matters only for a
-            // NOSCRIPT (sent again as EVAL) and the log.
+        if shared.deferred.try_borrow().is_ok_and(|r| r.owns(token_id)) {
+            // Nobody waits on these: the answer matters only for a NOSCRIPT
+            // (sent again as EVAL), a refusal (sent again) and the log.
             let reply = callout_reply(num_headers, body_size, usize::MAX);
             let mut host = Root::host_for(&shared, self.context_id, Weak::new());
             host.via_root = false;
-            if let Ok(mut releases) = shared.releases.try_borrow_mut() {
-                releases.on_reply(&mut host, &shared.config.redis, token_id, &reply);
+            if let Ok(mut deferred) = shared.deferred.try_borrow_mut() {
+                deferred.on_reply(&mut host, &shared.config.redis, token_id, &reply);
             }
             return;
         }
@@ -381,7 +381,7 @@ impl RootContext for Root {
                     batch_queue,
                     wake_pending: std::cell::Cell::new(false),
                     batcher: RefCell::new(batcher),
-                    releases: RefCell::new(Releases::default()),
+                    deferred: RefCell::new(Deferred::default()),
                 }));
                 true
             }
@@ -417,11 +417,11 @@ impl RootContext for Root {
         Root::with_batcher(&shared, self.context_id, |b, host, target| {
             b.on_tick(host, target)
         });
-        if let Ok(mut releases) = shared.releases.try_borrow_mut() {
-            if releases.pending() {
+        if let Ok(mut deferred) = shared.deferred.try_borrow_mut() {
+            if deferred.pending() {
                 let mut host = Root::host_for(&shared, self.context_id, Weak::new());
                 host.via_root = false;
-                releases.flush(&mut host, &shared.config.redis);
+                deferred.flush(&mut host, &shared.config.redis);
             }
         }
         let now = host_now();
@@ -467,8 +467,8 @@ impl RootContext for Root {
                     .batcher
                     .try_borrow()
                     .map_or(true, |b| b.as_ref().is_some_and(Batcher::needs_tick));
-                let releases_wait = shared.releases.try_borrow().map_or(true, |r| r.pending());
-                if waiting.is_empty() && !batches_wait && !releases_wait {
+                let deferred_wait = shared.deferred.try_borrow().map_or(true, |d| d.pending());
+                if waiting.is_empty() && !batches_wait && !deferred_wait {
                     let _ = hostcalls::set_tick_period(Duration::ZERO);
                 }
                 let flows = shared.wakeable.try_borrow().ok();

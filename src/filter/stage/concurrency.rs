@@ -6,17 +6,15 @@
 //! as one call, so it outlives the stream and costs a request a fraction of
 //! a call.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::concurrency::Slots;
 use crate::config::Config;
-use crate::config::RedisTarget;
 use crate::filter::call::{Answer, Budget, ScriptCall};
+use crate::filter::deferred::Kind;
 use crate::filter::flow::{Calls, Owner};
-use crate::filter::stage::decision::pause_before;
 use crate::filter::{Action, CalloutReply, Counter, Host};
-use crate::ratelimit::{Outcome, Plan, ScriptArgs};
+use crate::ratelimit::{Outcome, Plan};
 use crate::scripts::{CC_RELEASE, CC_RENEW};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -275,7 +273,7 @@ impl Concurrency {
         self.state = State::Done;
         if let Some(slots) = self.slots.as_ref() {
             let now = Duration::ZERO;
-            if let Err(why) = host.release_slots(&self.tag, slots.release_args(), now) {
+            if let Err(why) = host.defer(RELEASE, &self.tag, slots.release_args(), now) {
                 log::warn!(
                     "redis-guard: cannot release concurrency slots (they end with their lease): {why}"
                 );
@@ -311,7 +309,7 @@ impl Concurrency {
         let Some(slots) = self.slots.as_ref() else {
             return;
         };
-        let queued = host.release_slots(&self.tag, slots.release_args(), after);
+        let queued = host.defer(RELEASE, &self.tag, slots.release_args(), after);
         let sent = queued.or_else(|why| {
             log::debug!("redis-guard: releasing slots from the stream: {why}");
             let budget = Budget::Each(config.redis.timeout);
@@ -330,122 +328,13 @@ impl Concurrency {
     }
 }
 
+/// A release as the worker sends it: a slot id and a cost per key.
+pub const RELEASE: Kind = Kind {
+    script: &CC_RELEASE,
+    per_key: 2,
+    what: "the release of concurrency slots",
+};
+
 /// How long past its timeout a decision's call is still taken to be able to
 /// run (it may sit in Webdis' or Redis' queue when Envoy gives up on it).
 pub const LATE_CALL_MARGIN: Duration = Duration::from_millis(100);
-
-/// Most keys one release call carries: releases that end together share a
-/// call, but a bounded one.
-pub const MAX_RELEASE_KEYS: usize = 256;
-
-/// Tries of one release refused before it ran (Webdis 503, TRYAGAIN…),
-/// after the decision's pauses: a refusal is sure not to have run, so it is
-/// safe to send again.
-pub const RELEASE_TRIES: u8 = 4;
-
-/// One worker's releases: queued by its streams as they end, sent by its
-/// root on its first tick at or after their due time, one call per hash tag
-/// (every call touches one Redis Cluster slot).
-#[derive(Debug, Default)]
-pub struct Releases {
-    queued: Vec<Queued>,
-    calls: HashMap<u32, (String, ScriptCall, u8)>,
-}
-
-#[derive(Debug)]
-struct Queued {
-    due: Duration,
-    tag: String,
-    args: ScriptArgs,
-    /// Sends so far (a refused call comes back with one more).
-    tries: u8,
-}
-
-impl Releases {
-    /// Queues a release, to be sent at `due` (host clock) or after.
-    pub fn add(&mut self, tag: &str, args: ScriptArgs, due: Duration) {
-        self.queued.push(Queued {
-            due,
-            tag: tag.to_string(),
-            args,
-            tries: 0,
-        });
-    }
-
-    /// Releases wait for a tick.
-    pub fn pending(&self) -> bool {
-        !self.queued.is_empty()
-    }
-
-    /// Sends what is due: one call per tag (per MAX_RELEASE_KEYS keys), a
-    /// release refused before apart from first ones.
-    pub fn flush<H: Host>(&mut self, host: &mut H, target: &RedisTarget) {
-        let now = host.now();
-        let (due, later): (Vec<Queued>, Vec<Queued>) = std::mem::take(&mut self.queued)
-            .into_iter()
-            .partition(|q| q.due <= now);
-        self.queued = later;
-        let mut groups: HashMap<(String, u8), ScriptArgs> = HashMap::new();
-        for q in due {
-            let group = groups.entry((q.tag, q.tries)).or_default();
-            group.0.extend(q.args.0);
-            group.1.extend(q.args.1);
-        }
-        for ((tag, tries), (keys, argv)) in groups {
-            // Two values of ARGV per key.
-            for (k, a) in keys
-                .chunks(MAX_RELEASE_KEYS)
-                .zip(argv.chunks(2 * MAX_RELEASE_KEYS))
-            {
-                let budget = Budget::Each(target.timeout);
-                let call = ScriptCall::new(&CC_RELEASE, (k.to_vec(), a.to_vec()), budget);
-                match call.send(host, target) {
-                    Ok(token) => {
-                        self.calls.insert(token, (tag.clone(), call, tries + 1));
-                    }
-                    Err((_, why)) => log::warn!(
-                        "redis-guard: cannot release {} concurrency slot(s) (they end with their lease): {why}",
-                        k.len()
-                    ),
-                }
-            }
-        }
-    }
-
-    /// The call behind `token` is a release.
-    pub fn owns(&self, token: u32) -> bool {
-        self.calls.contains_key(&token)
-    }
-
-    /// A release's answer: after a NOSCRIPT it goes again as EVAL; one
-    /// refused before it ran is queued again after a pause (as a decision
-    /// would be); a failure leaves the slots to their lease.
-    pub fn on_reply<H: Host>(
-        &mut self,
-        host: &mut H,
-        target: &RedisTarget,
-        token: u32,
-        reply: &CalloutReply,
-    ) {
-        let Some((tag, mut call, tries)) = self.calls.remove(&token) else {
-            return;
-        };
-        match call.answer(host, target, reply) {
-            Answer::Resent(token) => {
-                self.calls.insert(token, (tag, call, tries));
-            }
-            Answer::Ran(_) => {}
-            Answer::Refused(_) if tries < RELEASE_TRIES => {
-                self.queued.push(Queued {
-                    due: host.now() + pause_before(tries - 1),
-                    tag,
-                    args: call.into_args(),
-                    tries,
-                });
-            }
-            Answer::Refused((_, why)) | Answer::Failed((_, why)) => log::warn!(
-                "redis-guard: concurrency slots not released (they end with their lease): {why}"
-            ),
-        }
-    }
-}

@@ -1,6 +1,7 @@
 use super::*;
 use crate::config::RedisTarget;
-use crate::filter::stage::concurrency::{Releases, MAX_RELEASE_KEYS};
+use crate::filter::deferred::{Deferred, MAX_KEYS};
+use crate::filter::stage::concurrency::RELEASE;
 use crate::scripts::{CC_RELEASE, CC_RENEW};
 
 /// A concurrency limit of 2 slots leased for 3 s on /api, a token bucket on
@@ -269,9 +270,14 @@ fn a_keyed_request_releases_beside_its_record_and_never_resumes_the_response_its
 
 #[test]
 fn a_release_due_later_waits_for_its_tick_and_a_refused_one_goes_again_after_a_pause() {
-    let mut r = Releases::default();
+    let mut r = Deferred::default();
     let mut h = FakeHost::get("/");
-    r.add("{a}", args(&["{a}k"], "s1"), Duration::from_millis(150));
+    r.add(
+        RELEASE,
+        "{a}",
+        args(&["{a}k"], "s1"),
+        Duration::from_millis(150),
+    );
     r.flush(&mut h, &target());
     assert!(h.dispatched.is_empty() && r.pending());
     h.clock_ms = 150;
@@ -351,11 +357,16 @@ fn args(keys: &[&str], slot: &str) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
 
 #[test]
 fn the_worker_sends_the_releases_of_one_tag_as_one_call() {
-    let mut r = Releases::default();
+    let mut r = Deferred::default();
     let mut h = FakeHost::get("/");
-    r.add("{a}", args(&["{a}k1", "{a}k2"], "s1"), Duration::ZERO);
-    r.add("{a}", args(&["{a}k1"], "s2"), Duration::ZERO);
-    r.add("{b}", args(&["{b}k"], "s3"), Duration::ZERO);
+    r.add(
+        RELEASE,
+        "{a}",
+        args(&["{a}k1", "{a}k2"], "s1"),
+        Duration::ZERO,
+    );
+    r.add(RELEASE, "{a}", args(&["{a}k1"], "s2"), Duration::ZERO);
+    r.add(RELEASE, "{b}", args(&["{b}k"], "s3"), Duration::ZERO);
     assert!(r.pending());
     r.flush(&mut h, &target());
     assert!(!r.pending());
@@ -378,26 +389,29 @@ fn the_worker_sends_the_releases_of_one_tag_as_one_call() {
 
 #[test]
 fn a_release_call_carries_at_most_max_release_keys() {
-    let mut r = Releases::default();
+    let mut r = Deferred::default();
     let mut h = FakeHost::get("/");
-    for i in 0..MAX_RELEASE_KEYS + 1 {
-        r.add("{a}", args(&["{a}k"], &format!("{i:x}")), Duration::ZERO);
+    for i in 0..MAX_KEYS + 1 {
+        r.add(
+            RELEASE,
+            "{a}",
+            args(&["{a}k"], &format!("{i:x}")),
+            Duration::ZERO,
+        );
     }
     r.flush(&mut h, &target());
     assert_eq!(h.dispatched.len(), 2);
-    assert!(
-        h.dispatched[0].starts_with(&format!("EVALSHA/{}/{MAX_RELEASE_KEYS}/", CC_RELEASE.sha1))
-    );
+    assert!(h.dispatched[0].starts_with(&format!("EVALSHA/{}/{MAX_KEYS}/", CC_RELEASE.sha1)));
     assert!(h.dispatched[1].starts_with(&format!("EVALSHA/{}/1/", CC_RELEASE.sha1)));
     // The last slot alone, with its cost: keys and values split alike.
-    assert!(h.dispatched[1].ends_with(&format!("/{:x}/1.raw", MAX_RELEASE_KEYS)));
+    assert!(h.dispatched[1].ends_with(&format!("/{:x}/1.raw", MAX_KEYS)));
 }
 
 #[test]
 fn a_release_after_redis_lost_its_scripts_goes_again_as_eval_and_a_failure_is_let_go() {
-    let mut r = Releases::default();
+    let mut r = Deferred::default();
     let mut h = FakeHost::get("/");
-    r.add("{a}", args(&["{a}k"], "s1"), Duration::ZERO);
+    r.add(RELEASE, "{a}", args(&["{a}k"], "s1"), Duration::ZERO);
     r.flush(&mut h, &target());
     assert!(r.owns(1) && !r.owns(2));
     r.on_reply(

@@ -1,0 +1,154 @@
+//! Calls a worker's root sends for its streams, after they are gone or
+//! when they need not wait: the release of concurrency slots, the
+//! settlement of usage-based costs. Queued by streams as they end, sent on
+//! the root's first tick at or after their due time, the calls of one
+//! script and one hash tag joined into one (the scripts take a fixed number
+//! of ARGV values per key, so joining is concatenating; every call touches
+//! one Redis Cluster slot). Sent by `EVALSHA`, again as `EVAL` after a
+//! NOSCRIPT, and after the decision's pauses when refused before it ran.
+
+use std::collections::HashMap;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use crate::config::RedisTarget;
+use crate::filter::call::{Answer, Budget, ScriptCall};
+use crate::filter::stage::decision::pause_before;
+use crate::filter::{CalloutReply, Host};
+use crate::ratelimit::ScriptArgs;
+use crate::scripts::Script;
+
+/// Most keys one call carries: calls due together share one, but a
+/// bounded one.
+pub const MAX_KEYS: usize = 256;
+
+/// Sends of one call refused before it ran (Webdis 503, TRYAGAIN…): a
+/// refusal is sure not to have run, so it is safe to send again.
+pub const TRIES: u8 = 4;
+
+/// One script's calls as the root queues them.
+#[derive(Debug, Clone, Copy)]
+pub struct Kind {
+    pub script: &'static LazyLock<Script>,
+    /// ARGV values per key.
+    pub per_key: usize,
+    /// What the log calls it when it fails.
+    pub what: &'static str,
+}
+
+#[derive(Debug)]
+struct Queued {
+    due: Duration,
+    kind: Kind,
+    tag: String,
+    args: ScriptArgs,
+    /// Sends so far (a refused call comes back with one more).
+    tries: u8,
+}
+
+#[derive(Debug, Default)]
+pub struct Deferred {
+    queued: Vec<Queued>,
+    calls: HashMap<u32, (Kind, String, ScriptCall, u8)>,
+}
+
+impl Deferred {
+    /// Queues a call, to be sent at `due` (host clock) or after.
+    pub fn add(&mut self, kind: Kind, tag: &str, args: ScriptArgs, due: Duration) {
+        self.queued.push(Queued {
+            due,
+            kind,
+            tag: tag.to_string(),
+            args,
+            tries: 0,
+        });
+    }
+
+    /// Calls wait for a tick.
+    pub fn pending(&self) -> bool {
+        !self.queued.is_empty()
+    }
+
+    /// Sends what is due: one call per script and tag (per MAX_KEYS keys),
+    /// a call refused before apart from first ones.
+    pub fn flush<H: Host>(&mut self, host: &mut H, target: &RedisTarget) {
+        let now = host.now();
+        let (due, later): (Vec<Queued>, Vec<Queued>) = std::mem::take(&mut self.queued)
+            .into_iter()
+            .partition(|q| q.due <= now);
+        self.queued = later;
+        let mut groups: Vec<(Kind, String, u8, ScriptArgs)> = Vec::new();
+        for q in due {
+            let same = |g: &&mut (Kind, String, u8, ScriptArgs)| {
+                g.0.script.sha1 == q.kind.script.sha1 && g.1 == q.tag && g.2 == q.tries
+            };
+            match groups.iter_mut().find(same) {
+                Some(g) => {
+                    g.3 .0.extend(q.args.0);
+                    g.3 .1.extend(q.args.1);
+                }
+                None => groups.push((q.kind, q.tag, q.tries, q.args)),
+            }
+        }
+        for (kind, tag, tries, (keys, argv)) in groups {
+            for (k, a) in keys
+                .chunks(MAX_KEYS)
+                .zip(argv.chunks(kind.per_key * MAX_KEYS))
+            {
+                let budget = Budget::Each(target.timeout);
+                let call = ScriptCall::new(kind.script, (k.to_vec(), a.to_vec()), budget);
+                match call.send(host, target) {
+                    Ok(token) => {
+                        self.calls
+                            .insert(token, (kind, tag.clone(), call, tries + 1));
+                    }
+                    Err((_, why)) => {
+                        log::warn!(
+                            "redis-guard: cannot send {} ({} keys): {why}",
+                            kind.what,
+                            k.len()
+                        )
+                    }
+                }
+            }
+        }
+    }
+
+    /// The call behind `token` is one of these.
+    pub fn owns(&self, token: u32) -> bool {
+        self.calls.contains_key(&token)
+    }
+
+    /// A call's answer: after a NOSCRIPT it goes again as EVAL; one refused
+    /// before it ran is queued again after a pause (as a decision would
+    /// be); a failure is logged and let go.
+    pub fn on_reply<H: Host>(
+        &mut self,
+        host: &mut H,
+        target: &RedisTarget,
+        token: u32,
+        reply: &CalloutReply,
+    ) {
+        let Some((kind, tag, mut call, tries)) = self.calls.remove(&token) else {
+            return;
+        };
+        match call.answer(host, target, reply) {
+            Answer::Resent(token) => {
+                self.calls.insert(token, (kind, tag, call, tries));
+            }
+            Answer::Ran(_) => {}
+            Answer::Refused(_) if tries < TRIES => {
+                self.queued.push(Queued {
+                    due: host.now() + pause_before(tries - 1),
+                    kind,
+                    tag,
+                    args: call.into_args(),
+                    tries,
+                });
+            }
+            Answer::Refused((_, why)) | Answer::Failed((_, why)) => {
+                log::warn!("redis-guard: {} failed: {why}", kind.what)
+            }
+        }
+    }
+}
