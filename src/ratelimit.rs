@@ -123,37 +123,16 @@ impl Plan {
         argv.push(self.checks.len().to_string().into_bytes());
         for check in &self.checks {
             let limit = &config.limits[check.limit];
-            if let Algorithm::Concurrency { max, lease_ms } = limit.algorithm {
-                argv.push(b"cc".to_vec());
-                argv.push(max.to_string().into_bytes());
-                argv.push(lease_ms.to_string().into_bytes());
-                argv.push(slot.unwrap_or("").as_bytes().to_vec());
-                argv.push(check.cost.to_string().into_bytes());
-                argv.push(enforce_flag(limit.shadow));
-                continue;
-            }
-            let (alg, a, b, c) = match limit.algorithm {
-                Algorithm::TokenBucket {
-                    capacity,
-                    refill,
-                    period_ms,
-                } => ("tb", capacity, refill, period_ms),
-                Algorithm::SlidingWindow { limit, window_ms } => ("sw", limit, window_ms, 0),
-                Algorithm::Gcra {
-                    rate,
-                    period_ms,
-                    burst,
-                } => ("gcra", burst, rate, period_ms),
-                Algorithm::FixedWindow { limit, window_ms } => ("fw", limit, window_ms, 0),
-                Algorithm::SlidingWindowCounter { limit, window_ms } => {
-                    ("swc", limit, window_ms, 0)
-                }
-                Algorithm::Concurrency { .. } => continue,
+            let (alg, a, b, c) = kind_args(&limit.algorithm);
+            // A concurrency limit's third value is the request's slot id.
+            let c = match limit.algorithm {
+                Algorithm::Concurrency { .. } => slot.unwrap_or("").as_bytes().to_vec(),
+                _ => c.to_string().into_bytes(),
             };
             argv.push(alg.as_bytes().to_vec());
             argv.push(a.to_string().into_bytes());
             argv.push(b.to_string().into_bytes());
-            argv.push(c.to_string().into_bytes());
+            argv.push(c);
             argv.push(check.cost.to_string().into_bytes());
             argv.push(enforce_flag(limit.shadow));
         }
@@ -183,6 +162,28 @@ impl Plan {
         } else {
             FailureMode::Allow
         }
+    }
+}
+
+/// A kind's code and its three numbers in a script call (see
+/// lua/ratelimit.lua; lua/settle.lua takes the same). A concurrency limit's
+/// third value is its request's slot id instead (0 here).
+pub fn kind_args(algorithm: &Algorithm) -> (&'static str, u64, u64, u64) {
+    match *algorithm {
+        Algorithm::TokenBucket {
+            capacity,
+            refill,
+            period_ms,
+        } => ("tb", capacity, refill, period_ms),
+        Algorithm::SlidingWindow { limit, window_ms } => ("sw", limit, window_ms, 0),
+        Algorithm::Gcra {
+            rate,
+            period_ms,
+            burst,
+        } => ("gcra", burst, rate, period_ms),
+        Algorithm::FixedWindow { limit, window_ms } => ("fw", limit, window_ms, 0),
+        Algorithm::SlidingWindowCounter { limit, window_ms } => ("swc", limit, window_ms, 0),
+        Algorithm::Concurrency { max, lease_ms } => ("cc", max, lease_ms, 0),
     }
 }
 

@@ -3,8 +3,8 @@
 //! `text/event-stream` body, by JSON Pointer (RFC 6901), one pointer or a
 //! weighted sum of several (prompt tokens × 1 + completion tokens × 4).
 //!
-//! Not wired into the request path yet (issue 15 is open): the settlement
-//! script, the stage and the configuration are still to come.
+//! The stage that uses it is `filter/stage/usage.rs`; the settlement is
+//! lua/settle.lua.
 //!
 //! Bounded: a JSON body is kept up to its bound and read once whole; an
 //! event stream is scanned event by event, keeping only the unfinished
@@ -31,7 +31,7 @@ pub enum Unknown {
 
 /// The weighted sum of the terms' values; a term never found counts 0, but
 /// at least one must be found.
-fn weighted(terms: &[Term], values: &[Option<u64>]) -> Result<u64, Unknown> {
+pub fn weighted(terms: &[Term], values: &[Option<u64>]) -> Result<u64, Unknown> {
     if values.iter().all(Option::is_none) {
         return Err(Unknown::Absent);
     }
@@ -88,12 +88,17 @@ impl JsonBody {
 
     /// The cost the whole body states.
     pub fn cost(&self, terms: &[Term]) -> Result<u64, Unknown> {
+        weighted(terms, &self.values(terms)?)
+    }
+
+    /// Each term's value in the whole body.
+    pub fn values(&self, terms: &[Term]) -> Result<Vec<Option<u64>>, Unknown> {
         if self.too_large {
             return Err(Unknown::TooLarge);
         }
         let doc: serde_json::Value =
             serde_json::from_slice(&self.buf).map_err(|_| Unknown::Absent)?;
-        weighted(terms, &read_terms(&doc, terms))
+        Ok(read_terms(&doc, terms))
     }
 }
 
@@ -143,12 +148,17 @@ impl EventStream {
 
     /// The stream ended: a last event without its blank line counts too.
     pub fn finish(&mut self, terms: &[Term]) -> Result<u64, Unknown> {
+        weighted(terms, &self.finish_values(terms)?)
+    }
+
+    /// `finish`, as each term's last value.
+    pub fn finish_values(&mut self, terms: &[Term]) -> Result<Vec<Option<u64>>, Unknown> {
         if self.too_large {
             return Err(Unknown::TooLarge);
         }
         let rest = std::mem::take(&mut self.pending);
         self.read_event(&rest, terms);
-        weighted(terms, &self.last)
+        Ok(self.last.clone())
     }
 
     fn read_event(&mut self, event: &[u8], terms: &[Term]) {

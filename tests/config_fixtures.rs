@@ -362,6 +362,53 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "limits[0]",
         "not several",
     ),
+    // usage
+    (
+        "usage_on_sliding_window.json",
+        "limits[0].usage",
+        "a sliding-window log keeps a member per unit",
+    ),
+    (
+        "usage_on_concurrency.json",
+        "limits[0].usage",
+        "counts requests in flight, not units",
+    ),
+    (
+        "usage_with_cost.json",
+        "limits[0].usage",
+        "remove `cost` and `costHeader`",
+    ),
+    ("usage_with_lease.json", "limits[0].usage", "cannot go with `lease`"),
+    (
+        "usage_without_a_source.json",
+        "limits[0].usage",
+        "set `header`, `json` or both",
+    ),
+    (
+        "usage_pointer_not_a_pointer.json",
+        "limits[0].usage.json[0].pointer",
+        "must be a JSON Pointer",
+    ),
+    (
+        "usage_weight_zero.json",
+        "limits[0].usage.json[0].weight",
+        "must be at least 1",
+    ),
+    (
+        "usage_reserve_above_quota.json",
+        "limits[0].usage.reserve",
+        "must be between 1 and 1000",
+    ),
+    (
+        "usage_max_body_too_large.json",
+        "limits[0].usage.maxBodyBytes",
+        "between 1 and 16777216",
+    ),
+    (
+        "usage_header_bad_name.json",
+        "limits[0].usage.header",
+        "is not a valid header name",
+    ),
     // cost and costHeader
     (
         "cost_zero.json",

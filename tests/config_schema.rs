@@ -199,7 +199,10 @@ fn base() -> Value {
             {"name": "swc", "slidingWindowCounter": {"limit": 1000, "windowMs": 60000}},
             // A lease of at least 4 × redis.timeoutMs at every edge of
             // either (a rule across fields, the parser's alone).
-            {"name": "cc", "concurrency": {"max": 1000, "leaseMs": 3600000}}
+            {"name": "cc", "concurrency": {"max": 1000, "leaseMs": 3600000}},
+            {"name": "usage", "tokenBucket": {"capacity": 1000, "refill": 1, "periodMs": 1000},
+             "usage": {"json": [{"pointer": "/usage/total_tokens", "weight": 1}], "reserve": 1,
+                       "maxBodyBytes": 1024}}
         ],
         "idempotency": [
             {"name": "pay", "lockTtlMs": 30000, "recordTtlMs": 86400000,
@@ -247,6 +250,9 @@ const BOUNDED: &[(&str, &str, &str)] = &[
     ),
     ("/limits/5/concurrency/max", "Concurrency", "max"),
     ("/limits/5/concurrency/leaseMs", "Concurrency", "leaseMs"),
+    ("/limits/6/usage/maxBodyBytes", "Usage", "maxBodyBytes"),
+    ("/limits/6/usage/reserve", "Usage", "reserve"),
+    ("/limits/6/usage/json/0/weight", "UsageTerm", "weight"),
     ("/limits/0/cost", "Limit", "cost"),
     ("/limits/0/costHeader/max", "CostHeader", "max"),
     ("/limits/0/localFraction", "Limit", "localFraction"),

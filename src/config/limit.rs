@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::matcher::{compile_match, Matcher, RawMatch};
 use super::parts::{compile_parts, Part, RawPart};
+use super::usage::{compile_usage, RawUsage, Usage};
 use super::{header_name, valid_name, ConfigError, FailureMode};
 
 /// Largest integer a Lua (double) number holds exactly. The token bucket keeps
@@ -101,6 +102,10 @@ pub(super) struct RawLimit {
     /// fewer (at most `tokens` per Envoy held unspent until the lease ends).
     #[serde(default)]
     lease: Option<RawLease>,
+    /// Charge what the response says the request cost (token bucket, GCRA,
+    /// fixed window and sliding-window counter).
+    #[serde(default)]
+    usage: Option<RawUsage>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -325,6 +330,8 @@ pub struct Limit {
     pub key_infix: String,
     /// Token lease: batch size and lifetime.
     pub lease: Option<Lease>,
+    /// Charged by the response's usage, settled after it.
+    pub usage: Option<Usage>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -448,8 +455,47 @@ pub(super) fn compile_limit(
             "a concurrency limit has no local budget: set this limit's failureMode to `allow` or `deny`",
         ));
     }
+    let usage = match raw.usage {
+        None => None,
+        Some(u) => {
+            let field = format!("{at}.usage");
+            match algorithm {
+                Algorithm::SlidingWindow { .. } => {
+                    return Err(ConfigError::new(
+                        field,
+                        "a sliding-window log keeps a member per unit (at most 1000 per request): use a token bucket, GCRA or a counter for costs known after the response",
+                    ))
+                }
+                Algorithm::Concurrency { .. } => {
+                    return Err(ConfigError::new(
+                        field,
+                        "a concurrency limit counts requests in flight, not units",
+                    ))
+                }
+                _ => {}
+            }
+            if raw.cost.is_some() || matches!(cost, Cost::Header { .. }) {
+                return Err(ConfigError::new(
+                    field,
+                    "sets the cost itself: remove `cost` and `costHeader` (`usage.reserve` is what a request takes at admission)",
+                ));
+            }
+            if lease.is_some() {
+                return Err(ConfigError::new(
+                    field,
+                    "cannot go with `lease`: leased tokens are spent without Redis, so nothing could be settled",
+                ));
+            }
+            Some(compile_usage(u, &field, algorithm.quota())?)
+        }
+    };
+    let cost = match &usage {
+        Some(u) => Cost::Fixed(u.reserve),
+        None => cost,
+    };
     let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
     Ok(Limit {
+        usage,
         lease,
         local_per_mille,
         name: raw.name,

@@ -12,6 +12,7 @@ mod matcher;
 mod object_store;
 mod parts;
 mod redis;
+mod usage;
 
 use std::fmt;
 use std::time::Duration;
@@ -39,6 +40,7 @@ pub use parts::{descriptor, Part};
 pub use redis::{
     Batch, RedisTarget, DEFAULT_BREAKER_COOL_DOWN_MS, DEFAULT_BREAKER_FAILURES, DEFAULT_TIMEOUT_MS,
 };
+pub use usage::{Usage, DEFAULT_USAGE_BODY, MAX_USAGE_BODY, MAX_USAGE_UNITS};
 
 use idempotency::{compile_idempotency, RawIdempotency};
 use limit::{compile_limit, RawLimit};
@@ -243,6 +245,7 @@ const LIST_FIELDS: &[&str] = &[
     "methods",
     "headers",
     "rateLimitHeaders",
+    "json",
 ];
 
 fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<(), ConfigError> {

@@ -84,6 +84,16 @@ pub enum Counter {
     /// A running request's slot was gone at its renewal (its Envoy was cut
     /// off from Redis longer than the lease): the request runs on uncounted.
     SlotsLost,
+    /// Usage-based units charged after the response, beyond the reserve
+    /// (counted by the unit, `Host::count_n`).
+    UsageCharged,
+    /// Usage-based units refunded after the response (by the unit).
+    UsageRefunded,
+    /// A usage-based request charged its fallback: no usage arrived.
+    UsageFallback,
+    /// A settlement that could not be sent or did not run (its units are
+    /// lost to the limit: refunds not given, charges not taken).
+    UsageLost,
 }
 
 /// Why a Redis call did not decide a request: one stat each.
@@ -210,6 +220,10 @@ impl Counter {
             Counter::SlotsReleased,
             Counter::SlotsRenewed,
             Counter::SlotsLost,
+            Counter::UsageCharged,
+            Counter::UsageRefunded,
+            Counter::UsageFallback,
+            Counter::UsageLost,
         ]);
         all
     }
@@ -278,6 +292,10 @@ impl Counter {
             Counter::SlotsReleased => fixed("concurrency.released"),
             Counter::SlotsRenewed => fixed("concurrency.renewed"),
             Counter::SlotsLost => fixed("concurrency.lost"),
+            Counter::UsageCharged => fixed("usage.charged_units"),
+            Counter::UsageRefunded => fixed("usage.refunded_units"),
+            Counter::UsageFallback => fixed("usage.fallback"),
+            Counter::UsageLost => fixed("usage.lost"),
         }
     }
 }
@@ -297,10 +315,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 41
+        // The stat list as the README and tests/e2e_stats.rs know it: 45
         // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 41);
-        assert_eq!(names(2).len(), 41 + 8);
+        assert_eq!(names(0).len(), 45);
+        assert_eq!(names(2).len(), 45 + 8);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

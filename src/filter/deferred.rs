@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::config::RedisTarget;
 use crate::filter::call::{Answer, Budget, ScriptCall};
 use crate::filter::stage::decision::pause_before;
-use crate::filter::{CalloutReply, Host};
+use crate::filter::{CalloutReply, Counter, Host};
 use crate::ratelimit::ScriptArgs;
 use crate::scripts::Script;
 
@@ -34,6 +34,8 @@ pub struct Kind {
     pub per_key: usize,
     /// What the log calls it when it fails.
     pub what: &'static str,
+    /// Counted when one is dropped (could not be sent, or failed).
+    pub lost: Option<Counter>,
 }
 
 #[derive(Debug)]
@@ -147,7 +149,10 @@ impl Deferred {
                 });
             }
             Answer::Refused((_, why)) | Answer::Failed((_, why)) => {
-                log::warn!("redis-guard: {} failed: {why}", kind.what)
+                log::warn!("redis-guard: {} failed: {why}", kind.what);
+                if let Some(lost) = kind.lost {
+                    host.count(lost);
+                }
             }
         }
     }

@@ -25,6 +25,7 @@ use crate::filter::stage::idempotency::upload::UPLOAD_REPLY_LIMIT;
 use crate::filter::stage::lease::{LeaseStage, Spend};
 use crate::filter::stage::overlimit;
 use crate::filter::stage::ratelimit::RateLimit;
+use crate::filter::stage::usage::UsageStage;
 use crate::filter::{Action, CalloutReply, ErrorKind, Host};
 use crate::ratelimit::{parse_verdict, Verdict};
 use crate::request::RequestLine;
@@ -68,6 +69,7 @@ pub struct Flow {
     calls: Calls,
     limits: RateLimit,
     slots: Concurrency,
+    usage: UsageStage,
     lease: LeaseStage,
     decision: Decision,
     intake: Intake,
@@ -84,6 +86,7 @@ impl Flow {
             calls: Calls::default(),
             limits: RateLimit::default(),
             slots: Concurrency::default(),
+            usage: UsageStage::default(),
             lease: LeaseStage::default(),
             decision: Decision::new(breaker),
             intake: Intake::default(),
@@ -298,7 +301,10 @@ impl Flow {
         };
         self.decision.succeeded(host, true);
         match &verdict {
-            Verdict::Limits(outcome) => self.slots.on_outcome(host, self.limits.plan(), outcome),
+            Verdict::Limits(outcome) => {
+                self.slots.on_outcome(host, self.limits.plan(), outcome);
+                self.usage.on_outcome(&config, self.limits.plan(), outcome);
+            }
             _ => self.slots.not_taken(),
         }
         match verdict {
@@ -381,6 +387,7 @@ impl Flow {
     pub fn on_response_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         self.limits.on_response_headers(host);
         let config = Rc::clone(&self.config);
+        self.usage.on_response_headers(host, &config, end_of_stream);
         let action = self
             .record
             .on_response_headers(host, &config, &mut self.calls, end_of_stream);
@@ -429,6 +436,7 @@ impl Flow {
         end_of_stream: bool,
     ) -> Action {
         let config = Rc::clone(&self.config);
+        self.usage.on_response_body(host, body_size, end_of_stream);
         let action =
             self.record
                 .on_response_body(host, &config, &mut self.calls, body_size, end_of_stream);
@@ -438,6 +446,7 @@ impl Flow {
 
     pub fn on_response_trailers<H: Host>(&mut self, host: &mut H) -> Action {
         let config = Rc::clone(&self.config);
+        self.usage.on_response_trailers();
         let action = self
             .record
             .on_response_trailers(host, &config, &mut self.calls);
@@ -452,6 +461,7 @@ impl Flow {
         let config = Rc::clone(&self.config);
         self.record.on_stream_end(host, &config);
         self.slots.on_stream_end(host, &config);
+        self.usage.on_stream_end(host, &config);
         if self.decision.on_stream_end(host) {
             self.lease.abandon(host, self.limits.plan());
         }

@@ -124,6 +124,8 @@ pub trait Host: RequestView {
     fn resume_request(&mut self);
     fn add_response_header(&mut self, name: &str, value: &str);
     fn count(&mut self, counter: Counter);
+    /// Counts `n` at once (units, not events).
+    fn count_n(&mut self, counter: Counter, n: u64);
     fn observe(&mut self, histogram: Histogram, value: u64);
     /// Adds this request's decision to its worker's next batch call (see
     /// [`stage::batch`]); its verdict comes to `Flow::on_batch_verdict`.

@@ -73,6 +73,8 @@ pub struct FakeHost {
     pub slot_releases: Vec<(String, Vec<String>, Vec<String>)>,
     /// How long after its handing over each of those is due.
     pub release_delays: Vec<Duration>,
+    /// `count_n` calls, in order.
+    pub counted_n: Vec<(Counter, u64)>,
     /// The script of each of those (by SHA-1).
     pub deferred_scripts: Vec<String>,
     /// The worker takes no releases (the stream sends its own).
@@ -153,6 +155,9 @@ impl Host for FakeHost {
     }
     fn count(&mut self, counter: Counter) {
         self.counters.push(counter);
+    }
+    fn count_n(&mut self, counter: Counter, n: u64) {
+        self.counted_n.push((counter, n));
     }
     fn now(&self) -> Duration {
         Duration::from_millis(self.clock_ms)

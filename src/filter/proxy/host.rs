@@ -341,6 +341,18 @@ impl Host for ProxyHost<'_> {
             }
         }
     }
+
+    fn count_n(&mut self, counter: Counter, n: u64) {
+        let Some(shared) = self.shared else {
+            return;
+        };
+        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        for &(id, by) in shared.metrics.updates(counter) {
+            if id != UNDEFINED {
+                let _ = hostcalls::increment_metric(id, by.saturating_mul(n));
+            }
+        }
+    }
 }
 
 /// Wakes the worker's root to send what queued. The root sends every batch:

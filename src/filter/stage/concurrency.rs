@@ -333,6 +333,7 @@ pub const RELEASE: Kind = Kind {
     script: &CC_RELEASE,
     per_key: 2,
     what: "the release of concurrency slots",
+    lost: None,
 };
 
 /// How long past its timeout a decision's call is still taken to be able to

@@ -11,3 +11,4 @@ pub mod idempotency;
 pub mod lease;
 pub mod overlimit;
 pub mod ratelimit;
+pub mod usage;

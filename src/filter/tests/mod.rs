@@ -8,6 +8,7 @@ mod envoy_like;
 mod idempotency;
 mod offload;
 mod ratelimit;
+mod usage;
 
 pub(super) use std::rc::Rc;
 pub(super) use std::time::Duration;

@@ -1,0 +1,127 @@
+//! Usage-based cost: a limit charged what the response says its request
+//! cost (LLM tokens, bytes, credits), settled after the response.
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::{header_name, ConfigError};
+use crate::usage::Term;
+
+/// Most bytes of a JSON body, or of one event of a stream, read for the usage.
+pub const MAX_USAGE_BODY: usize = 16 << 20;
+pub const DEFAULT_USAGE_BODY: usize = 1 << 20;
+/// Largest unit count one settlement moves (lua/settle.lua's bound).
+pub const MAX_USAGE_UNITS: u64 = (1 << 50) - 1;
+
+/// Charge what the response says the request cost. The request is admitted
+/// only if the limit has `reserve` units left, and takes them; when the
+/// response is over, the difference to its real cost is charged (the
+/// balance may go below zero: debt, repaid by refill) or refunded.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Usage")]
+pub(super) struct RawUsage {
+    /// A response header holding the cost as a whole number (read first).
+    #[serde(default)]
+    header: Option<String>,
+    /// JSON Pointers (RFC 6901) into the response body, or into each event
+    /// of a `text/event-stream` body: the cost is their weighted sum.
+    #[serde(default)]
+    json: Vec<RawTerm>,
+    /// Units a request must find left, taken at admission (default 1).
+    #[serde(default)]
+    #[schemars(range(min = 1))]
+    reserve: Option<u64>,
+    /// Units charged when the usage never arrives: the client left, the
+    /// upstream failed, the body was not JSON (default: the reserve).
+    #[serde(default)]
+    fallback: Option<u64>,
+    /// Most bytes of a JSON body, or of one event, read (default 1 MiB).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 16777216))]
+    max_body_bytes: Option<usize>,
+}
+
+/// One term of the cost.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "UsageTerm")]
+struct RawTerm {
+    /// A JSON Pointer, e.g. `/usage/completion_tokens`.
+    pointer: String,
+    /// Units per unit it counts (default 1).
+    #[serde(default)]
+    #[schemars(range(min = 1))]
+    weight: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Usage {
+    pub header: Option<String>,
+    pub terms: Vec<Term>,
+    pub reserve: u64,
+    pub fallback: u64,
+    pub max_body: usize,
+}
+
+/// `quota`: the most units the limit admits at once (its reserve's bound).
+pub(super) fn compile_usage(raw: RawUsage, at: &str, quota: u64) -> Result<Usage, ConfigError> {
+    let header = match raw.header {
+        Some(h) => Some(header_name(&h, &format!("{at}.header"))?),
+        None => None,
+    };
+    if header.is_none() && raw.json.is_empty() {
+        return Err(ConfigError::new(
+            at,
+            "set `header`, `json` or both: where the response states its cost",
+        ));
+    }
+    let mut terms = Vec::with_capacity(raw.json.len());
+    for (i, t) in raw.json.into_iter().enumerate() {
+        if !(t.pointer.is_empty() || t.pointer.starts_with('/')) {
+            return Err(ConfigError::new(
+                format!("{at}.json[{i}].pointer"),
+                "must be a JSON Pointer: empty, or starting with `/`",
+            ));
+        }
+        let weight = t.weight.unwrap_or(1);
+        if weight == 0 {
+            return Err(ConfigError::new(
+                format!("{at}.json[{i}].weight"),
+                "must be at least 1",
+            ));
+        }
+        terms.push(Term {
+            pointer: t.pointer,
+            weight,
+        });
+    }
+    let reserve = raw.reserve.unwrap_or(1);
+    if reserve == 0 || reserve > quota {
+        return Err(ConfigError::new(
+            format!("{at}.reserve"),
+            format!("must be between 1 and {quota} (the limit's quota)"),
+        ));
+    }
+    let fallback = raw.fallback.unwrap_or(reserve);
+    if fallback > MAX_USAGE_UNITS {
+        return Err(ConfigError::new(
+            format!("{at}.fallback"),
+            "must be below 2^50",
+        ));
+    }
+    let max_body = raw.max_body_bytes.unwrap_or(DEFAULT_USAGE_BODY);
+    if max_body == 0 || max_body > MAX_USAGE_BODY {
+        return Err(ConfigError::new(
+            format!("{at}.maxBodyBytes"),
+            "must be between 1 and 16777216",
+        ));
+    }
+    Ok(Usage {
+        header,
+        terms,
+        reserve,
+        fallback,
+        max_body,
+    })
+}

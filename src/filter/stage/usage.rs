@@ -1,0 +1,211 @@
+//! The usage stage: a request admitted under usage-based limits took their
+//! `reserve`; its response says what it really cost (a header, a JSON body,
+//! a streamed event body), and when the stream is over the difference is
+//! charged or refunded by one lua/settle.lua call, which the worker's root
+//! sends (it outlives the stream; the settlements of one hash tag share a
+//! call). A response whose usage never arrives (the client left, the
+//! upstream failed, the body was not JSON or was too large) is charged its
+//! fallback.
+
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::filter::deferred::Kind;
+use crate::filter::{Counter, Host};
+use crate::ratelimit::{kind_args, Outcome, Plan};
+use crate::response::Completion;
+use crate::scripts::SETTLE;
+use crate::usage::{weighted, EventStream, JsonBody, Term};
+
+/// A settlement as the worker sends it: five values per key.
+pub const SETTLE_CALL: Kind = Kind {
+    script: &SETTLE,
+    per_key: 5,
+    what: "the settlement of usage-based costs",
+    lost: Some(Counter::UsageLost),
+};
+
+/// A limit the request took its reserve from.
+#[derive(Debug)]
+struct Owed {
+    limit: usize,
+    key: Vec<u8>,
+    reserved: u64,
+    /// Its terms' place in `UsageStage::terms`.
+    terms: std::ops::Range<usize>,
+    /// Its header's value, once the response's headers are read.
+    header: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+enum Reader {
+    #[default]
+    None,
+    Json(JsonBody),
+    Stream(EventStream),
+}
+
+#[derive(Debug, Default)]
+pub struct UsageStage {
+    owed: Vec<Owed>,
+    /// Every owed limit's terms, one after another.
+    terms: Vec<Term>,
+    reader: Reader,
+    /// Whether the client has the whole response (a response cut short is
+    /// charged the fallback: its usage may be partial).
+    response: Completion,
+    complete: bool,
+    tag: String,
+    settled: bool,
+}
+
+impl UsageStage {
+    /// Redis decided: an admitted request owes its usage-based limits the
+    /// difference to what they reserved (a shadow limit that would have
+    /// rejected took nothing, and owes nothing).
+    pub fn on_outcome(&mut self, config: &Config, plan: &Plan, outcome: &Outcome) {
+        if !outcome.admitted {
+            return;
+        }
+        for (check, result) in plan.checks.iter().zip(&outcome.results) {
+            let Some(usage) = &config.limits[check.limit].usage else {
+                continue;
+            };
+            if !result.allowed {
+                continue;
+            }
+            let start = self.terms.len();
+            self.terms.extend(usage.terms.iter().cloned());
+            self.owed.push(Owed {
+                limit: check.limit,
+                key: check.key.clone(),
+                reserved: check.cost,
+                terms: start..self.terms.len(),
+                header: None,
+            });
+        }
+        self.tag = plan.tag.clone().unwrap_or_default();
+    }
+
+    pub fn on_response_headers<H: Host>(&mut self, host: &mut H, config: &Config, end: bool) {
+        if self.owed.is_empty() {
+            return;
+        }
+        for owed in &mut self.owed {
+            let rule = config.limits[owed.limit].usage.as_ref();
+            owed.header = rule
+                .and_then(|u| u.header.as_deref())
+                .and_then(|name| host.response_header(name))
+                .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse().ok());
+        }
+        let length = host
+            .response_header("content-length")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
+        self.complete = self.response.headers(length, end);
+        if self.terms.is_empty() {
+            return;
+        }
+        let max = self
+            .owed
+            .iter()
+            .filter_map(|o| config.limits[o.limit].usage.as_ref().map(|u| u.max_body))
+            .max()
+            .unwrap_or(0);
+        let streamed = host.response_header("content-type").is_some_and(|v| {
+            let v = String::from_utf8_lossy(&v).to_ascii_lowercase();
+            v.trim_start().starts_with("text/event-stream")
+        });
+        self.reader = if streamed {
+            Reader::Stream(EventStream::new(self.terms.len(), max))
+        } else {
+            Reader::Json(JsonBody::new(max))
+        };
+    }
+
+    /// Reads a piece of the body, up to the response's completion (a piece
+    /// Envoy hands over again with what was held after it is not read
+    /// twice).
+    pub fn on_response_body<H: Host>(&mut self, host: &mut H, size: usize, end: bool) {
+        if self.complete || self.owed.is_empty() {
+            return;
+        }
+        let read = match &mut self.reader {
+            Reader::None => size,
+            reader => {
+                let chunk = host.response_body(size);
+                match reader {
+                    Reader::Json(body) => body.feed(&chunk),
+                    Reader::Stream(stream) => stream.feed(&chunk, &self.terms),
+                    Reader::None => {}
+                }
+                chunk.len()
+            }
+        };
+        self.complete = self.response.body(read, end);
+    }
+
+    pub fn on_response_trailers(&mut self) {
+        self.complete = true;
+    }
+
+    /// The stream is over: what each owed limit is charged, as one
+    /// settlement handed to the worker.
+    pub fn on_stream_end<H: Host>(&mut self, host: &mut H, config: &Config) {
+        if self.owed.is_empty() || self.settled {
+            return;
+        }
+        self.settled = true;
+        let values = match (&mut self.reader, self.complete) {
+            (_, false) => None,
+            (Reader::Json(body), true) => body.values(&self.terms).ok(),
+            (Reader::Stream(stream), true) => stream.finish_values(&self.terms).ok(),
+            (Reader::None, true) => None,
+        };
+        let mut keys = Vec::new();
+        let mut argv = Vec::new();
+        for owed in &self.owed {
+            let limit = &config.limits[owed.limit];
+            let Some(usage) = &limit.usage else {
+                continue;
+            };
+            // A header states the cost at once; a body only once it is all
+            // there (a stream cut short may hold part of its usage).
+            let stated = owed.header.or_else(|| {
+                let values = values.as_ref()?;
+                weighted(&self.terms[owed.terms.clone()], &values[owed.terms.clone()]).ok()
+            });
+            let cost = match stated {
+                Some(cost) => cost.min(crate::config::MAX_USAGE_UNITS),
+                None => {
+                    log::debug!(
+                        "redis-guard: no usage for `{}`: charging its fallback",
+                        limit.name
+                    );
+                    host.count(Counter::UsageFallback);
+                    usage.fallback
+                }
+            };
+            let delta = i128::from(cost) - i128::from(owed.reserved);
+            let units = u64::try_from(delta.unsigned_abs()).unwrap_or(u64::MAX);
+            match delta.signum() {
+                1 => host.count_n(Counter::UsageCharged, units),
+                -1 => host.count_n(Counter::UsageRefunded, units),
+                _ => continue,
+            }
+            let (alg, a, b, c) = kind_args(&limit.algorithm);
+            keys.push(owed.key.clone());
+            argv.push(alg.as_bytes().to_vec());
+            argv.push(a.to_string().into_bytes());
+            argv.push(b.to_string().into_bytes());
+            argv.push(c.to_string().into_bytes());
+            argv.push(delta.to_string().into_bytes());
+        }
+        if keys.is_empty() {
+            return;
+        }
+        if let Err(why) = host.defer(SETTLE_CALL, &self.tag, (keys, argv), Duration::ZERO) {
+            log::warn!("redis-guard: cannot settle usage-based costs: {why}");
+            host.count(Counter::UsageLost);
+        }
+    }
+}

@@ -1,0 +1,157 @@
+use super::*;
+use crate::scripts::SETTLE;
+
+/// A token bucket of 1000 units on /llm charged by the response's usage
+/// (prompt × 1 + completion × 4, or the x-usage header), reserving 10.
+fn usage_flow() -> Flow {
+    let cfg = Config::parse(
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"webdis"},"limits":[
+        {"name":"tokens","match":{"pathPrefix":"/llm"},
+         "tokenBucket":{"capacity":1000,"refill":10,"periodMs":1000},
+         "usage":{"header":"x-usage","reserve":10,"fallback":50,"maxBodyBytes":256,
+                  "json":[{"pointer":"/usage/prompt_tokens"},
+                          {"pointer":"/usage/completion_tokens","weight":4}]}}]}"#,
+    )
+    .unwrap();
+    Flow::new(Rc::new(cfg), test_breaker())
+}
+
+/// `[1, allowed, remaining, retry, reset]`.
+const ADMIT_ONE: &[u8] = b"*5\r\n$1\r\n1\r\n$1\r\n1\r\n$3\r\n990\r\n$1\r\n0\r\n$4\r\n1000\r\n";
+
+/// An admitted request under the limit, its response started with `headers`.
+fn answered(headers: &[(&str, &str)]) -> (Flow, FakeHost) {
+    let mut f = usage_flow();
+    let mut h = FakeHost::get("/llm/chat");
+    assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+    // The reserve is the request's cost in its decision.
+    assert!(
+        h.dispatched[0].ends_with("/1/tb/1000/10/1000/10/1.raw"),
+        "{}",
+        h.dispatched[0]
+    );
+    f.on_callout_reply(&mut h, 1, ok(ADMIT_ONE));
+    assert_eq!(h.resumed, 1);
+    h.respond(headers);
+    f.on_response_headers(&mut h, false);
+    (f, h)
+}
+
+/// Streams `body` in pieces of `piece` bytes, the last with end of stream.
+fn stream(f: &mut Flow, h: &mut FakeHost, body: &[u8], piece: usize) {
+    let chunks: Vec<&[u8]> = body.chunks(piece).collect();
+    for (i, chunk) in chunks.iter().enumerate() {
+        h.response_chunks.push(chunk.to_vec());
+        f.on_response_body(h, chunk.len(), i + 1 == chunks.len());
+    }
+}
+
+/// The settlement handed to the worker: its KEYS count and its ARGV.
+fn settlement(h: &FakeHost) -> (usize, Vec<String>) {
+    assert_eq!(h.slot_releases.len(), 1, "one settlement");
+    assert_eq!(h.deferred_scripts, std::slice::from_ref(&SETTLE.sha1));
+    (h.slot_releases[0].1.len(), h.slot_releases[0].2.clone())
+}
+
+#[test]
+fn a_json_response_is_charged_its_stated_usage_less_the_reserve() {
+    let body = br#"{"usage":{"prompt_tokens":12,"completion_tokens":30}}"#;
+    let len = body.len().to_string();
+    let (mut f, mut h) = answered(&[(":status", "200"), ("content-length", &len)]);
+    stream(&mut f, &mut h, body, 7);
+    assert!(
+        h.slot_releases.is_empty(),
+        "settled when the stream is over"
+    );
+    f.on_stream_end(&mut h);
+    // 12 + 4 × 30 = 132, of which 10 were reserved.
+    assert_eq!(
+        settlement(&h),
+        (
+            1,
+            vec!["tb", "1000", "10", "1000", "122"]
+                .into_iter()
+                .map(String::from)
+                .collect()
+        )
+    );
+    assert_eq!(h.counted_n, [(Counter::UsageCharged, 122)]);
+    f.on_stream_end(&mut h);
+    assert_eq!(h.slot_releases.len(), 1, "once");
+}
+
+#[test]
+fn a_streamed_response_is_read_event_by_event_and_a_small_cost_is_refunded() {
+    let body = b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n\
+data: {\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n";
+    let (mut f, mut h) = answered(&[
+        (":status", "200"),
+        ("content-type", "text/event-stream; charset=utf-8"),
+    ]);
+    stream(&mut f, &mut h, body, 5);
+    f.on_stream_end(&mut h);
+    // 2 + 4 × 1 = 6 of the 10 reserved: 4 back.
+    assert_eq!(settlement(&h).1[4], "-4");
+    assert_eq!(h.counted_n, [(Counter::UsageRefunded, 4)]);
+}
+
+#[test]
+fn a_usage_header_states_the_cost_at_once() {
+    let (mut f, mut h) = answered(&[(":status", "200"), ("x-usage", "10")]);
+    stream(&mut f, &mut h, b"not json", 100);
+    f.on_stream_end(&mut h);
+    assert!(
+        h.slot_releases.is_empty(),
+        "the reserve was the cost: nothing to settle"
+    );
+    assert!(h.counted_n.is_empty() && count(&h, Counter::UsageFallback) == 0);
+    let (mut f, mut h) = answered(&[(":status", "200"), ("x-usage", "500")]);
+    f.on_stream_end(&mut h);
+    assert_eq!(settlement(&h).1[4], "490");
+}
+
+#[test]
+fn a_response_without_usage_cut_short_or_too_large_is_charged_the_fallback() {
+    // (response headers, body, whether the stream ended)
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [u8], bool);
+    let cases: [Case; 3] = [
+        // No usage in a whole JSON body.
+        (&[(":status", "502")], b"{\"error\":\"upstream\"}", true),
+        // The client left mid-stream: the usage event never came.
+        (
+            &[(":status", "200"), ("content-type", "text/event-stream")],
+            b"data: {\"usage\":{\"prompt_tokens\":2}}\n\ndata: {\"cho",
+            false,
+        ),
+        // Over maxBodyBytes (256).
+        (&[(":status", "200")], &[b' '; 300], true),
+    ];
+    for (headers, body, ended) in cases {
+        let (mut f, mut h) = answered(headers);
+        h.response_chunks.push(body.to_vec());
+        f.on_response_body(&mut h, body.len(), ended);
+        f.on_stream_end(&mut h);
+        assert_eq!(count(&h, Counter::UsageFallback), 1, "{body:?}");
+        // The fallback (50) less the reserve (10).
+        assert_eq!(settlement(&h).1[4], "40", "{body:?}");
+    }
+}
+
+#[test]
+fn a_rejected_request_owes_nothing() {
+    let mut f = usage_flow();
+    let mut h = FakeHost::get("/llm/chat");
+    f.on_request_headers(&mut h, true);
+    f.on_callout_reply(&mut h, 1, ok(REJECT));
+    assert_eq!(h.sent[0].status, 429);
+    f.on_stream_end(&mut h);
+    assert!(h.slot_releases.is_empty() && h.counted_n.is_empty());
+}
+
+#[test]
+fn a_settlement_the_worker_cannot_take_is_counted_lost() {
+    let (mut f, mut h) = answered(&[(":status", "200"), ("x-usage", "20")]);
+    h.no_worker = true;
+    f.on_stream_end(&mut h);
+    assert_eq!(count(&h, Counter::UsageLost), 1);
+}
