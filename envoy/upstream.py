@@ -18,6 +18,14 @@ reached the upstream.
          the response in that order (a name may repeat); each character of a
          value below U+0100 is sent as that one byte, so "\u00ff" sends 0xFF
          (a header value that is not UTF-8)
+  header x-upstream-llm -> answer as an LLM API with the token counts of
+         x-upstream-tokens ("<prompt>,<completion>", default "10,20"):
+         openai-json (a chat completion with its usage), openai-sse (chunks,
+         then a final chunk with the usage, then [DONE]) or anthropic-sse
+         (message_start with the input tokens, deltas, message_delta with the
+         output tokens as a running total, message_stop); with
+         x-upstream-body-pause-ms, a stream pauses that long before its
+         usage, so a client can leave before it
 """
 import argparse
 import json
@@ -57,11 +65,60 @@ class Handler(BaseHTTPRequestHandler):
             with LOCK:
                 STATS["inFlight"][self.path] -= 1
 
+    def _llm(self, kind, status):
+        prompt, completion = (int(x) for x in
+                              (self.headers.get("x-upstream-tokens") or "10,20").split(","))
+        pause = min(int(self.headers.get("x-upstream-body-pause-ms") or 0), 10_000)
+        if kind == "openai-json":
+            out = json.dumps({
+                "id": "chatcmpl-demo", "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion},
+            }).encode()
+            return self._reply(status, out)
+        if kind == "openai-sse":
+            head = [{"choices": [{"delta": {"content": w}}], "usage": None} for w in ("Hel", "lo")]
+            tail = [{"choices": [], "usage": {"prompt_tokens": prompt,
+                                              "completion_tokens": completion,
+                                              "total_tokens": prompt + completion}}]
+            events = ([b"data: " + json.dumps(e).encode() for e in head],
+                      [b"data: " + json.dumps(e).encode() for e in tail] + [b"data: [DONE]"])
+        elif kind == "anthropic-sse":
+            def ev(name, data):
+                return f"event: {name}\ndata: {json.dumps(data)}".encode()
+            head = [ev("message_start", {"type": "message_start", "message": {
+                        "usage": {"input_tokens": prompt, "output_tokens": 1}}}),
+                    ev("content_block_delta", {"type": "content_block_delta",
+                                               "delta": {"text": "Hello"}})]
+            tail = [ev("message_delta", {"type": "message_delta",
+                                         "usage": {"output_tokens": max(1, completion // 2)}}),
+                    ev("message_delta", {"type": "message_delta",
+                                         "usage": {"output_tokens": completion}}),
+                    ev("message_stop", {"type": "message_stop"})]
+            events = (head, tail)
+        else:
+            return self._reply(400, b'{"error":"unknown x-upstream-llm"}')
+        first = b"".join(e + b"\n\n" for e in events[0])
+        rest = b"".join(e + b"\n\n" for e in events[1])
+        self.send_response(status)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(first) + len(rest)))
+        self.end_headers()
+        self.wfile.write(first)
+        self.wfile.flush()
+        if pause:
+            time.sleep(pause / 1000)
+        self.wfile.write(rest)
+
     def _execute(self, n, body):
         delay = min(int(self.headers.get("x-upstream-delay-ms") or 0), 10_000)
         if delay:
             time.sleep(delay / 1000)
         status = int(self.headers.get("x-upstream-status") or 200)
+        llm = self.headers.get("x-upstream-llm")
+        if llm:
+            return self._llm(llm, status)
         binary = min(int(self.headers.get("x-upstream-binary-bytes") or 0), 16 << 20)
         extra = json.loads(self.headers.get("x-upstream-headers") or "[]")
         if binary:

@@ -286,6 +286,11 @@ impl Context for Root {
             host.via_root = false;
             if let Ok(mut deferred) = shared.deferred.try_borrow_mut() {
                 deferred.on_reply(&mut host, &shared.config.redis, token_id, &reply);
+                // A refused call queued again waits for a tick: make sure one
+                // comes (the root's own context is the current one here).
+                if deferred.pending() {
+                    let _ = hostcalls::set_tick_period(TICK);
+                }
             }
             return;
         }

@@ -1,0 +1,240 @@
+//! Usage-based limits end to end: real Envoys, Webdis, Redis, and the demo
+//! upstream answering as an OpenAI-compatible or Anthropic-style API with
+//! token counts the test chooses. A request takes its reserve at admission;
+//! when its stream is over the worker settles the difference to what the
+//! response said, so the balance in Redis is exactly the sum of the costs.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// One token in the buckets: they refill one token an hour, so nothing
+/// comes back while a test runs.
+const PERIOD: i64 = 3_600_000;
+
+/// 100 tokens per x-user on /v1/chat (OpenAI usage: prompt + completion)
+/// and on /v1/messages (Anthropic: input + output), reserving 10, charging
+/// 60 when no usage arrives; an idempotency rule on /v1/chat.
+fn config() -> String {
+    filter_config(1000)
+        .limits(
+            r#"[{"name":"openai","match":{"pathPrefix":"/v1/chat"},"descriptor":[{"header":"x-user"}],
+                 "tokenBucket":{"capacity":100,"refill":1,"periodMs":3600000},
+                 "usage":{"reserve":10,"fallback":60,
+                          "json":[{"pointer":"/usage/prompt_tokens"},{"pointer":"/usage/completion_tokens"}]}},
+                {"name":"anthropic","match":{"pathPrefix":"/v1/messages"},"descriptor":[{"header":"x-user"}],
+                 "tokenBucket":{"capacity":100,"refill":1,"periodMs":3600000},
+                 "usage":{"reserve":10,
+                          "json":[{"pointer":"/message/usage/input_tokens"},{"pointer":"/usage/output_tokens"}]}}]"#,
+        )
+        .idempotency(r#"[{"name":"chat","match":{"pathPrefix":"/v1/chat"}}]"#)
+        .build()
+}
+
+/// The tokens left in the bucket of `limit` for `user` (negative: debt).
+fn tokens(con: &mut redis::Connection, limit: &str, user: &str) -> Option<i64> {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("*:{limit}:tb.*:{}:{user}", user.len()))
+        .query(con)
+        .unwrap();
+    let key = keys.first()?;
+    let (credits, _) = read_bucket(con, key)?;
+    Some(credits.div_euclid(PERIOD))
+}
+
+/// Waits (bounded) until the bucket holds `want` tokens: the settlement is
+/// sent by the worker as the stream ends, and lands a moment later.
+fn settles_to(con: &mut redis::Connection, limit: &str, user: &str, want: i64) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let now = tokens(con, limit, user);
+        if now == Some(want) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{limit}/{user}: {now:?} tokens, want {want}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn llm(e: &Envoy, path: &str, user: &str, kind: &str, tokens: &str) -> Resp {
+    http(
+        "POST",
+        &e.url(path),
+        &[
+            ("x-user", user),
+            ("x-upstream-llm", kind),
+            ("x-upstream-tokens", tokens),
+        ],
+        Some(b"{}"),
+    )
+}
+
+#[test]
+fn the_balance_is_exactly_what_the_responses_said_and_a_debt_rejects_what_follows() {
+    let stack = Stack::start(&config(), 2);
+    let mut con = stack.redis.conn();
+    let (a, b) = (&stack.envoys[0], &stack.envoys[1]);
+    // JSON on one Envoy, SSE on the other: 30 then 10 tokens.
+    let r = llm(a, "/v1/chat/completions", "u1", "openai-json", "10,20");
+    assert_eq!(r.status, 200);
+    // The headers show the state at admission: the reserve taken.
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("90"));
+    settles_to(&mut con, "openai", "u1", 70);
+    let r = llm(b, "/v1/chat/completions", "u1", "openai-sse", "4,6");
+    assert_eq!(r.status, 200);
+    assert!(String::from_utf8_lossy(&r.body).ends_with("data: [DONE]\n\n"));
+    settles_to(&mut con, "openai", "u1", 60);
+    // A completion that costs more than is left is admitted (the reserve
+    // fits) and leaves a debt of 40.
+    assert_eq!(
+        llm(a, "/v1/chat/completions", "u1", "openai-json", "50,50").status,
+        200
+    );
+    settles_to(&mut con, "openai", "u1", -40);
+    for e in [a, b] {
+        let r = llm(e, "/v1/chat/completions", "u1", "openai-json", "1,1");
+        assert_eq!(r.status, 429, "in debt");
+        assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    }
+    // Anthropic's stream: 25 input tokens in message_start, 40 output
+    // tokens as the last running total.
+    assert_eq!(
+        llm(b, "/v1/messages", "u1", "anthropic-sse", "25,40").status,
+        200
+    );
+    settles_to(&mut con, "anthropic", "u1", 35);
+    let charged: u64 = stack
+        .envoys
+        .iter()
+        .map(|e| e.counter("redis_guard.usage.charged_units"))
+        .sum();
+    assert_eq!(charged, 20 + 90 + 55);
+    let refunded: u64 = stack
+        .envoys
+        .iter()
+        .map(|e| e.counter("redis_guard.usage.refunded_units"))
+        .sum();
+    assert_eq!(refunded, 0, "the 10-token answer cost exactly its reserve");
+    let fallback: u64 = stack
+        .envoys
+        .iter()
+        .map(|e| e.counter("redis_guard.usage.fallback"))
+        .sum();
+    assert_eq!(fallback, 0);
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_is_charged_the_fallback() {
+    let stack = Stack::start(&config(), 1);
+    let e = stack.envoy();
+    let mut con = stack.redis.conn();
+    let mut s = TcpStream::connect(("127.0.0.1", e.port)).unwrap();
+    let req = raw_request_bytes(
+        "POST",
+        "/v1/chat/completions",
+        "content-length: 2\r\n",
+        &[
+            ("x-user", b"u2"),
+            ("x-upstream-llm", b"openai-sse"),
+            ("x-upstream-tokens", b"1,1"),
+            ("x-upstream-body-pause-ms", b"3000"),
+        ],
+        b"{}",
+    );
+    s.write_all(&req).unwrap();
+    // The first events arrive; the usage would come 3 s later.
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("lo\"") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed early");
+        got.extend_from_slice(&buf[..n]);
+    }
+    drop(s);
+    // 60 charged (the fallback), not the 2 the stream would have said.
+    settles_to(&mut con, "openai", "u2", 40);
+    assert_eq!(e.counter("redis_guard.usage.fallback"), 1);
+}
+
+#[test]
+fn a_replayed_request_charges_nothing() {
+    let stack = Stack::start(&config(), 2);
+    let mut con = stack.redis.conn();
+    let headers = |e: &Envoy| {
+        http(
+            "POST",
+            &e.url("/v1/chat/completions"),
+            &[
+                ("x-user", "u3"),
+                ("idempotency-key", "k-1"),
+                ("x-upstream-llm", "openai-json"),
+                ("x-upstream-tokens", "20,20"),
+            ],
+            Some(b"{}"),
+        )
+    };
+    let first = headers(&stack.envoys[0]);
+    assert_eq!(first.status, 200);
+    settles_to(&mut con, "openai", "u3", 60);
+    let again = headers(&stack.envoys[1]);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(tokens(&mut con, "openai", "u3"), Some(60));
+    assert_eq!(stack.upstream.executions_of("/v1/chat/completions"), 1);
+}
+
+#[test]
+fn redis_down_at_settlement_is_counted_and_the_stream_still_completes() {
+    let mut stack = Stack::start(&config(), 1);
+    let url = stack.envoys[0].url("/v1/messages");
+    let done = std::thread::scope(|s| {
+        let streaming = s.spawn(move || {
+            http(
+                "POST",
+                &url,
+                &[
+                    ("x-user", "u4"),
+                    ("x-upstream-llm", "anthropic-sse"),
+                    // 60 tokens: 50 more than the reserve to settle.
+                    ("x-upstream-tokens", "30,30"),
+                    ("x-upstream-body-pause-ms", "1500"),
+                ],
+                Some(b"{}"),
+            )
+        });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while stack.upstream.in_flight("/v1/messages") == 0 {
+            assert!(Instant::now() < deadline, "never admitted");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stack.redis.stop();
+        streaming.join().unwrap()
+    });
+    assert_eq!(
+        done.status, 200,
+        "the response is not held by its settlement"
+    );
+    let e = &stack.envoys[0];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while e.counter("redis_guard.usage.lost") != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the lost settlement was never counted"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Still serving: the next request takes the failure mode (deny).
+    let r = llm(e, "/v1/messages", "u4", "anthropic-sse", "1,1");
+    assert_eq!(r.status, 503);
+}
