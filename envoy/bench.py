@@ -22,6 +22,9 @@ direct_response, and one Envoy under test per scenario (envoy/envoy.yaml,
   l  fixed window   b with a fixed window
   m  sw counter     b with a sliding-window counter
   n  sw log         b with a sliding-window log
+  p  usage          b's bucket charged by each answer's usage: an OpenAI-style
+                    stream of ~4 KiB, read event by event, settled after it
+  q  LLM baseline   (a) answering (p)'s stream: the same bytes without the filter
   o  concurrency    b with a concurrency limit (1e6 in flight): the slot is
                     taken by the decision and given back by a second call
                     when the stream ends
@@ -259,6 +262,27 @@ SCENARIOS = [
                   {"limit": 10, "windowMs": 3_600_000}),
     kind_scenario("n", "sliding-window log", "one sliding-window log (1e6 per 10 s)",
                   "slidingWindow", {"limit": 1_000_000, "windowMs": 10_000}),
+    {
+        "id": "q",
+        "name": "no filter, LLM answers",
+        "what": "(a) answering (p)'s streamed completion: (p)'s baseline for the same bytes",
+        "filter": None,
+        "request": "get-llm",
+        "expect": "2xx",
+    },
+    {
+        "id": "p",
+        "name": "strict, usage (LLM tokens)",
+        "what": "b's token bucket charged by the response's usage: a reserve of 10 taken in the "
+        "decision, each answer an OpenAI-style stream of about 4 KiB scanned event by event, its "
+        "final usage settled by the worker (batched per tick): two calls per request at most",
+        "filter": filter_config([dict(tb("bench-usage", BIG, BIG, 1000), usage={
+            "reserve": 10,
+            "json": [{"pointer": "/usage/prompt_tokens"},
+                     {"pointer": "/usage/completion_tokens", "weight": 4}]})], batch=SINGLE),
+        "request": "get-llm",
+        "expect": "2xx",
+    },
     kind_scenario("o", "concurrency", "one concurrency limit (1e6 in flight; its slot given "
                   "back by a second call as the stream ends)", "concurrency",
                   {"max": 1_000_000, "leaseMs": 30_000}),
@@ -557,6 +581,19 @@ def envoy_binary():
     return found[0]
 
 
+def llm_sse(chunks=40):
+    """An OpenAI-style streamed completion of a few KiB: `chunks` content
+    events, then the usage (12 prompt + 120 completion tokens), then [DONE]."""
+    events = [{"choices": [{"index": 0, "delta": {"content": f"token {i} "}}], "usage": None}
+              for i in range(chunks)]
+    events.append({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 120,
+                                            "total_tokens": 132}})
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+LLM_SSE = llm_sse()
+
+
 def upstream_yaml(port, admin_port):
     """An Envoy that answers every request with a small 200 itself."""
     return {
@@ -582,6 +619,29 @@ def upstream_yaml(port, admin_port):
                                                     "name": "all",
                                                     "domains": ["*"],
                                                     "routes": [
+                                                        # (p): an OpenAI-style
+                                                        # streamed completion.
+                                                        {
+                                                            "match": {
+                                                                "prefix": "/",
+                                                                "headers": [{
+                                                                    "name": "x-bench-llm",
+                                                                    "present_match": True,
+                                                                }],
+                                                            },
+                                                            "direct_response": {
+                                                                "status": 200,
+                                                                "body": {"inline_string": LLM_SSE},
+                                                            },
+                                                            "response_headers_to_add": [{
+                                                                "header": {
+                                                                    "key": "content-type",
+                                                                    "value": "text/event-stream",
+                                                                },
+                                                                "append_action":
+                                                                "OVERWRITE_IF_EXISTS_OR_ADD",
+                                                            }],
+                                                        },
                                                         {
                                                             "match": {"prefix": "/"},
                                                             "direct_response": {
@@ -782,7 +842,10 @@ class Stack:
                     last = f"GET {s1} then {s2}, expected 200 then 429"
                 else:
                     anon = sc["request"] == "get-anon"
-                    s, h, _ = hreq(port, "GET", PATH, {} if anon else {"x-user": "probe"})
+                    ph = {} if anon else {"x-user": "probe"}
+                    if sc["request"] == "get-llm":
+                        ph["x-bench-llm"] = "1"
+                    s, h, _ = hreq(port, "GET", PATH, ph)
                     want_rl = sc["filter"] is not None and not anon
                     if s == 200 and (not want_rl or "ratelimit-policy" in h or "lease" in
                                      json.dumps(sc["filter"])):
@@ -819,6 +882,12 @@ wrk.method = "GET"
 wrk.headers["x-user"] = "bench-user"
 """
 
+WRK_GET_LLM = r"""
+wrk.method = "GET"
+wrk.headers["x-user"] = "bench-user"
+wrk.headers["x-bench-llm"] = "1"
+"""
+
 WRK_GET_ANON = r"""
 wrk.method = "GET"
 """
@@ -846,7 +915,8 @@ end
 
 def wrk_script(kind):
     path = RUN / f"wrk-{kind}.lua"
-    body = {"post-idem": WRK_POST_IDEM, "get-anon": WRK_GET_ANON}.get(kind, WRK_GET)
+    body = {"post-idem": WRK_POST_IDEM, "get-anon": WRK_GET_ANON,
+            "get-llm": WRK_GET_LLM}.get(kind, WRK_GET)
     path.write_text(body + WRK_DONE)
     return path
 
@@ -1488,7 +1558,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="seconds of warm-up per scenario")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="wrk threads")
-    ap.add_argument("--scenarios", default="abcdexfghklmno",
+    ap.add_argument("--scenarios", default="abcdexfghklmnopq",
                     help="which, e.g. 'ab' ((a) is always run); 'x' adds a diagnostic: the "
                     "filter loaded but no limit applying")
     ap.add_argument("--runtimes", default="v8",

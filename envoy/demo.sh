@@ -130,6 +130,15 @@ PEAK=$(curl -s "http://127.0.0.1:$UPSTREAM_PORT/__stats" \
   | python3 -c 'import json,sys; print(json.load(sys.stdin)["peakInFlight"].get("/api/exports", 0))')
 echo "  the upstream ran at most $PEAK exports at once; they ended, so their slots are free again:"
 show "GET /api/exports (x-api-key: k1) #5" -H 'x-api-key: k1' "$URL/api/exports"
+echo "limit llm-tokens: 1000 tokens per x-api-key (10 back per second), charged by each completion's"
+echo "  usage once its stream ends; a request needs 50 left (the reserve) to start:"
+llm() { # description, prompt,completion
+  show "$1" -X POST -d '{"stream":true}' -H 'x-api-key: k1' -H 'x-upstream-llm: openai-sse' \
+    -H "x-upstream-tokens: $2" "$URL/v1/chat/completions"; sleep 0.2; }
+llm "POST /v1/chat/completions (200 + 600 tokens)" 200,600
+llm "POST /v1/chat/completions (100 + 250 tokens)" 100,250
+echo "  that one cost 350 with about 200 left: the key is in debt until refill pays it back:"
+llm "POST /v1/chat/completions (1 + 1 tokens)" 1,1
 echo "shadow limit search-trial (2 per 10 s) never rejects, it counts:"
 for i in 1 2 3; do show "GET /api/search #$i" -H "x-user: carol$i" "$URL/api/search"; done
 echo "idempotency rule payments: POST /api/payments with an Idempotency-Key runs once"
