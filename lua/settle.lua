@@ -1,11 +1,11 @@
---[[ redis-guard: settle usage-based costs (issue 15, not wired into the
-filter yet): once a response says what its request really cost, charge the
-difference from what the decision reserved, or refund it.
+--[[ redis-guard: settle usage-based costs: once a response says what its
+request really cost, charge the difference from what the decision reserved,
+or refund it.
 
 KEYS[i]  the state key of limit i (as in lua/ratelimit.lua); a key may come
          more than once (the settlements of several requests in one call, as
          an Envoy worker sends them): they apply in order
-ARGV per limit i, five values starting at 1 + (i-1)*5:
+ARGV per limit i, six values starting at 1 + (i-1)*6:
   algorithm  "tb", "gcra", "fw" or "swc" (the sliding-window log keeps a
              member per unit, and a concurrency limit counts requests, not
              units: neither settles)
@@ -13,6 +13,9 @@ ARGV per limit i, five values starting at 1 + (i-1)*5:
              burst, rate, period; fw, swc: limit, window, 0)
   delta      units to charge now: the actual cost minus what was reserved,
              negative for a refund (a whole number, |delta| < 2^50)
+  age        ms since the decision's call left (the proxy's clock): the
+             decision ran at most that long ago. A window kind refunds only
+             when the reserve was surely taken in the window current now
 Returns  one integer per limit: the units left after settling (wire()d);
          negative is debt.
 
@@ -25,8 +28,14 @@ is known late. No cap: a cost is bounded by what the upstream reports.
 
 Refunds never make a limit more than whole: a token bucket stops at full, a
 GCRA's arrival time at now, a window's count at 0. A fixed window or counter
-settles into the window current now: a refund whose window has passed is
-dropped (its units are gone with it), a charge lands in the current one.
+settles into the window current now: a charge lands in it; a refund only if
+the reserve was surely taken in it (now - age is in the same window), and is
+dropped otherwise (the reserve went with its window, or into a window whose
+count a refund here would wrongly lower: never over-admit).
+
+Large costs: a token bucket's or GCRA's debt is kept exact (its credits
+below 2^53): a charge beyond that is clamped, so at most 2^52 credits of
+debt (2^52 / period units) are held.
 
 Composition: src/scripts.rs joins lua/wire.lua, lua/token_bucket.lua,
 lua/fixed_window.lua and lua/sliding_window_counter.lua at the marker: each
@@ -42,8 +51,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- @@ALGORITHMS@@
 
 local n = #KEYS
-if #ARGV ~= 5 * n then
-  return redis.error_reply('ERR redis-guard settle: five values per key')
+if #ARGV ~= 6 * n then
+  return redis.error_reply('ERR redis-guard settle: six values per key')
 end
 
 local function whole(x, lo, hi)
@@ -53,14 +62,20 @@ end
 -- Every limit is checked before any is written (Redis keeps what a script
 -- wrote before an error).
 for i = 1, n do
-  local base = 1 + (i - 1) * 5
+  local base = 1 + (i - 1) * 6
   local alg = ARGV[base]
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  -- The bounds config validation keeps each kind within (src/config/limit.rs).
   local ok = whole(tonumber(ARGV[base + 4]), -(2^50 - 1), 2^50 - 1)
-      and whole(a, 1, 2^50) and whole(b, 1, 2^53 - 1) and whole(c, 0, 2^53 - 1)
-  if alg == 'tb' or alg == 'gcra' then
+      and whole(tonumber(ARGV[base + 5]), 0, 2^53 - 1)
+      and whole(a, 1, 2^53 - 1) and whole(b, 1, 2^53 - 1) and whole(c, 0, 2^53 - 1)
+  if alg == 'tb' then
+    ok = ok and c >= 1 and a * c < 2^53 and b * c < 2^53
+  elseif alg == 'gcra' then
     ok = ok and c >= 1 and a * c < 2^52 and b * c < 2^53
-  elseif alg ~= 'fw' and alg ~= 'swc' then
+  elseif alg == 'fw' or alg == 'swc' then
+    ok = ok and a <= 2^50
+  else
     ok = false
   end
   if not ok then
@@ -81,7 +96,7 @@ local function gcra_settle(key, burst, rate, period, delta)
       d = (ms - now) * rate + rem
     end
   end
-  d = math.max(0, d + delta * period)
+  d = math.max(0, math.min(d + delta * period, 2^52))
   if d == 0 then
     redis.call('DEL', key)
   else
@@ -97,15 +112,20 @@ end
 
 local out = {}
 for i = 1, n do
-  local base = 1 + (i - 1) * 5
+  local base = 1 + (i - 1) * 6
   local key, alg = KEYS[i], ARGV[base]
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local delta = tonumber(ARGV[base + 4])
+  local age = tonumber(ARGV[base + 5])
+  if (alg == 'fw' or alg == 'swc') and delta < 0
+      and math.floor((now - age) / b) ~= math.floor(now / b) then
+    delta = 0
+  end
   local left
   if alg == 'tb' then
     local r = tb_check(key, a, b, c, 0)
-    -- A refund stops at full.
-    r.need = math.max(delta * c, r.credits - r.full)
+    -- A refund stops at full; a debt at 2^52 credits (exact doubles).
+    r.need = math.min(math.max(delta * c, r.credits - r.full), r.credits + 2^52)
     tb_charge(r)
     left = math.floor((r.credits - r.need) / c)
   elseif alg == 'gcra' then
@@ -120,12 +140,11 @@ for i = 1, n do
   else
     local r = swc_check(key, a, b, 0, 0)
     r.cost = math.max(delta, -r.cur)
-    r.reset = swc_restored_in(r.cur + r.cost, r.prev, r)
-    if r.reset > 0 then
-      swc_charge(r)
-    else
-      redis.call('DEL', key)
-    end
+    -- Written through the kind's per-run cache even when the state is back
+    -- to nothing (a key that expires at once): the same key may come again
+    -- in this call.
+    r.reset = math.max(1, swc_restored_in(r.cur + r.cost, r.prev, r))
+    swc_charge(r)
     left = a - swc_weight(r.prev, b, r.e) - r.cur - r.cost
   end
   out[i] = wire(left)

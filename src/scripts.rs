@@ -98,7 +98,7 @@ pub static CC_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Settles usage-based costs after the response (lua/settle.lua with the
-/// kinds that settle joined in). Not sent by the filter yet (issue 15).
+/// kinds that settle joined in).
 pub static SETTLE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/settle.lua"),

@@ -86,6 +86,11 @@ impl JsonBody {
         self.buf.extend_from_slice(chunk);
     }
 
+    /// Over its bound: nothing more will be read.
+    pub fn void(&self) -> bool {
+        self.too_large
+    }
+
     /// The cost the whole body states.
     pub fn cost(&self, terms: &[Term]) -> Result<u64, Unknown> {
         weighted(terms, &self.values(terms)?)
@@ -134,16 +139,25 @@ impl EventStream {
         if self.too_large {
             return;
         }
-        self.pending.extend_from_slice(chunk);
-        while let Some((end, next)) = event_boundary(&self.pending) {
-            let event: Vec<u8> = self.pending[..end].to_vec();
-            self.pending.drain(..next);
-            self.read_event(&event, terms);
+        let mut buf = std::mem::take(&mut self.pending);
+        buf.extend_from_slice(chunk);
+        // Events are read where they lie; what is left is kept once.
+        let mut at = 0;
+        while let Some((end, next)) = event_boundary(&buf[at..]) {
+            self.read_event(&buf[at..at + end], terms);
+            at += next;
         }
+        buf.drain(..at);
+        self.pending = buf;
         if self.pending.len() > self.max_event {
             self.too_large = true;
             self.pending = Vec::new();
         }
+    }
+
+    /// An event over its bound: nothing more will be read.
+    pub fn void(&self) -> bool {
+        self.too_large
     }
 
     /// The stream ended: a last event without its blank line counts too.

@@ -30,16 +30,29 @@ fn assert_ttl(con: &mut Connection, key: &str, ms: i64) {
 
 static SETTLE_AT: LazyLock<Script> = LazyLock::new(|| with_test_clock(&SETTLE));
 
-/// Settles `(limit, delta)` pairs at `now`: the units left per limit.
+/// Settles `(limit, delta)` pairs at `now`, each decided just now (age 0):
+/// the units left per limit.
 fn settle(con: &mut Connection, now: i64, items: &[(&Limit, i64)]) -> Vec<i64> {
+    let aged: Vec<(&Limit, i64, i64)> = items.iter().map(|(l, d)| (*l, *d, 0)).collect();
+    settle_aged(con, now, &aged)
+}
+
+/// Settles `(limit, delta, age)`: age is the ms since the decision's call
+/// left, as the filter measures it.
+fn settle_aged(con: &mut Connection, now: i64, items: &[(&Limit, i64, i64)]) -> Vec<i64> {
     script::set_clock(con, now);
     let mut cmd = eval(&SETTLE_AT);
     cmd.arg(items.len());
-    for (l, _) in items {
+    for (l, _, _) in items {
         cmd.arg(&l.key);
     }
-    for (l, delta) in items {
-        cmd.arg(l.alg).arg(l.a).arg(l.b).arg(&l.c).arg(*delta);
+    for (l, delta, age) in items {
+        cmd.arg(l.alg)
+            .arg(l.a)
+            .arg(l.b)
+            .arg(&l.c)
+            .arg(*delta)
+            .arg(*age);
     }
     let v: Value = cmd.query(con).unwrap_or_else(|e| panic!("settle: {e}"));
     let Value::Array(items) = v else {
@@ -120,7 +133,43 @@ fn a_fixed_window_in_debt_waits_for_its_next_window_and_a_refund_stops_at_zero()
     );
     // The count expires with its window (+2 ms, lua/fixed_window.lua).
     assert_ttl(&mut con, &l.key, HOUR + 2);
+    // A refund of a reserve taken in this window comes off this window's
+    // count, never below 0.
+    assert!(one(&mut con, T0 + HOUR, &l.clone().cost(30)).allowed);
     assert_eq!(settle(&mut con, T0 + HOUR, &[(&l, -50)]), [100]);
+}
+
+#[test]
+fn a_window_refund_is_dropped_unless_its_reserve_was_surely_taken_in_the_current_window() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    for l in [fw("s:{k}:fw", 100, HOUR), swc("s:{k}:swc", 100, HOUR)] {
+        // A reserves 50 in the last second of a window, B 50 in the first
+        // second of the next; A's answer cost 5.
+        assert!(one(&mut con, T0 + HOUR - SECOND, &l.clone().cost(50)).allowed);
+        assert!(one(&mut con, T0 + HOUR + 100, &l.clone().cost(50)).allowed);
+        let dump = |con: &mut Connection| {
+            redis::cmd("DUMP")
+                .arg(&l.key)
+                .query::<Option<Vec<u8>>>(con)
+                .unwrap()
+        };
+        let before = dump(&mut con);
+        // A's decision left 1.2 s before its settlement: its window is not
+        // this one, so its refund must not lower B's window's count.
+        settle_aged(&mut con, T0 + HOUR + 200, &[(&l, -45, 1200)]);
+        assert_eq!(
+            before,
+            dump(&mut con),
+            "{}: refunded into the wrong window",
+            l.alg
+        );
+        // B's own refund, decided 100 ms ago in this window, comes off it.
+        let left = settle_aged(&mut con, T0 + HOUR + 200, &[(&l, -45, 100)])[0];
+        assert!(left > 0, "{}: {left}", l.alg);
+        // A charge lands whatever the age.
+        let more = settle_aged(&mut con, T0 + HOUR + 300, &[(&l, 10, 5000)])[0];
+        assert_eq!(more, left - 10, "{}", l.alg);
+    }
 }
 
 #[test]
@@ -137,6 +186,12 @@ fn a_sliding_window_counter_carries_its_debt_by_weight_into_the_next_window() {
     assert_eq!(
         settle(&mut con, T0 + HOUR + 3 * HOUR / 4, &[(&l, -1000)]),
         [50]
+    );
+    // The same key twice in one call, a refund to nothing then a charge:
+    // the charge counts from the refunded state (the kind's own cache).
+    assert_eq!(
+        settle(&mut con, T0 + HOUR + 3 * HOUR / 4, &[(&l, -10), (&l, 3)]),
+        [50, 47]
     );
 }
 
@@ -177,12 +232,17 @@ fn a_kind_that_cannot_settle_or_a_bad_number_is_an_error_and_writes_nothing() {
             ["tb", "100", "10", "1000", "1125899906842624"],
         ),
         ("a zero period", ["tb", "100", "10", "0", "1"]),
+        (
+            "capacity x period at 2^53",
+            ["tb", "9007199254740992", "1", "1", "1"],
+        ),
     ] {
         script::set_clock(&mut con, T0);
         let mut cmd = eval(&SETTLE_AT);
         cmd.arg(2).arg(&a.key).arg("s:{k}:other");
-        cmd.arg(&["tb", "100", "10", "1000", "5"][..])
-            .arg(&second[..]);
+        cmd.arg(&["tb", "100", "10", "1000", "5", "0"][..])
+            .arg(&second[..])
+            .arg(0);
         let err = cmd.query::<Value>(&mut con).unwrap_err().to_string();
         assert!(err.contains("redis-guard settle"), "{what}: {err}");
         let now: Option<Vec<u8>> = redis::cmd("DUMP").arg(&a.key).query(&mut con).unwrap();

@@ -34,7 +34,8 @@ pub struct Kind {
     pub per_key: usize,
     /// What the log calls it when it fails.
     pub what: &'static str,
-    /// Counted when one is dropped (could not be sent, or failed).
+    /// Counted, per key, when a call is dropped (could not be sent, or
+    /// failed).
     pub lost: Option<Counter>,
 }
 
@@ -109,7 +110,10 @@ impl Deferred {
                             "redis-guard: cannot send {} ({} keys): {why}",
                             kind.what,
                             k.len()
-                        )
+                        );
+                        if let Some(lost) = kind.lost {
+                            host.count_n(lost, k.len() as u64);
+                        }
                     }
                 }
             }
@@ -149,9 +153,10 @@ impl Deferred {
                 });
             }
             Answer::Refused((_, why)) | Answer::Failed((_, why)) => {
-                log::warn!("redis-guard: {} failed: {why}", kind.what);
+                let keys = call.into_args().0.len() as u64;
+                log::warn!("redis-guard: {} failed ({keys} keys): {why}", kind.what);
                 if let Some(lost) = kind.lost {
-                    host.count(lost);
+                    host.count_n(lost, keys);
                 }
             }
         }

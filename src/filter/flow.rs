@@ -303,7 +303,9 @@ impl Flow {
         match &verdict {
             Verdict::Limits(outcome) => {
                 self.slots.on_outcome(host, self.limits.plan(), outcome);
-                self.usage.on_outcome(&config, self.limits.plan(), outcome);
+                let sent_at = self.decision.sent_at();
+                self.usage
+                    .on_outcome(&config, self.limits.plan(), outcome, sent_at);
             }
             _ => self.slots.not_taken(),
         }

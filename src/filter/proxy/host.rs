@@ -14,7 +14,7 @@ use crate::request::RequestView;
 use crate::response::LocalReply;
 
 use super::metrics::UNDEFINED;
-use super::{host_now, FlowRef, Shared, Stream, TICK};
+use super::{host_now, FlowRef, Shared, Stream};
 
 pub(super) struct ProxyHost<'a> {
     pub shared: Option<&'a Shared>,
@@ -48,12 +48,9 @@ impl RequestView for ProxyHost<'_> {
 }
 
 impl ProxyHost<'_> {
-    /// Makes the worker's root tick (the period is the root's to set).
+    /// Makes the worker's root tick (see `Shared::tick`).
     fn tick_root(&self, shared: &Shared) -> Result<(), String> {
-        let _ = hostcalls::set_effective_context(shared.root_id);
-        let ticking = hostcalls::set_tick_period(TICK);
-        let _ = hostcalls::set_effective_context(self.context_id);
-        ticking.map_err(|e| format!("{e:?}"))
+        shared.tick(self.context_id)
     }
 
     fn route_reply(&self, token: u32) {
@@ -367,8 +364,6 @@ fn wake(shared: &Shared, queue: u32, me: u32) {
         // The root's tick flushes instead, a millisecond later.
         shared.wake_pending.set(false);
         log::warn!("redis-guard: cannot wake the worker for a batch: {e:?}");
-        let _ = hostcalls::set_effective_context(shared.root_id);
-        let _ = hostcalls::set_tick_period(TICK);
-        let _ = hostcalls::set_effective_context(me);
+        let _ = shared.tick(me);
     }
 }

@@ -82,6 +82,10 @@ pub(super) struct Shared {
     /// Calls this worker's streams left to the root (slot releases,
     /// settlements), and those in flight.
     deferred: RefCell<Deferred>,
+    /// The root's tick is on: setting its period again would re-arm the
+    /// timer (Envoy re-creates it), so streams that end more often than
+    /// once a millisecond would keep the tick from ever firing.
+    ticking: std::cell::Cell<bool>,
 }
 
 /// A batch member as the worker knows it: its stream's context and flow.
@@ -102,6 +106,20 @@ impl Waiter for Stream {
 const SENT_AT_SWEEP: usize = 4096;
 
 impl Shared {
+    /// Turns the root's tick on, unless it is on; `me` is the context
+    /// running now (the period is the root's to set).
+    pub(super) fn tick(&self, me: u32) -> Result<(), String> {
+        if self.ticking.get() {
+            return Ok(());
+        }
+        let _ = hostcalls::set_effective_context(self.root_id);
+        let set = hostcalls::set_tick_period(TICK);
+        let _ = hostcalls::set_effective_context(me);
+        set.map_err(|e| format!("{e:?}"))?;
+        self.ticking.set(true);
+        Ok(())
+    }
+
     fn note_sent(&self, token: u32, now: Duration) {
         if let Ok(mut sent) = self.sent_at.try_borrow_mut() {
             if sent.len() >= SENT_AT_SWEEP {
@@ -289,7 +307,7 @@ impl Context for Root {
                 // A refused call queued again waits for a tick: make sure one
                 // comes (the root's own context is the current one here).
                 if deferred.pending() {
-                    let _ = hostcalls::set_tick_period(TICK);
+                    let _ = shared.tick(self.context_id);
                 }
             }
             return;
@@ -387,6 +405,7 @@ impl RootContext for Root {
                     wake_pending: std::cell::Cell::new(false),
                     batcher: RefCell::new(batcher),
                     deferred: RefCell::new(Deferred::default()),
+                    ticking: std::cell::Cell::new(false),
                 }));
                 true
             }
@@ -473,8 +492,12 @@ impl RootContext for Root {
                     .try_borrow()
                     .map_or(true, |b| b.as_ref().is_some_and(Batcher::needs_tick));
                 let deferred_wait = shared.deferred.try_borrow().map_or(true, |d| d.pending());
-                if waiting.is_empty() && !batches_wait && !deferred_wait {
-                    let _ = hostcalls::set_tick_period(Duration::ZERO);
+                if waiting.is_empty()
+                    && !batches_wait
+                    && !deferred_wait
+                    && hostcalls::set_tick_period(Duration::ZERO).is_ok()
+                {
+                    shared.ticking.set(false);
                 }
                 let flows = shared.wakeable.try_borrow().ok();
                 due.into_iter()

@@ -50,8 +50,9 @@ pub fn cached<H: Host>(host: &mut H, config: &Config, plan: &Plan) -> Option<Loc
 /// Records every enforced limit that rejected, counted from when the call
 /// left (never later than Redis' own view of it). A plain write, not a
 /// compare-and-swap: any worker's newer answer is as good as ours. Never a
-/// concurrency limit: its capacity comes back when a request ends, which no
-/// time-out in this cache can foresee.
+/// concurrency limit or a usage-based one: their capacity also comes back
+/// when a request ends (a released slot, a refund), which no time-out in
+/// this cache can foresee.
 pub fn remember<H: Host>(
     host: &mut H,
     config: &Config,
@@ -66,6 +67,7 @@ pub fn remember<H: Host>(
             || result.retry_ms == 0
             || limit.shadow
             || matches!(limit.algorithm, Algorithm::Concurrency { .. })
+            || limit.usage.is_some()
         {
             continue;
         }

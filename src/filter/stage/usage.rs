@@ -17,10 +17,10 @@ use crate::response::Completion;
 use crate::scripts::SETTLE;
 use crate::usage::{weighted, EventStream, JsonBody, Term};
 
-/// A settlement as the worker sends it: five values per key.
+/// A settlement as the worker sends it: six values per key.
 pub const SETTLE_CALL: Kind = Kind {
     script: &SETTLE,
-    per_key: 5,
+    per_key: 6,
     what: "the settlement of usage-based costs",
     lost: Some(Counter::UsageLost),
 };
@@ -57,16 +57,25 @@ pub struct UsageStage {
     complete: bool,
     tag: String,
     settled: bool,
+    /// When the decision's call left: the settlement says how long ago.
+    sent_at: Duration,
 }
 
 impl UsageStage {
     /// Redis decided: an admitted request owes its usage-based limits the
     /// difference to what they reserved (a shadow limit that would have
     /// rejected took nothing, and owes nothing).
-    pub fn on_outcome(&mut self, config: &Config, plan: &Plan, outcome: &Outcome) {
+    pub fn on_outcome(
+        &mut self,
+        config: &Config,
+        plan: &Plan,
+        outcome: &Outcome,
+        sent_at: Duration,
+    ) {
         if !outcome.admitted {
             return;
         }
+        self.sent_at = sent_at;
         for (check, result) in plan.checks.iter().zip(&outcome.results) {
             let Some(usage) = &config.limits[check.limit].usage else {
                 continue;
@@ -105,6 +114,14 @@ impl UsageStage {
         if self.terms.is_empty() {
             return;
         }
+        // A compressed body cannot be read here: its usage is unknown (put
+        // a decompressor before this filter to read it).
+        let encoded = host
+            .response_header("content-encoding")
+            .is_some_and(|v| !v.eq_ignore_ascii_case(b"identity"));
+        if encoded {
+            return;
+        }
         let max = self
             .owed
             .iter()
@@ -129,8 +146,13 @@ impl UsageStage {
         if self.complete || self.owed.is_empty() {
             return;
         }
+        let void = match &self.reader {
+            Reader::None => true,
+            Reader::Json(body) => body.void(),
+            Reader::Stream(stream) => stream.void(),
+        };
         let read = match &mut self.reader {
-            Reader::None => size,
+            _ if void => size,
             reader => {
                 let chunk = host.response_body(size);
                 match reader {
@@ -163,6 +185,7 @@ impl UsageStage {
         };
         let mut keys = Vec::new();
         let mut argv = Vec::new();
+        let age = crate::filter::millis(host.now().saturating_sub(self.sent_at));
         for owed in &self.owed {
             let limit = &config.limits[owed.limit];
             let Some(usage) = &limit.usage else {
@@ -199,13 +222,15 @@ impl UsageStage {
             argv.push(b.to_string().into_bytes());
             argv.push(c.to_string().into_bytes());
             argv.push(delta.to_string().into_bytes());
+            argv.push(age.to_string().into_bytes());
         }
         if keys.is_empty() {
             return;
         }
+        let settlements = keys.len() as u64;
         if let Err(why) = host.defer(SETTLE_CALL, &self.tag, (keys, argv), Duration::ZERO) {
             log::warn!("redis-guard: cannot settle usage-based costs: {why}");
-            host.count(Counter::UsageLost);
+            host.count_n(Counter::UsageLost, settlements);
         }
     }
 }
