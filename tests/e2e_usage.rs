@@ -112,23 +112,11 @@ fn the_balance_is_exactly_what_the_responses_said_and_a_debt_rejects_what_follow
         200
     );
     settles_to(&mut con, "anthropic", "u1", 35);
-    let charged: u64 = stack
-        .envoys
-        .iter()
-        .map(|e| e.counter("redis_guard.usage.charged_units"))
-        .sum();
+    let charged = stack.counter("redis_guard.usage.charged_units");
     assert_eq!(charged, 20 + 90 + 55);
-    let refunded: u64 = stack
-        .envoys
-        .iter()
-        .map(|e| e.counter("redis_guard.usage.refunded_units"))
-        .sum();
+    let refunded = stack.counter("redis_guard.usage.refunded_units");
     assert_eq!(refunded, 0, "the 10-token answer cost exactly its reserve");
-    let fallback: u64 = stack
-        .envoys
-        .iter()
-        .map(|e| e.counter("redis_guard.usage.fallback"))
-        .sum();
+    let fallback = stack.counter("redis_guard.usage.fallback");
     assert_eq!(fallback, 0);
 }
 

@@ -726,6 +726,11 @@ impl Stack {
     pub fn envoy(&self) -> &Envoy {
         &self.envoys[0]
     }
+
+    /// A filter counter summed over every Envoy.
+    pub fn counter(&self, name: &str) -> u64 {
+        self.envoys.iter().map(|e| e.counter(name)).sum()
+    }
 }
 
 // ---------------------------------------------------------------------------
