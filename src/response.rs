@@ -140,6 +140,11 @@ pub fn stored_response_unavailable() -> LocalReply {
     reply
 }
 
+/// A `content-length` value, when it is a whole number.
+pub fn content_length(raw: &[u8]) -> Option<usize> {
+    std::str::from_utf8(raw).ok()?.trim().parse().ok()
+}
+
 /// When a response is complete for its client: at the stream's end, or as
 /// soon as all its content-length has passed (an HTTP/1.1 client stops
 /// reading there, before Envoy's end of stream). Says so once.

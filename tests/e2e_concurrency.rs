@@ -164,12 +164,10 @@ fn a_client_that_leaves_frees_its_slot_at_once() {
         429,
         "the slot is held"
     );
-    let left = Instant::now();
     drop(client);
     // The lease is 30 s: only the release frees the slot this soon.
     wait_for_slots(&mut con, 0, Duration::from_secs(2));
     assert_eq!(get(&e.url("/slow?next"), &user).status, 200);
-    assert!(left.elapsed() < Duration::from_secs(5));
     assert_eq!(e.counter("redis_guard.concurrency.released"), 2);
 }
 

@@ -393,10 +393,16 @@ impl Flow {
         let action = self
             .record
             .on_response_headers(host, &config, &mut self.calls, end_of_stream);
-        let length = host
-            .response_header("content-length")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
-        let complete = self.response.headers(length, end_of_stream);
+        // Only a held concurrency slot acts on the response's completion:
+        // other responses are not asked for their length.
+        let complete = if self.slots.held() {
+            let length = host
+                .response_header("content-length")
+                .and_then(|v| crate::response::content_length(&v));
+            self.response.headers(length, end_of_stream)
+        } else {
+            end_of_stream
+        };
         self.on_response_part(host, action, complete)
     }
 

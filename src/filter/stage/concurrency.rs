@@ -185,6 +185,11 @@ impl Concurrency {
         }
     }
 
+    /// The request holds slots the response's completion gives back.
+    pub fn held(&self) -> bool {
+        self.state == State::Held
+    }
+
     /// The response's end waits for the release.
     pub fn holding(&self) -> bool {
         matches!(self.release, Some((_, _, true)))

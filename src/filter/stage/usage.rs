@@ -109,7 +109,7 @@ impl UsageStage {
         }
         let length = host
             .response_header("content-length")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
+            .and_then(|v| crate::response::content_length(&v));
         self.complete = self.response.headers(length, end);
         if self.terms.is_empty() {
             return;

@@ -65,7 +65,7 @@ impl Intake {
             .map_err(|why| bad_request(&format!("invalid `{}`: {why}", rule.header)))?;
         if let Some(len) = host
             .header("content-length")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok())
+            .and_then(|v| crate::response::content_length(&v))
         {
             if len > rule.max_request_body {
                 return Err(payload_too_large(rule.max_request_body));

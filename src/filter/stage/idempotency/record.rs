@@ -105,7 +105,7 @@ impl Record {
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
         let expected = host
             .response_header("content-length")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<usize>().ok());
+            .and_then(|v| crate::response::content_length(&v));
         let storable = status.filter(|s| rule.stores(*s));
         let mut headers = Vec::new();
         for name in &rule.store_headers {
