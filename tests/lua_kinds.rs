@@ -23,60 +23,53 @@ use support::script::{
     self, admits, at, fw, gcra, one, rejects, sw, swc, tb, with_limits, Decision, Limit, Verdict,
     BATCH_AT, HOUR, MINUTE, RATELIMIT_AT, SECOND, T0,
 };
-use support::{assert_expires_in, key_exists as exists, pexpiretime, redis_now_ms as now_ms};
+use support::{
+    assert_expires_in, key_exists as exists, key_pttl, pexpiretime, redis_now_ms as now_ms,
+};
 
 use std::cell::{Cell, RefCell};
+use std::sync::LazyLock;
 
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::TestRunner;
 use redis::{Connection, Value};
-use redis_guard::scripts::{BATCH, RATELIMIT};
+use redis_guard::scripts::{Script, BATCH, RATELIMIT};
 
 // ---------------------------------------------------------------------------
 // Calling the script at a test-clock instant
 
-/// `one`, with the TTL of the limit's key removed in the same MULTI as the
-/// call: the property tests move the test clock freely, and a key that
-/// expired on the real clock meanwhile would be a fresh key the model does
-/// not expect. (Every script here must be right without expiry anyway: a
-/// state says which instant or window it belongs to.)
+/// `one` by the script without expiry (`script::without_expiry`): the
+/// property tests move the test clock freely, and a key that expired on the
+/// real clock meanwhile would be a fresh key the model does not expect.
 fn one_kept(con: &mut Connection, now: i64, limit: &Limit) -> Verdict {
     let d = decide_kept(con, now, std::slice::from_ref(limit));
     assert_eq!(d.admitted, d.limits[0].allowed, "{d:?}");
     d.limits[0]
 }
 
-/// `at`, keeping the limits' keys (see `one_kept`).
+/// `at` by the script without expiry (see `one_kept`).
 fn decide_kept(con: &mut Connection, now: i64, limits: &[Limit]) -> Decision {
-    let keys: Vec<&str> = limits.iter().map(|l| l.key.as_str()).collect();
     let v = kept(
         con,
         now,
-        with_limits(script::eval(&RATELIMIT_AT), limits, None),
-        &keys,
+        with_limits(script::eval(&RATELIMIT_KEPT), limits, None),
     );
     let d = script::parse(v).decision();
     assert_eq!(d.limits.len(), limits.len());
     d
 }
 
-/// Runs `call` at `now` on the test clock, and removes the TTL of `keys`,
-/// all in one MULTI: inside it Redis' own clock stands still, so no key the
-/// call wrote can expire before its TTL is gone.
-fn kept(con: &mut Connection, now: i64, call: redis::Cmd, keys: &[&str]) -> Value {
-    let mut pipe = redis::pipe();
-    pipe.atomic();
-    pipe.cmd("SET").arg(script::CLOCK_KEY).arg(now).ignore();
-    pipe.add_command(call);
-    for k in keys {
-        pipe.cmd("PERSIST").arg(*k).ignore();
-    }
-    let (v,): (Value,) = pipe
-        .query(con)
-        .unwrap_or_else(|e| panic!("call at {now} on {keys:?}: {e}"));
-    v
+/// lua/ratelimit.lua and lua/batch.lua at the test clock, writing no TTL.
+static RATELIMIT_KEPT: LazyLock<Script> = LazyLock::new(|| script::without_expiry(&RATELIMIT_AT));
+static BATCH_KEPT: LazyLock<Script> = LazyLock::new(|| script::without_expiry(&BATCH_AT));
+
+/// Runs `call` (a script without expiry) at `now` on the test clock.
+fn kept(con: &mut Connection, now: i64, call: redis::Cmd) -> Value {
+    script::set_clock(con, now);
+    call.query(con)
+        .unwrap_or_else(|e| panic!("call at {now}: {e}"))
 }
 
 // ---------------------------------------------------------------------------
@@ -245,6 +238,32 @@ fn gcra_state_ahead_of_a_stepped_back_clock_admits_nothing_until_the_clock_catch
     );
     assert_eq!(get(&mut con, &g.key), stored, "rejections write nothing");
     assert_eq!(one(&mut con, T0 + SECOND, &g), admits(0, 5 * SECOND));
+}
+
+#[test]
+fn the_script_without_expiry_decides_as_the_real_one_and_leaves_every_key_without_a_ttl() {
+    // The property tests below rely on it (`one_kept`).
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let kinds = |p: &str| {
+        vec![
+            tb(&format!("{p}:{{x}}:tb"), 5, 1, SECOND),
+            gcra(&format!("{p}:{{x}}:gcra"), 5, 1, SECOND),
+            fw(&format!("{p}:{{x}}:fw"), 5, MINUTE),
+            swc(&format!("{p}:{{x}}:swc"), 5, MINUTE),
+            sw(&format!("{p}:{{x}}:sw"), 5, MINUTE),
+        ]
+    };
+    for (i, t) in [T0 + 10, T0 + 10, T0 + 20].into_iter().enumerate() {
+        let real = at(&mut con, t, &kinds("real"));
+        let kept = decide_kept(&mut con, t, &kinds("kept"));
+        assert_eq!(real, kept, "call {i}");
+    }
+    for l in kinds("real") {
+        assert!(key_pttl(&mut con, &l.key) > 0, "{}", l.key);
+    }
+    for l in kinds("kept") {
+        assert_eq!(key_pttl(&mut con, &l.key), -1, "{}", l.key);
+    }
 }
 
 #[test]
@@ -684,14 +703,15 @@ fn sliding_window_counter_admits_twice_the_limit_in_one_window_span_unlike_the_l
     // The documented over-admission (lua/sliding_window_counter.lua): L units
     // in the last ms of window i-1, then the k-th unit at
     // e = floor((k - 1) W / L) + 1 into window i. The log (sw) sees the same
-    // arrivals.
+    // arrivals. Without expiry: the first unit's key lives 2 ms, so a
+    // moment's real wait between calls would drop it.
     let (_redis, mut con) = support::Redis::start_with_conn();
     const L: i64 = 10;
     let c = swc("t:{k}:worst:swc", L, MINUTE);
     let log = sw("t:{k}:worst:sw", L, MINUTE);
     let last_ms = T0 + MINUTE - 1;
     for _ in 0..L {
-        let d = at(
+        let d = decide_kept(
             &mut con,
             last_ms,
             &[c.clone().shadow(), log.clone().shadow()],
@@ -704,8 +724,12 @@ fn sliding_window_counter_admits_twice_the_limit_in_one_window_span_unlike_the_l
     for k in 1..=L {
         let e = (k - 1) * MINUTE / L + 1;
         // A ms earlier the weight is one unit too high.
-        assert_eq!(one(&mut con, start + e - 1, &c), rejects(0, 1), "k = {k}");
-        let d = at(
+        assert_eq!(
+            one_kept(&mut con, start + e - 1, &c),
+            rejects(0, 1),
+            "k = {k}"
+        );
+        let d = decide_kept(
             &mut con,
             start + e,
             &[c.clone().shadow(), log.clone().shadow()],
@@ -1308,10 +1332,9 @@ fn a_batch_reads_and_writes_each_key_of_the_new_kinds_once_however_many_members_
 /// member's decision.
 fn batch_kept(con: &mut Connection, now: i64, members: &[Vec<Limit>]) -> Vec<Decision> {
     let (keys, argv) = batch_args(members);
-    let mut call = script::eval(&BATCH_AT);
+    let mut call = script::eval(&BATCH_KEPT);
     call.arg(keys.len()).arg(&keys).arg(&argv);
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let Value::Array(items) = kept(con, now, call, &key_refs) else {
+    let Value::Array(items) = kept(con, now, call) else {
         panic!("batch reply is not an array")
     };
     assert_eq!(items[0], Value::Int(members.len() as i64), "{items:?}");

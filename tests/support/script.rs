@@ -77,6 +77,35 @@ pub fn with_test_clock(script: &Script) -> Script {
     Script { source, sha1 }
 }
 
+/// `script` with every TTL dropped: PEXPIRE does nothing and SET loses its
+/// PX/EX. For tests that move the test clock freely: a TTL is counted on
+/// Redis' real clock, so a key whose state lasts 1 ms on the test clock can
+/// vanish before the next call (or even at once: Redis 7.0 deletes a key
+/// whose PEXPIRE lands on a ms that has just passed). The scripts must be
+/// right without expiry anyway: a state says which instant or window it
+/// belongs to. A local `redis` shadows the global for the whole joined
+/// chunk, so the script's own text is unchanged.
+pub fn without_expiry(script: &Script) -> Script {
+    let shim = "local redis = setmetatable({ call = function(...)\n\
+         local a = {...}\n\
+         local c = string.upper(a[1])\n\
+         if c == 'PEXPIRE' or c == 'EXPIRE' then return 1 end\n\
+         if c == 'SET' then\n\
+           local out, i = {a[1], a[2], a[3]}, 4\n\
+           while i <= #a do\n\
+             local o = string.upper(tostring(a[i]))\n\
+             if o == 'PX' or o == 'EX' then i = i + 2\n\
+             else out[#out + 1] = a[i]; i = i + 1 end\n\
+           end\n\
+           return redis.call(unpack(out))\n\
+         end\n\
+         return redis.call(...)\n\
+       end }, { __index = redis })\n";
+    let source = format!("{shim}{}", script.source);
+    let sha1 = redis::Script::new(&source).get_hash().to_string();
+    Script { source, sha1 }
+}
+
 /// lua/ratelimit.lua deciding at the test clock.
 pub static RATELIMIT_AT: LazyLock<Script> = LazyLock::new(|| with_test_clock(&RATELIMIT));
 
