@@ -131,14 +131,16 @@ PEAK=$(curl -s "http://127.0.0.1:$UPSTREAM_PORT/__stats" \
 echo "  the upstream ran at most $PEAK exports at once; they ended, so their slots are free again:"
 show "GET /api/exports (x-api-key: k1) #5" -H 'x-api-key: k1' "$URL/api/exports"
 echo "limit llm-tokens: 1000 tokens per x-api-key (10 back per second), charged by each completion's"
-echo "  usage once its stream ends; a request needs 50 left (the reserve) to start:"
-llm() { # description, prompt,completion
-  show "$1" -X POST -d '{"stream":true}' -H 'x-api-key: k1' -H 'x-upstream-llm: openai-sse' \
-    -H "x-upstream-tokens: $2" "$URL/v1/chat/completions"; sleep 0.2; }
-llm "POST /v1/chat/completions (200 + 600 tokens)" 200,600
-llm "POST /v1/chat/completions (100 + 250 tokens)" 100,250
+echo "  usage once its stream ends; a request must find its max_tokens left (50 without one), reserved"
+echo "  until it settles:"
+llm() { # description, prompt,completion, max_tokens
+  show "$1" -X POST -d "{\"stream\":true,\"max_tokens\":$3}" -H 'x-api-key: k1' \
+    -H 'x-upstream-llm: openai-sse' -H "x-upstream-tokens: $2" "$URL/v1/chat/completions"; sleep 0.2; }
+llm "POST /v1/chat/completions (max_tokens 800, used 200 + 600)" 200,600 800
+llm "POST /v1/chat/completions (max_tokens 500: about 200 left, 429)" 1,1 500
+llm "POST /v1/chat/completions (max_tokens 150, used 100 + 250)" 100,250 150
 echo "  that one cost 350 with about 200 left: the key is in debt until refill pays it back:"
-llm "POST /v1/chat/completions (1 + 1 tokens)" 1,1
+llm "POST /v1/chat/completions (max_tokens 1)" 1,1 1
 echo "shadow limit search-trial (2 per 10 s) never rejects, it counts:"
 for i in 1 2 3; do show "GET /api/search #$i" -H "x-user: carol$i" "$URL/api/search"; done
 echo "idempotency rule payments: POST /api/payments with an Idempotency-Key runs once"

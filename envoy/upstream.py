@@ -26,6 +26,9 @@ reached the upstream.
          output tokens as a running total, message_stop); with
          x-upstream-body-pause-ms, a stream pauses that long before its
          usage, so a client can leave before it
+  header x-upstream-trailers -> a JSON list of [name, value] pairs sent as
+         trailers after a chunked body (as gRPC sends its status and
+         metadata)
 """
 import argparse
 import json
@@ -138,6 +141,9 @@ class Handler(BaseHTTPRequestHandler):
         self._reply(status, out, pause, extra=extra)
 
     def _reply(self, status, out, pause_ms=0, content_type="application/json", extra=()):
+        trailers = json.loads(self.headers.get("x-upstream-trailers") or "[]")
+        if trailers:
+            return self._chunked(status, out, content_type, trailers)
         self.send_response(status)
         self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(out)))
@@ -152,6 +158,17 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(pause_ms / 1000)
             out = out[half:]
         self.wfile.write(out)
+
+    def _chunked(self, status, out, content_type, trailers):
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("transfer-encoding", "chunked")
+        self.send_header("trailer", ", ".join(name for name, _ in trailers))
+        self.end_headers()
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n" % (len(out), out))
+        for name, value in trailers:
+            self.wfile.write(f"{name}: {value}\r\n".encode("latin-1"))
+        self.wfile.write(b"\r\n")
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
 

@@ -107,6 +107,24 @@ impl JsonBody {
     }
 }
 
+/// What a request reserves under a limit whose reservation its JSON body
+/// names (`max_tokens`): the terms' weighted sum, at least 1 (a request
+/// always takes something) and at most `quota` (more could never be
+/// admitted; the settlement charges the rest as debt if it is used).
+/// A body over `max` bytes, not JSON or without the fields: unknown, and
+/// the caller reserves its fixed amount.
+pub fn reservation(body: &[u8], max: usize, terms: &[Term], quota: u64) -> Result<u64, Unknown> {
+    if body.len() > max {
+        return Err(Unknown::TooLarge);
+    }
+    let doc: serde_json::Value = serde_json::from_slice(body).map_err(|_| Unknown::Absent)?;
+    let units = match weighted(terms, &read_terms(&doc, terms)) {
+        Err(Unknown::Overflow) => u64::MAX,
+        other => other?,
+    };
+    Ok(units.clamp(1, quota.max(1)))
+}
+
 /// A `text/event-stream` body, scanned as it streams: each event's `data:`
 /// lines, joined, are read as JSON, and each term keeps the last value any
 /// event gave it (usage counts are running totals: OpenAI sends them once in
@@ -240,6 +258,45 @@ mod tests {
                 weight: *w,
             })
             .collect()
+    }
+
+    #[test]
+    fn a_request_reserves_what_its_body_names_within_one_and_the_quota() {
+        let max_tokens = terms(&[("/max_tokens", 1)]);
+        let body = br#"{"model":"m","max_tokens":800,"messages":[]}"#;
+        assert_eq!(reservation(body, 1024, &max_tokens, 5000), Ok(800));
+        // Weighted, and summed over the terms it finds.
+        let both = terms(&[("/max_tokens", 4), ("/n", 2)]);
+        assert_eq!(reservation(body, 1024, &both, 5000), Ok(3200));
+        // Bounded both ways.
+        assert_eq!(reservation(body, 1024, &max_tokens, 500), Ok(500));
+        let zero = br#"{"max_tokens":0}"#;
+        assert_eq!(reservation(zero, 1024, &max_tokens, 500), Ok(1));
+        let huge = br#"{"max_tokens":18446744073709551615}"#;
+        assert_eq!(
+            reservation(huge, 1024, &both, 500),
+            Ok(500),
+            "overflow is the quota"
+        );
+        // Unknown: the caller's fixed reserve.
+        assert_eq!(
+            reservation(br#"{"messages":[]}"#, 1024, &max_tokens, 500),
+            Err(Unknown::Absent)
+        );
+        assert_eq!(
+            reservation(br#"{"max_tokens":"800"}"#, 1024, &max_tokens, 500),
+            Err(Unknown::Absent),
+            "a string is not a count"
+        );
+        assert_eq!(
+            reservation(b"max_tokens=800", 1024, &max_tokens, 500),
+            Err(Unknown::Absent)
+        );
+        assert_eq!(
+            reservation(body, body.len() - 1, &max_tokens, 5000),
+            Err(Unknown::TooLarge)
+        );
+        assert_eq!(reservation(body, body.len(), &max_tokens, 5000), Ok(800));
     }
 
     const OPENAI_JSON: &[u8] = br#"{"id":"chatcmpl-1","object":"chat.completion",

@@ -390,6 +390,11 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "must be a JSON Pointer",
     ),
     (
+        "usage_reserve_from_not_a_pointer.json",
+        "limits[0].usage.reserveFrom[0].pointer",
+        "must be a JSON Pointer",
+    ),
+    (
         "usage_weight_zero.json",
         "limits[0].usage.json[0].weight",
         "must be at least 1",

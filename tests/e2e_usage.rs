@@ -20,7 +20,9 @@ const PERIOD: i64 = 3_600_000;
 
 /// 100 tokens per x-user on /v1/chat (OpenAI usage: prompt + completion)
 /// and on /v1/messages (Anthropic: input + output), reserving 10, charging
-/// 60 when no usage arrives; an idempotency rule on /v1/chat.
+/// 60 when no usage arrives; 1000 on /v1/completions, reserving the request
+/// body's `max_tokens` and charged by an x-usage-tokens header or trailer,
+/// or else the usage's total; an idempotency rule on /v1/chat.
 fn config() -> String {
     filter_config(1000)
         .limits(
@@ -31,7 +33,11 @@ fn config() -> String {
                 {"name":"anthropic","match":{"pathPrefix":"/v1/messages"},"descriptor":[{"header":"x-user"}],
                  "tokenBucket":{"capacity":100,"refill":1,"periodMs":3600000},
                  "usage":{"reserve":10,
-                          "json":[{"pointer":"/message/usage/input_tokens"},{"pointer":"/usage/output_tokens"}]}}]"#,
+                          "json":[{"pointer":"/message/usage/input_tokens"},{"pointer":"/usage/output_tokens"}]}},
+                {"name":"reserved","match":{"pathPrefix":"/v1/completions"},"descriptor":[{"header":"x-user"}],
+                 "tokenBucket":{"capacity":1000,"refill":1,"periodMs":3600000},
+                 "usage":{"reserveFrom":[{"pointer":"/max_tokens"}],"header":"x-usage-tokens",
+                          "json":[{"pointer":"/usage/total_tokens"}]}}]"#,
         )
         .idempotency(r#"[{"name":"chat","match":{"pathPrefix":"/v1/chat"}}]"#)
         .build()
@@ -225,4 +231,109 @@ fn redis_down_at_settlement_is_counted_and_the_stream_still_completes() {
     // Still serving: the next request takes the failure mode (deny).
     let r = llm(e, "/v1/messages", "u4", "anthropic-sse", "1,1");
     assert_eq!(r.status, 503);
+}
+
+/// A completion on /v1/completions asking for `max_tokens` (none: `{}`).
+fn completion(e: &Envoy, user: &str, max_tokens: Option<u64>, extra: &[(&str, &str)]) -> Resp {
+    let body = match max_tokens {
+        Some(n) => format!(r#"{{"model":"m","max_tokens":{n}}}"#),
+        None => "{}".to_string(),
+    };
+    let mut headers = vec![("x-user", user), ("content-type", "application/json")];
+    headers.extend_from_slice(extra);
+    http(
+        "POST",
+        &e.url("/v1/completions"),
+        &headers,
+        Some(body.as_bytes()),
+    )
+}
+
+#[test]
+fn a_request_reserves_its_max_tokens_so_concurrent_requests_see_them_taken_until_it_settles() {
+    let stack = Stack::start(&config(), 2);
+    let mut con = stack.redis.conn();
+    let (a, b) = (&stack.envoys[0], &stack.envoys[1]);
+    std::thread::scope(|scope| {
+        // A long completion on one Envoy: 800 reserved while it streams.
+        let long = scope.spawn(|| {
+            completion(
+                a,
+                "u5",
+                Some(800),
+                &[
+                    ("x-upstream-llm", "openai-sse"),
+                    ("x-upstream-tokens", "100,100"),
+                    ("x-upstream-body-pause-ms", "1500"),
+                ],
+            )
+        });
+        settles_to(&mut con, "reserved", "u5", 200);
+        // On the other Envoy meanwhile: 300 does not fit, 200 does (and
+        // costs 50 + 50).
+        let r = completion(b, "u5", Some(300), &[("x-upstream-llm", "openai-json")]);
+        assert_eq!(r.status, 429);
+        assert_eq!(r.header("x-ratelimit-remaining"), Some("200"));
+        let r = completion(
+            b,
+            "u5",
+            Some(200),
+            &[
+                ("x-upstream-llm", "openai-json"),
+                ("x-upstream-tokens", "50,50"),
+            ],
+        );
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+        settles_to(&mut con, "reserved", "u5", 100);
+        // The long one used 200 of its 800.
+        assert_eq!(long.join().unwrap().status, 200);
+    });
+    settles_to(&mut con, "reserved", "u5", 700);
+    // A body that names no max_tokens reserves the fixed 1.
+    let r = completion(
+        a,
+        "u5",
+        None,
+        &[
+            ("x-upstream-llm", "openai-json"),
+            ("x-upstream-tokens", "1,1"),
+        ],
+    );
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("699"));
+    settles_to(&mut con, "reserved", "u5", 698);
+    assert_eq!(stack.counter("redis_guard.usage.reserve_unread"), 1);
+    assert_eq!(stack.counter("redis_guard.usage.refunded_units"), 100 + 600);
+    assert_eq!(stack.counter("redis_guard.usage.charged_units"), 1);
+    assert_eq!(stack.counter("redis_guard.usage.fallback"), 0);
+}
+
+#[test]
+fn a_usage_count_sent_as_a_trailer_after_the_body_is_charged() {
+    let stack = Stack::start(&config(), 1);
+    let e = stack.envoy();
+    let mut con = stack.redis.conn();
+    // A plain JSON answer (no usage in it), chunked, its cost in a trailer.
+    let r = completion(
+        e,
+        "u6",
+        Some(100),
+        &[("x-upstream-trailers", r#"[["x-usage-tokens","250"]]"#)],
+    );
+    assert_eq!(r.status, 200);
+    assert!(String::from_utf8_lossy(&r.body).contains("\"execution\""));
+    settles_to(&mut con, "reserved", "u6", 750);
+    assert_eq!(stack.counter("redis_guard.usage.charged_units"), 150);
+    assert_eq!(stack.counter("redis_guard.usage.fallback"), 0);
+    // Without the trailer, the same answer states no usage: the fallback,
+    // which is what it reserved, so the balance does not move.
+    let r = completion(e, "u6", Some(100), &[]);
+    assert_eq!(r.status, 200);
+    // Counted as the stream ends, a moment after the client has it all.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while stack.counter("redis_guard.usage.fallback") == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(stack.counter("redis_guard.usage.fallback"), 1);
+    assert_eq!(tokens(&mut con, "reserved", "u6"), Some(650));
 }

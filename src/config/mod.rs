@@ -246,6 +246,7 @@ const LIST_FIELDS: &[&str] = &[
     "headers",
     "rateLimitHeaders",
     "json",
+    "reserveFrom",
 ];
 
 fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<(), ConfigError> {

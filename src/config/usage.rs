@@ -21,7 +21,9 @@ pub const MAX_USAGE_UNITS: u64 = (1 << 50) - 1;
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Usage")]
 pub(super) struct RawUsage {
-    /// A response header holding the cost as a whole number (read first).
+    /// A response header holding the cost as a whole number, or a response
+    /// trailer of that name (gRPC sends its metadata there); read before
+    /// the body.
     #[serde(default)]
     header: Option<String>,
     /// JSON Pointers (RFC 6901) into the response body, or into each event
@@ -32,11 +34,18 @@ pub(super) struct RawUsage {
     #[serde(default)]
     #[schemars(range(min = 1))]
     reserve: Option<u64>,
+    /// JSON Pointers into the request's JSON body (e.g. `/max_tokens`):
+    /// when the body holds any of them, the request reserves their weighted
+    /// sum (at least 1, at most the limit's quota) instead of `reserve`.
+    #[serde(default)]
+    reserve_from: Vec<RawTerm>,
     /// Units charged when the usage never arrives: the client left, the
-    /// upstream failed, the body was not JSON (default: the reserve).
+    /// upstream failed, the body was not JSON (default: what the request
+    /// reserved).
     #[serde(default)]
     fallback: Option<u64>,
-    /// Most bytes of a JSON body, or of one event, read (default 1 MiB).
+    /// Most bytes of a JSON body, or of one event, read (default 1 MiB);
+    /// the request body too, for `reserveFrom`.
     #[serde(default)]
     #[schemars(range(min = 1, max = 16777216))]
     max_body_bytes: Option<usize>,
@@ -60,8 +69,13 @@ pub struct Usage {
     pub header: Option<String>,
     pub terms: Vec<Term>,
     pub reserve: u64,
-    pub fallback: u64,
+    /// Terms read from the request body for its reservation.
+    pub reserve_from: Vec<Term>,
+    /// `None`: what the request reserved.
+    pub fallback: Option<u64>,
     pub max_body: usize,
+    /// The most a request may reserve: the limit's quota.
+    pub quota: u64,
 }
 
 /// `quota`: the most units the limit admits at once (its reserve's bound).
@@ -76,26 +90,8 @@ pub(super) fn compile_usage(raw: RawUsage, at: &str, quota: u64) -> Result<Usage
             "set `header`, `json` or both: where the response states its cost",
         ));
     }
-    let mut terms = Vec::with_capacity(raw.json.len());
-    for (i, t) in raw.json.into_iter().enumerate() {
-        if !(t.pointer.is_empty() || t.pointer.starts_with('/')) {
-            return Err(ConfigError::new(
-                format!("{at}.json[{i}].pointer"),
-                "must be a JSON Pointer: empty, or starting with `/`",
-            ));
-        }
-        let weight = t.weight.unwrap_or(1);
-        if weight == 0 {
-            return Err(ConfigError::new(
-                format!("{at}.json[{i}].weight"),
-                "must be at least 1",
-            ));
-        }
-        terms.push(Term {
-            pointer: t.pointer,
-            weight,
-        });
-    }
+    let terms = compile_terms(raw.json, &format!("{at}.json"))?;
+    let reserve_from = compile_terms(raw.reserve_from, &format!("{at}.reserveFrom"))?;
     let reserve = raw.reserve.unwrap_or(1);
     if reserve == 0 || reserve > quota {
         return Err(ConfigError::new(
@@ -103,8 +99,7 @@ pub(super) fn compile_usage(raw: RawUsage, at: &str, quota: u64) -> Result<Usage
             format!("must be between 1 and {quota} (the limit's quota)"),
         ));
     }
-    let fallback = raw.fallback.unwrap_or(reserve);
-    if fallback > MAX_USAGE_UNITS {
+    if raw.fallback.is_some_and(|f| f > MAX_USAGE_UNITS) {
         return Err(ConfigError::new(
             format!("{at}.fallback"),
             "must be below 2^50",
@@ -121,7 +116,33 @@ pub(super) fn compile_usage(raw: RawUsage, at: &str, quota: u64) -> Result<Usage
         header,
         terms,
         reserve,
-        fallback,
+        reserve_from,
+        fallback: raw.fallback,
         max_body,
+        quota,
     })
+}
+
+fn compile_terms(raw: Vec<RawTerm>, at: &str) -> Result<Vec<Term>, ConfigError> {
+    let mut terms = Vec::with_capacity(raw.len());
+    for (i, t) in raw.into_iter().enumerate() {
+        if !(t.pointer.is_empty() || t.pointer.starts_with('/')) {
+            return Err(ConfigError::new(
+                format!("{at}[{i}].pointer"),
+                "must be a JSON Pointer: empty, or starting with `/`",
+            ));
+        }
+        let weight = t.weight.unwrap_or(1);
+        if weight == 0 {
+            return Err(ConfigError::new(
+                format!("{at}[{i}].weight"),
+                "must be at least 1",
+            ));
+        }
+        terms.push(Term {
+            pointer: t.pointer,
+            weight,
+        });
+    }
+    Ok(terms)
 }

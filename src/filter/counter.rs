@@ -91,6 +91,9 @@ pub enum Counter {
     UsageRefunded,
     /// A usage-based request charged its fallback: no usage arrived.
     UsageFallback,
+    /// A limit whose reservation the request body names took its fixed
+    /// `reserve`: no body, not JSON, over the bound, or no such field.
+    UsageReserveUnread,
     /// A settlement that could not be sent or did not run (its units are
     /// lost to the limit: refunds not given, charges not taken).
     UsageLost,
@@ -223,6 +226,7 @@ impl Counter {
             Counter::UsageCharged,
             Counter::UsageRefunded,
             Counter::UsageFallback,
+            Counter::UsageReserveUnread,
             Counter::UsageLost,
         ]);
         all
@@ -295,6 +299,7 @@ impl Counter {
             Counter::UsageCharged => fixed("usage.charged_units"),
             Counter::UsageRefunded => fixed("usage.refunded_units"),
             Counter::UsageFallback => fixed("usage.fallback"),
+            Counter::UsageReserveUnread => fixed("usage.reserve_unread"),
             Counter::UsageLost => fixed("usage.lost"),
         }
     }
@@ -315,10 +320,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 45
+        // The stat list as the README and tests/e2e_stats.rs know it: 46
         // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 45);
-        assert_eq!(names(2).len(), 45 + 8);
+        assert_eq!(names(0).len(), 46);
+        assert_eq!(names(2).len(), 46 + 8);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

@@ -103,6 +103,9 @@ impl Flow {
             return answer_locally(host, &reply);
         }
         self.slots.on_request(host, &config, self.limits.plan());
+        let reserving = self
+            .usage
+            .on_request(host, &config, self.limits.plan(), end_of_stream);
         let tag = self.limits.tag();
         match self
             .intake
@@ -113,7 +116,7 @@ impl Flow {
                 if let Some(keyed) = self.intake.keyed() {
                     self.record.arm(keyed.clone());
                 }
-                if ready == Ready::AfterBody {
+                if ready == Ready::AfterBody || reserving {
                     return Action::Pause;
                 }
             }
@@ -130,27 +133,41 @@ impl Flow {
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
-        if !self.intake.reading() {
+        if !self.intake.reading() && !self.usage.reading() {
             return self.waiting_for_decision();
         }
         let config = Rc::clone(&self.config);
-        match self
-            .intake
-            .on_request_body(host, &config, body_size, end_of_stream)
-        {
-            Err(reply) => answer_locally(host, &reply),
-            Ok(false) => Action::Pause,
-            Ok(true) => self.decide(host),
+        let reserved =
+            self.usage
+                .on_request_body(host, &config, self.limits.plan(), body_size, end_of_stream);
+        for (check, units) in reserved.unwrap_or_default() {
+            self.limits.reserve(check, units);
+        }
+        let intake_ready = !self.intake.reading()
+            || match self
+                .intake
+                .on_request_body(host, &config, body_size, end_of_stream)
+            {
+                Err(reply) => return answer_locally(host, &reply),
+                Ok(ready) => ready,
+            };
+        if intake_ready && !self.usage.reading() {
+            self.decide(host)
+        } else {
+            Action::Pause
         }
     }
 
     /// Trailers end a request whose body did not say end-of-stream: the body
     /// buffered so far is all of it.
     pub fn on_request_trailers<H: Host>(&mut self, host: &mut H) -> Action {
-        if !self.intake.reading() {
+        if !self.intake.reading() && !self.usage.reading() {
             return self.waiting_for_decision();
         }
-        let max = self.intake.max_body(&self.config);
+        let max = self
+            .intake
+            .max_body(&self.config)
+            .max(self.usage.request_max_body());
         let size = host.request_body(max.saturating_add(1)).len();
         self.on_request_body(host, size, true)
     }
@@ -454,7 +471,7 @@ impl Flow {
 
     pub fn on_response_trailers<H: Host>(&mut self, host: &mut H) -> Action {
         let config = Rc::clone(&self.config);
-        self.usage.on_response_trailers();
+        self.usage.on_response_trailers(host, &config);
         let action = self
             .record
             .on_response_trailers(host, &config, &mut self.calls);

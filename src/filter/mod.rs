@@ -86,6 +86,8 @@ pub trait Host: RequestView {
     fn response_header(&self, name: &str) -> Option<Vec<u8>>;
     /// Every value of a response header, in order (repeated headers).
     fn response_header_values(&self, name: &str) -> Vec<Vec<u8>>;
+    /// A response trailer (read in `on_response_trailers`).
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>>;
     /// The current response body chunk (`size` bytes).
     fn response_body(&mut self, size: usize) -> Vec<u8>;
     fn resume_response(&mut self);

@@ -41,6 +41,8 @@ pub struct FakeHost {
     /// included, as Envoy's header map holds them.
     pub response: Vec<(String, Vec<u8>)>,
     pub response_chunks: Vec<Vec<u8>>,
+    /// Response trailers, once the response has them.
+    pub response_trailers: Vec<(String, Vec<u8>)>,
     pub response_resumed: usize,
     pub tokens: u32,
     pub shared: HashMap<String, (Vec<u8>, u32)>,
@@ -201,6 +203,12 @@ impl Host for FakeHost {
             .filter(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.clone())
             .collect()
+    }
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        self.response_trailers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
     }
     fn response_body(&mut self, _size: usize) -> Vec<u8> {
         if self.response_chunks.is_empty() {

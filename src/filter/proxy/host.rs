@@ -161,6 +161,12 @@ impl Host for ProxyHost<'_> {
             .flatten()
     }
 
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseTrailers, name)
+            .ok()
+            .flatten()
+    }
+
     fn response_header_values(&self, name: &str) -> Vec<Vec<u8>> {
         hostcalls::get_map_bytes(MapType::HttpResponseHeaders)
             .map(|all| {

@@ -49,6 +49,14 @@ impl RateLimit {
         self.plan.script_args(config, idem, slot)
     }
 
+    /// The request takes `units` under its check `check` (a usage-based
+    /// reservation read from its body), before the decision.
+    pub fn reserve(&mut self, check: usize, units: u64) {
+        if let Some(c) = self.plan.checks.get_mut(check) {
+            c.cost = units;
+        }
+    }
+
     pub fn failure_mode(&self, config: &Config) -> FailureMode {
         self.plan.failure_mode(config)
     }

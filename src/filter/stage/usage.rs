@@ -1,5 +1,6 @@
 //! The usage stage: a request admitted under usage-based limits took their
-//! `reserve`; its response says what it really cost (a header, a JSON body,
+//! `reserve` (or what its JSON body names, `reserveFrom`: then the decision
+//! waits for the body); its response says what it really cost (a header, a JSON body,
 //! a streamed event body), and when the stream is over the difference is
 //! charged or refunded by one lua/settle.lua call, which the worker's root
 //! sends (it outlives the stream; the settlements of one hash tag share a
@@ -15,7 +16,7 @@ use crate::filter::{Counter, Host};
 use crate::ratelimit::{kind_args, Outcome, Plan};
 use crate::response::Completion;
 use crate::scripts::SETTLE;
-use crate::usage::{weighted, EventStream, JsonBody, Term};
+use crate::usage::{reservation, weighted, EventStream, JsonBody, Term};
 
 /// A settlement as the worker sends it: six values per key.
 pub const SETTLE_CALL: Kind = Kind {
@@ -47,6 +48,10 @@ enum Reader {
 
 #[derive(Debug, Default)]
 pub struct UsageStage {
+    /// Checks whose reservation the request body names, while it is read.
+    reserving: Vec<usize>,
+    /// The most bytes of the request body any of them reads.
+    reserve_max: usize,
     owed: Vec<Owed>,
     /// Every owed limit's terms, one after another.
     terms: Vec<Term>,
@@ -62,6 +67,86 @@ pub struct UsageStage {
 }
 
 impl UsageStage {
+    /// Whether the decision waits for the request body: a limit that
+    /// applies reads its reservation from it. Without a body, the fixed
+    /// reserves stand.
+    pub fn on_request<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        plan: &Plan,
+        end_of_stream: bool,
+    ) -> bool {
+        for (i, check) in plan.checks.iter().enumerate() {
+            let Some(usage) = &config.limits[check.limit].usage else {
+                continue;
+            };
+            if usage.reserve_from.is_empty() {
+                continue;
+            }
+            if end_of_stream {
+                host.count(Counter::UsageReserveUnread);
+                continue;
+            }
+            self.reserving.push(i);
+            self.reserve_max = self.reserve_max.max(usage.max_body);
+        }
+        self.reading()
+    }
+
+    /// Whether the request body is still being read for reservations.
+    pub fn reading(&self) -> bool {
+        !self.reserving.is_empty()
+    }
+
+    /// The most bytes of the request body it reads (0 when not reading).
+    pub fn request_max_body(&self) -> usize {
+        if self.reading() {
+            self.reserve_max
+        } else {
+            0
+        }
+    }
+
+    /// The request body so far (`size` bytes buffered): once it is whole,
+    /// or over every bound, what each reading check reserves, as
+    /// `(check, units)`; a check whose body names nothing keeps its fixed
+    /// reserve (counted).
+    pub fn on_request_body<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        plan: &Plan,
+        size: usize,
+        end: bool,
+    ) -> Option<Vec<(usize, u64)>> {
+        if !self.reading() || !(end || size > self.reserve_max) {
+            return None;
+        }
+        let body = host.request_body(size.min(self.reserve_max.saturating_add(1)));
+        let mut reserved = Vec::new();
+        for i in std::mem::take(&mut self.reserving) {
+            let Some(check) = plan.checks.get(i) else {
+                continue;
+            };
+            let Some(usage) = &config.limits[check.limit].usage else {
+                continue;
+            };
+            match reservation(&body, usage.max_body, &usage.reserve_from, usage.quota) {
+                Ok(units) => reserved.push((i, units)),
+                Err(why) => {
+                    log::debug!(
+                        "redis-guard: no reservation in the request body for `{}` ({why:?}): reserving {}",
+                        config.limits[check.limit].name,
+                        usage.reserve
+                    );
+                    host.count(Counter::UsageReserveUnread);
+                }
+            }
+        }
+        Some(reserved)
+    }
+
     /// Redis decided: an admitted request owes its usage-based limits the
     /// difference to what they reserved (a shadow limit that would have
     /// rejected took nothing, and owes nothing).
@@ -105,7 +190,7 @@ impl UsageStage {
             owed.header = rule
                 .and_then(|u| u.header.as_deref())
                 .and_then(|name| host.response_header(name))
-                .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse().ok());
+                .and_then(|v| whole_number(&v));
         }
         let length = host
             .response_header("content-length")
@@ -166,8 +251,20 @@ impl UsageStage {
         self.complete = self.response.body(read, end);
     }
 
-    pub fn on_response_trailers(&mut self) {
+    /// Trailers end the response; a usage header not among the headers
+    /// may be a trailer (gRPC sends its metadata there).
+    pub fn on_response_trailers<H: Host>(&mut self, host: &mut H, config: &Config) {
         self.complete = true;
+        for owed in &mut self.owed {
+            if owed.header.is_some() {
+                continue;
+            }
+            let rule = config.limits[owed.limit].usage.as_ref();
+            owed.header = rule
+                .and_then(|u| u.header.as_deref())
+                .and_then(|name| host.response_trailer(name))
+                .and_then(|v| whole_number(&v));
+        }
     }
 
     /// The stream is over: what each owed limit is charged, as one
@@ -205,7 +302,7 @@ impl UsageStage {
                         limit.name
                     );
                     host.count(Counter::UsageFallback);
-                    usage.fallback
+                    usage.fallback.unwrap_or(owed.reserved)
                 }
             };
             let delta = i128::from(cost) - i128::from(owed.reserved);
@@ -233,4 +330,9 @@ impl UsageStage {
             host.count_n(Counter::UsageLost, settlements);
         }
     }
+}
+
+/// A header's or trailer's value as a cost.
+fn whole_number(v: &[u8]) -> Option<u64> {
+    std::str::from_utf8(v).ok()?.trim().parse().ok()
 }

@@ -161,3 +161,114 @@ fn a_settlement_the_worker_cannot_take_is_counted_lost() {
         h.counted_n
     );
 }
+
+/// `usage_flow` whose limit reserves what the request body's `max_tokens`
+/// names, times 4 (as completion tokens are weighed), with the config's
+/// fallback left out (so it is the reservation).
+fn reserving_flow() -> Flow {
+    let cfg = Config::parse(
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"webdis"},"limits":[
+        {"name":"tokens","match":{"pathPrefix":"/llm"},
+         "tokenBucket":{"capacity":1000,"refill":10,"periodMs":1000},
+         "usage":{"header":"x-usage","reserve":10,"maxBodyBytes":64,
+                  "reserveFrom":[{"pointer":"/max_tokens","weight":4}],
+                  "json":[{"pointer":"/usage/total_tokens"}]}}]}"#,
+    )
+    .unwrap();
+    Flow::new(Rc::new(cfg), test_breaker())
+}
+
+/// The cost the request's decision carries (the limit's last ARGV but one).
+fn decided_cost(h: &FakeHost) -> String {
+    assert_eq!(h.dispatched.len(), 1, "one decision");
+    let call = h.dispatched[0].trim_end_matches(".raw");
+    let parts: Vec<&str> = call.split('/').collect();
+    parts[parts.len() - 2].to_string()
+}
+
+#[test]
+fn a_reservation_named_by_the_request_body_is_the_decisions_cost_and_the_fallback() {
+    let mut f = reserving_flow();
+    let mut h = FakeHost::get("/llm/chat").with(":method", b"POST");
+    h.request_body = br#"{"model":"m","max_tokens":150}"#.to_vec();
+    // The decision waits for the whole body.
+    assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
+    assert_eq!(f.on_request_body(&mut h, 10, false), Action::Pause);
+    assert!(h.dispatched.is_empty());
+    let len = h.request_body.len();
+    assert_eq!(f.on_request_body(&mut h, len, true), Action::Pause);
+    assert_eq!(decided_cost(&h), "600", "150 × 4");
+    assert_eq!(count(&h, Counter::UsageReserveUnread), 0);
+    f.on_callout_reply(&mut h, 1, ok(ADMIT_ONE));
+    assert_eq!(h.resumed, 1);
+    // A later body callback flows on.
+    assert_eq!(f.on_request_body(&mut h, len, true), Action::Continue);
+    // The client leaves before any usage: the fallback is the reservation,
+    // so nothing moves.
+    h.respond(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    f.on_response_headers(&mut h, false);
+    f.on_stream_end(&mut h);
+    assert_eq!(count(&h, Counter::UsageFallback), 1);
+    assert!(h.slot_releases.is_empty(), "{:?}", h.slot_releases);
+}
+
+#[test]
+fn a_reservation_above_the_quota_is_the_quota_and_is_settled_from_there() {
+    let mut f = reserving_flow();
+    let mut h = FakeHost::get("/llm/chat").with(":method", b"POST");
+    h.request_body = br#"{"max_tokens":100000}"#.to_vec();
+    f.on_request_headers(&mut h, false);
+    let len = h.request_body.len();
+    f.on_request_body(&mut h, len, true);
+    assert_eq!(decided_cost(&h), "1000", "the bucket's capacity");
+    f.on_callout_reply(&mut h, 1, ok(ADMIT_ONE));
+    h.respond(&[(":status", "200"), ("x-usage", "1300")]);
+    f.on_response_headers(&mut h, true);
+    f.on_stream_end(&mut h);
+    assert_eq!(settlement(&h).1[4], "300");
+}
+
+#[test]
+fn a_request_body_without_the_field_too_large_or_absent_reserves_the_fixed_amount() {
+    // (body, whether it ends with the headers, the body callback that
+    // decides: size and end of stream)
+    type Case<'a> = (&'a [u8], bool, Option<(usize, bool)>);
+    let over = [b' '; 65];
+    let cases: [Case; 4] = [
+        (br#"{"messages":[]}"#, false, Some((15, true))),
+        (b"max_tokens=150", false, Some((14, true))),
+        // Over maxBodyBytes (64): decided at once, before the body ends.
+        (&over, false, Some((65, false))),
+        // No body at all: decided with the headers.
+        (b"", true, None),
+    ];
+    for (body, headers_end, decides) in cases {
+        let mut f = reserving_flow();
+        let mut h = FakeHost::get("/llm/chat").with(":method", b"POST");
+        h.request_body = body.to_vec();
+        let action = f.on_request_headers(&mut h, headers_end);
+        assert_eq!(action, Action::Pause);
+        if let Some((size, end)) = decides {
+            assert!(h.dispatched.is_empty(), "{body:?}");
+            assert_eq!(f.on_request_body(&mut h, size, end), Action::Pause);
+        }
+        assert_eq!(decided_cost(&h), "10", "{body:?}");
+        assert_eq!(count(&h, Counter::UsageReserveUnread), 1, "{body:?}");
+    }
+}
+
+#[test]
+fn a_usage_trailer_states_the_cost_when_the_headers_do_not() {
+    let (mut f, mut h) = answered(&[(":status", "200"), ("content-type", "application/grpc")]);
+    h.response_chunks.push(b"\0\0\0\0\x02hi".to_vec());
+    f.on_response_body(&mut h, 7, false);
+    h.response_trailers = vec![
+        ("grpc-status".into(), b"0".to_vec()),
+        ("x-usage".into(), b"250".to_vec()),
+    ];
+    f.on_response_trailers(&mut h);
+    f.on_stream_end(&mut h);
+    assert_eq!(count(&h, Counter::UsageFallback), 0);
+    // 250 of the 10 reserved.
+    assert_eq!(settlement(&h).1[4], "240");
+}
