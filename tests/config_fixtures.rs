@@ -495,7 +495,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "descriptor_unknown_part.json",
         "limits[0].descriptor[0]",
-        "unknown variant `cookie`, expected one of `header`, `literal`, `clientAddress`",
+        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`",
     ),
     (
         "descriptor_unknown_unit_part.json",
@@ -511,6 +511,26 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "descriptor_header_empty.json",
         "limits[0].descriptor[0].header",
         "is not a valid header name",
+    ),
+    (
+        "descriptor_query_empty.json",
+        "limits[0].descriptor[0].query",
+        "must name a query parameter",
+    ),
+    (
+        "descriptor_client_prefix_ipv4_above_32.json",
+        "limits[0].descriptor[0].clientPrefix.ipv4",
+        "must be between 0 and 32",
+    ),
+    (
+        "descriptor_client_prefix_ipv6_above_128.json",
+        "limits[0].descriptor[0].clientPrefix.ipv6",
+        "must be between 0 and 128",
+    ),
+    (
+        "descriptor_client_prefix_unknown_field.json",
+        "limits[0].descriptor[0].clientPrefix.ipv8",
+        "unknown field `ipv8`",
     ),
     // Rejected at the right field, but the reason ("expected value at line ..")
     // does not say that a part takes exactly one key.
@@ -733,7 +753,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "idempotency_tenant_unknown_part.json",
         "idempotency[0].tenant[0]",
-        "unknown variant `cookie`, expected one of `header`, `literal`, `clientAddress`",
+        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`",
     ),
     (
         "idempotency_tenant_header_invalid.json",
