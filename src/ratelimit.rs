@@ -1,7 +1,7 @@
 //! Rate limiting without the host: which limits apply to a request, the script
 //! call that decides them, and what the reply means.
 
-use crate::config::{descriptor, Algorithm, Config, Cost, FailureMode};
+use crate::config::{descriptor, Algorithm, Config, Cost, FailureMode, Read};
 use crate::keys;
 use crate::offload::ObjectRef;
 use crate::request::{RequestLine, RequestView};
@@ -25,6 +25,9 @@ pub struct Plan {
     pub checks: Vec<Check>,
     /// The request's hash tag, once computed (for its idempotency key too).
     pub tag: Option<String>,
+    /// Limits left out because a value their descriptor reads was of the
+    /// wrong type, with why.
+    pub invalid: Vec<(usize, String)>,
 }
 
 /// A request the filter refuses before asking Redis.
@@ -41,13 +44,19 @@ impl Plan {
         view: &dyn RequestView,
     ) -> Result<Plan, BadRequest> {
         let mut checks = Vec::new();
+        let mut invalid = Vec::new();
         let mut tag: Option<String> = None;
         for (i, limit) in config.limits.iter().enumerate() {
             if !limit.matcher.matches(line, view) {
                 continue;
             }
-            let Some(descriptor) = descriptor(&limit.descriptor, line, view) else {
-                continue;
+            let descriptor = match descriptor(&limit.descriptor, line, view) {
+                Read::Value(d) => d,
+                Read::Missing => continue,
+                Read::Invalid(why) => {
+                    invalid.push((i, why));
+                    continue;
+                }
             };
             let cost = match &limit.cost {
                 Cost::Fixed(c) => *c,
@@ -75,7 +84,11 @@ impl Plan {
                 cost,
             });
         }
-        Ok(Plan { checks, tag })
+        Ok(Plan {
+            checks,
+            tag,
+            invalid,
+        })
     }
 
     pub fn is_empty(&self) -> bool {

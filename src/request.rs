@@ -7,6 +7,10 @@ pub trait RequestView {
     fn header(&self, name: &str) -> Option<Vec<u8>>;
     /// The downstream peer address as Envoy reports it (`ip:port`).
     fn client_address(&self) -> Option<String>;
+    /// An Envoy attribute (`source.principal` is `["source", "principal"]`,
+    /// dynamic metadata is under `["metadata", "filter_metadata", ns, ...]`)
+    /// as the host serializes it; `None` when absent.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 }
 
 /// The request line, read once per request.
@@ -156,6 +160,56 @@ pub fn address_prefix(ip: &str, v4: u8, v6: u8) -> Option<String> {
     })
 }
 
+/// What an attribute or metadata value holds, as the config states it:
+/// Envoy hands a value over as bytes without its type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ValueType {
+    #[default]
+    String,
+    Number,
+    Bool,
+}
+
+/// A value's descriptor text: a string as it is; a number (Envoy's 8-byte
+/// double, as every JSON number in metadata is) in decimal, integers without
+/// a fraction (`42`, `1.5`, `-0.25`); a bool as `true` / `false`. `Err`: the
+/// value is not of that type; a list or an object (Envoy's serialized
+/// pairs), or a number read as a string, holds NUL or control bytes, which
+/// no string claim does.
+pub fn typed_value(raw: Vec<u8>, ty: ValueType) -> Result<Vec<u8>, &'static str> {
+    match ty {
+        ValueType::String => {
+            let text = std::str::from_utf8(&raw).map_err(|_| "not UTF-8 text")?;
+            if text.chars().any(char::is_control) {
+                return Err(
+                    "not a string: a list, an object, or a number or bool read as a string",
+                );
+            }
+            Ok(raw)
+        }
+        ValueType::Number => {
+            let bytes: [u8; 8] = raw.try_into().map_err(|_| "not a number")?;
+            let x = f64::from_le_bytes(bytes);
+            if !x.is_finite() {
+                return Err("not a finite number");
+            }
+            // Integers below 2^53 are exact doubles: print them as integers.
+            if x.fract() == 0.0 && x.abs() < 9_007_199_254_740_992.0 {
+                #[allow(clippy::cast_possible_truncation)]
+                let n = x as i64;
+                Ok(n.to_string().into_bytes())
+            } else {
+                Ok(x.to_string().into_bytes())
+            }
+        }
+        ValueType::Bool => match raw.as_slice() {
+            [0] => Ok(b"false".to_vec()),
+            [1] => Ok(b"true".to_vec()),
+            _ => Err("not a bool"),
+        },
+    }
+}
+
 #[cfg(test)]
 pub mod fake {
     use super::RequestView;
@@ -166,6 +220,8 @@ pub mod fake {
     pub struct FakeRequest {
         pub headers: HashMap<String, Vec<u8>>,
         pub address: Option<String>,
+        /// Attributes by path, joined with `/`.
+        pub properties: HashMap<String, Vec<u8>>,
     }
 
     impl FakeRequest {
@@ -184,6 +240,10 @@ pub mod fake {
             self.address = Some(a.to_string());
             self
         }
+        pub fn prop(mut self, path: &[&str], value: &[u8]) -> Self {
+            self.properties.insert(path.join("/"), value.to_vec());
+            self
+        }
     }
 
     impl RequestView for FakeRequest {
@@ -192,6 +252,9 @@ pub mod fake {
         }
         fn client_address(&self) -> Option<String> {
             self.address.clone()
+        }
+        fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+            self.properties.get(&path.join("/")).cloned()
         }
     }
 }
@@ -239,6 +302,45 @@ mod tests {
         assert_eq!(q("/a?keys=v&ke=w", "key"), None);
         assert_eq!(q("/a?Key=v", "key"), None, "names are case-sensitive");
         assert_eq!(q("/a", "key"), None);
+    }
+
+    #[test]
+    fn a_typed_value_is_its_canonical_text_or_an_error() {
+        use ValueType::*;
+        assert_eq!(
+            typed_value(b"alice".to_vec(), String),
+            Ok(b"alice".to_vec())
+        );
+        assert_eq!(typed_value("zoë".into(), String), Ok("zoë".into()));
+        // Numbers and bools as Envoy sends them, read as strings: refused.
+        assert!(typed_value(42f64.to_le_bytes().to_vec(), String).is_err());
+        assert!(typed_value(vec![1], String).is_err());
+        // A list and an object (Envoy's pairs): refused whatever the type.
+        let list = b"\x02\0\0\0\x01\0\0\0\0\0\0\0\x01\0\0\0\0\0\0\0a\0\0b\0\0".to_vec();
+        let object = b"\x01\0\0\0\x02\0\0\0\x04\0\0\0id\0acme\0".to_vec();
+        for ty in [String, Number, Bool] {
+            assert!(typed_value(list.clone(), ty).is_err(), "{ty:?}");
+            assert!(typed_value(object.clone(), ty).is_err(), "{ty:?}");
+        }
+        assert!(typed_value(vec![0xff, 0xfe], String).is_err());
+        let num = |x: f64| typed_value(x.to_le_bytes().to_vec(), Number);
+        assert_eq!(num(42.0), Ok(b"42".to_vec()));
+        assert_eq!(num(-7.0), Ok(b"-7".to_vec()));
+        assert_eq!(num(1.5), Ok(b"1.5".to_vec()));
+        assert_eq!(num(-0.25), Ok(b"-0.25".to_vec()));
+        assert_eq!(num(0.0), Ok(b"0".to_vec()));
+        assert_eq!(
+            num(9_007_199_254_740_992.0),
+            Ok(b"9007199254740992".to_vec())
+        );
+        assert!(num(f64::NAN).is_err());
+        assert!(
+            typed_value(b"42".to_vec(), Number).is_err(),
+            "a string is not a number"
+        );
+        assert_eq!(typed_value(vec![1], Bool), Ok(b"true".to_vec()));
+        assert_eq!(typed_value(vec![0], Bool), Ok(b"false".to_vec()));
+        assert!(typed_value(b"true".to_vec(), Bool).is_err());
     }
 
     #[test]

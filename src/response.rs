@@ -348,7 +348,13 @@ mod tests {
                 cost: 1,
             })
             .collect();
-        (cfg, Plan { checks, tag: None })
+        (
+            cfg,
+            Plan {
+                checks,
+                ..Plan::default()
+            },
+        )
     }
 
     fn res(allowed: bool, remaining: u64, retry_ms: u64, reset_ms: u64) -> LimitResult {

@@ -495,7 +495,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "descriptor_unknown_part.json",
         "limits[0].descriptor[0]",
-        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`",
+        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`, `metadata`, `attribute`",
     ),
     (
         "descriptor_unknown_unit_part.json",
@@ -526,6 +526,26 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "descriptor_client_prefix_ipv6_above_128.json",
         "limits[0].descriptor[0].clientPrefix.ipv6",
         "must be between 0 and 128",
+    ),
+    (
+        "descriptor_metadata_namespace_empty.json",
+        "limits[0].descriptor[0].metadata.namespace",
+        "must name a filter namespace",
+    ),
+    (
+        "descriptor_metadata_path_empty.json",
+        "limits[0].descriptor[0].metadata.path",
+        "must be one or more non-empty keys",
+    ),
+    (
+        "descriptor_metadata_type_unknown.json",
+        "limits[0].descriptor[0].metadata.type",
+        "unknown variant `list`, expected one of `string`, `number`, `bool`",
+    ),
+    (
+        "descriptor_attribute_empty_segment.json",
+        "limits[0].descriptor[0].attribute",
+        "must be a dotted attribute name",
     ),
     (
         "descriptor_client_prefix_unknown_field.json",
@@ -753,7 +773,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "idempotency_tenant_unknown_part.json",
         "idempotency[0].tenant[0]",
-        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`",
+        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`, `metadata`, `attribute`",
     ),
     (
         "idempotency_tenant_header_invalid.json",

@@ -92,3 +92,222 @@ fn addresses_in_one_ipv4_prefix_share_a_budget_and_other_prefixes_have_their_own
     assert_eq!(get_from(ip("127.0.1.2"), port, "/n/x"), 429);
     assert_eq!(stack.upstream.executed(), 6);
 }
+
+// ---------------------------------------------------------------------------
+// JWT claims: Envoy's jwt_authn in front of the filter
+
+/// An identity provider for the tests: an ECDSA P-256 key pair made for
+/// this run, the JWKS Envoy verifies with, and ES256 tokens it signs.
+struct Issuer {
+    key: jsonwebtoken::EncodingKey,
+    jwks: String,
+}
+
+const ISSUER: &str = "https://issuer.test";
+
+impl Issuer {
+    fn new() -> Issuer {
+        use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        use base64::Engine;
+        let pair = rcgen::KeyPair::generate().unwrap();
+        let point = pair.public_key_raw();
+        assert_eq!(
+            (point.len(), point[0]),
+            (65, 4),
+            "an uncompressed P-256 point"
+        );
+        let jwks = serde_json::json!({"keys": [{
+            "kty": "EC", "crv": "P-256", "alg": "ES256", "kid": "test-1",
+            "x": URL_SAFE_NO_PAD.encode(&point[1..33]),
+            "y": URL_SAFE_NO_PAD.encode(&point[33..]),
+        }]});
+        Issuer {
+            key: jsonwebtoken::EncodingKey::from_ec_der(&pair.serialize_der()),
+            jwks: jwks.to_string(),
+        }
+    }
+
+    /// A token with `claims` (issuer and a one-hour expiry added unless
+    /// given).
+    fn token(&self, claims: serde_json::Value) -> String {
+        let mut claims = claims;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let obj = claims.as_object_mut().unwrap();
+        obj.entry("iss").or_insert(ISSUER.into());
+        obj.entry("exp").or_insert((now + 3600).into());
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+        header.kid = Some("test-1".into());
+        jsonwebtoken::encode(&header, &claims, &self.key).unwrap()
+    }
+
+    /// envoy.yaml with jwt_authn before the filter: a token, when sent,
+    /// must verify (else 401); its payload goes to dynamic metadata under
+    /// `payload`. Requests without a token pass.
+    fn in_front(&self, yaml: String) -> String {
+        let filter = format!(
+            r#"          - name: envoy.filters.http.jwt_authn
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication
+              providers:
+                test:
+                  issuer: {ISSUER}
+                  local_jwks: {{ inline_string: {} }}
+                  payload_in_metadata: payload
+              rules:
+              - match: {{ prefix: "/" }}
+                requires:
+                  requires_any:
+                    requirements:
+                    - provider_name: test
+                    - allow_missing: {{}}
+"#,
+            serde_json::to_string(&self.jwks).unwrap()
+        );
+        let anchor = "          - name: envoy.filters.http.wasm\n";
+        assert_eq!(yaml.matches(anchor).count(), 1, "one wasm filter");
+        yaml.replace(anchor, &format!("{filter}{anchor}"))
+    }
+}
+
+/// The JWT part: `claim` of the payload jwt_authn verified.
+fn claim(name: &str, ty: &str) -> String {
+    format!(
+        r#"{{"metadata":{{"namespace":"envoy.filters.http.jwt_authn","path":["payload","{name}"],"type":"{ty}"}}}}"#
+    )
+}
+
+/// 3 an hour per JWT `sub` on /jwt/, 2 per numeric `org_id` on /org/, one
+/// keyed on a list claim (never a valid string) on /roles/; idempotency on
+/// /pay/ with the `sub` as tenant.
+fn jwt_config() -> String {
+    filter_config(1000)
+        .limits(&format!(
+            r#"[{{"name":"per-sub","match":{{"pathPrefix":"/jwt/"}},"descriptor":[{sub}],
+                  "fixedWindow":{{"limit":3,"windowMs":3600000}}}},
+                {{"name":"per-org","match":{{"pathPrefix":"/org/"}},"descriptor":[{org}],
+                  "fixedWindow":{{"limit":2,"windowMs":3600000}}}},
+                {{"name":"per-roles","match":{{"pathPrefix":"/roles/"}},"descriptor":[{roles}],
+                  "fixedWindow":{{"limit":1,"windowMs":3600000}}}}]"#,
+            sub = claim("sub", "string"),
+            org = claim("org_id", "number"),
+            roles = claim("roles", "string"),
+        ))
+        .idempotency(&format!(
+            r#"[{{"name":"pay","match":{{"pathPrefix":"/pay/"}},"tenant":[{}]}}]"#,
+            claim("sub", "string")
+        ))
+        .build()
+}
+
+fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+#[test]
+fn per_subject_budgets_are_exact_across_two_envoys_and_unverified_tokens_never_reach_redis() {
+    let issuer = Issuer::new();
+    let stack = Stack::start_edited(&jwt_config(), 2, |y| issuer.in_front(y));
+    let (a, b) = (&stack.envoys[0], &stack.envoys[1]);
+    let alice = bearer(&issuer.token(serde_json::json!({"sub": "alice"})));
+    let bob = bearer(&issuer.token(serde_json::json!({"sub": "bob"})));
+    let status = |e: &Envoy, auth: &str| get(&e.url("/jwt/x"), &[("authorization", auth)]).status;
+    // Three each, whichever Envoy; the fourth is refused on both.
+    let alices: Vec<u16> = [a, b, a, b, a].iter().map(|e| status(e, &alice)).collect();
+    assert_eq!(alices, [200, 200, 200, 429, 429]);
+    let bobs: Vec<u16> = [b, b, a, a].iter().map(|e| status(e, &bob)).collect();
+    assert_eq!(bobs, [200, 200, 200, 429]);
+    let calls = stack.counter("redis_guard.redis.calls");
+    // jwt_authn refuses a bad signature and an expired token before the
+    // filter runs: no call to Redis.
+    let forged = {
+        // A signature character well inside (the last one carries padding
+        // bits a decoder may ignore).
+        let mut t = issuer
+            .token(serde_json::json!({"sub": "alice"}))
+            .into_bytes();
+        let i = t.len() - 10;
+        t[i] = if t[i] == b'A' { b'B' } else { b'A' };
+        bearer(&String::from_utf8(t).unwrap())
+    };
+    let expired = bearer(&issuer.token(serde_json::json!({"sub": "carol", "exp": 1_000_000_000})));
+    for auth in [&forged, &expired] {
+        assert_eq!(status(a, auth), 401, "{auth}");
+    }
+    assert_eq!(stack.counter("redis_guard.redis.calls"), calls);
+    // No token, or a token without `sub`: the limit does not apply.
+    let anonymous = bearer(&issuer.token(serde_json::json!({"scope": "read"})));
+    for _ in 0..4 {
+        assert_eq!(get(&a.url("/jwt/x"), &[]).status, 200);
+        assert_eq!(status(b, &anonymous), 200);
+    }
+    assert_eq!(stack.counter("redis_guard.redis.calls"), calls);
+    assert_eq!(stack.upstream.executed(), 3 + 3 + 8);
+}
+
+#[test]
+fn a_numeric_claim_keys_in_decimal_and_a_list_claim_is_counted_and_does_not_apply() {
+    let issuer = Issuer::new();
+    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.in_front(y));
+    let e = stack.envoy();
+    let token = bearer(&issuer.token(serde_json::json!({
+        "sub": "dave", "org_id": 42, "roles": ["admin", "dev"]
+    })));
+    let status = |path: &str| get(&e.url(path), &[("authorization", &token)]).status;
+    assert_eq!(
+        [status("/org/a"), status("/org/a"), status("/org/a")],
+        [200, 200, 429]
+    );
+    let mut con = stack.redis.conn();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:per-org:*")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert!(keys[0].ends_with(":2:42"), "the claim 42 as text: {keys:?}");
+    // A list where a string is configured: the limit does not apply.
+    for _ in 0..3 {
+        assert_eq!(status("/roles/a"), 200);
+    }
+    assert_eq!(stack.counter("redis_guard.descriptor.invalid"), 3);
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:per-roles:*")
+        .query(&mut con)
+        .unwrap();
+    assert!(keys.is_empty(), "{keys:?}");
+}
+
+#[test]
+fn an_idempotency_tenant_on_the_subject_keeps_two_users_identical_keys_apart() {
+    let issuer = Issuer::new();
+    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.in_front(y));
+    let e = stack.envoy();
+    let pay = |auth: Option<&str>| {
+        let mut headers = vec![("idempotency-key", "k-1")];
+        if let Some(auth) = auth {
+            headers.push(("authorization", auth));
+        }
+        http("POST", &e.url("/pay/1"), &headers, Some(b"{\"amount\":10}"))
+    };
+    let alice = bearer(&issuer.token(serde_json::json!({"sub": "alice"})));
+    let bob = bearer(&issuer.token(serde_json::json!({"sub": "bob"})));
+    let first = pay(Some(&alice));
+    assert_eq!(
+        (first.status, first.header("idempotent-replayed")),
+        (200, None)
+    );
+    let other = pay(Some(&bob));
+    assert_eq!(
+        (other.status, other.header("idempotent-replayed")),
+        (200, None)
+    );
+    let again = pay(Some(&alice));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(stack.upstream.executed(), 2, "once per user");
+    // Without a token there is no tenant: refused, not shared.
+    assert_eq!(pay(None).status, 400);
+    assert_eq!(stack.upstream.executed(), 2);
+}

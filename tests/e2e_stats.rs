@@ -39,7 +39,7 @@ const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
 const KINDS: [&str; 5] = ["timeout", "dispatch", "http", "redis", "reply"];
 /// Every series without labels, by its name after `redis_guard_`.
-const PLAIN: [&str; 41] = [
+const PLAIN: [&str; 42] = [
     "redis_calls",
     "batch_calls",
     "batch_alone",
@@ -80,6 +80,7 @@ const PLAIN: [&str; 41] = [
     "usage_refunded_units",
     "usage_fallback",
     "usage_reserve_unread",
+    "descriptor_invalid",
     "usage_lost",
 ];
 

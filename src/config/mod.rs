@@ -36,7 +36,7 @@ pub use object_store::{
     ObjectStore, DEFAULT_OBJECT_KEY_PREFIX, DEFAULT_OBJECT_TIMEOUT_MS, ENV_ACCESS_KEY_ID,
     ENV_SECRET_ACCESS_KEY, ENV_SESSION_TOKEN,
 };
-pub use parts::{descriptor, Part};
+pub use parts::{descriptor, Part, Read};
 pub use redis::{
     Batch, RedisTarget, DEFAULT_BREAKER_COOL_DOWN_MS, DEFAULT_BREAKER_FAILURES, DEFAULT_TIMEOUT_MS,
 };
@@ -247,6 +247,7 @@ const LIST_FIELDS: &[&str] = &[
     "rateLimitHeaders",
     "json",
     "reserveFrom",
+    "path",
 ];
 
 fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<(), ConfigError> {

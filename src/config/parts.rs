@@ -9,7 +9,9 @@ use serde::Deserialize;
 
 use super::{header_name, ConfigError};
 use crate::keys::{hash_tag_of, push_value};
-use crate::request::{address_prefix, client_ip, query_param, RequestLine, RequestView};
+use crate::request::{
+    address_prefix, client_ip, query_param, typed_value, RequestLine, RequestView, ValueType,
+};
 
 /// IPv4 and IPv6 prefix lengths when `clientPrefix` leaves them out.
 pub const DEFAULT_V4_PREFIX: u8 = 24;
@@ -29,8 +31,37 @@ pub(super) enum RawPart {
     ClientAddress,
     /// The client address masked to its network (default /24 and /56).
     ClientPrefix(RawPrefix),
+    /// A value in the request's dynamic metadata, which filters before this
+    /// one set (`jwt_authn`'s payload, `ext_authz`'s identity).
+    Metadata(RawMetadata),
+    /// An Envoy attribute by its dotted name, e.g.
+    /// `connection.uri_san_peer_certificate` or `source.principal`.
+    Attribute(String),
     Path,
     Method,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "MetadataPart")]
+pub(super) struct RawMetadata {
+    /// The filter namespace, e.g. `envoy.filters.http.jwt_authn`.
+    namespace: String,
+    /// Keys into its structure, e.g. `["payload", "sub"]`.
+    path: Vec<String>,
+    /// What the value holds (default `string`): Envoy hands it over
+    /// without its type.
+    #[serde(default, rename = "type")]
+    value_type: Option<RawValueType>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(rename = "ValueType")]
+pub(super) enum RawValueType {
+    String,
+    Number,
+    Bool,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -53,7 +84,13 @@ pub enum Part {
     Query(String),
     Literal(String),
     ClientAddress,
-    ClientPrefix { v4: u8, v6: u8 },
+    ClientPrefix {
+        v4: u8,
+        v6: u8,
+    },
+    /// The attribute path read (its namespace included) and its type.
+    Metadata(Vec<String>, ValueType),
+    Attribute(Vec<String>),
     Path,
     Method,
 }
@@ -69,6 +106,8 @@ impl fmt::Display for Part {
                     "{{\"clientPrefix\": {{\"ipv4\": {v4}, \"ipv6\": {v6}}}}}"
                 )
             }
+            Part::Metadata(p, _) => write!(f, "{{\"metadata\": {:?}}}", &p[2..]),
+            Part::Attribute(p) => write!(f, "{{\"attribute\": \"{}\"}}", p.join(".")),
             Part::Literal(l) => write!(f, "{{\"literal\": \"{l}\"}}"),
             Part::ClientAddress => write!(f, "\"clientAddress\""),
             Part::Path => write!(f, "\"path\""),
@@ -88,6 +127,10 @@ impl Part {
                 .client_address()
                 .and_then(|a| address_prefix(client_ip(&a), *v4, *v6))
                 .map(String::into_bytes),
+            Part::Metadata(..) | Part::Attribute(_) => match self.read(line, view) {
+                Read::Value(v) => Some(v),
+                Read::Missing | Read::Invalid(_) => None,
+            },
             Part::Literal(v) => Some(v.as_bytes().to_vec()),
             Part::ClientAddress => view
                 .client_address()
@@ -98,17 +141,52 @@ impl Part {
     }
 }
 
-/// The encoded descriptor of `parts`, or `None` when a header it names is
-/// missing (as with Envoy's rate-limit actions, the limit then does not apply).
-pub fn descriptor(parts: &[Part], line: &RequestLine, view: &dyn RequestView) -> Option<Vec<u8>> {
+/// A part's value for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Read {
+    Value(Vec<u8>),
+    /// The request has none (a header, a parameter, a claim it lacks).
+    Missing,
+    /// The request has one of the wrong type (a list or an object where a
+    /// string was configured): counted, and treated as missing.
+    Invalid(String),
+}
+
+impl Part {
+    /// The value of this part, telling a missing one from a wrong one.
+    pub fn read(&self, line: &RequestLine, view: &dyn RequestView) -> Read {
+        let (path, ty) = match self {
+            Part::Metadata(path, ty) => (path, *ty),
+            Part::Attribute(path) => (path, ValueType::String),
+            other => return other.value(line, view).map_or(Read::Missing, Read::Value),
+        };
+        let keys: Vec<&str> = path.iter().map(String::as_str).collect();
+        match view.property(&keys) {
+            None => Read::Missing,
+            Some(raw) => match typed_value(raw, ty) {
+                Ok(v) => Read::Value(v),
+                Err(why) => Read::Invalid(format!("{self}: {why}")),
+            },
+        }
+    }
+}
+
+/// The encoded descriptor of `parts`: `Missing` when a value it names is
+/// missing (as with Envoy's rate-limit actions, the limit then does not
+/// apply), `Invalid` when one is of the wrong type (it does not apply
+/// either, and is counted).
+pub fn descriptor(parts: &[Part], line: &RequestLine, view: &dyn RequestView) -> Read {
     let mut out = Vec::new();
     for (i, part) in parts.iter().enumerate() {
         if i > 0 {
             out.push(b':');
         }
-        push_value(&mut out, &part.value(line, view)?);
+        match part.read(line, view) {
+            Read::Value(v) => push_value(&mut out, &v),
+            other => return other,
+        }
     }
-    Some(out)
+    Read::Value(out)
 }
 
 /// The hash tag of a configuration whose `hashTag` depends on no request
@@ -160,6 +238,39 @@ pub(super) fn compile_parts(raw: Vec<RawPart>, at: &str) -> Result<Vec<Part>, Co
                     }
                     Part::ClientPrefix { v4, v6 }
                 }
+                RawPart::Metadata(m) => {
+                    if m.namespace.is_empty() {
+                        return Err(ConfigError::new(
+                            format!("{at}[{i}].metadata.namespace"),
+                            "must name a filter namespace, e.g. `envoy.filters.http.jwt_authn`",
+                        ));
+                    }
+                    if m.path.is_empty() || m.path.iter().any(String::is_empty) {
+                        return Err(ConfigError::new(
+                            format!("{at}[{i}].metadata.path"),
+                            "must be one or more non-empty keys, e.g. [\"payload\", \"sub\"]",
+                        ));
+                    }
+                    let mut path = vec!["metadata".to_string(), "filter_metadata".to_string()];
+                    path.push(m.namespace);
+                    path.extend(m.path);
+                    let ty = match m.value_type {
+                        None | Some(RawValueType::String) => ValueType::String,
+                        Some(RawValueType::Number) => ValueType::Number,
+                        Some(RawValueType::Bool) => ValueType::Bool,
+                    };
+                    Part::Metadata(path, ty)
+                }
+                RawPart::Attribute(name) => {
+                    let path: Vec<String> = name.split('.').map(str::to_string).collect();
+                    if path.iter().any(String::is_empty) {
+                        return Err(ConfigError::new(
+                            format!("{at}[{i}].attribute"),
+                            "must be a dotted attribute name, e.g. `source.principal`",
+                        ));
+                    }
+                    Part::Attribute(path)
+                }
                 RawPart::Path => Part::Path,
                 RawPart::Method => Part::Method,
             })
@@ -177,9 +288,12 @@ mod tests {
         let r = FakeRequest::new("GET", "/x");
         let line = RequestLine::read(&r);
         let parts = vec![Part::Header("x-user".into())];
-        assert_eq!(descriptor(&parts, &line, &r), None);
+        assert_eq!(descriptor(&parts, &line, &r), Read::Missing);
         let r = r.with("x-user", b"al/ice");
-        assert_eq!(descriptor(&parts, &line, &r), Some(b"6:al/ice".to_vec()));
+        assert_eq!(
+            descriptor(&parts, &line, &r),
+            Read::Value(b"6:al/ice".to_vec())
+        );
     }
 
     #[test]
@@ -188,7 +302,7 @@ mod tests {
         let line = RequestLine::read(&r);
         assert_eq!(
             descriptor(&[Part::ClientAddress, Part::Method, Part::Path], &line, &r),
-            Some(b"9:127.0.0.9:3:GET:2:/x".to_vec())
+            Read::Value(b"9:127.0.0.9:3:GET:2:/x".to_vec())
         );
     }
 
@@ -202,14 +316,67 @@ mod tests {
         ];
         assert_eq!(
             descriptor(&parts, &line, &r),
-            Some(b"3:k 1:19:2001:db8:0:100::/56".to_vec())
+            Read::Value(b"3:k 1:19:2001:db8:0:100::/56".to_vec())
         );
-        assert_eq!(descriptor(&[Part::Query("user".into())], &line, &r), None);
+        assert_eq!(
+            descriptor(&[Part::Query("user".into())], &line, &r),
+            Read::Missing
+        );
         let r = FakeRequest::new("GET", "/x?api_key=a").addr("198.51.100.7:1");
         let line = RequestLine::read(&r);
         assert_eq!(
             descriptor(&parts, &line, &r),
-            Some(b"1:a:15:198.51.100.0/24".to_vec())
+            Read::Value(b"1:a:15:198.51.100.0/24".to_vec())
         );
+    }
+
+    #[test]
+    fn metadata_and_attribute_parts_read_typed_values_missing_or_invalid() {
+        let jwt = |claim: &str| {
+            vec![
+                "metadata".to_string(),
+                "filter_metadata".into(),
+                "envoy.filters.http.jwt_authn".into(),
+                "payload".into(),
+                claim.to_string(),
+            ]
+        };
+        let ns = "envoy.filters.http.jwt_authn";
+        let r = FakeRequest::new("GET", "/x")
+            .prop(
+                &["metadata", "filter_metadata", ns, "payload", "sub"],
+                b"alice",
+            )
+            .prop(
+                &["metadata", "filter_metadata", ns, "payload", "org"],
+                &7f64.to_le_bytes(),
+            )
+            .prop(
+                &["metadata", "filter_metadata", ns, "payload", "roles"],
+                b"\x01\0\0\0\x01\0\0\0\0\0\0\0a\0\0",
+            )
+            .prop(
+                &["source", "principal"],
+                b"spiffe://cluster.local/ns/a/sa/b",
+            );
+        let line = RequestLine::read(&r);
+        let sub = Part::Metadata(jwt("sub"), ValueType::String);
+        let org = Part::Metadata(jwt("org"), ValueType::Number);
+        let principal = Part::Attribute(vec!["source".into(), "principal".into()]);
+        assert_eq!(
+            descriptor(&[sub.clone(), org, principal], &line, &r),
+            Read::Value(b"5:alice:1:7:32:spiffe://cluster.local/ns/a/sa/b".to_vec())
+        );
+        let missing = Part::Metadata(jwt("tenant"), ValueType::String);
+        assert_eq!(
+            descriptor(&[sub.clone(), missing], &line, &r),
+            Read::Missing
+        );
+        let roles = Part::Metadata(jwt("roles"), ValueType::String);
+        assert!(matches!(
+            descriptor(&[sub, roles.clone()], &line, &r),
+            Read::Invalid(why) if why.contains("roles")
+        ));
+        assert_eq!(roles.value(&line, &r), None, "a wrong type is no value");
     }
 }

@@ -91,6 +91,9 @@ pub enum Counter {
     UsageRefunded,
     /// A usage-based request charged its fallback: no usage arrived.
     UsageFallback,
+    /// A limit left out of a request because a value its descriptor reads
+    /// (metadata, an attribute) was of the wrong type.
+    PartInvalid,
     /// A limit whose reservation the request body names took its fixed
     /// `reserve`: no body, not JSON, over the bound, or no such field.
     UsageReserveUnread,
@@ -228,6 +231,7 @@ impl Counter {
             Counter::UsageFallback,
             Counter::UsageReserveUnread,
             Counter::UsageLost,
+            Counter::PartInvalid,
         ]);
         all
     }
@@ -300,6 +304,7 @@ impl Counter {
             Counter::UsageRefunded => fixed("usage.refunded_units"),
             Counter::UsageFallback => fixed("usage.fallback"),
             Counter::UsageReserveUnread => fixed("usage.reserve_unread"),
+            Counter::PartInvalid => fixed("descriptor.invalid"),
             Counter::UsageLost => fixed("usage.lost"),
         }
     }
@@ -320,10 +325,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 46
+        // The stat list as the README and tests/e2e_stats.rs know it: 47
         // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 46);
-        assert_eq!(names(2).len(), 46 + 8);
+        assert_eq!(names(0).len(), 47);
+        assert_eq!(names(2).len(), 47 + 8);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

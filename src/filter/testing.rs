@@ -114,6 +114,9 @@ impl RequestView for FakeHost {
     fn client_address(&self) -> Option<String> {
         self.request.client_address()
     }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.request.property(path)
+    }
 }
 
 impl Host for FakeHost {

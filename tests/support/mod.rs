@@ -709,11 +709,21 @@ pub struct Stack {
 
 impl Stack {
     pub fn start(filter_config: &str, envoys: usize) -> Stack {
+        Stack::start_edited(filter_config, envoys, |y| y)
+    }
+
+    /// The same, with `edit` applied to each Envoy's rendered envoy.yaml
+    /// (filters before ours, another listener).
+    pub fn start_edited(
+        filter_config: &str,
+        envoys: usize,
+        edit: impl Fn(String) -> String,
+    ) -> Stack {
         let redis = Redis::start();
         let webdis = Webdis::start(redis.port);
         let upstream = Upstream::start();
         let envoys = (0..envoys)
-            .map(|_| Envoy::start(filter_config, webdis.port, upstream.port))
+            .map(|_| Envoy::start_edited(filter_config, webdis.port, upstream.port, &edit))
             .collect();
         Stack {
             envoys,

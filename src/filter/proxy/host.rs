@@ -45,6 +45,10 @@ impl RequestView for ProxyHost<'_> {
         let raw = hostcalls::get_property(vec!["source", "address"]).ok()??;
         String::from_utf8(raw).ok()
     }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.to_vec()).ok().flatten()
+    }
 }
 
 impl ProxyHost<'_> {

@@ -12,10 +12,7 @@ use std::time::Duration;
 /// now (counted); `None` when Redis has to decide.
 pub fn cached<H: Host>(host: &mut H, config: &Config, plan: &Plan) -> Option<LocalReply> {
     let now_ms = millis(host.now());
-    let mut rejecting = Plan {
-        checks: Vec::new(),
-        tag: None,
-    };
+    let mut rejecting = Plan::default();
     let mut results = Vec::new();
     for check in &plan.checks {
         if config.limits[check.limit].shadow {

@@ -23,6 +23,13 @@ impl RateLimit {
         line: &RequestLine,
     ) -> Result<(), LocalReply> {
         self.plan = Plan::build(config, line, host).map_err(|bad| bad_request(&bad.detail))?;
+        for (limit, why) in &self.plan.invalid {
+            log::debug!(
+                "redis-guard: limit `{}` does not apply: {why}",
+                config.limits[*limit].name
+            );
+            host.count(Counter::PartInvalid);
+        }
         for check in &self.plan.checks {
             host.count(Counter::Checked(check.limit));
         }
