@@ -118,21 +118,7 @@ pub fn query_param(path: &[u8], name: &str) -> Option<Vec<u8>> {
 }
 
 fn percent_decode(raw: &[u8]) -> Vec<u8> {
-    let hex = |b: u8| (b as char).to_digit(16);
-    let mut out = Vec::with_capacity(raw.len());
-    let mut i = 0;
-    while i < raw.len() {
-        if raw[i] == b'%' && i + 2 < raw.len() {
-            if let (Some(h), Some(l)) = (hex(raw[i + 1]), hex(raw[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(raw[i]);
-        i += 1;
-    }
-    out
+    percent_encoding::percent_decode(raw).collect()
 }
 
 /// The network of `ip` (as `client_ip` gives it): its first `v4` bits for

@@ -479,12 +479,12 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "match_header_present_and_exact.json",
         "limits[0].match.headers[0]",
-        "exactly one of `present` and `exact`",
+        "exactly one of `present`, `exact`, `prefix` and `regex`",
     ),
     (
         "match_header_no_condition.json",
         "limits[0].match.headers[0]",
-        "exactly one of `present` and `exact`",
+        "exactly one of `present`, `exact`, `prefix` and `regex`",
     ),
     (
         "match_header_name_invalid.json",
@@ -526,6 +526,26 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "descriptor_client_prefix_ipv6_above_128.json",
         "limits[0].descriptor[0].clientPrefix.ipv6",
         "must be between 0 and 128",
+    ),
+    (
+        "match_value_two_conditions.json",
+        "limits[0].match.values[0]",
+        "set exactly one of `present`, `exact`, `prefix` and `regex`",
+    ),
+    (
+        "match_value_regex_invalid.json",
+        "limits[0].match.values[0].regex",
+        "is not a valid regex",
+    ),
+    (
+        "match_header_regex_invalid.json",
+        "limits[0].match.headers[0].regex",
+        "is not a valid regex",
+    ),
+    (
+        "match_value_part_unknown.json",
+        "limits[0].match.values[0].part",
+        "unknown variant `cookie`",
     ),
     (
         "descriptor_metadata_namespace_empty.json",

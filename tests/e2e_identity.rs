@@ -180,8 +180,9 @@ fn claim(name: &str, ty: &str) -> String {
 }
 
 /// 3 an hour per JWT `sub` on /jwt/, 2 per numeric `org_id` on /org/, one
-/// keyed on a list claim (never a valid string) on /roles/; idempotency on
-/// /pay/ with the `sub` as tenant.
+/// keyed on a list claim (never a valid string) on /roles/; on /plan/, 1
+/// per `sub` whose `plan` claim is `free` and 2 for all subjects named
+/// `svc-<digits>` together; idempotency on /pay/ with the `sub` as tenant.
 fn jwt_config() -> String {
     filter_config(1000)
         .limits(&format!(
@@ -190,8 +191,13 @@ fn jwt_config() -> String {
                 {{"name":"per-org","match":{{"pathPrefix":"/org/"}},"descriptor":[{org}],
                   "fixedWindow":{{"limit":2,"windowMs":3600000}}}},
                 {{"name":"per-roles","match":{{"pathPrefix":"/roles/"}},"descriptor":[{roles}],
-                  "fixedWindow":{{"limit":1,"windowMs":3600000}}}}]"#,
+                  "fixedWindow":{{"limit":1,"windowMs":3600000}}}},
+                {{"name":"free-plan","match":{{"pathPrefix":"/plan/","values":[{{"part":{plan},"exact":"free"}}]}},
+                  "descriptor":[{sub}],"fixedWindow":{{"limit":1,"windowMs":3600000}}}},
+                {{"name":"services","match":{{"pathPrefix":"/plan/","values":[{{"part":{sub},"regex":"svc-[0-9]+"}}]}},
+                  "fixedWindow":{{"limit":2,"windowMs":3600000}}}}]"#,
             sub = claim("sub", "string"),
+            plan = claim("plan", "string"),
             org = claim("org_id", "number"),
             roles = claim("roles", "string"),
         ))
@@ -310,4 +316,38 @@ fn an_idempotency_tenant_on_the_subject_keeps_two_users_identical_keys_apart() {
     // Without a token there is no tenant: refused, not shared.
     assert_eq!(pay(None).status, 400);
     assert_eq!(stack.upstream.executed(), 2);
+}
+
+#[test]
+fn a_limit_applies_by_claim_value_exactly_or_by_a_whole_value_regex() {
+    let issuer = Issuer::new();
+    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.in_front(y));
+    let e = stack.envoy();
+    let statuses = |claims: serde_json::Value, n: usize| -> Vec<u16> {
+        let auth = bearer(&issuer.token(claims));
+        (0..n)
+            .map(|_| get(&e.url("/plan/x"), &[("authorization", &auth)]).status)
+            .collect()
+    };
+    // The free plan: one each; other plans are not limited here.
+    let free = serde_json::json!({"sub": "ann", "plan": "free"});
+    assert_eq!(statuses(free, 2), [200, 429]);
+    let free = serde_json::json!({"sub": "ben", "plan": "free"});
+    assert_eq!(statuses(free, 2), [200, 429]);
+    let pro = serde_json::json!({"sub": "cat", "plan": "pro"});
+    assert_eq!(statuses(pro, 3), [200, 200, 200]);
+    let freedom = serde_json::json!({"sub": "dan", "plan": "freedom"});
+    assert_eq!(statuses(freedom, 3), [200, 200, 200], "exact, not a prefix");
+    // svc-12 and svc-7 share two; names the regex does not cover whole
+    // are not limited.
+    assert_eq!(statuses(serde_json::json!({"sub": "svc-12"}), 1), [200]);
+    assert_eq!(statuses(serde_json::json!({"sub": "svc-7"}), 2), [200, 429]);
+    for sub in ["svc-x", "my-svc-1", "svc-1a"] {
+        assert_eq!(
+            statuses(serde_json::json!({"sub": sub}), 3),
+            [200, 200, 200],
+            "{sub}"
+        );
+    }
+    assert_eq!(stack.upstream.executed(), 2 + 3 + 3 + 2 + 9);
 }

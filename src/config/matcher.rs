@@ -3,8 +3,13 @@
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::parts::{compile_part, Part, RawPart};
 use super::{header_name, valid_header_name, ConfigError};
 use crate::request::{RequestLine, RequestView};
+
+/// The largest compiled `regex` (bytes of its program): bounds what one
+/// pattern may cost the VM.
+const REGEX_SIZE_LIMIT: usize = 1 << 20;
 
 /// Conditions that must all hold; an empty match covers every request.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
@@ -25,8 +30,13 @@ pub(super) struct RawMatch {
     host: Option<String>,
     #[serde(default)]
     headers: Vec<RawHeaderMatch>,
+    /// Conditions on descriptor parts' values (a JWT claim, an attribute,
+    /// a query parameter).
+    #[serde(default)]
+    values: Vec<RawValueMatch>,
 }
 
+/// A header and one of `present`, `exact`, `prefix` and `regex`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "HeaderMatch")]
@@ -36,7 +46,32 @@ struct RawHeaderMatch {
     present: Option<bool>,
     #[serde(default)]
     exact: Option<String>,
+    #[serde(default)]
+    prefix: Option<String>,
+    /// Matched against the whole value, as bytes, in linear time.
+    #[serde(default)]
+    regex: Option<String>,
 }
+
+/// A descriptor part and one of `present`, `exact`, `prefix` and `regex`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "ValueMatch")]
+struct RawValueMatch {
+    part: RawPart,
+    #[serde(default)]
+    present: Option<bool>,
+    #[serde(default)]
+    exact: Option<String>,
+    #[serde(default)]
+    prefix: Option<String>,
+    /// Matched against the whole value, as bytes, in linear time.
+    #[serde(default)]
+    regex: Option<String>,
+}
+
+/// The condition fields both kinds of match carry.
+type RawCondition = (Option<bool>, Option<String>, Option<String>, Option<String>);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PathMatch {
@@ -46,9 +81,34 @@ pub enum PathMatch {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HeaderCondition {
+pub enum Condition {
     Present(bool),
     Exact(String),
+    Prefix(String),
+    Regex(Pattern),
+}
+
+/// A compiled `regex`, anchored at both ends.
+#[derive(Debug, Clone)]
+pub struct Pattern(regex::bytes::Regex);
+
+impl PartialEq for Pattern {
+    fn eq(&self, other: &Pattern) -> bool {
+        self.0.as_str() == other.0.as_str()
+    }
+}
+
+impl Eq for Pattern {}
+
+impl Condition {
+    fn holds(&self, value: Option<&[u8]>) -> bool {
+        match self {
+            Condition::Present(want) => value.is_some() == *want,
+            Condition::Exact(v) => value == Some(v.as_bytes()),
+            Condition::Prefix(p) => value.is_some_and(|v| v.starts_with(p.as_bytes())),
+            Condition::Regex(r) => value.is_some_and(|v| r.0.is_match(v)),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,7 +118,8 @@ pub struct Matcher {
     pub methods: Vec<String>,
     /// Lower-case, without port.
     pub host: Option<String>,
-    pub headers: Vec<(String, HeaderCondition)>,
+    pub headers: Vec<(String, Condition)>,
+    pub values: Vec<(Part, Condition)>,
 }
 
 // Evaluated beside the conditions it reads, so that `request` (the request as
@@ -86,13 +147,13 @@ impl Matcher {
                 return false;
             }
         }
-        self.headers.iter().all(|(name, cond)| {
-            let value = view.header(name);
-            match cond {
-                HeaderCondition::Present(want) => value.is_some() == *want,
-                HeaderCondition::Exact(v) => value.as_deref() == Some(v.as_bytes()),
-            }
-        })
+        self.headers
+            .iter()
+            .all(|(name, cond)| cond.holds(view.header(name).as_deref()))
+            && self
+                .values
+                .iter()
+                .all(|(part, cond)| cond.holds(part.value(line, view).as_deref()))
     }
 }
 
@@ -141,23 +202,51 @@ pub(super) fn compile_match(raw: RawMatch, at: &str) -> Result<Matcher, ConfigEr
     for (i, h) in raw.headers.into_iter().enumerate() {
         let hat = format!("{at}.headers[{i}]");
         let name = header_name(&h.name, &format!("{hat}.name"))?;
-        let cond = match (h.present, h.exact) {
-            (Some(p), None) => HeaderCondition::Present(p),
-            (None, Some(v)) => HeaderCondition::Exact(v),
-            _ => {
-                return Err(ConfigError::new(
-                    hat,
-                    "set exactly one of `present` and `exact`",
-                ))
-            }
-        };
-        headers.push((name, cond));
+        let condition = (h.present, h.exact, h.prefix, h.regex);
+        headers.push((name, compile_condition(condition, &hat)?));
+    }
+    let mut values = Vec::with_capacity(raw.values.len());
+    for (i, v) in raw.values.into_iter().enumerate() {
+        let vat = format!("{at}.values[{i}]");
+        let part = compile_part(v.part, &format!("{vat}.part"))?;
+        let condition = (v.present, v.exact, v.prefix, v.regex);
+        values.push((part, compile_condition(condition, &vat)?));
     }
     Ok(Matcher {
         path,
         methods,
         host,
         headers,
+        values,
+    })
+}
+
+fn compile_condition(raw: RawCondition, at: &str) -> Result<Condition, ConfigError> {
+    Ok(match raw {
+        (Some(p), None, None, None) => Condition::Present(p),
+        (None, Some(v), None, None) => Condition::Exact(v),
+        (None, None, Some(p), None) => Condition::Prefix(p),
+        (None, None, None, Some(r)) => {
+            let compiled = regex::bytes::RegexBuilder::new(&format!("^(?:{r})$"))
+                .unicode(false)
+                .size_limit(REGEX_SIZE_LIMIT)
+                .build()
+                .map_err(|e| {
+                    let why = e.to_string();
+                    let why = why.lines().last().unwrap_or("invalid").trim();
+                    ConfigError::new(
+                        format!("{at}.regex"),
+                        format!("is not a valid regex ({why}); it is matched against the whole value, as bytes"),
+                    )
+                })?;
+            Condition::Regex(Pattern(compiled))
+        }
+        _ => {
+            return Err(ConfigError::new(
+                at,
+                "set exactly one of `present`, `exact`, `prefix` and `regex`",
+            ))
+        }
     })
 }
 
@@ -172,4 +261,81 @@ fn match_path(p: String, field: &str) -> Result<String, ConfigError> {
         ));
     }
     Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::fake::FakeRequest;
+
+    fn matcher(json: &str) -> Result<Matcher, ConfigError> {
+        let raw: RawMatch = serde_json::from_str(json).unwrap();
+        compile_match(raw, "match")
+    }
+
+    fn holds(m: &Matcher, r: &FakeRequest) -> bool {
+        m.matches(&RequestLine::read(r), r)
+    }
+
+    #[test]
+    fn header_conditions_are_present_exact_prefix_or_a_whole_value_regex() {
+        let m = matcher(
+            r#"{"headers":[{"name":"x-plan","prefix":"free"},
+                           {"name":"x-user","regex":"svc-[0-9]+"}]}"#,
+        )
+        .unwrap();
+        let r = |plan: &[u8], user: &[u8]| {
+            FakeRequest::new("GET", "/")
+                .with("x-plan", plan)
+                .with("x-user", user)
+        };
+        assert!(holds(&m, &r(b"free-tier", b"svc-12")));
+        assert!(!holds(&m, &r(b"pro", b"svc-12")));
+        // The regex covers the whole value.
+        assert!(!holds(&m, &r(b"free", b"svc-12x")));
+        assert!(!holds(&m, &r(b"free", b"my-svc-12")));
+        // Bytes, not text: a non-UTF-8 value is matched too.
+        let bytes = matcher(r#"{"headers":[{"name":"x-user","regex":"a.b"}]}"#).unwrap();
+        assert!(holds(
+            &bytes,
+            &FakeRequest::new("GET", "/").with("x-user", b"a\xffb")
+        ));
+        assert!(!holds(
+            &m,
+            &FakeRequest::new("GET", "/").with("x-plan", b"free")
+        ));
+    }
+
+    #[test]
+    fn value_conditions_read_descriptor_parts() {
+        let m = matcher(r#"{"values":[{"part":{"query":"plan"},"exact":"free"}]}"#).unwrap();
+        assert!(holds(&m, &FakeRequest::new("GET", "/x?plan=free")));
+        assert!(!holds(&m, &FakeRequest::new("GET", "/x?plan=freedom")));
+        assert!(!holds(&m, &FakeRequest::new("GET", "/x")), "absent");
+        let absent = matcher(r#"{"values":[{"part":{"query":"plan"},"present":false}]}"#).unwrap();
+        assert!(holds(&absent, &FakeRequest::new("GET", "/x")));
+    }
+
+    #[test]
+    fn a_pattern_that_backtracking_engines_choke_on_runs_in_linear_time() {
+        // (a+)+$ against a's then a b: exponential for a backtracker, one
+        // pass here (the test finishes at once rather than timing out).
+        let m = matcher(r#"{"headers":[{"name":"x","regex":"(a+)+"}]}"#).unwrap();
+        let mut value = vec![b'a'; 100_000];
+        value.push(b'b');
+        assert!(!holds(&m, &FakeRequest::new("GET", "/").with("x", &value)));
+    }
+
+    #[test]
+    fn a_condition_is_exactly_one_of_four_and_a_bad_regex_names_its_field() {
+        let err = matcher(r#"{"headers":[{"name":"x","exact":"a","prefix":"b"}]}"#).unwrap_err();
+        assert_eq!(err.field, "match.headers[0]");
+        let err = matcher(r#"{"values":[{"part":"method"}]}"#).unwrap_err();
+        assert_eq!(err.field, "match.values[0]");
+        let err = matcher(r#"{"values":[{"part":"path","regex":"(unclosed"}]}"#).unwrap_err();
+        assert_eq!(err.field, "match.values[0].regex");
+        assert!(err.reason.contains("not a valid regex"), "{err:?}");
+        let err = matcher(r#"{"values":[{"part":{"query":""},"exact":"a"}]}"#).unwrap_err();
+        assert_eq!(err.field, "match.values[0].part.query");
+    }
 }

@@ -31,7 +31,7 @@ pub use limit::{
     DEFAULT_LOCAL_PER_MILLE, MAX_CONCURRENCY, MAX_COUNTER_LIMIT, MAX_WINDOW_COST,
     RENEWALS_PER_LEASE,
 };
-pub use matcher::{HeaderCondition, Matcher, PathMatch};
+pub use matcher::{Condition, Matcher, PathMatch};
 pub use object_store::{
     ObjectStore, DEFAULT_OBJECT_KEY_PREFIX, DEFAULT_OBJECT_TIMEOUT_MS, ENV_ACCESS_KEY_ID,
     ENV_SECRET_ACCESS_KEY, ENV_SESSION_TOKEN,
@@ -248,6 +248,7 @@ const LIST_FIELDS: &[&str] = &[
     "json",
     "reserveFrom",
     "path",
+    "values",
 ];
 
 fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<(), ConfigError> {
@@ -440,6 +441,11 @@ fn needs(
         .iter()
         .chain(limits.iter().flat_map(|l| l.descriptor.iter()))
         .chain(idempotency.iter().flat_map(|r| r.tenant.iter()))
+        .chain(
+            matchers
+                .clone()
+                .flat_map(|m| m.values.iter().map(|(p, _)| p)),
+        )
         .collect();
     let mut n = crate::request::Needs {
         method: !idempotency.is_empty() || parts.iter().any(|p| matches!(p, Part::Method)),

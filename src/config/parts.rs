@@ -205,77 +205,78 @@ pub(super) fn static_hash_tag(parts: &[Part]) -> Option<String> {
 pub(super) fn compile_parts(raw: Vec<RawPart>, at: &str) -> Result<Vec<Part>, ConfigError> {
     raw.into_iter()
         .enumerate()
-        .map(|(i, p)| {
-            Ok(match p {
-                RawPart::Header(name) => {
-                    Part::Header(header_name(&name, &format!("{at}[{i}].header"))?)
-                }
-                RawPart::Query(name) => {
-                    if name.is_empty() {
-                        return Err(ConfigError::new(
-                            format!("{at}[{i}].query"),
-                            "must name a query parameter",
-                        ));
-                    }
-                    Part::Query(name)
-                }
-                RawPart::Literal(v) => Part::Literal(v),
-                RawPart::ClientAddress => Part::ClientAddress,
-                RawPart::ClientPrefix(p) => {
-                    let v4 = p.ipv4.unwrap_or(DEFAULT_V4_PREFIX);
-                    let v6 = p.ipv6.unwrap_or(DEFAULT_V6_PREFIX);
-                    if v4 > 32 {
-                        return Err(ConfigError::new(
-                            format!("{at}[{i}].clientPrefix.ipv4"),
-                            "must be between 0 and 32",
-                        ));
-                    }
-                    if v6 > 128 {
-                        return Err(ConfigError::new(
-                            format!("{at}[{i}].clientPrefix.ipv6"),
-                            "must be between 0 and 128",
-                        ));
-                    }
-                    Part::ClientPrefix { v4, v6 }
-                }
-                RawPart::Metadata(m) => {
-                    if m.namespace.is_empty() {
-                        return Err(ConfigError::new(
-                            format!("{at}[{i}].metadata.namespace"),
-                            "must name a filter namespace, e.g. `envoy.filters.http.jwt_authn`",
-                        ));
-                    }
-                    if m.path.is_empty() || m.path.iter().any(String::is_empty) {
-                        return Err(ConfigError::new(
-                            format!("{at}[{i}].metadata.path"),
-                            "must be one or more non-empty keys, e.g. [\"payload\", \"sub\"]",
-                        ));
-                    }
-                    let mut path = vec!["metadata".to_string(), "filter_metadata".to_string()];
-                    path.push(m.namespace);
-                    path.extend(m.path);
-                    let ty = match m.value_type {
-                        None | Some(RawValueType::String) => ValueType::String,
-                        Some(RawValueType::Number) => ValueType::Number,
-                        Some(RawValueType::Bool) => ValueType::Bool,
-                    };
-                    Part::Metadata(path, ty)
-                }
-                RawPart::Attribute(name) => {
-                    let path: Vec<String> = name.split('.').map(str::to_string).collect();
-                    if path.iter().any(String::is_empty) {
-                        return Err(ConfigError::new(
-                            format!("{at}[{i}].attribute"),
-                            "must be a dotted attribute name, e.g. `source.principal`",
-                        ));
-                    }
-                    Part::Attribute(path)
-                }
-                RawPart::Path => Part::Path,
-                RawPart::Method => Part::Method,
-            })
-        })
+        .map(|(i, p)| compile_part(p, &format!("{at}[{i}]")))
         .collect()
+}
+
+/// One part, `at` naming it in errors.
+pub(super) fn compile_part(p: RawPart, at: &str) -> Result<Part, ConfigError> {
+    Ok(match p {
+        RawPart::Header(name) => Part::Header(header_name(&name, &format!("{at}.header"))?),
+        RawPart::Query(name) => {
+            if name.is_empty() {
+                return Err(ConfigError::new(
+                    format!("{at}.query"),
+                    "must name a query parameter",
+                ));
+            }
+            Part::Query(name)
+        }
+        RawPart::Literal(v) => Part::Literal(v),
+        RawPart::ClientAddress => Part::ClientAddress,
+        RawPart::ClientPrefix(p) => {
+            let v4 = p.ipv4.unwrap_or(DEFAULT_V4_PREFIX);
+            let v6 = p.ipv6.unwrap_or(DEFAULT_V6_PREFIX);
+            if v4 > 32 {
+                return Err(ConfigError::new(
+                    format!("{at}.clientPrefix.ipv4"),
+                    "must be between 0 and 32",
+                ));
+            }
+            if v6 > 128 {
+                return Err(ConfigError::new(
+                    format!("{at}.clientPrefix.ipv6"),
+                    "must be between 0 and 128",
+                ));
+            }
+            Part::ClientPrefix { v4, v6 }
+        }
+        RawPart::Metadata(m) => {
+            if m.namespace.is_empty() {
+                return Err(ConfigError::new(
+                    format!("{at}.metadata.namespace"),
+                    "must name a filter namespace, e.g. `envoy.filters.http.jwt_authn`",
+                ));
+            }
+            if m.path.is_empty() || m.path.iter().any(String::is_empty) {
+                return Err(ConfigError::new(
+                    format!("{at}.metadata.path"),
+                    "must be one or more non-empty keys, e.g. [\"payload\", \"sub\"]",
+                ));
+            }
+            let mut path = vec!["metadata".to_string(), "filter_metadata".to_string()];
+            path.push(m.namespace);
+            path.extend(m.path);
+            let ty = match m.value_type {
+                None | Some(RawValueType::String) => ValueType::String,
+                Some(RawValueType::Number) => ValueType::Number,
+                Some(RawValueType::Bool) => ValueType::Bool,
+            };
+            Part::Metadata(path, ty)
+        }
+        RawPart::Attribute(name) => {
+            let path: Vec<String> = name.split('.').map(str::to_string).collect();
+            if path.iter().any(String::is_empty) {
+                return Err(ConfigError::new(
+                    format!("{at}.attribute"),
+                    "must be a dotted attribute name, e.g. `source.principal`",
+                ));
+            }
+            Part::Attribute(path)
+        }
+        RawPart::Path => Part::Path,
+        RawPart::Method => Part::Method,
+    })
 }
 
 #[cfg(test)]
