@@ -351,3 +351,205 @@ fn a_limit_applies_by_claim_value_exactly_or_by_a_whole_value_regex() {
     }
     assert_eq!(stack.upstream.executed(), 2 + 3 + 3 + 2 + 9);
 }
+
+/// envoy.yaml with Envoy trusting one proxy hop of `x-forwarded-for`: the
+/// client address it reports is the one that proxy saw (how a deployment
+/// behind a load balancer gives the filter the real client).
+fn behind_one_proxy(yaml: String) -> String {
+    let anchor = "          stat_prefix: ingress\n";
+    assert_eq!(yaml.matches(anchor).count(), 1);
+    yaml.replace(
+        anchor,
+        &format!("{anchor}          use_remote_address: true\n          xff_num_trusted_hops: 1\n"),
+    )
+}
+
+#[test]
+fn addresses_in_one_ipv6_prefix_share_a_budget_and_other_prefixes_have_their_own() {
+    let cfg = filter_config(1000)
+        .limits(
+            r#"[{"name":"per-net","match":{"pathPrefix":"/n/"},"descriptor":[{"clientPrefix":{"ipv6":56}}],
+                 "fixedWindow":{"limit":3,"windowMs":3600000}}]"#,
+        )
+        .build();
+    let stack = Stack::start_edited(&cfg, 1, behind_one_proxy);
+    let e = stack.envoy();
+    let from = |client: &str| get(&e.url("/n/x"), &[("x-forwarded-for", client)]).status;
+    // 2001:db8:1:2ff:: and 2001:db8:1:2aa:: are both in 2001:db8:1:200::/56.
+    assert_eq!(
+        [
+            from("2001:db8:1:2ff::1"),
+            from("2001:db8:1:2aa::9"),
+            from("2001:db8:1:2ff:ffff::2"),
+            from("2001:db8:1:2aa::9"),
+        ],
+        [200, 200, 200, 429]
+    );
+    // 2001:db8:1:300::/56 is another network.
+    for _ in 0..3 {
+        assert_eq!(from("2001:db8:1:300::1"), 200);
+    }
+    assert_eq!(from("2001:db8:1:3ff::5"), 429);
+    let mut con = stack.redis.conn();
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:per-net:*")
+        .query(&mut con)
+        .unwrap();
+    keys.sort();
+    assert!(
+        keys.len() == 2
+            && keys[0].ends_with(":2001:db8:1:200::/56")
+            && keys[1].ends_with(":2001:db8:1:300::/56"),
+        "{keys:?}"
+    );
+    assert_eq!(stack.upstream.executed(), 6);
+}
+
+// ---------------------------------------------------------------------------
+// mTLS: the peer certificate's URI SAN
+
+/// A CA made for this run, a server certificate for 127.0.0.1 and client
+/// certificates with the URI SANs the tests name, as PEM files in `dir`.
+struct Pki {
+    dir: Scratch,
+    ca: rcgen::Certificate,
+    ca_key: rcgen::KeyPair,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
+        let dir = Scratch::new("pki");
+        let ca_key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "redis-guard test CA");
+        let ca = params.self_signed(&ca_key).unwrap();
+        std::fs::write(dir.0.join("ca.pem"), ca.pem()).unwrap();
+        let pki = Pki { dir, ca, ca_key };
+        let mut server = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+        server
+            .subject_alt_names
+            .push(SanType::IpAddress(Ipv4Addr::LOCALHOST.into()));
+        pki.issue("server", server);
+        pki
+    }
+
+    /// Signs `params` with the CA: `<name>.pem` and `<name>.key`.
+    fn issue(&self, name: &str, params: rcgen::CertificateParams) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
+        std::fs::write(self.path(&format!("{name}.pem")), cert.pem()).unwrap();
+        std::fs::write(self.path(&format!("{name}.key")), key.serialize_pem()).unwrap();
+    }
+
+    /// A client certificate whose URI SAN is `uri`.
+    fn client(&self, name: &str, uri: &str) {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.subject_alt_names = vec![rcgen::SanType::URI(uri.try_into().unwrap())];
+        self.issue(name, params);
+    }
+
+    fn path(&self, file: &str) -> String {
+        self.dir.0.join(file).display().to_string()
+    }
+
+    /// envoy.yaml whose listener speaks TLS and requires a client
+    /// certificate signed by the CA.
+    fn listener(&self, yaml: String) -> String {
+        let tls = format!(
+            r#"    - transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          require_client_certificate: true
+          common_tls_context:
+            tls_certificates:
+            - certificate_chain: {{ filename: "{}" }}
+              private_key: {{ filename: "{}" }}
+            validation_context:
+              trusted_ca: {{ filename: "{}" }}
+      filters:
+"#,
+            self.path("server.pem"),
+            self.path("server.key"),
+            self.path("ca.pem")
+        );
+        let anchor = "    filter_chains:\n    - filters:\n";
+        assert_eq!(yaml.matches(anchor).count(), 1);
+        yaml.replace(anchor, &format!("    filter_chains:\n{tls}"))
+    }
+
+    /// A GET over TLS as client `name` (none: no certificate), by curl; the
+    /// status, or 0 when the handshake failed.
+    fn get(&self, port: u16, path: &str, name: Option<&str>) -> u16 {
+        let mut cmd = std::process::Command::new(on_path("curl"));
+        cmd.args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "10",
+        ])
+        .args(["--cacert", &self.path("ca.pem")]);
+        if let Some(name) = name {
+            cmd.args(["--cert", &self.path(&format!("{name}.pem"))])
+                .args(["--key", &self.path(&format!("{name}.key"))]);
+        }
+        let out = cmd
+            .arg(format!("https://127.0.0.1:{port}{path}"))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(0)
+    }
+}
+
+#[test]
+fn per_principal_budgets_follow_the_mtls_peers_uri_san() {
+    let pki = Pki::new();
+    pki.client("alice", "spiffe://cluster.local/ns/shop/sa/alice");
+    pki.client("bob", "spiffe://cluster.local/ns/shop/sa/bob");
+    let cfg = filter_config(1000)
+        .limits(
+            r#"[{"name":"per-peer","descriptor":[{"attribute":"connection.uri_san_peer_certificate"}],
+                 "fixedWindow":{"limit":2,"windowMs":3600000}}]"#,
+        )
+        .build();
+    let stack = Stack::start_edited(&cfg, 1, |y| pki.listener(y));
+    let port = stack.envoy().port;
+    let alice: Vec<u16> = (0..3)
+        .map(|_| pki.get(port, "/m/x", Some("alice")))
+        .collect();
+    assert_eq!(alice, [200, 200, 429]);
+    let bob: Vec<u16> = (0..3).map(|_| pki.get(port, "/m/x", Some("bob"))).collect();
+    assert_eq!(bob, [200, 200, 429]);
+    // No certificate: the handshake fails, nothing reaches the filter.
+    assert_eq!(pki.get(port, "/m/x", None), 0);
+    let mut con = stack.redis.conn();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:per-peer:*")
+        .query(&mut con)
+        .unwrap();
+    let mut peers: Vec<&str> = keys
+        .iter()
+        .filter_map(|k| k.split_once(":spiffe://"))
+        .map(|(_, peer)| peer)
+        .collect();
+    peers.sort_unstable();
+    assert_eq!(
+        peers,
+        [
+            "cluster.local/ns/shop/sa/alice",
+            "cluster.local/ns/shop/sa/bob"
+        ],
+        "{keys:?}"
+    );
+    assert_eq!(stack.upstream.executed(), 4);
+}

@@ -177,7 +177,9 @@ fn require(path: &Path, what: &str) -> PathBuf {
     path.to_path_buf()
 }
 
-fn on_path(bin: &str) -> PathBuf {
+/// A Debian binary the Makefile installs (APT_PACKAGES); a missing one
+/// fails the test with the command that installs it.
+pub fn on_path(bin: &str) -> PathBuf {
     for dir in std::env::var("PATH").unwrap_or_default().split(':') {
         let p = Path::new(dir).join(bin);
         if p.exists() {
@@ -190,7 +192,7 @@ fn on_path(bin: &str) -> PathBuf {
             return p;
         }
     }
-    panic!("`{bin}` not found; run `make test` (it installs redis-server and webdis)");
+    panic!("`{bin}` not found; run `make test` (it installs redis-server, webdis and curl)");
 }
 
 pub fn envoy_bin() -> PathBuf {
