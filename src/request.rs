@@ -7,7 +7,7 @@ pub trait RequestView {
     fn header(&self, name: &str) -> Option<Vec<u8>>;
     /// The downstream peer address as Envoy reports it (`ip:port`).
     fn client_address(&self) -> Option<String>;
-    /// An Envoy attribute (`source.principal` is `["source", "principal"]`,
+    /// An Envoy attribute (`source.address` is `["source", "address"]`,
     /// dynamic metadata is under `["metadata", "filter_metadata", ns, ...]`)
     /// as the host serializes it; `None` when absent.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;

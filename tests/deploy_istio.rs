@@ -14,17 +14,24 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 const MANIFEST: &str = "envoy/istio/wasmplugin.yaml";
+/// Limits keyed on the caller (a JWT's subject, the mTLS peer), beside it.
+const IDENTITY: &str = "envoy/istio/identity.yaml";
 
 /// Every YAML document of the manifest, as JSON (what `kubectl` sends).
 fn documents() -> Vec<Value> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(MANIFEST);
+    documents_of(MANIFEST)
+}
+
+/// Every YAML document of `manifest`, as JSON.
+fn documents_of(manifest: &str) -> Vec<Value> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(manifest);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_yaml_ng::Deserializer::from_str(&text)
         .enumerate()
         .map(|(i, doc)| {
             Value::deserialize(doc)
-                .unwrap_or_else(|e| panic!("{MANIFEST}: document {i} is not valid YAML: {e}"))
+                .unwrap_or_else(|e| panic!("{manifest}: document {i} is not valid YAML: {e}"))
         })
         .collect()
 }
@@ -479,4 +486,158 @@ fn destination_rule_keeps_warm_http1_connections_and_ejects_bad_instances() {
         max_ejection < 100,
         "a Redis outage makes every Webdis answer 503: never eject them all"
     );
+}
+
+// ---------------------------------------------------------------------------
+// envoy/istio/identity.yaml: limits keyed on who the caller is
+
+/// istio/api `security/v1/request_authentication.proto`'s spec fields.
+fn request_authentication_spec_schema() -> Value {
+    json!({
+        "type": "object",
+        "additionalProperties": false,
+        "properties": {
+            "selector": {"type": "object"},
+            "targetRef": {"type": "object"},
+            "targetRefs": {"type": "array"},
+            "jwtRules": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": false,
+                    "required": ["issuer"],
+                    "properties": {
+                        "issuer": {"type": "string", "minLength": 1},
+                        "audiences": {"type": "array", "items": {"type": "string"}},
+                        "jwksUri": {"type": "string"},
+                        "jwks": {"type": "string"},
+                        "fromHeaders": {"type": "array"},
+                        "fromParams": {"type": "array"},
+                        "fromCookies": {"type": "array"},
+                        "outputPayloadToHeader": {"type": "string"},
+                        "forwardOriginalToken": {"type": "boolean"},
+                        "outputClaimToHeaders": {"type": "array"},
+                        "timeout": {"type": "string"}
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// istio/api `security/v1/peer_authentication.proto`'s spec fields.
+fn peer_authentication_spec_schema() -> Value {
+    json!({
+        "type": "object",
+        "additionalProperties": false,
+        "properties": {
+            "selector": {"type": "object"},
+            "mtls": {
+                "type": "object",
+                "additionalProperties": false,
+                "properties": {"mode": {"enum": ["UNSET", "DISABLE", "PERMISSIVE", "STRICT"]}}
+            },
+            "portLevelMtls": {"type": "object"}
+        }
+    })
+}
+
+#[test]
+fn the_identity_manifest_holds_authentication_and_a_plugin_for_one_workload_of_the_namespace() {
+    let docs = documents_of(IDENTITY);
+    let expected = [
+        ("RequestAuthentication", "security.istio.io/v1"),
+        ("PeerAuthentication", "security.istio.io/v1"),
+        ("WasmPlugin", "extensions.istio.io/v1alpha1"),
+    ];
+    for (kind, api_version) in expected {
+        assert_eq!(only(&docs, kind)["apiVersion"], api_version, "{kind}");
+    }
+    assert_eq!(docs.len(), expected.len(), "unexpected extra documents");
+    let main = only(&documents(), "WasmPlugin");
+    let labels = &only(&docs, "WasmPlugin")["spec"]["selector"]["matchLabels"];
+    for doc in &docs {
+        assert!(!doc["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .is_empty());
+        // The Webdis ServiceEntry of wasmplugin.yaml is visible here only in
+        // its namespace.
+        assert_eq!(doc["metadata"]["namespace"], main["metadata"]["namespace"]);
+        assert_eq!(
+            &doc["spec"]["selector"]["matchLabels"], labels,
+            "{}",
+            doc["kind"]
+        );
+    }
+    assert_ne!(
+        labels, &main["spec"]["selector"]["matchLabels"],
+        "a workload must not run the filter twice"
+    );
+    let schemas = [
+        (
+            "RequestAuthentication",
+            request_authentication_spec_schema(),
+        ),
+        ("PeerAuthentication", peer_authentication_spec_schema()),
+        ("WasmPlugin", wasm_plugin_spec_schema()),
+    ];
+    for (kind, schema) in schemas {
+        let errors = schema_errors(&schema, &only(&docs, kind)["spec"]);
+        assert!(errors.is_empty(), "{kind} spec: {errors:#?}");
+    }
+}
+
+#[test]
+fn the_identity_plugin_keys_users_on_the_verified_subject_and_workloads_on_the_mtls_peer() {
+    use redis_guard::config::Part;
+    let docs = documents_of(IDENTITY);
+    let spec = only(&docs, "WasmPlugin")["spec"].clone();
+    // Istio's authentication runs first: the payload is in metadata.
+    assert!(
+        ["AUTHZ", "STATS"].contains(&spec["phase"].as_str().unwrap_or_default()),
+        "phase {}",
+        spec["phase"]
+    );
+    let config = Config::parse(&as_filter_json(&spec["pluginConfig"]))
+        .unwrap_or_else(|e| panic!("the filter refuses the pluginConfig: {e}"));
+    let (host, _) =
+        service_entry_target(&only(&documents(), "ServiceEntry"), &config.redis.cluster)
+            .unwrap_or_else(|e| panic!("redis.cluster: {e}"));
+    assert_eq!(config.redis.authority, host);
+    // Istio's jwt_authn puts a verified payload under the issuer's name.
+    let issuer = only(&docs, "RequestAuthentication")["spec"]["jwtRules"][0]["issuer"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let subject = Part::Metadata(
+        [
+            "metadata",
+            "filter_metadata",
+            "envoy.filters.http.jwt_authn",
+            &issuer,
+            "sub",
+        ]
+        .map(String::from)
+        .to_vec(),
+        Default::default(),
+    );
+    let peer = Part::Attribute(vec!["connection".into(), "uri_san_peer_certificate".into()]);
+    let keyed = |part: &Part| {
+        config
+            .limits
+            .iter()
+            .filter(|l| l.descriptor == std::slice::from_ref(part))
+            .count()
+    };
+    assert_eq!(keyed(&subject), 2, "per-user and free-plan-per-day");
+    assert_eq!(keyed(&peer), 1, "per-workload");
+    // The peer certificate exists only under STRICT mTLS.
+    assert_eq!(
+        only(&docs, "PeerAuthentication")["spec"]["mtls"]["mode"],
+        "STRICT"
+    );
+    let mut beyond = Vec::new();
+    numbers_beyond_doubles(&spec["pluginConfig"], "pluginConfig", &mut beyond);
+    assert!(beyond.is_empty(), "{beyond:?}");
 }

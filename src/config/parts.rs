@@ -35,7 +35,8 @@ pub(super) enum RawPart {
     /// one set (`jwt_authn`'s payload, `ext_authz`'s identity).
     Metadata(RawMetadata),
     /// An Envoy attribute by its dotted name, e.g.
-    /// `connection.uri_san_peer_certificate` or `source.principal`.
+    /// `connection.uri_san_peer_certificate` (the mTLS peer's SPIFFE ID
+    /// under Istio) or `connection.requested_server_name`.
     Attribute(String),
     Path,
     Method,
@@ -269,7 +270,7 @@ pub(super) fn compile_part(p: RawPart, at: &str) -> Result<Part, ConfigError> {
             if path.iter().any(String::is_empty) {
                 return Err(ConfigError::new(
                     format!("{at}.attribute"),
-                    "must be a dotted attribute name, e.g. `source.principal`",
+                    "must be a dotted attribute name, e.g. `connection.uri_san_peer_certificate`",
                 ));
             }
             Part::Attribute(path)
