@@ -716,7 +716,7 @@ class Stack:
         cfg_path = out_dir / "filter.json"
         cfg_path.write_text(json.dumps(filter_cfg, indent=2))
         args = [sys.executable, str(ROOT / "envoy/render.py"), "--out", str(out_dir),
-                "--filter-config", str(cfg_path)]
+                "--filter-config", str(cfg_path), "--jwks", str(ROOT / "envoy/jwks.json")]
         for k, v in sets.items():
             args += ["--set", f"{k}={v}"]
         args += [str(ROOT / t) for t in templates]

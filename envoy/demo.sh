@@ -33,8 +33,12 @@ wait_port() { # port name
   echo "$2 did not start; see $STACK/*.log"; exit 1
 }
 
+# The demo's own JWT issuer (a key made for this run): the JWKS Envoy's
+# jwt_authn verifies tokens with, and the secret the demo signs them with.
+python3 envoy/demo_jwt.py keys "$STACK/jwks.json" "$STACK/jwt.secret"
+
 # The same templates the tests and compose.yaml render, here for loopback.
-python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json \
+python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json --jwks "$STACK/jwks.json" \
   --set BIND_ADDRESS=127.0.0.1 --set ADMIN_PORT="$ADMIN_PORT" --set LISTEN_PORT="$ENVOY_PORT" \
   --set UPSTREAM_HOST=127.0.0.1 --set UPSTREAM_PORT="$UPSTREAM_PORT" \
   --set WEBDIS_HOST=127.0.0.1 --set WEBDIS_PORT="$WEBDIS_PORT" --set WASM_PATH="$PWD/$WASM" --set WASM_RUNTIME=v8 \
@@ -141,6 +145,13 @@ llm "POST /v1/chat/completions (max_tokens 500: about 200 left, 429)" 1,1 500
 llm "POST /v1/chat/completions (max_tokens 150, used 100 + 250)" 100,250 150
 echo "  that one cost 350 with about 200 left: the key is in debt until refill pays it back:"
 llm "POST /v1/chat/completions (max_tokens 1)" 1,1 1
+echo "limit per-subject: 3 a minute per verified JWT subject on /v1/me (Envoy's jwt_authn checks the"
+echo "  token first and puts its claims where the filter reads them):"
+TOKEN=$(python3 envoy/demo_jwt.py sign "$STACK/jwt.secret" '{"sub":"demo-user","plan":"free"}')
+for i in 1 2 3 4; do show "GET /v1/me (token for demo-user) #$i" -H "authorization: Bearer $TOKEN" "$URL/v1/me"; done
+show "GET /v1/me (another subject's token)" \
+  -H "authorization: Bearer $(python3 envoy/demo_jwt.py sign "$STACK/jwt.secret" '{"sub":"other-user"}')" "$URL/v1/me"
+show "GET /v1/me (a forged token)" -H "authorization: Bearer ${TOKEN%?????}AAAAA" "$URL/v1/me"
 echo "shadow limit search-trial (2 per 10 s) never rejects, it counts:"
 for i in 1 2 3; do show "GET /api/search #$i" -H "x-user: carol$i" "$URL/api/search"; done
 echo "idempotency rule payments: POST /api/payments with an Idempotency-Key runs once"

@@ -4,10 +4,11 @@
 Used by the demo (envoy/demo.sh) and the compose stack (compose.yaml), so
 both run the very files the tests render. Every double-brace NAME
 placeholder in a template must be given with --set NAME=VALUE (or, for
-FILTER_CONFIG, --filter-config FILE); a placeholder left over or a --set
-no template uses is an error, so a renamed placeholder cannot go unnoticed.
+FILTER_CONFIG, --filter-config FILE; for JWKS, --jwks FILE: the JWT issuer's
+public keys, JSON); a placeholder left over or a --set no template uses is
+an error, so a renamed placeholder cannot go unnoticed.
 
-  render.py --out DIR [--set NAME=VALUE ...] [--filter-config FILE] TEMPLATE...
+  render.py --out DIR [--set NAME=VALUE ...] [--filter-config FILE] [--jwks FILE] TEMPLATE...
 
 Each TEMPLATE is written to DIR under its own file name.
 """
@@ -25,6 +26,7 @@ def main() -> int:
     p.add_argument("--out", required=True, help="directory for the rendered files")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--filter-config", help="filter JSON, inserted as FILTER_CONFIG")
+    p.add_argument("--jwks", help="the JWT issuer's JWKS (JSON), inserted as JWKS")
     p.add_argument("templates", nargs="+")
     args = p.parse_args()
 
@@ -44,6 +46,16 @@ def main() -> int:
         # One JSON string literal: a valid YAML scalar that Envoy hands to the
         # filter unchanged.
         values["FILTER_CONFIG"] = json.dumps(text)
+    if args.jwks:
+        with open(args.jwks, encoding="utf-8") as f:
+            try:
+                jwks = json.load(f)
+            except ValueError as e:
+                p.error(f"{args.jwks} is not JSON: {e}")
+        if not isinstance(jwks, dict) or not isinstance(jwks.get("keys"), list):
+            p.error(f"{args.jwks}: a JWKS is an object with a `keys` list")
+        # One line, and no single quote: it sits in a single-quoted scalar.
+        values["JWKS"] = json.dumps(jwks, separators=(",", ":")).replace("'", "\\u0027")
 
     os.makedirs(args.out, exist_ok=True)
     used = set()

@@ -103,7 +103,8 @@ struct Issuer {
     jwks: String,
 }
 
-const ISSUER: &str = "https://issuer.test";
+/// The issuer envoy/envoy.yaml's jwt_authn provider names.
+const ISSUER: &str = "https://issuer.example.com";
 
 impl Issuer {
     fn new() -> Issuer {
@@ -143,32 +144,13 @@ impl Issuer {
         jsonwebtoken::encode(&header, &claims, &self.key).unwrap()
     }
 
-    /// envoy.yaml with jwt_authn before the filter: a token, when sent,
-    /// must verify (else 401); its payload goes to dynamic metadata under
-    /// `payload`. Requests without a token pass.
-    fn in_front(&self, yaml: String) -> String {
-        let filter = format!(
-            r#"          - name: envoy.filters.http.jwt_authn
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication
-              providers:
-                test:
-                  issuer: {ISSUER}
-                  local_jwks: {{ inline_string: {} }}
-                  payload_in_metadata: payload
-              rules:
-              - match: {{ prefix: "/" }}
-                requires:
-                  requires_any:
-                    requirements:
-                    - provider_name: test
-                    - allow_missing: {{}}
-"#,
-            serde_json::to_string(&self.jwks).unwrap()
-        );
-        let anchor = "          - name: envoy.filters.http.wasm\n";
-        assert_eq!(yaml.matches(anchor).count(), 1, "one wasm filter");
-        yaml.replace(anchor, &format!("{filter}{anchor}"))
+    /// envoy.yaml whose jwt_authn (before the filter: a token, when sent,
+    /// must verify, else 401; its payload goes to dynamic metadata under
+    /// `payload`; a request without one passes) trusts this issuer's keys.
+    fn trusted_by(&self, yaml: String) -> String {
+        let default = default_jwks();
+        assert_eq!(yaml.matches(&default).count(), 1, "one jwt_authn provider");
+        yaml.replace(&default, &self.jwks)
     }
 }
 
@@ -215,7 +197,7 @@ fn bearer(token: &str) -> String {
 #[test]
 fn per_subject_budgets_are_exact_across_two_envoys_and_unverified_tokens_never_reach_redis() {
     let issuer = Issuer::new();
-    let stack = Stack::start_edited(&jwt_config(), 2, |y| issuer.in_front(y));
+    let stack = Stack::start_edited(&jwt_config(), 2, |y| issuer.trusted_by(y));
     let (a, b) = (&stack.envoys[0], &stack.envoys[1]);
     let alice = bearer(&issuer.token(serde_json::json!({"sub": "alice"})));
     let bob = bearer(&issuer.token(serde_json::json!({"sub": "bob"})));
@@ -256,7 +238,7 @@ fn per_subject_budgets_are_exact_across_two_envoys_and_unverified_tokens_never_r
 #[test]
 fn a_numeric_claim_keys_in_decimal_and_a_list_claim_is_counted_and_does_not_apply() {
     let issuer = Issuer::new();
-    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.in_front(y));
+    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.trusted_by(y));
     let e = stack.envoy();
     let token = bearer(&issuer.token(serde_json::json!({
         "sub": "dave", "org_id": 42, "roles": ["admin", "dev"]
@@ -288,7 +270,7 @@ fn a_numeric_claim_keys_in_decimal_and_a_list_claim_is_counted_and_does_not_appl
 #[test]
 fn an_idempotency_tenant_on_the_subject_keeps_two_users_identical_keys_apart() {
     let issuer = Issuer::new();
-    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.in_front(y));
+    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.trusted_by(y));
     let e = stack.envoy();
     let pay = |auth: Option<&str>| {
         let mut headers = vec![("idempotency-key", "k-1")];
@@ -321,7 +303,7 @@ fn an_idempotency_tenant_on_the_subject_keeps_two_users_identical_keys_apart() {
 #[test]
 fn a_limit_applies_by_claim_value_exactly_or_by_a_whole_value_regex() {
     let issuer = Issuer::new();
-    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.in_front(y));
+    let stack = Stack::start_edited(&jwt_config(), 1, |y| issuer.trusted_by(y));
     let e = stack.envoy();
     let statuses = |claims: serde_json::Value, n: usize| -> Vec<u16> {
         let auth = bearer(&issuer.token(claims));

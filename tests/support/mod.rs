@@ -232,8 +232,18 @@ pub fn wasm_path() -> PathBuf {
     )
 }
 
+/// envoy/jwks.json as envoy.yaml takes it (one line): a public key whose
+/// private half nobody holds, so no token verifies unless a test puts its
+/// own issuer's keys in its place (e2e_identity does).
+pub fn default_jwks() -> String {
+    let text = std::fs::read_to_string(root().join("envoy/jwks.json")).unwrap();
+    let jwks: serde_json::Value = serde_json::from_str(&text).unwrap();
+    jwks.to_string()
+}
+
 /// Replaces every `{{NAME}}` in a template file; panics on any left over.
-/// Addresses not given are loopback: tests run everything on 127.0.0.1.
+/// Addresses not given are loopback: tests run everything on 127.0.0.1;
+/// the JWKS is envoy/jwks.json's.
 pub fn render(template: &str, vars: &[(&str, String)]) -> String {
     let mut text = std::fs::read_to_string(root().join(template)).unwrap();
     for (name, value) in vars {
@@ -249,6 +259,7 @@ pub fn render(template: &str, vars: &[(&str, String)]) -> String {
         text = text.replace(&format!("{{{{{name}}}}}"), "127.0.0.1");
     }
     text = text.replace("{{WASM_RUNTIME}}", &wasm_runtime());
+    text = text.replace("{{JWKS}}", &default_jwks());
     assert!(!text.contains("{{"), "unrendered placeholder in {template}");
     text
 }
