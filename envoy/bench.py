@@ -28,6 +28,10 @@ direct_response, and one Envoy under test per scenario (envoy/envoy.yaml,
   o  concurrency    b with a concurrency limit (1e6 in flight): the slot is
                     taken by the decision and given back by a second call
                     when the stream ends
+  r  JWT subject    b keyed on the `sub` claim of a token Envoy's jwt_authn
+                    verifies (HS256, signed by envoy/demo_jwt.py) first
+  s  JWT baseline   (a) with the same token: jwt_authn's verification alone,
+                    so (r)'s share over (s) is the filter's
   i, j              diagnostics (not in the default run): f with maxInFlight
                     1 and 4
 
@@ -281,6 +285,28 @@ SCENARIOS = [
             "json": [{"pointer": "/usage/prompt_tokens"},
                      {"pointer": "/usage/completion_tokens", "weight": 4}]})], batch=SINGLE),
         "request": "get-llm",
+        "expect": "2xx",
+    },
+    {
+        "id": "s",
+        "name": "no filter, JWT verified",
+        "what": "(a) with a bearer token that Envoy's jwt_authn verifies on every request: "
+        "(r)'s baseline, the verification without the filter",
+        "filter": None,
+        "request": "get-jwt",
+        "expect": "2xx",
+    },
+    {
+        "id": "r",
+        "name": "strict, per JWT subject",
+        "what": "b keyed on the verified token's `sub` claim (dynamic metadata jwt_authn "
+        "writes) instead of x-user: jwt_authn, then one EVALSHA per request",
+        "filter": filter_config([{
+            "name": "bench-jwt",
+            "descriptor": [{"metadata": {"namespace": "envoy.filters.http.jwt_authn",
+                                         "path": ["payload", "sub"]}}],
+            "tokenBucket": {"capacity": BIG, "refill": BIG, "periodMs": 1000}}], batch=SINGLE),
+        "request": "get-jwt",
         "expect": "2xx",
     },
     kind_scenario("o", "concurrency", "one concurrency limit (1e6 in flight; its slot given "
@@ -716,7 +742,7 @@ class Stack:
         cfg_path = out_dir / "filter.json"
         cfg_path.write_text(json.dumps(filter_cfg, indent=2))
         args = [sys.executable, str(ROOT / "envoy/render.py"), "--out", str(out_dir),
-                "--filter-config", str(cfg_path), "--jwks", str(ROOT / "envoy/jwks.json")]
+                "--filter-config", str(cfg_path), "--jwks", str(JWT["jwks"])]
         for k, v in sets.items():
             args += ["--set", f"{k}={v}"]
         args += [str(ROOT / t) for t in templates]
@@ -845,6 +871,8 @@ class Stack:
                     ph = {} if anon else {"x-user": "probe"}
                     if sc["request"] == "get-llm":
                         ph["x-bench-llm"] = "1"
+                    if sc["request"] == "get-jwt":
+                        ph = {"authorization": f"Bearer {JWT['token']}"}
                     s, h, _ = hreq(port, "GET", PATH, ph)
                     want_rl = sc["filter"] is not None and not anon
                     if s == 200 and (not want_rl or "ratelimit-policy" in h or "lease" in
@@ -855,6 +883,21 @@ class Stack:
                 last = f"{type(ex).__name__}: {ex}"
             time.sleep(0.25)
         return f"probe failed ({last})"
+
+
+# ---------------------------------------------------------------------------
+# The JWT issuer of (r) and (s): the demo's (a key per run, HS256 tokens)
+
+JWT = {}
+
+
+def jwt_issuer():
+    sys.path.insert(0, str(ROOT / "envoy"))
+    import demo_jwt
+
+    JWT["jwks"], secret = RUN / "jwks.json", RUN / "jwt.secret"
+    demo_jwt.keys(str(JWT["jwks"]), str(secret))
+    JWT["token"] = demo_jwt.sign(str(secret), '{"sub": "bench-user"}')
 
 
 # ---------------------------------------------------------------------------
@@ -917,6 +960,9 @@ def wrk_script(kind):
     path = RUN / f"wrk-{kind}.lua"
     body = {"post-idem": WRK_POST_IDEM, "get-anon": WRK_GET_ANON,
             "get-llm": WRK_GET_LLM}.get(kind, WRK_GET)
+    if kind == "get-jwt":
+        body = ('wrk.method = "GET"\n'
+                f'wrk.headers["authorization"] = "Bearer {JWT["token"]}"\n')
     path.write_text(body + WRK_DONE)
     return path
 
@@ -1558,7 +1604,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="seconds of warm-up per scenario")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="wrk threads")
-    ap.add_argument("--scenarios", default="abcdexfghklmnopq",
+    ap.add_argument("--scenarios", default="abcdexfghklmnopqsr",
                     help="which, e.g. 'ab' ((a) is always run); 'x' adds a diagnostic: the "
                     "filter loaded but no limit applying")
     ap.add_argument("--runtimes", default="v8",
@@ -1610,6 +1656,7 @@ def main():
     if RUN.exists():
         shutil.rmtree(RUN)
     RUN.mkdir(parents=True)
+    jwt_issuer()
 
     stack = Stack(args.envoy_log_level)
     log("starting redis-server, webdis, the upstream Envoy and one Envoy per scenario")
