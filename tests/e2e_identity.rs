@@ -535,3 +535,53 @@ fn per_principal_budgets_follow_the_mtls_peers_uri_san() {
     );
     assert_eq!(stack.upstream.executed(), 4);
 }
+
+// ---------------------------------------------------------------------------
+// Route metadata, as an attribute
+
+#[test]
+fn a_limit_keyed_on_route_metadata_reads_the_matched_routes_value() {
+    // Two routes tagged with a tier in their metadata; one budget per tier.
+    let cfg = filter_config(1000)
+        .limits(
+            r#"[{"name":"per-tier","descriptor":[{"attribute":"xds.route_metadata.filter_metadata.redis_guard.tier"}],
+                 "fixedWindow":{"limit":2,"windowMs":3600000}}]"#,
+        )
+        .build();
+    let tiered = |yaml: String| {
+        let anchor = "              - match: { prefix: \"/\" }\n                route:";
+        assert_eq!(yaml.matches(anchor).count(), 1);
+        let gold = "              - match: { prefix: \"/gold/\" }\n                \
+             metadata: { filter_metadata: { redis_guard: { tier: gold } } }\n                \
+             route: { cluster: upstream, timeout: 10s }\n";
+        let free = "              - match: { prefix: \"/free/\" }\n                \
+             metadata: { filter_metadata: { redis_guard: { tier: free } } }\n                \
+             route: { cluster: upstream, timeout: 10s }\n";
+        yaml.replace(anchor, &format!("{gold}{free}{anchor}"))
+    };
+    let stack = Stack::start_edited(&cfg, 1, tiered);
+    let e = stack.envoy();
+    let status = |path: &str| get(&e.url(path), &[]).status;
+    // /gold/a and /gold/b are one route: one budget.
+    assert_eq!(
+        [status("/gold/a"), status("/gold/b"), status("/gold/a")],
+        [200, 200, 429]
+    );
+    assert_eq!(
+        [status("/free/a"), status("/free/a"), status("/free/a")],
+        [200, 200, 429]
+    );
+    // The catch-all route has no tier: the limit does not apply.
+    for _ in 0..3 {
+        assert_eq!(status("/other"), 200);
+    }
+    let mut con = stack.redis.conn();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:per-tier:*")
+        .query(&mut con)
+        .unwrap();
+    let mut tiers: Vec<&str> = keys.iter().filter_map(|k| k.rsplit(':').next()).collect();
+    tiers.sort_unstable();
+    assert_eq!(tiers, ["free", "gold"], "{keys:?}");
+    assert_eq!(stack.upstream.executed(), 2 + 2 + 3);
+}
