@@ -146,11 +146,16 @@ impl Issuer {
 
     /// envoy.yaml whose jwt_authn (before the filter: a token, when sent,
     /// must verify, else 401; its payload goes to dynamic metadata under
-    /// `payload`; a request without one passes) trusts this issuer's keys.
+    /// `payload`; a request without one passes) trusts this issuer's keys,
+    /// on every path.
     fn trusted_by(&self, yaml: String) -> String {
         let default = default_jwks();
         assert_eq!(yaml.matches(&default).count(), 1, "one jwt_authn provider");
+        // Its rule covers the demo's path only; here, every path.
+        let rule = "              - match: { prefix: \"/v1/me\" }\n";
+        assert_eq!(yaml.matches(rule).count(), 1, "one jwt_authn rule");
         yaml.replace(&default, &self.jwks)
+            .replace(rule, "              - match: { prefix: \"/\" }\n")
     }
 }
 
@@ -584,4 +589,17 @@ fn a_limit_keyed_on_route_metadata_reads_the_matched_routes_value() {
     tiers.sort_unstable();
     assert_eq!(tiers, ["free", "gold"], "{keys:?}");
     assert_eq!(stack.upstream.executed(), 2 + 2 + 3);
+}
+
+#[test]
+fn the_shipped_envoy_verifies_bearer_tokens_only_where_a_limit_reads_their_claims() {
+    // envoy/envoy.yaml as the demo and compose run it: jwt_authn covers
+    // /v1/me only, so an API key sent as a bearer elsewhere is no 401.
+    let stack = Stack::start(&config(), 1);
+    let e = stack.envoy();
+    let api_key = [("authorization", "Bearer sk-not-a-jwt")];
+    assert_eq!(get(&e.url("/q/a?api_key=k"), &api_key).status, 200);
+    assert_eq!(get(&e.url("/v1/me"), &api_key).status, 401);
+    assert_eq!(get(&e.url("/v1/me"), &[]).status, 200, "no token: passes");
+    assert_eq!(stack.upstream.executed(), 2);
 }

@@ -37,6 +37,10 @@ fn config() -> String {
                 {"name":"reserved","match":{"pathPrefix":"/v1/completions"},"descriptor":[{"header":"x-user"}],
                  "tokenBucket":{"capacity":1000,"refill":1,"periodMs":3600000},
                  "usage":{"reserveFrom":[{"pointer":"/max_tokens"}],"header":"x-usage-tokens",
+                          "json":[{"pointer":"/usage/total_tokens"}]}},
+                {"name":"reserved-small","match":{"pathPrefix":"/v1/small"},"descriptor":[{"header":"x-user"}],
+                 "tokenBucket":{"capacity":1000,"refill":1,"periodMs":3600000},
+                 "usage":{"reserveFrom":[{"pointer":"/max_tokens"}],"maxBodyBytes":4096,
                           "json":[{"pointer":"/usage/total_tokens"}]}}]"#,
         )
         .idempotency(r#"[{"name":"chat","match":{"pathPrefix":"/v1/chat"}}]"#)
@@ -264,7 +268,8 @@ fn a_request_reserves_its_max_tokens_so_concurrent_requests_see_them_taken_until
                 &[
                     ("x-upstream-llm", "openai-sse"),
                     ("x-upstream-tokens", "100,100"),
-                    ("x-upstream-body-pause-ms", "1500"),
+                    // Long enough for every step below to happen while it streams.
+                    ("x-upstream-body-pause-ms", "4000"),
                 ],
             )
         });
@@ -336,4 +341,31 @@ fn a_usage_count_sent_as_a_trailer_after_the_body_is_charged() {
     }
     assert_eq!(stack.counter("redis_guard.usage.fallback"), 1);
     assert_eq!(tokens(&mut con, "reserved", "u6"), Some(650));
+}
+
+#[test]
+fn a_request_body_over_the_reservations_bound_is_decided_there_with_the_fixed_reserve() {
+    let stack = Stack::start(&config(), 1);
+    let e = stack.envoy();
+    // 20 KB of prompt before max_tokens: the bound (4 KiB) passes first.
+    let body = format!(
+        r#"{{"messages":[{{"role":"user","content":"{}"}}],"max_tokens":500}}"#,
+        "x".repeat(20_000)
+    );
+    let r = http(
+        "POST",
+        &e.url("/v1/small"),
+        &[("x-user", "u7"), ("content-type", "application/json")],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-remaining"),
+        Some("999"),
+        "the fixed 1"
+    );
+    assert_eq!(stack.counter("redis_guard.usage.reserve_unread"), 1);
+    // The whole body reached the upstream.
+    let echoed: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(echoed["bodyBytes"], body.len());
 }

@@ -227,18 +227,24 @@ fn compile_condition(raw: RawCondition, at: &str) -> Result<Condition, ConfigErr
         (None, Some(v), None, None) => Condition::Exact(v),
         (None, None, Some(p), None) => Condition::Prefix(p),
         (None, None, None, Some(r)) => {
-            let compiled = regex::bytes::RegexBuilder::new(&format!("^(?:{r})$"))
-                .unicode(false)
-                .size_limit(REGEX_SIZE_LIMIT)
-                .build()
-                .map_err(|e| {
-                    let why = e.to_string();
-                    let why = why.lines().last().unwrap_or("invalid").trim();
-                    ConfigError::new(
-                        format!("{at}.regex"),
-                        format!("is not a valid regex ({why}); it is matched against the whole value, as bytes"),
-                    )
-                })?;
+            let build = |pattern: &str| {
+                regex::bytes::RegexBuilder::new(pattern)
+                    .unicode(false)
+                    .size_limit(REGEX_SIZE_LIMIT)
+                    .build()
+                    .map_err(|e| {
+                        let why = e.to_string();
+                        let why = why.lines().last().unwrap_or("invalid").trim().to_string();
+                        ConfigError::new(
+                            format!("{at}.regex"),
+                            format!("is not a valid regex ({why}); it is matched against the whole value, as bytes"),
+                        )
+                    })
+            };
+            // Alone first: a pattern such as `a)|(?:b` compiles only once
+            // wrapped, and would then escape the anchors.
+            build(&r)?;
+            let compiled = build(&format!("^(?:{r})$"))?;
             Condition::Regex(Pattern(compiled))
         }
         _ => {
@@ -335,6 +341,9 @@ mod tests {
         let err = matcher(r#"{"values":[{"part":"path","regex":"(unclosed"}]}"#).unwrap_err();
         assert_eq!(err.field, "match.values[0].regex");
         assert!(err.reason.contains("not a valid regex"), "{err:?}");
+        // Balanced only once wrapped: refused, not left unanchored.
+        let err = matcher(r#"{"headers":[{"name":"x","regex":"a)|(?:b"}]}"#).unwrap_err();
+        assert_eq!(err.field, "match.headers[0].regex");
         let err = matcher(r#"{"values":[{"part":{"query":""},"exact":"a"}]}"#).unwrap_err();
         assert_eq!(err.field, "match.values[0].part.query");
     }

@@ -111,7 +111,7 @@ impl Flow {
             .intake
             .on_request_headers(host, &config, &line, tag, end_of_stream)
         {
-            Err(reply) => return answer_locally(host, &reply),
+            Err(reply) => return self.refuse(host, &reply),
             Ok(ready) => {
                 if let Some(keyed) = self.intake.keyed() {
                     self.record.arm(keyed.clone());
@@ -148,7 +148,7 @@ impl Flow {
                 .intake
                 .on_request_body(host, &config, body_size, end_of_stream)
             {
-                Err(reply) => return answer_locally(host, &reply),
+                Err(reply) => return self.refuse(host, &reply),
                 Ok(ready) => ready,
             };
         if intake_ready && !self.usage.reading() {
@@ -164,12 +164,21 @@ impl Flow {
         if !self.intake.reading() && !self.usage.reading() {
             return self.waiting_for_decision();
         }
-        let max = self
-            .intake
-            .max_body(&self.config)
-            .max(self.usage.request_max_body());
+        let intake_max = if self.intake.reading() {
+            self.intake.max_body(&self.config)
+        } else {
+            0
+        };
+        let max = intake_max.max(self.usage.request_max_body());
         let size = host.request_body(max.saturating_add(1)).len();
         self.on_request_body(host, size, true)
+    }
+
+    /// Answers the request from the filter once its body is being read:
+    /// nothing reads on, so no later body callback starts a decision.
+    fn refuse<H: Host>(&mut self, host: &mut H, reply: &LocalReply) -> Action {
+        self.usage.stop_reading();
+        answer_locally(host, reply)
     }
 
     fn waiting_for_decision(&self) -> Action {

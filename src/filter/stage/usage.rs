@@ -94,6 +94,11 @@ impl UsageStage {
         self.reading()
     }
 
+    /// The request was answered locally: its body is read no further.
+    pub fn stop_reading(&mut self) {
+        self.reserving.clear();
+    }
+
     /// Whether the request body is still being read for reservations.
     pub fn reading(&self) -> bool {
         !self.reserving.is_empty()

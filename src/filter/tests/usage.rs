@@ -178,12 +178,16 @@ fn reserving_flow() -> Flow {
     Flow::new(Rc::new(cfg), test_breaker())
 }
 
-/// The cost the request's decision carries (the limit's last ARGV but one).
+/// The cost the request's decision carries for the token bucket (the ARGV
+/// after its kind and three numbers).
 fn decided_cost(h: &FakeHost) -> String {
     assert_eq!(h.dispatched.len(), 1, "one decision");
-    let call = h.dispatched[0].trim_end_matches(".raw");
-    let parts: Vec<&str> = call.split('/').collect();
-    parts[parts.len() - 2].to_string()
+    let parts: Vec<&str> = h.dispatched[0].split('/').collect();
+    let at = parts
+        .windows(4)
+        .position(|w| w == ["tb", "1000", "10", "1000"])
+        .unwrap_or_else(|| panic!("no token bucket in {}", h.dispatched[0]));
+    parts[at + 4].trim_end_matches(".raw").to_string()
 }
 
 #[test]
@@ -271,4 +275,85 @@ fn a_usage_trailer_states_the_cost_when_the_headers_do_not() {
     assert_eq!(count(&h, Counter::UsageFallback), 0);
     // 250 of the 10 reserved.
     assert_eq!(settlement(&h).1[4], "240");
+}
+
+/// A limit reserving the body's `max_tokens` (reading up to `usage_max`
+/// bytes) beside an idempotency rule on the same path (`intake_max`).
+fn keyed_reserving_flow(usage_max: usize, intake_max: usize) -> Flow {
+    let cfg = format!(
+        r#"{{"redis":{{"batch":{{"enabled":false}},"cluster":"webdis"}},"limits":[
+        {{"name":"tokens","match":{{"pathPrefix":"/llm"}},
+         "tokenBucket":{{"capacity":1000,"refill":10,"periodMs":1000}},
+         "usage":{{"reserve":10,"maxBodyBytes":{usage_max},
+                  "reserveFrom":[{{"pointer":"/max_tokens"}}],
+                  "json":[{{"pointer":"/usage/total_tokens"}}]}}}}],
+         "idempotency":[{{"name":"chat","match":{{"pathPrefix":"/llm"}},"maxRequestBodyBytes":{intake_max}}}]}}"#
+    );
+    Flow::new(
+        Rc::new(Config::parse(cfg.as_bytes()).unwrap()),
+        test_breaker(),
+    )
+}
+
+#[test]
+fn with_an_idempotency_key_the_decision_waits_for_both_readers_and_starts_once() {
+    // The reservation's bound passes first (fixed reserve), the intake's
+    // only at the end: one decision, after both.
+    let mut f = keyed_reserving_flow(64, 128);
+    let mut h = FakeHost::post("/llm/chat", b"key-1");
+    h.request_body = [
+        br#"{"max_tokens":50,"pad":""#.as_slice(),
+        &[b'x'; 60],
+        b"\"}",
+    ]
+    .concat();
+    let len = h.request_body.len();
+    assert!(len > 64 && len <= 128, "{len}");
+    assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
+    assert_eq!(f.on_request_body(&mut h, 65, false), Action::Pause);
+    assert!(h.dispatched.is_empty(), "the intake still reads");
+    assert_eq!(count(&h, Counter::UsageReserveUnread), 1);
+    assert_eq!(f.on_request_body(&mut h, len, true), Action::Pause);
+    assert_eq!(decided_cost(&h), "10");
+    assert_eq!(f.on_request_body(&mut h, len, true), Action::Pause);
+    assert_eq!(h.dispatched.len(), 1, "once");
+    // Both read to the end: the reservation the body names.
+    let mut f = keyed_reserving_flow(64, 128);
+    let mut h = FakeHost::post("/llm/chat", b"key-2");
+    h.request_body = br#"{"max_tokens":50}"#.to_vec();
+    let len = h.request_body.len();
+    f.on_request_headers(&mut h, false);
+    assert_eq!(f.on_request_body(&mut h, len, true), Action::Pause);
+    assert_eq!(decided_cost(&h), "50");
+}
+
+#[test]
+fn a_request_answered_413_while_its_reservation_is_read_never_starts_a_decision() {
+    // The reservation may read more (256) than the intake allows (128).
+    let mut f = keyed_reserving_flow(256, 128);
+    let mut h = FakeHost::post("/llm/chat", b"key-3");
+    h.request_body = vec![b' '; 200];
+    f.on_request_headers(&mut h, false);
+    // Over the intake's bound, within the reservation's: 413, while the
+    // reservation was still being read.
+    f.on_request_body(&mut h, 200, false);
+    assert_eq!(h.sent.len(), 1);
+    assert_eq!(h.sent[0].status, 413);
+    // Whatever Envoy hands over after that starts nothing.
+    f.on_request_body(&mut h, 200, true);
+    f.on_request_trailers(&mut h);
+    assert!(h.dispatched.is_empty(), "{:?}", h.dispatched);
+    assert_eq!(h.sent.len(), 1);
+}
+
+#[test]
+fn request_trailers_end_the_body_a_reservation_is_read_from() {
+    let mut f = reserving_flow();
+    let mut h = FakeHost::get("/llm/chat").with(":method", b"POST");
+    h.request_body = br#"{"max_tokens":20}"#.to_vec();
+    f.on_request_headers(&mut h, false);
+    assert_eq!(f.on_request_body(&mut h, 17, false), Action::Pause);
+    assert!(h.dispatched.is_empty());
+    assert_eq!(f.on_request_trailers(&mut h), Action::Pause);
+    assert_eq!(decided_cost(&h), "80", "20 × 4");
 }
