@@ -121,6 +121,25 @@ fn percent_decode(raw: &[u8]) -> Vec<u8> {
     percent_encoding::percent_decode(raw).collect()
 }
 
+/// The service and method of a gRPC call: its `:path` is
+/// `/<package.Service>/<Method>` and its content-type `application/grpc`
+/// (or `application/grpc+proto`, `;` parameters allowed). `None` for any
+/// other request, so a limit keyed on them does not apply to it.
+pub fn grpc_call<'a>(path: &'a [u8], content_type: Option<&[u8]>) -> Option<(&'a [u8], &'a [u8])> {
+    let ct = content_type?;
+    let grpc = ct.len() >= 16
+        && ct[..16].eq_ignore_ascii_case(b"application/grpc")
+        && matches!(ct.get(16), None | Some(b'+' | b';'));
+    if !grpc {
+        return None;
+    }
+    let rest = path.strip_prefix(b"/")?;
+    let slash = rest.iter().position(|&b| b == b'/')?;
+    let (service, method) = (&rest[..slash], &rest[slash + 1..]);
+    let clean = |s: &[u8]| !s.is_empty() && !s.iter().any(|&b| matches!(b, b'/' | b'?' | b'#'));
+    (clean(service) && clean(method)).then_some((service, method))
+}
+
 /// The network of `ip` (as `client_ip` gives it): its first `v4` bits for
 /// an IPv4 address (an IPv4-mapped IPv6 one included), its first `v6` bits
 /// for IPv6, as `network/length` (`203.0.113.0/24`, `2001:db8:1:200::/56`).
@@ -288,6 +307,33 @@ mod tests {
         assert_eq!(q("/a?keys=v&ke=w", "key"), None);
         assert_eq!(q("/a?Key=v", "key"), None, "names are case-sensitive");
         assert_eq!(q("/a", "key"), None);
+    }
+
+    #[test]
+    fn a_grpc_call_is_its_service_and_method_when_the_request_is_grpc() {
+        let grpc = Some(&b"application/grpc"[..]);
+        assert_eq!(
+            grpc_call(b"/shop.v1.Orders/Create", grpc),
+            Some((&b"shop.v1.Orders"[..], &b"Create"[..]))
+        );
+        for ct in [
+            "application/grpc+proto",
+            "application/grpc; charset=x",
+            "Application/GRPC",
+        ] {
+            assert!(grpc_call(b"/a.S/M", Some(ct.as_bytes())).is_some(), "{ct}");
+        }
+        for ct in [
+            "application/json",
+            "application/grpc-web",
+            "application/grpcx",
+        ] {
+            assert_eq!(grpc_call(b"/a.S/M", Some(ct.as_bytes())), None, "{ct}");
+        }
+        assert_eq!(grpc_call(b"/a.S/M", None), None);
+        for path in ["/a.S", "/a.S/", "//M", "/a.S/M/x", "/a.S/M?x=1", "a.S/M"] {
+            assert_eq!(grpc_call(path.as_bytes(), grpc), None, "{path}");
+        }
     }
 
     #[test]

@@ -495,7 +495,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "descriptor_unknown_part.json",
         "limits[0].descriptor[0]",
-        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`, `metadata`, `attribute`",
+        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`, `metadata`, `attribute`, `path`, `method`, `grpcService`, `grpcMethod`",
     ),
     (
         "descriptor_unknown_unit_part.json",
@@ -793,7 +793,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "idempotency_tenant_unknown_part.json",
         "idempotency[0].tenant[0]",
-        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`, `metadata`, `attribute`",
+        "unknown variant `cookie`, expected one of `header`, `query`, `literal`, `clientAddress`, `clientPrefix`, `metadata`, `attribute`, `path`, `method`, `grpcService`, `grpcMethod`",
     ),
     (
         "idempotency_tenant_header_invalid.json",

@@ -541,3 +541,66 @@ fn figures_of_2_to_the_31_and_more_reach_the_filter_through_webdis() {
     assert_eq!(e.counter("redis_guard.redis.errors"), 0);
     assert_eq!(stack.upstream.executed(), 4, "big, slow twice, leased");
 }
+
+#[test]
+fn a_limit_keyed_on_the_grpc_service_and_method_counts_each_method_apart_and_skips_other_requests()
+{
+    // Two a method per hour for gRPC calls; plain HTTP on the same paths is
+    // not a gRPC call, so the limit does not apply to it.
+    let cfg = config(
+        2000,
+        "deny",
+        r#"[{"name":"per-method","descriptor":["grpcService","grpcMethod"],
+             "fixedWindow":{"limit":2,"windowMs":3600000}}]"#,
+    );
+    let stack = Stack::start(&cfg, 1);
+    let e = stack.envoy();
+    // (HTTP status, grpc-status): Envoy turns a local reply to a gRPC
+    // request into gRPC's form, HTTP 200 and the 429 as UNAVAILABLE (14).
+    let call = |path: &str, content_type: &str| {
+        let r = http(
+            "POST",
+            &e.url(path),
+            &[("content-type", content_type)],
+            Some(b"\0\0\0\0\0"),
+        );
+        (r.status, r.header("grpc-status").map(str::to_string))
+    };
+    let admitted = (200, None);
+    let limited = (200, Some("14".to_string()));
+    let grpc = "application/grpc";
+    let create = "/shop.v1.Orders/Create";
+    let list = "/shop.v1.Orders/List";
+    assert_eq!(
+        [call(create, grpc), call(create, grpc), call(create, grpc)],
+        [admitted.clone(), admitted.clone(), limited.clone()]
+    );
+    assert_eq!(
+        [
+            call(list, "application/grpc+proto"),
+            call(list, grpc),
+            call(list, grpc)
+        ],
+        [admitted.clone(), admitted.clone(), limited]
+    );
+    for _ in 0..3 {
+        assert_eq!(call(create, "application/json"), admitted, "not gRPC");
+    }
+    let keys = all_keys(&stack.redis);
+    let mut tails: Vec<String> = keys
+        .iter()
+        .map(|k| {
+            String::from_utf8_lossy(k)
+                .split_once(":fw.2.3600000:")
+                .unwrap()
+                .1
+                .to_string()
+        })
+        .collect();
+    tails.sort();
+    assert_eq!(
+        tails,
+        ["14:shop.v1.Orders:4:List", "14:shop.v1.Orders:6:Create"]
+    );
+    assert_eq!(stack.upstream.executed(), 2 + 2 + 3);
+}

@@ -10,7 +10,8 @@ use serde::Deserialize;
 use super::{header_name, ConfigError};
 use crate::keys::{hash_tag_of, push_value};
 use crate::request::{
-    address_prefix, client_ip, query_param, typed_value, RequestLine, RequestView, ValueType,
+    address_prefix, client_ip, grpc_call, query_param, typed_value, RequestLine, RequestView,
+    ValueType,
 };
 
 /// IPv4 and IPv6 prefix lengths when `clientPrefix` leaves them out.
@@ -40,6 +41,11 @@ pub(super) enum RawPart {
     Attribute(String),
     Path,
     Method,
+    /// A gRPC call's service (`shop.v1.Orders` of `/shop.v1.Orders/Create`);
+    /// missing for a request that is not gRPC.
+    GrpcService,
+    /// A gRPC call's method (`Create`).
+    GrpcMethod,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -94,6 +100,8 @@ pub enum Part {
     Attribute(Vec<String>),
     Path,
     Method,
+    GrpcService,
+    GrpcMethod,
 }
 
 impl fmt::Display for Part {
@@ -113,6 +121,8 @@ impl fmt::Display for Part {
             Part::ClientAddress => write!(f, "\"clientAddress\""),
             Part::Path => write!(f, "\"path\""),
             Part::Method => write!(f, "\"method\""),
+            Part::GrpcService => write!(f, "\"grpcService\""),
+            Part::GrpcMethod => write!(f, "\"grpcMethod\""),
         }
     }
 }
@@ -138,6 +148,17 @@ impl Part {
                 .map(|a| client_ip(&a).as_bytes().to_vec()),
             Part::Path => Some(line.path.clone()),
             Part::Method => Some(line.method.as_bytes().to_vec()),
+            Part::GrpcService | Part::GrpcMethod => {
+                let path = view.header(":path")?;
+                let content_type = view.header("content-type");
+                let (service, method) = grpc_call(&path, content_type.as_deref())?;
+                let value = if *self == Part::GrpcService {
+                    service
+                } else {
+                    method
+                };
+                Some(value.to_vec())
+            }
         }
     }
 }
@@ -277,6 +298,8 @@ pub(super) fn compile_part(p: RawPart, at: &str) -> Result<Part, ConfigError> {
         }
         RawPart::Path => Part::Path,
         RawPart::Method => Part::Method,
+        RawPart::GrpcService => Part::GrpcService,
+        RawPart::GrpcMethod => Part::GrpcMethod,
     })
 }
 
