@@ -48,6 +48,14 @@ fn only(docs: &[Value], kind: &str) -> Value {
     found[0].clone()
 }
 
+/// The manifest holds one document of each `(kind, apiVersion)`, and no other.
+fn holds_exactly(docs: &[Value], expected: &[(&str, &str)]) {
+    for (kind, api_version) in expected {
+        assert_eq!(only(docs, kind)["apiVersion"], *api_version, "{kind}");
+    }
+    assert_eq!(docs.len(), expected.len(), "unexpected extra documents");
+}
+
 fn plugin_config(docs: &[Value]) -> Value {
     let config = only(docs, "WasmPlugin")["spec"]["pluginConfig"].clone();
     assert!(config.is_object(), "the WasmPlugin has no pluginConfig");
@@ -310,15 +318,14 @@ fn every_document_is_a_named_kubernetes_object_in_one_namespace() {
 #[test]
 fn manifest_holds_a_wasm_plugin_a_service_entry_and_a_destination_rule() {
     let docs = documents();
-    let expected = [
-        ("WasmPlugin", "extensions.istio.io/v1alpha1"),
-        ("ServiceEntry", "networking.istio.io/v1"),
-        ("DestinationRule", "networking.istio.io/v1"),
-    ];
-    for (kind, api_version) in expected {
-        assert_eq!(only(&docs, kind)["apiVersion"], api_version, "{kind}");
-    }
-    assert_eq!(docs.len(), expected.len(), "unexpected extra documents");
+    holds_exactly(
+        &docs,
+        &[
+            ("WasmPlugin", "extensions.istio.io/v1alpha1"),
+            ("ServiceEntry", "networking.istio.io/v1"),
+            ("DestinationRule", "networking.istio.io/v1"),
+        ],
+    );
     assert_eq!(only(&docs, "WasmPlugin")["metadata"]["name"], "redis-guard");
 }
 
@@ -545,15 +552,14 @@ fn peer_authentication_spec_schema() -> Value {
 #[test]
 fn the_identity_manifest_holds_authentication_and_a_plugin_for_one_workload_of_the_namespace() {
     let docs = documents_of(IDENTITY);
-    let expected = [
-        ("RequestAuthentication", "security.istio.io/v1"),
-        ("PeerAuthentication", "security.istio.io/v1"),
-        ("WasmPlugin", "extensions.istio.io/v1alpha1"),
-    ];
-    for (kind, api_version) in expected {
-        assert_eq!(only(&docs, kind)["apiVersion"], api_version, "{kind}");
-    }
-    assert_eq!(docs.len(), expected.len(), "unexpected extra documents");
+    holds_exactly(
+        &docs,
+        &[
+            ("RequestAuthentication", "security.istio.io/v1"),
+            ("PeerAuthentication", "security.istio.io/v1"),
+            ("WasmPlugin", "extensions.istio.io/v1alpha1"),
+        ],
+    );
     let main = only(&documents(), "WasmPlugin");
     let labels = &only(&docs, "WasmPlugin")["spec"]["selector"]["matchLabels"];
     for doc in &docs {

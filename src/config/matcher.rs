@@ -70,7 +70,9 @@ struct RawValueMatch {
     regex: Option<String>,
 }
 
-/// The condition fields both kinds of match carry.
+/// The condition fields both kinds of match carry. (Written out in each:
+/// serde cannot deny unknown fields across a `flatten`, and the config is
+/// strict.)
 type RawCondition = (Option<bool>, Option<String>, Option<String>, Option<String>);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
