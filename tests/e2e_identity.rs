@@ -7,8 +7,7 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
 use socket2::{Domain, Socket, Type};
@@ -58,20 +57,7 @@ fn get_from(source: Ipv4Addr, port: u16, path: &str) -> u16 {
             Duration::from_secs(5),
         )
         .unwrap();
-    let mut s: TcpStream = socket.into();
-    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    s.write_all(&raw_request_bytes(
-        "GET",
-        path,
-        "connection: close\r\n",
-        &[],
-        b"",
-    ))
-    .unwrap();
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).unwrap();
-    let line = String::from_utf8_lossy(&out);
-    line.split(' ').nth(1).unwrap().parse().unwrap()
+    raw_get_on(socket.into(), path, &[]).0
 }
 
 #[test]

@@ -291,6 +291,13 @@ fn a_request_reserves_its_max_tokens_so_concurrent_requests_see_them_taken_until
         assert_eq!(r.status, 200);
         assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
         settles_to(&mut con, "reserved", "u5", 100);
+        // Everything above ran while the long one streamed (its 800 still
+        // reserved); if not, say so rather than fail on a balance.
+        assert_eq!(
+            stack.upstream.in_flight("/v1/completions"),
+            1,
+            "the long completion ended before the steps it must overlap"
+        );
         // The long one used 200 of its 800.
         assert_eq!(long.join().unwrap().status, 200);
     });

@@ -859,7 +859,15 @@ pub fn raw_request_bytes(
 /// One HTTP/1.1 request with raw header bytes (UTF-8 or not), for the cases
 /// an HTTP client library refuses to send. Returns the status and the body.
 pub fn raw_get(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    raw_get_on(
+        TcpStream::connect(("127.0.0.1", port)).unwrap(),
+        path,
+        headers,
+    )
+}
+
+/// `raw_get` over a connection the caller opened (from a chosen source).
+pub fn raw_get_on(mut s: TcpStream, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
     s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
     let req = raw_request_bytes("GET", path, "connection: close\r\n", headers, b"");
     s.write_all(&req).unwrap();
