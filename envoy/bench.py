@@ -797,6 +797,8 @@ class Stack:
         sets = {
             "BIND_ADDRESS": HOST, "ADMIN_PORT": admin, "LISTEN_PORT": port,
             "UPSTREAM_HOST": HOST, "UPSTREAM_PORT": self.up_port,
+            # No gRPC service in the bench: the same port nobody listens on.
+            "GRPC_UPSTREAM_PORT": self.store_port,
             "WEBDIS_HOST": HOST, "WEBDIS_PORT": self.webdis_port, "WASM_PATH": WASM,
             "WASM_RUNTIME": sc.get("runtime", "v8"),
             "OBJECT_STORE_HOST": HOST, "OBJECT_STORE_PORT": self.store_port,

@@ -155,9 +155,69 @@ pub fn decode_headers(mut raw: &[u8]) -> Result<Vec<(String, Vec<u8>)>, String> 
     Ok(out)
 }
 
+/// A stored response's header fields and trailers (a gRPC call's status is
+/// in its trailers) in the one `h` field of the record: the headers, then,
+/// when there are trailers, a pair with an empty name (which no header can
+/// have) and the trailers. A record without that pair has no trailers, as
+/// every record written before trailers were kept.
+pub fn encode_response_fields(
+    headers: &[(String, Vec<u8>)],
+    trailers: &[(String, Vec<u8>)],
+) -> Vec<u8> {
+    let mut out = encode_headers(headers);
+    if !trailers.is_empty() {
+        push_value_raw(&mut out, b"");
+        push_value_raw(&mut out, b"");
+        out.extend_from_slice(&encode_headers(trailers));
+    }
+    out
+}
+
+/// Adds trailers to headers captured for [`encode_headers`], so that the
+/// result encodes as [`encode_response_fields`] does.
+pub fn append_trailers(headers: &mut Vec<(String, Vec<u8>)>, trailers: Vec<(String, Vec<u8>)>) {
+    if !trailers.is_empty() {
+        headers.push((String::new(), Vec::new()));
+        headers.extend(trailers);
+    }
+}
+
+/// The headers and the trailers of [`encode_response_fields`].
+pub type ResponseFields = (Vec<(String, Vec<u8>)>, Vec<(String, Vec<u8>)>);
+
+pub fn decode_response_fields(raw: &[u8]) -> Result<ResponseFields, String> {
+    let mut headers = decode_headers(raw)?;
+    match headers.iter().position(|(n, _)| n.is_empty()) {
+        Some(at) => {
+            let trailers = headers.split_off(at + 1);
+            headers.pop();
+            Ok((headers, trailers))
+        }
+        None => Ok((headers, Vec::new())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn trailers_are_kept_apart_from_headers_in_one_field() {
+        let h = vec![("content-type".to_string(), b"application/grpc".to_vec())];
+        let t = vec![
+            ("grpc-status".to_string(), b"0".to_vec()),
+            ("grpc-status-details-bin".to_string(), b"\0\xff".to_vec()),
+        ];
+        let both = encode_response_fields(&h, &t);
+        assert_eq!(decode_response_fields(&both).unwrap(), (h.clone(), t));
+        let plain = encode_response_fields(&h, &[]);
+        assert_eq!(
+            plain,
+            encode_headers(&h),
+            "a record without trailers is as before"
+        );
+        assert_eq!(decode_response_fields(&plain).unwrap(), (h, Vec::new()));
+    }
 
     #[test]
     fn accepts_bare_and_quoted_keys() {

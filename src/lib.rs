@@ -12,6 +12,7 @@ pub mod codec;
 pub mod concurrency;
 pub mod config;
 pub mod filter;
+pub mod grpc;
 pub mod idempotency;
 pub mod keys;
 pub mod lease;

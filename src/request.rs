@@ -126,11 +126,7 @@ fn percent_decode(raw: &[u8]) -> Vec<u8> {
 /// (or `application/grpc+proto`, `;` parameters allowed). `None` for any
 /// other request, so a limit keyed on them does not apply to it.
 pub fn grpc_call<'a>(path: &'a [u8], content_type: Option<&[u8]>) -> Option<(&'a [u8], &'a [u8])> {
-    let ct = content_type?;
-    let grpc = ct.len() >= 16
-        && ct[..16].eq_ignore_ascii_case(b"application/grpc")
-        && matches!(ct.get(16), None | Some(b'+' | b';'));
-    if !grpc {
+    if !crate::grpc::is_grpc(content_type?) {
         return None;
     }
     let rest = path.strip_prefix(b"/")?;

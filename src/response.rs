@@ -12,11 +12,17 @@ use crate::config::Config;
 use crate::ratelimit::{Outcome, Plan};
 
 /// A response the filter sends instead of forwarding the request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LocalReply {
     pub status: u32,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+    /// For a gRPC request: the `grpc-status` of a trailers-only answer,
+    /// whose `grpc-message` is `body` (see [`crate::grpc::reply_for`]).
+    pub grpc_status: Option<u32>,
+    /// How long the client should wait before it retries, exactly (the
+    /// `retry-after` field rounds it up to seconds).
+    pub retry_ms: Option<u64>,
 }
 
 fn seconds_up(ms: u64) -> u64 {
@@ -41,6 +47,7 @@ fn problem_reply(status: u32, title: &str, detail: &str, extra: serde_json::Valu
             "application/problem+json".to_string(),
         )],
         body: problem(status, title, detail, extra),
+        ..LocalReply::default()
     }
 }
 
@@ -61,6 +68,7 @@ pub fn idempotency_conflict() -> LocalReply {
     reply
         .headers
         .push(("retry-after".to_string(), "1".to_string()));
+    reply.retry_ms = Some(1000);
     reply
 }
 
@@ -79,6 +87,7 @@ pub fn too_many_requests_locally(limit: &str, retry_ms: u64) -> LocalReply {
     reply
         .headers
         .push(("retry-after".to_string(), retry_after.to_string()));
+    reply.retry_ms = Some(retry_ms.max(1));
     reply
 }
 
@@ -297,6 +306,7 @@ pub fn too_many_requests(config: &Config, plan: &Plan, outcome: &Outcome) -> Loc
     reply
         .headers
         .extend(rate_limit_headers(config, plan, outcome));
+    reply.retry_ms = Some(retry_ms.max(1));
     reply
 }
 

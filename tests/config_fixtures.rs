@@ -883,6 +883,11 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "`+200` is neither a class",
     ),
     (
+        "idempotency_grpc_store_status_unknown.json",
+        "idempotency[0].grpcStoreStatuses[1]",
+        "`NOT_FOUNDED` is not a gRPC status code name",
+    ),
+    (
         "idempotency_max_request_body_too_large.json",
         "idempotency[0].maxRequestBodyBytes",
         "at most 67108864",

@@ -71,6 +71,13 @@ pub(super) struct RawIdempotency {
     /// Response headers stored and replayed (default ["content-type"]).
     #[serde(default)]
     store_headers: Option<Vec<String>>,
+    /// gRPC calls: the grpc-status codes, by name, whose responses are
+    /// stored and replayed (default OK, INVALID_ARGUMENT, NOT_FOUND,
+    /// ALREADY_EXISTS, FAILED_PRECONDITION, OUT_OF_RANGE); any other code
+    /// frees the key, so a retry runs again. A gRPC call stores all its
+    /// headers and trailers; storeStatuses and storeHeaders do not apply.
+    #[serde(default)]
+    grpc_store_statuses: Option<Vec<String>>,
     /// Largest request body fingerprinted (bytes, default 1 MiB, at most 64 MiB).
     #[serde(default)]
     #[schemars(range(max = 67108864))]
@@ -117,6 +124,8 @@ pub struct Idempotency {
     pub store_exact: Vec<u32>,
     /// Lower-case response headers stored and replayed.
     pub store_headers: Vec<String>,
+    /// gRPC status codes whose responses are stored.
+    pub grpc_store: Vec<u32>,
     pub max_request_body: usize,
     pub max_stored_body: usize,
     pub failure_mode: FailureMode,
@@ -130,7 +139,24 @@ impl Idempotency {
     pub fn stores(&self, status: u32) -> bool {
         self.store_exact.contains(&status) || self.store_classes.contains(&(status / 100))
     }
+
+    pub fn stores_grpc(&self, code: u32) -> bool {
+        self.grpc_store.contains(&code)
+    }
 }
+
+/// The gRPC outcomes a retry gets again by default: success, and the errors
+/// that say the request itself is what they are about (running it again
+/// would give the same answer). Transient, auth and server-side failures
+/// free the key.
+const GRPC_STORED: [&str; 6] = [
+    "OK",
+    "INVALID_ARGUMENT",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "FAILED_PRECONDITION",
+    "OUT_OF_RANGE",
+];
 
 pub(super) fn compile_idempotency(
     raw: RawIdempotency,
@@ -200,6 +226,23 @@ pub(super) fn compile_idempotency(
                     "`{st}` is neither a class (2xx, 3xx, 4xx, 5xx) nor a status from 200 to 599"
                 ),
             ));
+        }
+    }
+    let mut grpc_store = Vec::new();
+    let names = raw
+        .grpc_store_statuses
+        .unwrap_or_else(|| GRPC_STORED.iter().map(|s| s.to_string()).collect());
+    for (i, name) in names.iter().enumerate() {
+        let Some(code) = crate::grpc::code_of(name) else {
+            return Err(ConfigError::new(
+                format!("{at}.grpcStoreStatuses[{i}]"),
+                format!(
+                    "`{name}` is not a gRPC status code name (OK, INVALID_ARGUMENT, NOT_FOUND, ...)"
+                ),
+            ));
+        };
+        if !grpc_store.contains(&code) {
+            grpc_store.push(code);
         }
     }
     let store_headers = match raw.store_headers {
@@ -280,6 +323,7 @@ pub(super) fn compile_idempotency(
         store_classes,
         store_exact,
         store_headers,
+        grpc_store,
         max_request_body: usize::try_from(max_request_body).unwrap_or(usize::MAX),
         max_stored_body: usize::try_from(max_stored_body).unwrap_or(usize::MAX),
         failure_mode,

@@ -413,6 +413,9 @@ impl Flow {
     }
 
     pub fn on_response_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
+        if let Some(action) = self.replay.on_response_headers(host, end_of_stream) {
+            return action;
+        }
         self.limits.on_response_headers(host);
         let config = Rc::clone(&self.config);
         self.usage.on_response_headers(host, &config, end_of_stream);
@@ -469,6 +472,9 @@ impl Flow {
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
+        if let Some(action) = self.replay.on_response_body(host, body_size, end_of_stream) {
+            return action;
+        }
         let config = Rc::clone(&self.config);
         self.usage.on_response_body(host, body_size, end_of_stream);
         let action =

@@ -90,6 +90,20 @@ pub trait Host: RequestView {
     fn response_trailer(&self, name: &str) -> Option<Vec<u8>>;
     /// The current response body chunk (`size` bytes).
     fn response_body(&mut self, size: usize) -> Vec<u8>;
+    /// Every response header (pseudo-headers included), in order.
+    fn response_headers(&self) -> Vec<(String, Vec<u8>)>;
+    /// Every response trailer (read in `on_response_trailers`).
+    fn response_trailers(&self) -> Vec<(String, Vec<u8>)>;
+    /// Replaces (`Some`) or removes a request header before it goes
+    /// upstream (Envoy then routes the request again).
+    fn set_request_header(&mut self, name: &str, value: Option<&[u8]>);
+    /// Replaces all the response's headers.
+    fn set_response_headers(&mut self, headers: &[(String, Vec<u8>)]);
+    /// Replaces the buffered response body (`size` bytes) with `body`.
+    fn set_response_body(&mut self, size: usize, body: &[u8]);
+    /// Adds a trailer to the response (at its last body piece, Envoy
+    /// creates the trailers).
+    fn add_response_trailer(&mut self, name: &str, value: &[u8]);
     fn resume_response(&mut self);
     /// Sends a background lease fetch for this Envoy, soon, from the root
     /// context (so it outlives the stream); the host hands its reply (or its
@@ -122,7 +136,21 @@ pub trait Host: RequestView {
     /// missing key is written whatever the token, as Envoy does); false on a
     /// lost race.
     fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
-    fn send_local(&mut self, reply: &LocalReply);
+    /// Sends `reply` as it is (`grpc_status`: as Envoy's trailers-only
+    /// answer to a gRPC request).
+    fn send_reply(&mut self, reply: &LocalReply);
+    /// Answers the request from the filter: a gRPC request gets the reply
+    /// as its client reads it ([`crate::grpc::reply_for`]).
+    fn send_local(&mut self, reply: &LocalReply) {
+        let grpc = self
+            .header("content-type")
+            .is_some_and(|ct| crate::grpc::is_grpc(&ct));
+        if grpc {
+            self.send_reply(&crate::grpc::reply_for(reply));
+        } else {
+            self.send_reply(reply);
+        }
+    }
     fn resume_request(&mut self);
     fn add_response_header(&mut self, name: &str, value: &str);
     fn count(&mut self, counter: Counter);

@@ -81,6 +81,10 @@ pub struct FakeHost {
     pub deferred_scripts: Vec<String>,
     /// The worker takes no releases (the stream sends its own).
     pub no_worker: bool,
+    /// Bodies the filter put in place of the response's.
+    pub replaced_bodies: Vec<Vec<u8>>,
+    /// Trailers the filter added to the response.
+    pub added_trailers: Vec<(String, Vec<u8>)>,
 }
 
 /// An object-store call's headers and body.
@@ -149,7 +153,7 @@ impl Host for FakeHost {
             .push((headers.to_vec(), body.map(<[u8]>::to_vec)));
         Ok(OBJECT_TOKENS + self.objects.len() as u32)
     }
-    fn send_local(&mut self, reply: &LocalReply) {
+    fn send_reply(&mut self, reply: &LocalReply) {
         self.sent.push(reply.clone());
     }
     fn resume_request(&mut self) {
@@ -222,6 +226,31 @@ impl Host for FakeHost {
     }
     fn resume_response(&mut self) {
         self.response_resumed += 1;
+    }
+    fn response_headers(&self) -> Vec<(String, Vec<u8>)> {
+        self.response.clone()
+    }
+    fn response_trailers(&self) -> Vec<(String, Vec<u8>)> {
+        self.response_trailers.clone()
+    }
+    fn set_request_header(&mut self, name: &str, value: Option<&[u8]>) {
+        match value {
+            Some(v) => {
+                self.request.headers.insert(name.to_string(), v.to_vec());
+            }
+            None => {
+                self.request.headers.remove(name);
+            }
+        }
+    }
+    fn set_response_headers(&mut self, headers: &[(String, Vec<u8>)]) {
+        self.response = headers.to_vec();
+    }
+    fn set_response_body(&mut self, _size: usize, body: &[u8]) {
+        self.replaced_bodies.push(body.to_vec());
+    }
+    fn add_response_trailer(&mut self, name: &str, value: &[u8]) {
+        self.added_trailers.push((name.to_string(), value.to_vec()));
     }
     fn shared_get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
         match self.shared.get(key) {

@@ -258,6 +258,10 @@ pub fn render(template: &str, vars: &[(&str, String)]) -> String {
     ] {
         text = text.replace(&format!("{{{{{name}}}}}"), "127.0.0.1");
     }
+    // No gRPC service unless the test names one: a port nothing listens on.
+    if text.contains("{{GRPC_UPSTREAM_PORT}}") {
+        text = text.replace("{{GRPC_UPSTREAM_PORT}}", &free_port().to_string());
+    }
     text = text.replace("{{WASM_RUNTIME}}", &wasm_runtime());
     text = text.replace("{{JWKS}}", &default_jwks());
     assert!(!text.contains("{{"), "unrendered placeholder in {template}");

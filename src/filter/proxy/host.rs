@@ -13,6 +13,7 @@ use crate::filter::{Counter, ErrorKind, Histogram, Host};
 use crate::request::RequestView;
 use crate::response::LocalReply;
 
+use super::abi;
 use super::metrics::UNDEFINED;
 use super::{host_now, FlowRef, Shared, Stream};
 
@@ -315,14 +316,54 @@ impl Host for ProxyHost<'_> {
         format!("{a:016x}{b:016x}")
     }
 
-    fn send_local(&mut self, reply: &LocalReply) {
-        let headers: Vec<(&str, &str)> = reply
+    fn send_reply(&mut self, reply: &LocalReply) {
+        let headers: Vec<(&str, &[u8])> = reply
             .headers
             .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .map(|(n, v)| (n.as_str(), v.as_bytes()))
             .collect();
-        if let Err(e) = hostcalls::send_http_response(reply.status, headers, Some(&reply.body)) {
+        let grpc = reply
+            .grpc_status
+            .and_then(|s| i32::try_from(s).ok())
+            .unwrap_or(-1);
+        if let Err(e) = abi::send_local_response(reply.status, &headers, &reply.body, grpc) {
             log::warn!("redis-guard: cannot send local reply: {e:?}");
+        }
+    }
+
+    fn response_headers(&self) -> Vec<(String, Vec<u8>)> {
+        hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
+    }
+
+    fn response_trailers(&self) -> Vec<(String, Vec<u8>)> {
+        hostcalls::get_map_bytes(MapType::HttpResponseTrailers).unwrap_or_default()
+    }
+
+    fn set_request_header(&mut self, name: &str, value: Option<&[u8]>) {
+        if let Err(e) = abi::set_value(MapType::HttpRequestHeaders, name, value) {
+            log::warn!("redis-guard: cannot set request header {name}: {e:?}");
+        }
+    }
+
+    fn set_response_headers(&mut self, headers: &[(String, Vec<u8>)]) {
+        let pairs: Vec<(&str, &[u8])> = headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .collect();
+        if let Err(e) = abi::set_map(MapType::HttpResponseHeaders, &pairs) {
+            log::warn!("redis-guard: cannot set the response headers: {e:?}");
+        }
+    }
+
+    fn set_response_body(&mut self, size: usize, body: &[u8]) {
+        if let Err(e) = abi::set_buffer(BufferType::HttpResponseBody, size, body) {
+            log::warn!("redis-guard: cannot set the response body: {e:?}");
+        }
+    }
+
+    fn add_response_trailer(&mut self, name: &str, value: &[u8]) {
+        if let Err(e) = abi::add_value(MapType::HttpResponseTrailers, name, value) {
+            log::warn!("redis-guard: cannot add response trailer {name}: {e:?}");
         }
     }
 

@@ -21,6 +21,7 @@ use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
 use crate::filter::timers::Timers;
 use crate::filter::{Action as FlowAction, CalloutReply};
 
+mod abi;
 mod host;
 mod metrics;
 

@@ -5,6 +5,7 @@
 mod batch;
 mod concurrency;
 mod envoy_like;
+mod grpc;
 mod idempotency;
 mod offload;
 mod ratelimit;

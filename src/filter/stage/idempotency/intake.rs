@@ -15,6 +15,8 @@ pub struct Keyed {
     /// Index into `Config::idempotency`.
     pub rule: usize,
     pub args: IdemArgs,
+    /// A gRPC call: its outcome is its `grpc-status`, in its trailers.
+    pub grpc: bool,
 }
 
 /// What the request needs before it can be decided.
@@ -89,6 +91,9 @@ impl Intake {
             }
             keys::push_value(&mut tenant, &value);
         }
+        let grpc = host
+            .header("content-type")
+            .is_some_and(|ct| crate::grpc::is_grpc(&ct));
         let mut args = IdemArgs {
             key: record_key(&config.key_prefix, &tag, rule, &tenant, &key),
             owner: host.unique_token(),
@@ -98,13 +103,21 @@ impl Intake {
         if rule.fingerprint_body && !end_of_stream {
             self.method = line.method.clone();
             self.reading = true;
-            self.keyed = Some(Keyed { rule: i, args });
+            self.keyed = Some(Keyed {
+                rule: i,
+                args,
+                grpc,
+            });
             return Ok(Ready::AfterBody);
         }
         // No body yet, or a rule that leaves it out: decide on the headers
         // (the body waits in Envoy until the request is resumed).
         args.fingerprint = fingerprint(&line.method, &full_path(host), b"");
-        self.keyed = Some(Keyed { rule: i, args });
+        self.keyed = Some(Keyed {
+            rule: i,
+            args,
+            grpc,
+        });
         Ok(Ready::Now)
     }
 
@@ -134,11 +147,35 @@ impl Intake {
             self.reading = false;
             return Err(payload_too_large(max));
         }
-        if !end_of_stream {
+        let grpc = self.keyed.as_ref().is_some_and(|k| k.grpc);
+        if !end_of_stream && !grpc {
             return Ok(false);
         }
-        self.reading = false;
         let body = host.request_body(body_size);
+        if grpc {
+            // A key makes one call run once: a stream of requests is not
+            // one call. Refused as soon as a second message starts (a
+            // bidirectional stream waiting for answers would otherwise wait
+            // here for an end that never comes).
+            let frames = crate::grpc::frames(&body);
+            let streaming = frames.started > 1 || (end_of_stream && !frames.whole);
+            if streaming || (end_of_stream && frames.started == 0) {
+                self.reading = false;
+                return Err(bad_request(&format!(
+                    "idempotency keys apply to unary gRPC calls: this call sent {} message{}",
+                    frames.started,
+                    if frames.started == 1 {
+                        " (incomplete)"
+                    } else {
+                        "s"
+                    },
+                )));
+            }
+            if !end_of_stream {
+                return Ok(false);
+            }
+        }
+        self.reading = false;
         let path = full_path(host);
         if let Some(keyed) = self.keyed.as_mut() {
             keyed.args.fingerprint = fingerprint(&self.method, &path, &body);

@@ -9,7 +9,7 @@ use crate::config::Config;
 use crate::filter::call::{Answer, Budget, ScriptCall};
 use crate::filter::flow::{Calls, Owner};
 use crate::filter::{Action, CalloutReply, Counter, Host};
-use crate::idempotency::encode_headers;
+use crate::idempotency::{append_trailers, encode_headers};
 use crate::offload::ObjectRef;
 use crate::scripts::{IDEM_COMPLETE, IDEM_RELEASE};
 
@@ -103,16 +103,33 @@ impl Record {
         let status = host
             .response_header(":status")
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-        let expected = host
-            .response_header("content-length")
-            .and_then(|v| crate::response::content_length(&v));
-        let storable = status.filter(|s| rule.stores(*s));
-        let mut headers = Vec::new();
-        for name in &rule.store_headers {
-            for value in host.response_header_values(name) {
-                headers.push((name.clone(), value));
+        let (storable, expected, headers) = if keyed.grpc {
+            // A gRPC call's outcome is its grpc-status: in the headers of a
+            // trailers-only answer, or else in the trailers still to come.
+            // Its length is known at its trailers only.
+            let ok = status == Some(200);
+            let storable = match (ok, end_of_stream) {
+                (false, _) => None,
+                (true, true) => host
+                    .response_header("grpc-status")
+                    .and_then(|v| crate::grpc::parse_status(&v))
+                    .filter(|code| rule.stores_grpc(*code))
+                    .and(status),
+                (true, false) => status,
+            };
+            (storable, None, grpc_metadata(host.response_headers()))
+        } else {
+            let expected = host
+                .response_header("content-length")
+                .and_then(|v| crate::response::content_length(&v));
+            let mut headers = Vec::new();
+            for name in &rule.store_headers {
+                for value in host.response_header_values(name) {
+                    headers.push((name.clone(), value));
+                }
             }
-        }
+            (status.filter(|s| rule.stores(*s)), expected, headers)
+        };
         // A replay is a local reply, whose header values must be text: a
         // response that cannot be replayed exactly is not stored.
         let replayable = headers.iter().all(|(_, v)| std::str::from_utf8(v).is_ok());
@@ -166,6 +183,13 @@ impl Record {
             _ => return Action::Continue,
         };
         let chunk = host.response_body(body_size);
+        let grpc = self.keyed.as_ref().is_some_and(|k| k.grpc);
+        if grpc && end_of_stream {
+            // A gRPC response that ends without trailers has no status: not
+            // a call that can be stored as done.
+            log::info!("redis-guard: gRPC response without trailers, not stored");
+            return self.release_held_end(host, config, calls);
+        }
         let mut complete = end_of_stream;
         if let Lock::Capturing { body, expected, .. } = &mut self.lock {
             if body.len() + chunk.len() > max {
@@ -202,8 +226,22 @@ impl Record {
         config: &Config,
         calls: &mut Calls,
     ) -> Action {
-        match self.lock {
-            Lock::Capturing { .. } => self.complete(host, config, calls),
+        let grpc = self.keyed.as_ref().map(|k| (k.grpc, k.rule));
+        match &mut self.lock {
+            Lock::Capturing { headers, .. } => {
+                if let Some((true, rule)) = grpc {
+                    let code = host
+                        .response_trailer("grpc-status")
+                        .and_then(|v| crate::grpc::parse_status(&v));
+                    if !code.is_some_and(|c| config.idempotency[rule].stores_grpc(c)) {
+                        // Failed (or no status): free the key before the
+                        // trailers tell the client, so its retry runs again.
+                        return self.release_held_end(host, config, calls);
+                    }
+                    append_trailers(headers, host.response_trailers());
+                }
+                self.complete(host, config, calls)
+            }
             Lock::Completing { .. } | Lock::Uploading { .. } => Action::Pause,
             Lock::Releasing { .. } => self.hold_if_ended(true, 0),
             _ => Action::Continue,
@@ -467,4 +505,22 @@ impl Record {
             self.release(host, config, true);
         }
     }
+}
+
+/// What a gRPC response's headers carry that a replay must carry too: all
+/// of them but those the transport or Envoy write for each response.
+fn grpc_metadata(headers: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
+    const PER_RESPONSE: [&str; 7] = [
+        "content-length",
+        "date",
+        "server",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "x-envoy-upstream-service-time",
+    ];
+    headers
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with(':') && !PER_RESPONSE.contains(&n.as_str()))
+        .collect()
 }

@@ -5,25 +5,47 @@
 
 use crate::config::Config;
 use crate::filter::flow::{Calls, Owner};
+use crate::filter::Action;
 use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
-use crate::idempotency::decode_headers;
+use crate::idempotency::{decode_response_fields, ResponseFields};
 use crate::offload::{self, check_fetch, Fetched, ObjectRef};
 use crate::response::{
     idempotency_conflict, idempotency_mismatch, stored_response_corrupt, stored_response_missing,
     stored_response_unavailable, unavailable, LocalReply,
 };
 
+/// Where a gRPC replay goes: a route to a cluster that answers any request
+/// with a non-empty body and the [`REPLAY_MARK`] header (envoy/envoy.yaml,
+/// README "gRPC"). A gRPC client needs its messages and then trailers, and
+/// Envoy answers a gRPC request from a filter with trailers only; so the
+/// replay is sent there, and its answer is rewritten into the stored one.
+/// Should the route be missing, the request reaches the upstream on a path
+/// no service has, and is answered UNAVAILABLE: it is never run again.
+pub const REPLAY_PATH: &str = "/redis-guard/replay";
+/// The header the replay route's answers carry.
+pub const REPLAY_MARK: &str = "x-redis-guard-replay";
+
 /// A replay waiting for its body from the object store.
 #[derive(Debug, Clone)]
 struct Fetch {
     status: u32,
-    headers: Vec<(String, String)>,
+    fields: ResponseFields,
     object: ObjectRef,
+}
+
+/// A gRPC replay sent to the replay route: what its answer becomes.
+#[derive(Debug, Clone)]
+struct Routed {
+    status: u32,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+    trailers: Vec<(String, Vec<u8>)>,
 }
 
 #[derive(Debug, Default)]
 pub struct Replay {
     fetch: Option<Fetch>,
+    routed: Option<Routed>,
 }
 
 impl Replay {
@@ -57,25 +79,14 @@ impl Replay {
         calls: &mut Calls,
         (status, headers, body, object): (u32, Vec<u8>, Vec<u8>, Option<ObjectRef>),
     ) {
-        let stored = match decode_headers(&headers) {
-            Ok(stored) => stored,
+        let fields = match decode_response_fields(&headers) {
+            Ok(fields) => fields,
             // Never re-execute a completed key: a record we cannot read is
             // an error, not a miss.
             Err(e) => return self.unreadable(host, &e),
         };
-        let mut headers: Vec<(String, String)> = stored
-            .into_iter()
-            .map(|(n, v)| (n, String::from_utf8_lossy(&v).into_owned()))
-            .collect();
-        headers.push(("idempotent-replayed".to_string(), "true".to_string()));
         let Some(object) = object else {
-            host.count(Counter::IdemReplayed);
-            host.send_local(&LocalReply {
-                status,
-                headers,
-                body,
-            });
-            return;
+            return self.answer(host, status, fields, body);
         };
         // The record says the request ran: whatever happens here, it is
         // answered, never forwarded.
@@ -91,7 +102,7 @@ impl Replay {
                 calls.expect(token, Owner::Replay);
                 self.fetch = Some(Fetch {
                     status,
-                    headers,
+                    fields,
                     object,
                 });
             }
@@ -115,14 +126,8 @@ impl Replay {
         };
         let (what, counter, reply) = match check_fetch(reply.status, reply.body, &fetch.object) {
             Fetched::Body(body) => {
-                host.count(Counter::IdemReplayed);
                 host.count(Counter::IdemObjectFetched);
-                host.send_local(&LocalReply {
-                    status: fetch.status,
-                    headers: fetch.headers,
-                    body,
-                });
-                return;
+                return self.answer(host, fetch.status, fetch.fields, body);
             }
             Fetched::Missing => (
                 "is missing".to_string(),
@@ -146,5 +151,128 @@ impl Replay {
         );
         host.count(counter);
         host.send_local(&reply);
+    }
+
+    /// Answers with the stored response: a local reply, or for a gRPC
+    /// call whose answer had messages or trailers, through the replay route.
+    fn answer<H: Host>(
+        &mut self,
+        host: &mut H,
+        status: u32,
+        fields: ResponseFields,
+        body: Vec<u8>,
+    ) {
+        let (headers, trailers) = fields;
+        let grpc = host
+            .header("content-type")
+            .is_some_and(|ct| crate::grpc::is_grpc(&ct));
+        let trailers_only = headers.iter().any(|(n, _)| n == "grpc-status");
+        if grpc && !(trailers_only && trailers.is_empty() && body.is_empty()) {
+            host.set_request_header(":path", Some(REPLAY_PATH.as_bytes()));
+            host.set_request_header("content-type", Some(b"application/octet-stream"));
+            self.routed = Some(Routed {
+                status,
+                headers,
+                body,
+                trailers,
+            });
+            host.resume_request();
+            return;
+        }
+        host.count(Counter::IdemReplayed);
+        let text = |v: Vec<u8>| String::from_utf8_lossy(&v).into_owned();
+        if grpc {
+            // Stored trailers-only (an error status with no message): Envoy
+            // writes it again from the status and message.
+            let code = headers
+                .iter()
+                .find(|(n, _)| n == "grpc-status")
+                .and_then(|(_, v)| crate::grpc::parse_status(v));
+            let message = headers
+                .iter()
+                .find(|(n, _)| n == "grpc-message")
+                .map(|(_, v)| crate::grpc::decode_message(v))
+                .unwrap_or_default();
+            let mut rest: Vec<(String, String)> = headers
+                .into_iter()
+                .filter(|(n, _)| {
+                    !matches!(n.as_str(), "grpc-status" | "grpc-message" | "content-type")
+                })
+                .map(|(n, v)| (n, text(v)))
+                .collect();
+            rest.push(("idempotent-replayed".to_string(), "true".to_string()));
+            host.send_reply(&LocalReply {
+                status,
+                headers: rest,
+                body: message.into_bytes(),
+                grpc_status: code,
+                retry_ms: None,
+            });
+            return;
+        }
+        let mut headers: Vec<(String, String)> =
+            headers.into_iter().map(|(n, v)| (n, text(v))).collect();
+        headers.push(("idempotent-replayed".to_string(), "true".to_string()));
+        host.send_local(&LocalReply {
+            status,
+            headers,
+            body,
+            ..LocalReply::default()
+        });
+    }
+
+    /// The replay route's answer: its headers become the stored ones.
+    /// `None` for any other response (not this stage's).
+    pub fn on_response_headers<H: Host>(
+        &mut self,
+        host: &mut H,
+        end_of_stream: bool,
+    ) -> Option<Action> {
+        let routed = self.routed.as_ref()?;
+        let marked = host.response_header(REPLAY_MARK).is_some();
+        if !marked || end_of_stream {
+            // Not the replay route's answer: the route is missing (the
+            // request went to the upstream on a path it has no method for),
+            // or it answered without a body to put the stored one in.
+            log::warn!(
+                "redis-guard: gRPC replay needs the replay route ({REPLAY_PATH} with a body and {REPLAY_MARK}); see README \"gRPC\""
+            );
+            self.routed = None;
+            // As gRPC, whatever the content-type says now (this stage
+            // rewrote it; Envoy knows the call is gRPC from its start).
+            host.send_reply(&crate::grpc::reply_for(&unavailable(
+                "the stored response for this idempotency key cannot be replayed here (no replay route); the request was executed and is not run again",
+            )));
+            return Some(Action::Pause);
+        }
+        let mut headers = vec![(
+            ":status".to_string(),
+            routed.status.to_string().into_bytes(),
+        )];
+        headers.extend(routed.headers.iter().cloned());
+        headers.push(("idempotent-replayed".to_string(), b"true".to_vec()));
+        host.set_response_headers(&headers);
+        host.count(Counter::IdemReplayed);
+        Some(Action::Continue)
+    }
+
+    /// Its body: held whole, then replaced by the stored messages, and the
+    /// stored trailers added at its end.
+    pub fn on_response_body<H: Host>(
+        &mut self,
+        host: &mut H,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Option<Action> {
+        let routed = self.routed.as_ref()?;
+        if !end_of_stream {
+            return Some(Action::Pause);
+        }
+        host.set_response_body(body_size, &routed.body);
+        for (name, value) in &routed.trailers {
+            host.add_response_trailer(name, value);
+        }
+        self.routed = None;
+        Some(Action::Continue)
     }
 }

@@ -1,0 +1,359 @@
+//! gRPC: what the filter's own answers become for a gRPC client, and what
+//! idempotency needs to know about a gRPC exchange (its framing, its status).
+//!
+//! A gRPC client reads its outcome from `grpc-status`, not the HTTP status:
+//! an HTTP 429 becomes `UNAVAILABLE` in its hands and its `Retry-After` is
+//! lost. So a problem reply to a gRPC request is sent as a trailers-only
+//! response (Envoy writes it: HTTP 200, `grpc-status`, `grpc-message`) with
+//! the status from [`code_for`], the rate-limit fields kept as metadata, and
+//! the retry delay as `google.rpc.RetryInfo` in `grpc-status-details-bin`.
+
+use base64::Engine;
+
+use crate::response::LocalReply;
+
+/// The status codes of gRPC (`google.rpc.Code`), by their names.
+pub const CODES: [&str; 17] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];
+
+pub const OK: u32 = 0;
+pub const INVALID_ARGUMENT: u32 = 3;
+pub const RESOURCE_EXHAUSTED: u32 = 8;
+pub const FAILED_PRECONDITION: u32 = 9;
+pub const ABORTED: u32 = 10;
+pub const INTERNAL: u32 = 13;
+pub const UNAVAILABLE: u32 = 14;
+pub const DATA_LOSS: u32 = 15;
+
+/// The code of a status name (`"NOT_FOUND"` is 5).
+pub fn code_of(name: &str) -> Option<u32> {
+    CODES.iter().position(|c| *c == name).map(|i| i as u32)
+}
+
+/// True for a gRPC request's content-type: `application/grpc`, or with a
+/// `+format` or `;` parameters (as Envoy decides it; `application/grpc-web`
+/// is another protocol).
+pub fn is_grpc(content_type: &[u8]) -> bool {
+    content_type.len() >= 16
+        && content_type[..16].eq_ignore_ascii_case(b"application/grpc")
+        && matches!(content_type.get(16), None | Some(b'+' | b';'))
+}
+
+/// The gRPC status for the filter's own answer of HTTP `status`:
+///
+/// | HTTP | why                                   | gRPC |
+/// |------|---------------------------------------|------|
+/// | 429  | a limit rejected the request          | RESOURCE_EXHAUSTED (8), with RetryInfo |
+/// | 413  | a keyed request's body is too large   | RESOURCE_EXHAUSTED (8) |
+/// | 400  | bad idempotency key, cost or tenant   | INVALID_ARGUMENT (3) |
+/// | 409  | the key's first request still runs    | ABORTED (10) |
+/// | 422  | the key was used with another request | FAILED_PRECONDITION (9) |
+/// | 502  | the stored response is lost/corrupt   | DATA_LOSS (15) |
+/// | 503  | Redis or the object store unavailable | UNAVAILABLE (14) |
+pub fn code_for(status: u32) -> u32 {
+    match status {
+        429 | 413 => RESOURCE_EXHAUSTED,
+        400 => INVALID_ARGUMENT,
+        409 => ABORTED,
+        422 => FAILED_PRECONDITION,
+        502 => DATA_LOSS,
+        503 => UNAVAILABLE,
+        // Nothing else is sent; gRPC's own HTTP mapping for the rest.
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        _ => 2,
+    }
+}
+
+/// The filter's problem reply as a gRPC client must get it: a trailers-only
+/// response whose `grpc-message` is the problem's `detail`. Headers other
+/// than `content-type` stay (rate-limit fields, `retry-after`): they are the
+/// response's metadata. A reply that is not a problem (a replay) is left as
+/// it is.
+pub fn reply_for(reply: &LocalReply) -> LocalReply {
+    let problem = reply
+        .headers
+        .iter()
+        .any(|(n, v)| n == "content-type" && v == "application/problem+json");
+    if !problem || reply.grpc_status.is_some() {
+        return reply.clone();
+    }
+    let detail = serde_json::from_slice::<serde_json::Value>(&reply.body)
+        .ok()
+        .and_then(|doc| doc.get("detail")?.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let code = code_for(reply.status);
+    let mut headers: Vec<(String, String)> = reply
+        .headers
+        .iter()
+        .filter(|(n, _)| n != "content-type")
+        .cloned()
+        .collect();
+    if let (RESOURCE_EXHAUSTED, Some(ms)) = (code, reply.retry_ms) {
+        headers.push((
+            "grpc-status-details-bin".to_string(),
+            status_details(code, &detail, ms),
+        ));
+    }
+    LocalReply {
+        status: reply.status,
+        headers,
+        body: detail.into_bytes(),
+        grpc_status: Some(code),
+        retry_ms: reply.retry_ms,
+    }
+}
+
+// google.rpc.Status, google.protobuf.Any, google.rpc.RetryInfo and
+// google.protobuf.Duration are written by hand: four small messages whose
+// field numbers are fixed by the published protos; a protobuf runtime in the
+// wasm would be many times their size. The tests decode them with the
+// protobuf runtime of a real gRPC client.
+fn varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn field_varint(out: &mut Vec<u8>, field: u64, v: u64) {
+    if v != 0 {
+        varint(out, field << 3);
+        varint(out, v);
+    }
+}
+
+fn field_bytes(out: &mut Vec<u8>, field: u64, v: &[u8]) {
+    varint(out, (field << 3) | 2);
+    varint(out, v.len() as u64);
+    out.extend_from_slice(v);
+}
+
+/// `grpc-status-details-bin`: a `google.rpc.Status` with this code and
+/// message and one detail, a `google.rpc.RetryInfo` whose `retry_delay` is
+/// `retry_ms`; base64 without padding, as gRPC writes binary metadata.
+pub fn status_details(code: u32, message: &str, retry_ms: u64) -> String {
+    let mut duration = Vec::new();
+    field_varint(&mut duration, 1, retry_ms / 1000);
+    field_varint(&mut duration, 2, (retry_ms % 1000) * 1_000_000);
+    let mut retry_info = Vec::new();
+    field_bytes(&mut retry_info, 1, &duration);
+    let mut any = Vec::new();
+    field_bytes(&mut any, 1, b"type.googleapis.com/google.rpc.RetryInfo");
+    field_bytes(&mut any, 2, &retry_info);
+    let mut status = Vec::new();
+    field_varint(&mut status, 1, u64::from(code));
+    if !message.is_empty() {
+        field_bytes(&mut status, 2, message.as_bytes());
+    }
+    field_bytes(&mut status, 3, &any);
+    base64::engine::general_purpose::STANDARD_NO_PAD.encode(status)
+}
+
+/// The length-prefixed messages of a gRPC body: how many start in it, and
+/// whether the last one is whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frames {
+    pub started: usize,
+    pub whole: bool,
+}
+
+/// Counts the messages of a gRPC body (1 byte flag, 4 bytes big-endian
+/// length, the message).
+pub fn frames(body: &[u8]) -> Frames {
+    let mut rest = body;
+    let mut started = 0;
+    while !rest.is_empty() {
+        started += 1;
+        let Some(len) = rest.get(1..5) else {
+            return Frames {
+                started,
+                whole: false,
+            };
+        };
+        let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        match rest.get(5 + len..) {
+            Some(after) => rest = after,
+            None => {
+                return Frames {
+                    started,
+                    whole: false,
+                }
+            }
+        }
+    }
+    Frames {
+        started,
+        whole: true,
+    }
+}
+
+/// A `grpc-status` value, when it is one.
+pub fn parse_status(raw: &[u8]) -> Option<u32> {
+    let code: u32 = std::str::from_utf8(raw).ok()?.trim().parse().ok()?;
+    (code < 17).then_some(code)
+}
+
+/// `grpc-message` as the client decodes it (percent-encoded on the wire).
+pub fn decode_message(raw: &[u8]) -> String {
+    String::from_utf8_lossy(&percent_encoding::percent_decode(raw).collect::<Vec<u8>>())
+        .into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::response::{
+        bad_request, idempotency_conflict, idempotency_mismatch, stored_response_missing,
+        too_many_requests_locally, unavailable,
+    };
+
+    #[test]
+    fn grpc_content_types_are_recognised_as_envoy_does() {
+        for ct in [
+            "application/grpc",
+            "application/grpc+proto",
+            "Application/GRPC;charset=utf-8",
+        ] {
+            assert!(is_grpc(ct.as_bytes()), "{ct}");
+        }
+        for ct in [
+            "application/grpc-web",
+            "application/json",
+            "application/gr",
+            "",
+        ] {
+            assert!(!is_grpc(ct.as_bytes()), "{ct}");
+        }
+    }
+
+    #[test]
+    fn every_answer_of_the_filter_has_its_grpc_status() {
+        let cases = [
+            (too_many_requests_locally("l", 1500), RESOURCE_EXHAUSTED),
+            (unavailable("down"), UNAVAILABLE),
+            (bad_request("bad key"), INVALID_ARGUMENT),
+            (idempotency_conflict(), ABORTED),
+            (idempotency_mismatch(), FAILED_PRECONDITION),
+            (stored_response_missing(), DATA_LOSS),
+        ];
+        for (reply, code) in cases {
+            let grpc = reply_for(&reply);
+            assert_eq!(grpc.grpc_status, Some(code), "{}", reply.status);
+            let doc: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+            assert_eq!(grpc.body, doc["detail"].as_str().unwrap().as_bytes());
+            assert!(grpc.headers.iter().all(|(n, _)| n != "content-type"));
+        }
+    }
+
+    #[test]
+    fn a_rejection_keeps_its_rate_limit_metadata_and_carries_retry_info() {
+        let reply = too_many_requests_locally("per-ip", 1500);
+        let grpc = reply_for(&reply);
+        let get = |name: &str| {
+            grpc.headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(get("retry-after").as_deref(), Some("2"));
+        let details = get("grpc-status-details-bin").unwrap();
+        let raw = base64::engine::general_purpose::STANDARD_NO_PAD
+            .decode(details)
+            .unwrap();
+        let message =
+            "rate limit `per-ip` exceeded (local budget while the shared store is unavailable)";
+        // Status{code: 8, message, details: [Any{RetryInfo{1.5 s}}]}
+        let mut want = vec![0x08, 8, 0x12, message.len() as u8];
+        want.extend_from_slice(message.as_bytes());
+        let type_url = b"type.googleapis.com/google.rpc.RetryInfo";
+        let retry = [0x0a, 8, 0x08, 1, 0x10, 0x80, 0xca, 0xb5, 0xee, 0x01];
+        want.extend_from_slice(&[0x1a, (2 + type_url.len() + 2 + retry.len()) as u8]);
+        want.extend_from_slice(&[0x0a, type_url.len() as u8]);
+        want.extend_from_slice(type_url);
+        want.extend_from_slice(&[0x12, retry.len() as u8]);
+        want.extend_from_slice(&retry);
+        assert_eq!(raw, want);
+    }
+
+    #[test]
+    fn a_reply_that_is_not_a_problem_is_left_alone() {
+        let replay = LocalReply {
+            status: 200,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: b"{}".to_vec(),
+            grpc_status: None,
+            retry_ms: None,
+        };
+        assert_eq!(reply_for(&replay), replay);
+    }
+
+    #[test]
+    fn frames_count_the_messages_a_body_starts() {
+        assert_eq!(
+            frames(b""),
+            Frames {
+                started: 0,
+                whole: true
+            }
+        );
+        assert_eq!(
+            frames(b"\0\0\0\0\x03abc"),
+            Frames {
+                started: 1,
+                whole: true
+            }
+        );
+        assert_eq!(
+            frames(b"\0\0\0\0\x03abc\0\0\0\0\0"),
+            Frames {
+                started: 2,
+                whole: true
+            }
+        );
+        assert_eq!(
+            frames(b"\0\0\0\0\x03ab"),
+            Frames {
+                started: 1,
+                whole: false
+            }
+        );
+        assert_eq!(
+            frames(b"\0\0\0\0\x01a\0\0"),
+            Frames {
+                started: 2,
+                whole: false
+            }
+        );
+    }
+
+    #[test]
+    fn statuses_parse_only_when_they_are_codes() {
+        assert_eq!(parse_status(b"0"), Some(0));
+        assert_eq!(parse_status(b"13"), Some(13));
+        assert_eq!(parse_status(b"17"), None);
+        assert_eq!(parse_status(b"x"), None);
+        assert_eq!(code_of("NOT_FOUND"), Some(5));
+        assert_eq!(code_of("nope"), None);
+        assert_eq!(decode_message(b"bad%20key%0A"), "bad key\n");
+    }
+}
