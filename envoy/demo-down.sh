@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stops what envoy/demo.sh started.
 cd "$(dirname "$0")/.."
-for s in envoy upstream webdis redis moto; do
+for s in envoy upstream grpc webdis redis moto; do
   f=.stack/$s.pid
   if [ -f "$f" ]; then kill "$(cat "$f")" 2>/dev/null || true; rm -f "$f"; fi
 done

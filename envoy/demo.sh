@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Starts Redis, Webdis, the demo upstream, an S3 object store (moto) and Envoy
+# Starts Redis, Webdis, the demo upstream, a gRPC service, an S3 object store (moto) and Envoy
 # with the filter on loopback, shows the filter at work, and leaves the stack
 # running.
 # `make demo-down` stops it. Ports can be overridden from the environment.
@@ -11,6 +11,7 @@ ADMIN_PORT=${ADMIN_PORT:-9901}
 WEBDIS_PORT=${WEBDIS_PORT:-17379}
 REDIS_PORT=${REDIS_PORT:-16379}
 UPSTREAM_PORT=${UPSTREAM_PORT:-18080}
+GRPC_UPSTREAM_PORT=${GRPC_UPSTREAM_PORT:-18081}
 OBJECT_STORE_PORT=${OBJECT_STORE_PORT:-17900}
 STACK=.stack
 WASM=target/wasm32-wasip1/release/redis_guard.wasm
@@ -22,9 +23,9 @@ ENVOY=$(ls .venv/lib/python3*/site-packages/envoy/_bin/envoy 2>/dev/null | head 
 
 bash envoy/demo-down.sh >/dev/null 2>&1 || true
 mkdir -p "$STACK"
-for p in $ENVOY_PORT $ADMIN_PORT $WEBDIS_PORT $REDIS_PORT $UPSTREAM_PORT $OBJECT_STORE_PORT; do
+for p in $ENVOY_PORT $ADMIN_PORT $WEBDIS_PORT $REDIS_PORT $UPSTREAM_PORT $GRPC_UPSTREAM_PORT $OBJECT_STORE_PORT; do
   if (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; then
-    echo "port $p on 127.0.0.1 is in use; set ENVOY_PORT/ADMIN_PORT/WEBDIS_PORT/REDIS_PORT/UPSTREAM_PORT/OBJECT_STORE_PORT"; exit 1
+    echo "port $p on 127.0.0.1 is in use; set ENVOY_PORT/ADMIN_PORT/WEBDIS_PORT/REDIS_PORT/UPSTREAM_PORT/GRPC_UPSTREAM_PORT/OBJECT_STORE_PORT"; exit 1
   fi
 done
 
@@ -40,7 +41,7 @@ python3 envoy/demo_jwt.py keys "$STACK/jwks.json" "$STACK/jwt.secret"
 # The same templates the tests and compose.yaml render, here for loopback.
 python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json --jwks "$STACK/jwks.json" \
   --set BIND_ADDRESS=127.0.0.1 --set ADMIN_PORT="$ADMIN_PORT" --set LISTEN_PORT="$ENVOY_PORT" \
-  --set UPSTREAM_HOST=127.0.0.1 --set UPSTREAM_PORT="$UPSTREAM_PORT" \
+  --set UPSTREAM_HOST=127.0.0.1 --set UPSTREAM_PORT="$UPSTREAM_PORT" --set GRPC_UPSTREAM_PORT="$GRPC_UPSTREAM_PORT" \
   --set WEBDIS_HOST=127.0.0.1 --set WEBDIS_PORT="$WEBDIS_PORT" --set WASM_PATH="$PWD/$WASM" --set WASM_RUNTIME=v8 \
   --set REDIS_HOST=127.0.0.1 --set REDIS_PORT="$REDIS_PORT" --set WEBDIS_LOG="$PWD/$STACK/webdis.log" \
   --set OBJECT_STORE_HOST=127.0.0.1 --set OBJECT_STORE_PORT="$OBJECT_STORE_PORT" \
@@ -55,6 +56,10 @@ echo $! > "$STACK/webdis.pid"; wait_port "$WEBDIS_PORT" webdis
 
 python3 envoy/upstream.py --port "$UPSTREAM_PORT" </dev/null > "$STACK/upstream.log" 2>&1 &
 echo $! > "$STACK/upstream.pid"; wait_port "$UPSTREAM_PORT" upstream
+
+# A gRPC service (demo.Orders, envoy/grpc_peer.py) for the gRPC part.
+.venv/bin/python envoy/grpc_peer.py serve --port "$GRPC_UPSTREAM_PORT" </dev/null > "$STACK/grpc.log" 2>&1 &
+echo $! > "$STACK/grpc.pid"; wait_port "$GRPC_UPSTREAM_PORT" "grpc service"
 
 # The object store: moto's S3 server, as in the tests. A finite
 # INITIAL_NO_AUTH_ACTION_COUNT turns its IAM access control on, so it checks
@@ -181,6 +186,31 @@ s3ctl_signed list | python3 -c '
 import json, sys
 for o in json.load(sys.stdin):
     print("    %s  %d bytes" % (o["key"], o["size"]))'
+echo "gRPC: demo.Orders/Create through Envoy over HTTP/2, with gRPC's own client (grpcio)."
+grpc_call() { # spec (JSON list)
+  .venv/bin/python envoy/grpc_peer.py call --target "127.0.0.1:$ENVOY_PORT" "$1" | .venv/bin/python -c '
+import json, sys
+for r in json.load(sys.stdin):
+    code = r["code"]
+    msg = bytes.fromhex(r["messages"][0]).decode() if r["messages"] else ""
+    trailing = dict(r["trailing"]); initial = dict(r["initial"])
+    line = "    grpc-status %d" % code
+    if msg: line += "  message %r" % msg
+    if r["details"]: line += "  %r" % r["details"]
+    if r.get("retry"): line += "  RetryInfo %d ms, retry-after %s" % (r["retry"]["ms"], trailing.get("retry-after"))
+    if initial.get("idempotent-replayed"): line += "  (replayed, trailers %s)" % {k: v for k, v in trailing.items() if k.startswith("x-")}
+    elif code == 0: line += "  (executed, trailers %s)" % {k: v for k, v in trailing.items() if k.startswith("x-")}
+    print(line)'
+}
+echo "  the free plan: 2 calls a minute (limit orders-create); the third is RESOURCE_EXHAUSTED:"
+FREE='{"method":"Create","data":"pen","metadata":{"x-plan":"free","x-tenant":"acme"}}'
+grpc_call "[$FREE,$FREE,$FREE]"
+echo "  a keyed call, then its retry (replayed: message and trailers as the first time):"
+KEYED='{"method":"Create","data":"book","metadata":{"idempotency-key":"demo-grpc-1","x-tenant":"acme"}}'
+grpc_call "[$KEYED,$KEYED]"
+echo "  executions of demo.Orders/Create at the service: $(.venv/bin/python envoy/grpc_peer.py call \
+  --target "127.0.0.1:$GRPC_UPSTREAM_PORT" '[{"method":"Stats"}]' |
+  .venv/bin/python -c 'import json, sys; print(json.loads(bytes.fromhex(json.load(sys.stdin)[0]["messages"][0]))["Create"])')"
 echo "the filter's Envoy stats:"
 curl -s "http://127.0.0.1:$ADMIN_PORT/stats?filter=wasmcustom" | sed 's/^/  /'
 echo "keys in Redis (every one with a TTL):"
@@ -193,6 +223,7 @@ The stack keeps running. Try:
   curl -i -X POST -H 'Idempotency-Key: my-key-1' -d '{"amount":5}' $URL/api/payments
   curl -s -X POST -H 'Idempotency-Key: my-key-2' -H 'x-upstream-binary-bytes: 200000' $URL/api/payments | sha256sum
   (. $STACK/objectstore.env; .venv/bin/python envoy/s3ctl.py list $OBJECT_STORE_PORT $BUCKET \$AWS_ACCESS_KEY_ID \$AWS_SECRET_ACCESS_KEY)
+  .venv/bin/python envoy/grpc_peer.py call --target 127.0.0.1:$ENVOY_PORT '[{"method":"Create","data":"x","metadata":{"idempotency-key":"k1","x-tenant":"t"}}]'
   curl -s http://127.0.0.1:$ADMIN_PORT/stats/prometheus | grep redis_guard
   redis-cli -p $REDIS_PORT --scan
 Logs are in $STACK/. Stop it with: make demo-down

@@ -450,9 +450,12 @@ impl Pki {
             self.path("server.key"),
             self.path("ca.pem")
         );
+        // The ingress listener's chain: the first (the replay route's
+        // internal listener comes after it).
         let anchor = "    filter_chains:\n    - filters:\n";
-        assert_eq!(yaml.matches(anchor).count(), 1);
-        yaml.replace(anchor, &format!("    filter_chains:\n{tls}"))
+        let first = yaml.find(anchor).unwrap();
+        assert!(first < yaml.find("- name: redis_guard_replay").unwrap());
+        yaml.replacen(anchor, &format!("    filter_chains:\n{tls}"), 1)
     }
 
     /// A GET over TLS as client `name` (none: no certificate), by curl; the

@@ -241,6 +241,7 @@ const LIST_FIELDS: &[&str] = &[
     "tenant",
     "storeStatuses",
     "storeHeaders",
+    "grpcStoreStatuses",
     "descriptor",
     "methods",
     "headers",
