@@ -104,7 +104,7 @@ unit:
 # compatibility table to target/matrix/compat.md. MATRIX_ARGS narrows it, e.g.
 # MATRIX_ARGS="--versions 1.36.4 --runtimes wamr" or "--rotation 5".
 MATRIX_ARGS ?=
-test-matrix: rust-deps apt-deps build
+test-matrix: rust-deps apt-deps grpc-dep build
 	python3 envoy/matrix.py --markdown target/matrix/compat.md $(MATRIX_ARGS)
 
 lint: rust-deps

@@ -87,6 +87,13 @@ TESTS = {
     "e2e_overlimit": [
         "rejections_are_answered_locally_until_redis_said_and_by_redis_after",
     ],
+    "e2e_grpc": [
+        # gRPC statuses from a local reply, with RetryInfo
+        "a_limited_call_gets_resource_exhausted_with_a_retry_info_the_client_parses",
+        # the replay route: a re-routed request, its answer's headers, body
+        # and trailers rewritten
+        "a_keyed_call_runs_once_and_its_retry_replays_its_message_and_metadata_exactly",
+    ],
     "e2e_lease": [
         "locally_admitted_requests_carry_no_rate_limit_fields_and_the_fetching_request_does",
     ],
