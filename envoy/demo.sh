@@ -47,7 +47,11 @@ python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json --jwks 
   --set OBJECT_STORE_HOST=127.0.0.1 --set OBJECT_STORE_PORT="$OBJECT_STORE_PORT" \
   envoy/envoy.yaml envoy/webdis.json
 
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+# Redis keeps every change in an append-only file fsynced before each reply
+# (README "Durability"): an idempotency record acknowledged is on disk. The
+# demo starts from an empty one each time, so its output is always the same.
+rm -rf "$STACK/appendonlydir"
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly yes --appendfsync always \
   --dir "$STACK" --logfile "$PWD/$STACK/redis.log" --daemonize no </dev/null >/dev/null 2>&1 &
 echo $! > "$STACK/redis.pid"; wait_port "$REDIS_PORT" redis-server
 

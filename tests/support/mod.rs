@@ -274,27 +274,43 @@ pub struct Redis {
     pub port: u16,
     proc: Proc,
     dir: Scratch,
+    /// `appendfsync` of its append-only file; `None`: no persistence.
+    aof: Option<&'static str>,
 }
 
 impl Redis {
     pub fn start() -> Redis {
+        Redis::start_with_aof(None)
+    }
+
+    /// A server writing every change to an append-only file in its own
+    /// directory, fsynced as `appendfsync` says (`always`, `everysec`);
+    /// `None`: no persistence at all, as the tests run Redis otherwise.
+    pub fn start_with_aof(aof: Option<&'static str>) -> Redis {
         let dir = Scratch::new("redis");
         let port = free_port();
-        let proc = Self::spawn(port, &dir);
-        let r = Redis { port, proc, dir };
+        let proc = Self::spawn(port, &dir, aof);
+        let r = Redis {
+            port,
+            proc,
+            dir,
+            aof,
+        };
         r.wait_ready();
         r
     }
 
-    fn spawn(port: u16, dir: &Scratch) -> Proc {
+    fn spawn(port: u16, dir: &Scratch, aof: Option<&str>) -> Proc {
+        let mut cmd = Command::new(on_path("redis-server"));
+        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", ""]);
+        match aof {
+            Some(fsync) => cmd.args(["--appendonly", "yes", "--appendfsync", fsync]),
+            None => cmd.args(["--appendonly", "no"]),
+        };
         Proc::spawn(
             "redis-server",
-            Command::new(on_path("redis-server"))
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(&dir.0)
-                .stdout(Stdio::null()),
+            cmd.arg("--dir").arg(&dir.0).stdout(Stdio::null()),
         )
     }
 
@@ -352,10 +368,12 @@ impl Redis {
         self.proc.signal(if frozen { "STOP" } else { "CONT" });
     }
 
-    /// Starts again on the same port, empty (scripts and keys gone).
+    /// Kills the server (SIGKILL: nothing is flushed on the way out) and
+    /// starts it again on the same port and directory: scripts are gone,
+    /// and keys too unless its append-only file kept them.
     pub fn restart(&mut self) {
         self.proc.kill();
-        self.proc = Self::spawn(self.port, &self.dir);
+        self.proc = Self::spawn(self.port, &self.dir, self.aof);
         self.wait_ready();
     }
 }
