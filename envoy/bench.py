@@ -63,6 +63,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -84,11 +85,18 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Scenarios
 
 
+# Webdis admits only these (envoy/webdis.json's http_basic_auth), made for
+# this run; every filter config sends them.
+WEBDIS_USER = "redis-guard"
+WEBDIS_PASSWORD = secrets.token_urlsafe(24)  # Webdis caps user:password at 53 bytes
+
+
 def redis_block():
     # A generous timeout: the bench measures throughput, not the timeout
     # policy; "deny" turns any failed call into a visible 503 (counted as an
     # unexpected response) instead of a silently forwarded request.
-    return {"cluster": "webdis", "timeoutMs": 500}
+    return {"cluster": "webdis", "timeoutMs": 500,
+            "credentials": {"username": WEBDIS_USER, "password": WEBDIS_PASSWORD}}
 
 
 def tb(name, capacity, refill, period_ms, **extra):
@@ -806,7 +814,8 @@ class Stack:
         templates = ["envoy/envoy.yaml"]
         if with_webdis:
             sets.update({"REDIS_HOST": HOST, "REDIS_PORT": self.redis_port,
-                         "WEBDIS_LOG": RUN / "webdis.log"})
+                         "WEBDIS_LOG": RUN / "webdis.log",
+                         "WEBDIS_USERNAME": WEBDIS_USER, "WEBDIS_PASSWORD": WEBDIS_PASSWORD})
             templates.append("envoy/webdis.json")
         # (a) renders the same file with some filter config, then drops the filter.
         cfg = sc["filter"] or SCENARIOS[1]["filter"]

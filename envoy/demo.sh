@@ -45,6 +45,7 @@ python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json --jwks 
   --set WEBDIS_HOST=127.0.0.1 --set WEBDIS_PORT="$WEBDIS_PORT" --set WASM_PATH="$PWD/$WASM" --set WASM_RUNTIME=v8 \
   --set REDIS_HOST=127.0.0.1 --set REDIS_PORT="$REDIS_PORT" --set WEBDIS_LOG="$PWD/$STACK/webdis.log" \
   --set OBJECT_STORE_HOST=127.0.0.1 --set OBJECT_STORE_PORT="$OBJECT_STORE_PORT" \
+  --webdis-credentials "$STACK/webdis.env" \
   envoy/envoy.yaml envoy/webdis.json
 
 # Redis keeps every change in an append-only file fsynced before each reply
@@ -96,9 +97,10 @@ s3ctl_signed() { # cmd, args before the key...
     s3ctl "$1" "$OBJECT_STORE_PORT" "$BUCKET" "${@:2}" "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" )
 }
 
-# filter.json takes the object store's key fromEnvironment: it goes into
-# Envoy's environment only, and envoy.yaml passes it on to the filter's VM.
-( set -a; . "$STACK/objectstore.env"; set +a
+# filter.json takes the object store's key and Webdis' credentials (made by
+# render.py for this run) fromEnvironment: they go into Envoy's environment
+# only, and envoy.yaml passes them on to the filter's VM.
+( set -a; . "$STACK/objectstore.env"; . "$STACK/webdis.env"; set +a
   exec "$ENVOY" -c "$STACK/envoy.yaml" --concurrency 2 --disable-hot-restart \
     --log-level "${ENVOY_LOG_LEVEL:-warn}" ) </dev/null > "$STACK/envoy.log" 2>&1 &
 echo $! > "$STACK/envoy.pid"; wait_port "$ENVOY_PORT" envoy
@@ -215,6 +217,10 @@ grpc_call "[$KEYED,$KEYED]"
 echo "  executions of demo.Orders/Create at the service: $(.venv/bin/python envoy/grpc_peer.py call \
   --target "127.0.0.1:$GRPC_UPSTREAM_PORT" '[{"method":"Stats"}]' |
   .venv/bin/python -c 'import json, sys; print(json.loads(bytes.fromhex(json.load(sys.stdin)[0]["messages"][0]))["Create"])')"
+echo "Webdis runs nothing without the credentials render.py made for this run (the filter sends them):"
+echo "  EVAL without them: HTTP $(curl -s -o /dev/null -w '%{http_code}' -X POST --data 'EVAL/return%207/0.raw' "http://127.0.0.1:$WEBDIS_PORT/")"
+echo "  EVAL with them:    HTTP $( (. "$STACK/webdis.env"; curl -s -o /dev/null -w '%{http_code}' \
+  -u "$REDIS_GUARD_WEBDIS_USERNAME:$REDIS_GUARD_WEBDIS_PASSWORD" -X POST --data 'EVAL/return%207/0.raw' "http://127.0.0.1:$WEBDIS_PORT/") )"
 echo "the filter's Envoy stats:"
 curl -s "http://127.0.0.1:$ADMIN_PORT/stats?filter=wasmcustom" | sed 's/^/  /'
 echo "keys in Redis (every one with a TTL):"

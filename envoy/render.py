@@ -8,7 +8,15 @@ FILTER_CONFIG, --filter-config FILE; for JWKS, --jwks FILE: the JWT issuer's
 public keys, JSON); a placeholder left over or a --set no template uses is
 an error, so a renamed placeholder cannot go unnoticed.
 
-  render.py --out DIR [--set NAME=VALUE ...] [--filter-config FILE] [--jwks FILE] TEMPLATE...
+--webdis-credentials FILE makes Webdis' HTTP Basic credentials for this
+stack: the user redis-guard and a new random password, inserted as
+WEBDIS_USERNAME and WEBDIS_PASSWORD (webdis.json's http_basic_auth) and
+written to FILE (mode 0600) as REDIS_GUARD_WEBDIS_USERNAME=... and
+REDIS_GUARD_WEBDIS_PASSWORD=..., the variables the filter reads with
+redis.credentials.fromEnvironment: load FILE into Envoy's environment.
+
+  render.py --out DIR [--set NAME=VALUE ...] [--filter-config FILE] [--jwks FILE]
+            [--webdis-credentials FILE] TEMPLATE...
 
 Each TEMPLATE is written to DIR under its own file name.
 """
@@ -16,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import sys
 
 PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
@@ -27,6 +36,8 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--filter-config", help="filter JSON, inserted as FILTER_CONFIG")
     p.add_argument("--jwks", help="the JWT issuer's JWKS (JSON), inserted as JWKS")
+    p.add_argument("--webdis-credentials", metavar="FILE",
+                   help="make Webdis credentials; write them to FILE for Envoy's environment")
     p.add_argument("templates", nargs="+")
     args = p.parse_args()
 
@@ -56,6 +67,16 @@ def main() -> int:
             p.error(f"{args.jwks}: a JWKS is an object with a `keys` list")
         # One line, and no single quote: it sits in a single-quoted scalar.
         values["JWKS"] = json.dumps(jwks, separators=(",", ":")).replace("'", "\\u0027")
+
+    if args.webdis_credentials:
+        # 32 characters: Webdis 0.1.9 never admits a `user:password` over 53
+        # bytes (its base64 form is capped at 72 characters).
+        password = secrets.token_urlsafe(24)
+        values["WEBDIS_USERNAME"] = "redis-guard"
+        values["WEBDIS_PASSWORD"] = password
+        fd = os.open(args.webdis_credentials, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"REDIS_GUARD_WEBDIS_USERNAME=redis-guard\nREDIS_GUARD_WEBDIS_PASSWORD={password}\n")
 
     os.makedirs(args.out, exist_ok=True)
     used = set()

@@ -1238,13 +1238,19 @@ fn good_fixtures_parse() {
         }
     }
     // The demo config shipped with the Envoy setup, read where it lives. It
-    // takes object-store credentials from the environment the demo and
-    // compose give Envoy: here, a fake one.
+    // takes object-store and Webdis credentials from the environment the
+    // demo and compose give Envoy: here, fake ones.
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/filter.json");
     let bytes = fs::read(&demo).unwrap_or_else(|e| panic!("reading {}: {e}", demo.display()));
     let env = |name: &str| {
-        matches!(name, "AWS_ACCESS_KEY_ID" | "AWS_SECRET_ACCESS_KEY")
-            .then(|| "AKIDDEMO".to_string())
+        matches!(
+            name,
+            "AWS_ACCESS_KEY_ID"
+                | "AWS_SECRET_ACCESS_KEY"
+                | "REDIS_GUARD_WEBDIS_USERNAME"
+                | "REDIS_GUARD_WEBDIS_PASSWORD"
+        )
+        .then(|| "AKIDDEMO".to_string())
     };
     if let Err(e) = Config::parse_with_env(&bytes, &env) {
         problems.push(format!("envoy/filter.json: {e}"));
@@ -1651,4 +1657,109 @@ fn a_bad_environment_value_names_its_variable() {
         assert!(e.reason.contains(var), "{e}");
         assert!(!e.reason.contains("has a space"), "{e}");
     }
+}
+
+// ---------------------------------------------------------------------------
+// redis.credentials: Webdis' HTTP Basic credentials, as the Authorization
+// value every call carries; from the config or the environment; never shown.
+
+fn with_webdis_credentials(credentials: Value) -> Value {
+    json!({"redis": {"cluster": "webdis", "credentials": credentials}})
+}
+
+#[test]
+fn webdis_credentials_become_the_basic_authorization_of_every_call() {
+    use base64::Engine;
+    let basic = |user: &str, pass: &str| {
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("{user}:{pass}"))
+        )
+    };
+    let doc = with_webdis_credentials(json!({"username": "envoy", "password": "p@ss/w0rd:x"}));
+    let config = parse_with_env(&doc, &[]).unwrap();
+    assert_eq!(config.redis.auth.unwrap().0, basic("envoy", "p@ss/w0rd:x"));
+
+    let doc = with_webdis_credentials(json!({"fromEnvironment": true}));
+    let env = [
+        ("REDIS_GUARD_WEBDIS_USERNAME", "gw"),
+        ("REDIS_GUARD_WEBDIS_PASSWORD", "from-env"),
+    ];
+    let config = parse_with_env(&doc, &env).unwrap();
+    assert_eq!(config.redis.auth.unwrap().0, basic("gw", "from-env"));
+
+    let config = parse_with_env(&json!({"redis": {"cluster": "webdis"}}), &env).unwrap();
+    assert_eq!(config.redis.auth, None, "none configured: none sent");
+}
+
+#[test]
+fn webdis_credentials_errors_name_the_field_and_never_the_secret() {
+    let cases: Vec<(Value, &[(&str, &str)], &str, &str)> = vec![
+        (
+            json!({"password": SECRET}),
+            &[],
+            "redis.credentials.username",
+            "is required",
+        ),
+        (
+            json!({"username": "u"}),
+            &[],
+            "redis.credentials.password",
+            "is required",
+        ),
+        (
+            json!({"username": "a:b", "password": SECRET}),
+            &[],
+            "redis.credentials.username",
+            "without spaces or ':'",
+        ),
+        (
+            json!({"username": "u", "password": format!("{SECRET} x")}),
+            &[],
+            "redis.credentials.password",
+            "printable ASCII",
+        ),
+        (
+            json!({"username": "u", "password": SECRET, "fromEnvironment": true}),
+            &[],
+            "redis.credentials",
+            "not both",
+        ),
+        (
+            json!({"fromEnvironment": true}),
+            &[("REDIS_GUARD_WEBDIS_USERNAME", "u")],
+            "redis.credentials.fromEnvironment",
+            "REDIS_GUARD_WEBDIS_PASSWORD is not set",
+        ),
+        (
+            json!({"fromEnvironment": true}),
+            &[
+                ("REDIS_GUARD_WEBDIS_USERNAME", "u"),
+                ("REDIS_GUARD_WEBDIS_PASSWORD", "NEVER-LOG-ME\n"),
+            ],
+            "redis.credentials.fromEnvironment (REDIS_GUARD_WEBDIS_PASSWORD)",
+            "printable ASCII",
+        ),
+    ];
+    for (creds, env, field, reason) in cases {
+        let e = parse_with_env(&with_webdis_credentials(creds.clone()), env)
+            .expect_err(&creds.to_string());
+        assert_eq!(e.field, field, "{creds}");
+        assert!(e.reason.contains(reason), "{creds}: {e}");
+        let shown = format!("{e}\n{e:?}");
+        assert!(
+            !shown.contains(NEVER),
+            "{creds}: the error shows the secret"
+        );
+    }
+    let config = parse_with_env(
+        &with_webdis_credentials(json!({"username": "u", "password": SECRET})),
+        &[],
+    )
+    .unwrap();
+    let shown = format!("{config:?}\n{config:#?}");
+    assert!(
+        !shown.contains(NEVER) && !shown.contains("Basic "),
+        "Debug shows it"
+    );
 }

@@ -28,6 +28,8 @@ fn parse(json: &[u8]) -> Result<Config, ConfigError> {
     Config::parse_with_env(json, &|name| match name {
         ENV_ACCESS_KEY_ID => Some("AKIAIOSFODNN7EXAMPLE".to_string()),
         ENV_SECRET_ACCESS_KEY => Some("wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY".to_string()),
+        "REDIS_GUARD_WEBDIS_USERNAME" => Some("redis-guard".to_string()),
+        "REDIS_GUARD_WEBDIS_PASSWORD" => Some("example-password".to_string()),
         _ => None,
     })
 }

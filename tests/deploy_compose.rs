@@ -105,7 +105,14 @@ fn run_render_service(c: &Value) -> (Scratch, BTreeMap<String, String>) {
         .iter()
         .map(|a| match host_path.get(a) {
             Some(p) => p.display().to_string(),
-            None => a.clone(),
+            // A file inside a mount (the credentials the render writes).
+            None => host_path
+                .iter()
+                .find_map(|(dst, p)| {
+                    let rest = a.strip_prefix(dst.as_str())?.strip_prefix('/')?;
+                    Some(p.join(rest).display().to_string())
+                })
+                .unwrap_or_else(|| a.clone()),
         })
         .collect();
     let status = Command::new("python3").args(&args).status().unwrap();
@@ -156,12 +163,14 @@ fn published(svc: &Value) -> Vec<(String, u64, u64)> {
 
 /// The environment the envoy service gets from the file objectstore-init
 /// writes: these names, with values known only once the store issued a key.
-const STACK_ENV: [(&str, &str); 2] = [
+const STACK_ENV: [(&str, &str); 4] = [
     (ENV_ACCESS_KEY_ID, "AKIAIOSFODNN7EXAMPLE"),
     (
         ENV_SECRET_ACCESS_KEY,
         "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
     ),
+    ("REDIS_GUARD_WEBDIS_USERNAME", "redis-guard"),
+    ("REDIS_GUARD_WEBDIS_PASSWORD", "rendered-per-up"),
 ];
 
 fn parse_as_in_the_stack(json: &[u8]) -> Result<Config, ConfigError> {
@@ -328,10 +337,12 @@ fn rendered_stack_agrees_with_the_services_ports_and_mounts() {
     assert_eq!(webdis["redis_host"], "redis");
     assert_eq!(webdis["redis_port"], 6379);
     assert!(!strings(&service(&c, "redis")["command"]).contains(&"--port".to_string()));
-    // The hardened ACL: everything off but the two script commands.
+    // The hardened ACL: everything off but the two script commands, and
+    // those only with the credentials (see the test below).
+    assert_eq!(webdis["acl"][0], serde_json::json!({"disabled": ["*"]}));
     assert_eq!(
-        webdis["acl"],
-        serde_json::json!([{"disabled": ["*"]}, {"enabled": ["EVALSHA", "EVAL"]}])
+        webdis["acl"][1]["enabled"],
+        serde_json::json!(["EVALSHA", "EVAL"])
     );
 
     // The filter: its code is the mounted build output, its config is
@@ -432,8 +443,9 @@ fn rendered_stack_agrees_with_the_services_ports_and_mounts() {
     let entrypoint = strings(&service(&c, "envoy")["entrypoint"]);
     assert_eq!(&entrypoint[..2], ["/bin/sh", "-c"]);
     assert!(
-        entrypoint[2].starts_with(&format!("set -a && . {env_file} && set +a && "))
-            && entrypoint[2].ends_with(r#"exec /docker-entrypoint.sh "$$@""#),
+        entrypoint[2].starts_with(&format!(
+            "set -a && . {env_file} && . {out_dir}/webdis.env && set +a && "
+        )) && entrypoint[2].ends_with(r#"exec /docker-entrypoint.sh "$$@""#),
         "envoy's entrypoint does not load {env_file} and run the image's entrypoint: {}",
         entrypoint[2]
     );
@@ -541,4 +553,45 @@ fn makefile_drives_this_compose_file() {
         compose_var.contains("docker compose") && compose_var.contains("-f envoy/compose.yaml"),
         "{compose_var}"
     );
+}
+
+#[test]
+fn webdis_answers_only_the_credentials_the_render_made_for_envoy() {
+    use std::os::unix::fs::PermissionsExt;
+    let c = compose();
+    let (out, _) = run_render_service(&c);
+    let env_path = out.0.join("webdis.env");
+    let env = std::fs::read_to_string(&env_path).unwrap();
+    let mode = std::fs::metadata(&env_path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "only its owner reads it");
+    let var = |name: &str| {
+        env.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}=")))
+            .unwrap_or_else(|| panic!("{name} not in webdis.env: {env}"))
+            .to_string()
+    };
+    let (user, password) = (
+        var("REDIS_GUARD_WEBDIS_USERNAME"),
+        var("REDIS_GUARD_WEBDIS_PASSWORD"),
+    );
+    assert!(
+        password.len() >= 32,
+        "a password of {} characters",
+        password.len()
+    );
+    let webdis: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.0.join("webdis.json")).unwrap()).unwrap();
+    let acl = webdis["acl"].as_array().unwrap();
+    assert_eq!(
+        acl[0],
+        serde_json::json!({"disabled": ["*"]}),
+        "closed by default"
+    );
+    assert_eq!(acl.len(), 2);
+    assert_eq!(acl[1]["http_basic_auth"], format!("{user}:{password}"));
+    assert_eq!(acl[1]["enabled"], serde_json::json!(["EVALSHA", "EVAL"]));
+    // A second render makes another password.
+    let (again, _) = run_render_service(&c);
+    let env2 = std::fs::read_to_string(again.0.join("webdis.env")).unwrap();
+    assert_ne!(env, env2);
 }

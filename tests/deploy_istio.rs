@@ -383,10 +383,39 @@ fn wasm_plugin_runs_on_inbound_http_after_authorization_and_fails_closed() {
     );
 }
 
+/// The pluginConfig as the filter parses it in the VM the plugin describes:
+/// its environment holds exactly the variables `vmConfig.env` passes (from
+/// the sidecar, `valueFrom: HOST`), here with made-up values.
+fn parse_in_plugin_vm(docs: &[Value]) -> Result<Config, redis_guard::config::ConfigError> {
+    let plugin = docs
+        .iter()
+        .find(|d| {
+            d["kind"] == "WasmPlugin"
+                && d["spec"]["pluginConfig"]["redis"]["credentials"].is_object()
+        })
+        .expect("a WasmPlugin with redis.credentials");
+    let names: Vec<String> = plugin["spec"]["vmConfig"]["env"]
+        .as_array()
+        .map(|env| {
+            env.iter()
+                .inspect(|e| assert_eq!(e["valueFrom"], "HOST", "{e:?}: a secret inline"))
+                .map(|e| e["name"].as_str().unwrap().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    let env = |name: &str| {
+        names
+            .iter()
+            .any(|n| n == name)
+            .then(|| format!("{name}-value"))
+    };
+    Config::parse_with_env(&as_filter_json(&plugin_config(docs)), &env)
+}
+
 #[test]
 fn plugin_config_is_accepted_by_the_filter_and_calls_the_service_entry_cluster() {
     let docs = documents();
-    let config = Config::parse(&as_filter_json(&plugin_config(&docs)))
+    let config = parse_in_plugin_vm(&docs)
         .unwrap_or_else(|e| panic!("the filter refuses the WasmPlugin's pluginConfig: {e}"));
     let service_entry = only(&docs, "ServiceEntry");
     let (host, port) = service_entry_target(&service_entry, &config.redis.cluster)
@@ -406,7 +435,7 @@ fn plugin_config_is_accepted_by_the_filter_and_calls_the_service_entry_cluster()
 /// must decide on the headers.
 #[test]
 fn idempotency_rules_under_a_wasm_plugin_do_not_wait_for_the_body() {
-    let config = Config::parse(&as_filter_json(&plugin_config(&documents()))).unwrap();
+    let config = parse_in_plugin_vm(&documents()).unwrap();
     assert!(!config.idempotency.is_empty());
     for rule in &config.idempotency {
         assert!(
@@ -605,7 +634,14 @@ fn the_identity_plugin_keys_users_on_the_verified_subject_and_workloads_on_the_m
         "phase {}",
         spec["phase"]
     );
-    let config = Config::parse(&as_filter_json(&spec["pluginConfig"]))
+    let passed: Vec<&str> = spec["vmConfig"]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    let env = |name: &str| passed.contains(&name).then(|| format!("{name}-value"));
+    let config = Config::parse_with_env(&as_filter_json(&spec["pluginConfig"]), &env)
         .unwrap_or_else(|e| panic!("the filter refuses the pluginConfig: {e}"));
     let (host, _) =
         service_entry_target(&only(&documents(), "ServiceEntry"), &config.redis.cluster)

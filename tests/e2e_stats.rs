@@ -37,7 +37,7 @@ fn config() -> String {
 
 const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
-const KINDS: [&str; 5] = ["timeout", "dispatch", "http", "redis", "reply"];
+const KINDS: [&str; 6] = ["timeout", "dispatch", "http", "redis", "reply", "auth"];
 /// Every series without labels, by its name after `redis_guard_`.
 const PLAIN: [&str; 42] = [
     "redis_calls",

@@ -1,7 +1,9 @@
 //! The shipped Webdis configuration (envoy/webdis.json, rendered as the demo,
-//! compose and every other test render it) in front of a real Redis: its ACL
-//! answers every command Redis knows with 403, except EVAL and EVALSHA, and a
-//! refused command never reaches Redis.
+//! compose and every other test render it) in front of a real Redis: without
+//! its HTTP Basic credentials it answers every command with 403, EVAL
+//! included; with them, every command Redis knows but EVAL and EVALSHA; a
+//! refused command never reaches Redis. And the filter with wrong
+//! credentials: the failure mode, counted as `auth`, the secret in no log.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod support;
@@ -9,12 +11,15 @@ mod support;
 use support::*;
 
 /// Sends one command to Webdis as the filter does (POSTed, raw output) and
-/// as a URL path (GET), and returns both statuses.
+/// as a URL path (GET), with the credentials the filter has, and returns
+/// both statuses.
 fn statuses(webdis: &Webdis, command: &str) -> (u16, u16) {
     let base = format!("http://127.0.0.1:{}/", webdis.port);
     let body = format!("{command}.raw");
-    let posted = http("POST", &base, &[], Some(body.as_bytes())).status;
-    let path = get(&format!("{base}{command}.raw"), &[]).status;
+    let auth = webdis_authorization();
+    let headers = [("authorization", auth.as_str())];
+    let posted = http("POST", &base, &headers, Some(body.as_bytes())).status;
+    let path = get(&format!("{base}{command}.raw"), &headers).status;
     (posted, path)
 }
 
@@ -90,11 +95,124 @@ fn the_shipped_webdis_acl_refuses_every_command_but_eval_and_evalsha() {
         format!("EVALSHA/{sha}/0.raw"),
         format!("EvalSha/{sha}/0.raw"),
     ] {
-        let r = http("POST", &base, &[], Some(body.as_bytes()));
+        let auth = webdis_authorization();
+        let r = http(
+            "POST",
+            &base,
+            &[("authorization", &auth)],
+            Some(body.as_bytes()),
+        );
         assert_eq!(
             (r.status, r.body.as_slice()),
             (200, &b":7\r\n"[..]),
             "{body}"
         );
     }
+}
+
+#[test]
+fn without_its_credentials_webdis_runs_nothing_not_even_eval() {
+    use base64::Engine;
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let base = format!("http://127.0.0.1:{}/", webdis.port);
+    let basic = |pair: &str| {
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(pair)
+        )
+    };
+    let wrong = [
+        None,
+        Some(basic(&format!("{WEBDIS_USERNAME}:not-the-password"))),
+        Some(basic(&format!("someone:{WEBDIS_PASSWORD}"))),
+        Some(basic(WEBDIS_PASSWORD)),
+        Some(format!("Bearer {WEBDIS_PASSWORD}")),
+    ];
+    // A script that would write a key if it ran.
+    let body = "EVAL/redis.call('SET',KEYS[1],'owned')/1/rg%3Acanary.raw";
+    for auth in &wrong {
+        let headers: Vec<(&str, &str)> =
+            auth.iter().map(|a| ("authorization", a.as_str())).collect();
+        let posted = http("POST", &base, &headers, Some(body.as_bytes())).status;
+        let path = get(&format!("{base}{body}"), &headers).status;
+        assert_eq!((posted, path), (403, 403), "{auth:?}");
+    }
+    let mut con = redis.conn();
+    let n: i64 = redis::cmd("DBSIZE").query(&mut con).unwrap();
+    assert_eq!(n, 0, "nothing ran");
+    // The right ones run it.
+    let auth = webdis_authorization();
+    let r = http(
+        "POST",
+        &base,
+        &[("authorization", &auth)],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(r.status, 200);
+    let v: String = redis::cmd("GET").arg("rg:canary").query(&mut con).unwrap();
+    assert_eq!(v, "owned");
+}
+
+#[test]
+fn the_filter_with_wrong_credentials_takes_its_failure_mode_counted_as_auth() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    let secret = "NEVER-LOG-THIS-PASSWORD";
+    let limits = r#"[{"name":"all","tokenBucket":{"capacity":100,"refill":1,"periodMs":1000}}]"#;
+    let config = |mode: &str, credentials: &str| {
+        format!(
+            r#"{{"redis":{{"cluster":"webdis","timeoutMs":2000,"credentials":{credentials}}},
+                "failureMode":"{mode}","limits":{limits}}}"#
+        )
+    };
+    let wrong = format!(r#"{{"username":"{WEBDIS_USERNAME}","password":"{secret}"}}"#);
+    let deny = Envoy::start(&config("deny", &wrong), webdis.port, upstream.port);
+    for _ in 0..3 {
+        assert_eq!(get(&deny.url("/x"), &[]).status, 503);
+    }
+    assert_eq!(deny.counter("redis_guard.redis.errors_by_kind.auth"), 3);
+    assert_eq!(deny.counter("redis_guard.redis.errors_by_kind.http"), 0);
+    let allow = Envoy::start(&config("allow", "null"), webdis.port, upstream.port);
+    assert_eq!(get(&allow.url("/x"), &[]).status, 200, "allow: forwarded");
+    assert_eq!(allow.counter("redis_guard.redis.errors_by_kind.auth"), 1);
+    assert_eq!(upstream.executed(), 1);
+    use base64::Engine;
+    let encoded =
+        base64::engine::general_purpose::STANDARD.encode(format!("{WEBDIS_USERNAME}:{secret}"));
+    let log = deny.log();
+    assert!(log.contains("redis.credentials"), "one clear line: {log}");
+    assert!(
+        !log.contains(secret) && !log.contains(&encoded),
+        "a secret at info level"
+    );
+    // At debug level Envoy itself prints every header of every request it
+    // sends, the callout's Authorization too (envoyproxy/envoy#9652: no
+    // redaction); the filter's own lines never carry it.
+    let r = http(
+        "POST",
+        &format!("http://127.0.0.1:{}/logging?level=debug", deny.admin_port),
+        &[],
+        None,
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(get(&deny.url("/x"), &[]).status, 503);
+    let log = deny.log();
+    let filter_lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("[wasm]") && (l.contains(secret) || l.contains(&encoded)))
+        .collect();
+    assert!(filter_lines.is_empty(), "{filter_lines:#?}");
+    for line in log.lines().filter(|l| l.contains(&encoded)) {
+        assert_eq!(
+            line.trim(),
+            format!("'authorization', 'Basic {encoded}'"),
+            "only Envoy's header dump"
+        );
+    }
+    assert!(
+        !log.contains(secret),
+        "the password itself is never written"
+    );
 }

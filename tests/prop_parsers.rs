@@ -499,13 +499,16 @@ fn use_config(cfg: &Config) {
     }
 }
 
-/// `Config::parse` with a fixed environment: configs whose objectStore
-/// credentials are `fromEnvironment` (envoy/filter.json, a seed) get past
-/// them whatever the test process has set, so mutations reach every check.
+/// `Config::parse` with a fixed environment: configs whose objectStore or
+/// Webdis credentials are `fromEnvironment` (envoy/filter.json, a seed) get
+/// past them whatever the test process has set, so mutations reach every
+/// check.
 fn parse_config(input: &[u8]) -> Result<Config, ConfigError> {
     Config::parse_with_env(input, &|name| match name {
         ENV_ACCESS_KEY_ID => Some("AKIAIOSFODNN7EXAMPLE".to_string()),
         ENV_SECRET_ACCESS_KEY => Some("wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY".to_string()),
+        "REDIS_GUARD_WEBDIS_USERNAME" => Some("redis-guard".to_string()),
+        "REDIS_GUARD_WEBDIS_PASSWORD" => Some("example-password".to_string()),
         _ => None,
     })
 }

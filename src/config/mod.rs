@@ -281,7 +281,7 @@ fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<
 }
 
 fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-    let redis = compile_redis(raw.redis)?;
+    let redis = compile_redis(raw.redis, env)?;
     let object_store = raw
         .object_store
         .map(|o| compile_object_store(o, env))

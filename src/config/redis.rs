@@ -43,6 +43,40 @@ pub(super) struct RawRedis {
     /// out, further requests queue and leave as one call (group commit).
     #[serde(default)]
     batch: Option<RawBatch>,
+    /// HTTP Basic credentials Webdis' http_basic_auth ACL admits (sent on
+    /// every call): given here, or read from the Envoy environment.
+    #[serde(default)]
+    credentials: Option<RawWebdisCredentials>,
+}
+
+/// Either username and password, or fromEnvironment: true to read
+/// REDIS_GUARD_WEBDIS_USERNAME and REDIS_GUARD_WEBDIS_PASSWORD from the Wasm
+/// VM's environment (Envoy vm_config.environment_variables; Istio
+/// WasmPlugin vmConfig.env).
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "WebdisCredentials")]
+struct RawWebdisCredentials {
+    #[serde(default)]
+    username: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+    #[serde(default)]
+    from_environment: Option<bool>,
+}
+
+pub const ENV_WEBDIS_USERNAME: &str = "REDIS_GUARD_WEBDIS_USERNAME";
+pub const ENV_WEBDIS_PASSWORD: &str = "REDIS_GUARD_WEBDIS_PASSWORD";
+
+/// The `Authorization` value of every call to Webdis; never shown (the
+/// configuration's debug form and its errors name where it comes from).
+#[derive(Clone, PartialEq, Eq)]
+pub struct WebdisAuth(pub String);
+
+impl std::fmt::Debug for WebdisAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WebdisAuth(<redacted>)")
+    }
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -94,9 +128,14 @@ pub struct RedisTarget {
     pub breaker_cool_down: Duration,
     /// `None`: every request sends its own call.
     pub batch: Option<Batch>,
+    /// `None`: calls carry no credentials (a Webdis open to its network).
+    pub auth: Option<WebdisAuth>,
 }
 
-pub(super) fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {
+pub(super) fn compile_redis(
+    raw: RawRedis,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<RedisTarget, ConfigError> {
     if raw.cluster.trim().is_empty() {
         return Err(ConfigError::new(
             "redis.cluster",
@@ -159,7 +198,81 @@ pub(super) fn compile_redis(raw: RawRedis) -> Result<RedisTarget, ConfigError> {
         breaker_failures: failures,
         breaker_cool_down: Duration::from_millis(cool_down_ms),
         batch: compile_batch(raw.batch)?,
+        auth: raw
+            .credentials
+            .map(|c| compile_credentials(c, env))
+            .transpose()?,
     })
+}
+
+/// HTTP Basic (RFC 7617): `user:password` in base64. A user name cannot
+/// hold `:` (the first one separates it), and neither part control bytes;
+/// errors name the field or the variable, never a value.
+fn compile_credentials(
+    raw: RawWebdisCredentials,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<WebdisAuth, ConfigError> {
+    use base64::Engine;
+    const AT: &str = "redis.credentials";
+    let given = raw.username.is_some() || raw.password.is_some();
+    let from_env = raw.from_environment == Some(true);
+    let (username, password) = match (from_env, given) {
+        (true, true) => {
+            return Err(ConfigError::new(
+                AT,
+                "set either fromEnvironment or username/password, not both",
+            ))
+        }
+        (true, false) => {
+            let var = |name: &str| {
+                env(name).filter(|v| !v.is_empty()).ok_or_else(|| {
+                    ConfigError::new(
+                        format!("{AT}.fromEnvironment"),
+                        format!("{name} is not set in the Wasm VM's environment (Envoy: vm_config.environment_variables.host_env_keys; Istio: vmConfig.env)"),
+                    )
+                })
+            };
+            (var(ENV_WEBDIS_USERNAME)?, var(ENV_WEBDIS_PASSWORD)?)
+        }
+        (false, _) => match (raw.username, raw.password) {
+            (Some(u), Some(p)) => (u, p),
+            (None, _) => {
+                return Err(ConfigError::new(
+                    format!("{AT}.username"),
+                    "is required (or set fromEnvironment: true)",
+                ))
+            }
+            (Some(_), None) => {
+                return Err(ConfigError::new(
+                    format!("{AT}.password"),
+                    "is required with username",
+                ))
+            }
+        },
+    };
+    let field = |name: &str, var: &str| {
+        if from_env {
+            format!("{AT}.fromEnvironment ({var})")
+        } else {
+            format!("{AT}.{name}")
+        }
+    };
+    let printable =
+        |v: &str| !v.is_empty() && v.len() <= 256 && v.bytes().all(|b| b.is_ascii_graphic());
+    if !printable(&username) || username.contains(':') {
+        return Err(ConfigError::new(
+            field("username", ENV_WEBDIS_USERNAME),
+            "must be 1 to 256 printable ASCII characters without spaces or ':'",
+        ));
+    }
+    if !printable(&password) {
+        return Err(ConfigError::new(
+            field("password", ENV_WEBDIS_PASSWORD),
+            "must be 1 to 256 printable ASCII characters without spaces",
+        ));
+    }
+    let token = base64::engine::general_purpose::STANDARD.encode(format!("{username}:{password}"));
+    Ok(WebdisAuth(format!("Basic {token}")))
 }
 
 fn compile_batch(raw: Option<RawBatch>) -> Result<Option<Batch>, ConfigError> {

@@ -61,6 +61,12 @@ pub fn transport(reply: &CalloutReply) -> Transport {
         Some(504) if !reply.from_webdis => {
             Transport::Failed((ErrorKind::Timeout, "webdis answered HTTP 504".to_string()))
         }
+        // Webdis' ACL: no credentials, or not ones it admits. Said plainly,
+        // as the one thing to fix; the credentials themselves never.
+        Some(s @ (401 | 403)) => Transport::Failed((
+            ErrorKind::Auth,
+            format!("webdis refused the call (HTTP {s}): redis.credentials are missing or not the ones its http_basic_auth admits"),
+        )),
         Some(s) => Transport::Failed((ErrorKind::Http, format!("webdis answered HTTP {s}"))),
         None => Transport::Failed((
             ErrorKind::Timeout,
@@ -226,6 +232,10 @@ impl ScriptCall {
             Some("TRYAGAIN" | "CLUSTERDOWN" | "LOADING") => Answer::Refused((
                 ErrorKind::Redis,
                 format!("redis refused the call until the timeout: {msg}"),
+            )),
+            Some("NOPERM") => Answer::Failed((
+                ErrorKind::Auth,
+                format!("the Redis user Webdis connects as may not do this: {msg}"),
             )),
             _ => Answer::Failed((ErrorKind::Redis, format!("redis error: {msg}"))),
         }

@@ -115,15 +115,20 @@ pub enum ErrorKind {
     Redis,
     /// A reply the filter cannot read (gateway or script mismatch, corrupt record).
     Reply,
+    /// Refused for its credentials: Webdis' ACL (HTTP 401/403: none sent,
+    /// or not the ones it admits), or Redis' (NOPERM: the Redis user may
+    /// not run that command or touch that key).
+    Auth,
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 5] = [
+    pub const ALL: [ErrorKind; 6] = [
         ErrorKind::Timeout,
         ErrorKind::Dispatch,
         ErrorKind::Http,
         ErrorKind::Redis,
         ErrorKind::Reply,
+        ErrorKind::Auth,
     ];
 
     /// The stat name's last segment.
@@ -134,6 +139,7 @@ impl ErrorKind {
             ErrorKind::Http => "http",
             ErrorKind::Redis => "redis",
             ErrorKind::Reply => "reply",
+            ErrorKind::Auth => "auth",
         }
     }
 }
@@ -325,10 +331,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 47
+        // The stat list as the README and tests/e2e_stats.rs know it: 48
         // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 47);
-        assert_eq!(names(2).len(), 47 + 8);
+        assert_eq!(names(0).len(), 48);
+        assert_eq!(names(2).len(), 48 + 8);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

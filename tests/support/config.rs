@@ -3,6 +3,15 @@
 //! breaker); the rest (limits, idempotency, object store, hash tag) is what a
 //! test is about, and stays JSON in the test.
 
+/// `redis.credentials` as every test's Webdis admits them (JSON).
+pub fn credentials() -> String {
+    serde_json::json!({
+        "username": super::WEBDIS_USERNAME,
+        "password": super::WEBDIS_PASSWORD,
+    })
+    .to_string()
+}
+
 /// A filter configuration being built: see [`filter_config`].
 #[derive(Debug, Clone)]
 pub struct FilterConfig {
@@ -92,8 +101,9 @@ impl FilterConfig {
             None => String::new(),
         };
         let mut json = format!(
-            r#"{{"redis":{{"cluster":"webdis","timeoutMs":{}{breaker}{batch}}},"failureMode":{}"#,
+            r#"{{"redis":{{"cluster":"webdis","timeoutMs":{}{breaker}{batch},"credentials":{}}},"failureMode":{}"#,
             self.timeout_ms,
+            credentials(),
             serde_json::to_string(&self.failure_mode).unwrap()
         );
         for (name, value) in &self.fields {

@@ -241,6 +241,52 @@ pub fn default_jwks() -> String {
     jwks.to_string()
 }
 
+/// The credentials every test's Webdis admits (envoy/webdis.json's
+/// http_basic_auth) and every test's filter sends (`redis.credentials`).
+pub const WEBDIS_USERNAME: &str = "redis-guard";
+pub const WEBDIS_PASSWORD: &str = "test-webdis-password";
+
+/// The filter configuration as the harness hands it to Envoy: with the
+/// test credentials in `redis` unless it names its own (`"credentials":
+/// null` sends none). Inserted as text, so a configuration meant to be
+/// refused stays exactly as its test wrote it.
+pub fn with_test_credentials(filter_config: &str) -> String {
+    let at = filter_config
+        .find("\"redis\":{")
+        .map(|i| i + "\"redis\":{".len())
+        .or_else(|| {
+            filter_config
+                .find("\"redis\": {")
+                .map(|i| i + "\"redis\": {".len())
+        });
+    match at {
+        Some(at) if !filter_config.contains("\"credentials\"") => {
+            let rest = &filter_config[at..];
+            let comma = if rest.trim_start().starts_with('}') {
+                ""
+            } else {
+                ","
+            };
+            format!(
+                "{}\"credentials\":{}{comma}{rest}",
+                &filter_config[..at],
+                config::credentials(),
+            )
+        }
+        _ => filter_config.to_string(),
+    }
+}
+
+/// The `Authorization` value those credentials make.
+pub fn webdis_authorization() -> String {
+    use base64::Engine;
+    let pair = format!("{WEBDIS_USERNAME}:{WEBDIS_PASSWORD}");
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(pair)
+    )
+}
+
 /// Replaces every `{{NAME}}` in a template file; panics on any left over.
 /// Addresses not given are loopback: tests run everything on 127.0.0.1;
 /// the JWKS is envoy/jwks.json's.
@@ -262,6 +308,8 @@ pub fn render(template: &str, vars: &[(&str, String)]) -> String {
     if text.contains("{{GRPC_UPSTREAM_PORT}}") {
         text = text.replace("{{GRPC_UPSTREAM_PORT}}", &free_port().to_string());
     }
+    text = text.replace("{{WEBDIS_USERNAME}}", WEBDIS_USERNAME);
+    text = text.replace("{{WEBDIS_PASSWORD}}", WEBDIS_PASSWORD);
     text = text.replace("{{WASM_RUNTIME}}", &wasm_runtime());
     text = text.replace("{{JWKS}}", &default_jwks());
     assert!(!text.contains("{{"), "unrendered placeholder in {template}");
@@ -454,7 +502,13 @@ impl Webdis {
         let url = format!("http://127.0.0.1:{}/", self.port);
         let start = Instant::now();
         loop {
-            let r = http("POST", &url, &[], Some(b"EVAL/return%207/1/rg%3Aready.raw"));
+            let auth = webdis_authorization();
+            let r = http(
+                "POST",
+                &url,
+                &[("authorization", &auth)],
+                Some(b"EVAL/return%207/1/rg%3Aready.raw"),
+            );
             if r.status == 200 && r.body == b":7\r\n" {
                 return;
             }
@@ -610,7 +664,7 @@ impl Envoy {
                 ("WASM_PATH", wasm_path().display().to_string()),
                 (
                     "FILTER_CONFIG",
-                    serde_json::to_string(filter_config).unwrap(),
+                    serde_json::to_string(&with_test_credentials(filter_config)).unwrap(),
                 ),
             ],
         );

@@ -135,7 +135,7 @@ pub fn envoy_refusing(filter_config: &str) -> Refused {
             ("WASM_PATH", wasm_path().display().to_string()),
             (
                 "FILTER_CONFIG",
-                serde_json::to_string(filter_config).unwrap(),
+                serde_json::to_string(&with_test_credentials(filter_config)).unwrap(),
             ),
         ],
     );

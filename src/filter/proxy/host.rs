@@ -27,12 +27,16 @@ pub(super) struct ProxyHost<'a> {
 }
 
 pub(super) fn callout_headers(target: &RedisTarget) -> Vec<(&str, &str)> {
-    vec![
+    let mut headers = vec![
         (":method", "POST"),
         (":path", "/"),
-        (":authority", &target.authority),
+        (":authority", target.authority.as_str()),
         ("content-type", "text/plain"),
-    ]
+    ];
+    if let Some(auth) = &target.auth {
+        headers.push(("authorization", auth.0.as_str()));
+    }
+    headers
 }
 
 impl RequestView for ProxyHost<'_> {
