@@ -1694,7 +1694,9 @@ fn webdis_credentials_become_the_basic_authorization_of_every_call() {
 
 #[test]
 fn webdis_credentials_errors_name_the_field_and_never_the_secret() {
-    let cases: Vec<(Value, &[(&str, &str)], &str, &str)> = vec![
+    // (credentials, environment, field, part of the reason)
+    type Case<'a> = (Value, &'a [(&'a str, &'a str)], &'a str, &'a str);
+    let cases: Vec<Case> = vec![
         (
             json!({"password": SECRET}),
             &[],
