@@ -815,7 +815,10 @@ class Stack:
         if with_webdis:
             sets.update({"REDIS_HOST": HOST, "REDIS_PORT": self.redis_port,
                          "WEBDIS_LOG": RUN / "webdis.log",
-                         "WEBDIS_USERNAME": WEBDIS_USER, "WEBDIS_PASSWORD": WEBDIS_PASSWORD})
+                         "WEBDIS_USERNAME": WEBDIS_USER, "WEBDIS_PASSWORD": WEBDIS_PASSWORD,
+                         # The bench's Redis has no users but the default one
+                         # (it reads INFO and MEMORY USAGE for its report).
+                         "REDIS_AUTH": "null"})
             templates.append("envoy/webdis.json")
         # (a) renders the same file with some filter config, then drops the filter.
         cfg = sc["filter"] or SCENARIOS[1]["filter"]

@@ -29,6 +29,10 @@ for p in $ENVOY_PORT $ADMIN_PORT $WEBDIS_PORT $REDIS_PORT $UPSTREAM_PORT $GRPC_U
   fi
 done
 
+rcli() { # redis-cli as Redis' admin user (redis.acl)
+  ( . "$STACK/redis.env"; redis-cli -p "$REDIS_PORT" --user admin --pass "$REDIS_ADMIN_PASSWORD" --no-auth-warning "$@" )
+}
+
 wait_port() { # port name
   for _ in $(seq 1 200); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done
   echo "$2 did not start; see $STACK/*.log"; exit 1
@@ -45,15 +49,17 @@ python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json --jwks 
   --set WEBDIS_HOST=127.0.0.1 --set WEBDIS_PORT="$WEBDIS_PORT" --set WASM_PATH="$PWD/$WASM" --set WASM_RUNTIME=v8 \
   --set REDIS_HOST=127.0.0.1 --set REDIS_PORT="$REDIS_PORT" --set WEBDIS_LOG="$PWD/$STACK/webdis.log" \
   --set OBJECT_STORE_HOST=127.0.0.1 --set OBJECT_STORE_PORT="$OBJECT_STORE_PORT" \
-  --webdis-credentials "$STACK/webdis.env" \
-  envoy/envoy.yaml envoy/webdis.json
+  --webdis-credentials "$STACK/webdis.env" --redis-users "$STACK/redis.env" --set KEY_PREFIX=rg \
+  envoy/envoy.yaml envoy/webdis.json envoy/redis.acl
 
 # Redis keeps every change in an append-only file fsynced before each reply
 # (README "Durability"): an idempotency record acknowledged is on disk. The
 # demo starts from an empty one each time, so its output is always the same.
 rm -rf "$STACK/appendonlydir"
+# Its users are redis.acl's: Webdis connects as the default user, which may
+# run only the scripts' commands on rg: keys; this script reads as admin.
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly yes --appendfsync always \
-  --dir "$STACK" --logfile "$PWD/$STACK/redis.log" --daemonize no </dev/null >/dev/null 2>&1 &
+  --aclfile "$PWD/$STACK/redis.acl" --dir "$STACK" --logfile "$PWD/$STACK/redis.log" --daemonize no </dev/null >/dev/null 2>&1 &
 echo $! > "$STACK/redis.pid"; wait_port "$REDIS_PORT" redis-server
 
 webdis "$STACK/webdis.json" </dev/null >/dev/null 2>&1 &
@@ -184,8 +190,8 @@ big first
 big retry
 echo "  upstream executions of POST $BIG_PATH: $(curl -s "http://127.0.0.1:$UPSTREAM_PORT/__stats" |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["byPath"].get(sys.argv[1], 0))' "$BIG_PATH")"
-redis-cli -p "$REDIS_PORT" --scan --pattern '*demo-offload-1*' | while read -r k; do
-  echo "  Redis record $k: MEMORY USAGE $(redis-cli -p "$REDIS_PORT" memory usage "$k") bytes, for a 1 MiB body"
+rcli --scan --pattern '*demo-offload-1*' | while read -r k; do
+  echo "  Redis record $k: MEMORY USAGE $(rcli memory usage "$k") bytes, for a 1 MiB body"
 done
 echo "  in bucket $BUCKET (lifecycle rule, as the store reports it: $LIFECYCLE):"
 s3ctl_signed list | python3 -c '
@@ -224,7 +230,7 @@ echo "  EVAL with them:    HTTP $( (. "$STACK/webdis.env"; curl -s -o /dev/null 
 echo "the filter's Envoy stats:"
 curl -s "http://127.0.0.1:$ADMIN_PORT/stats?filter=wasmcustom" | sed 's/^/  /'
 echo "keys in Redis (every one with a TTL):"
-redis-cli -p "$REDIS_PORT" --scan | while read -r k; do echo "  $k  pttl=$(redis-cli -p "$REDIS_PORT" pttl "$k")"; done
+rcli --scan | while read -r k; do echo "  $k  pttl=$(rcli pttl "$k")"; done
 cat <<TXT
 
 The stack keeps running. Try:
@@ -235,6 +241,6 @@ The stack keeps running. Try:
   (. $STACK/objectstore.env; .venv/bin/python envoy/s3ctl.py list $OBJECT_STORE_PORT $BUCKET \$AWS_ACCESS_KEY_ID \$AWS_SECRET_ACCESS_KEY)
   .venv/bin/python envoy/grpc_peer.py call --target 127.0.0.1:$ENVOY_PORT '[{"method":"Create","data":"x","metadata":{"idempotency-key":"k1","x-tenant":"t"}}]'
   curl -s http://127.0.0.1:$ADMIN_PORT/stats/prometheus | grep redis_guard
-  redis-cli -p $REDIS_PORT --scan
+  (. $STACK/redis.env; redis-cli -p $REDIS_PORT --user admin --pass \$REDIS_ADMIN_PASSWORD --no-auth-warning --scan)
 Logs are in $STACK/. Stop it with: make demo-down
 TXT

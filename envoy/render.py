@@ -15,12 +15,19 @@ written to FILE (mode 0600) as REDIS_GUARD_WEBDIS_USERNAME=... and
 REDIS_GUARD_WEBDIS_PASSWORD=..., the variables the filter reads with
 redis.credentials.fromEnvironment: load FILE into Envoy's environment.
 
+--redis-users FILE makes the passwords of redis.acl's two Redis users: the
+default user, which Webdis connects as (its SHA-256 in redis.acl, and
+REDIS_AUTH, the JSON string webdis.json's redis_auth takes), and admin, for
+operators (its SHA-256 in redis.acl), written to FILE (mode 0600) as
+REDIS_ADMIN_PASSWORD=...
+
   render.py --out DIR [--set NAME=VALUE ...] [--filter-config FILE] [--jwks FILE]
-            [--webdis-credentials FILE] TEMPLATE...
+            [--webdis-credentials FILE] [--redis-users FILE] TEMPLATE...
 
 Each TEMPLATE is written to DIR under its own file name.
 """
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -38,6 +45,8 @@ def main() -> int:
     p.add_argument("--jwks", help="the JWT issuer's JWKS (JSON), inserted as JWKS")
     p.add_argument("--webdis-credentials", metavar="FILE",
                    help="make Webdis credentials; write them to FILE for Envoy's environment")
+    p.add_argument("--redis-users", metavar="FILE",
+                   help="make the Redis users' passwords; write the admin's to FILE")
     p.add_argument("templates", nargs="+")
     args = p.parse_args()
 
@@ -77,6 +86,17 @@ def main() -> int:
         fd = os.open(args.webdis_credentials, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(f"REDIS_GUARD_WEBDIS_USERNAME=redis-guard\nREDIS_GUARD_WEBDIS_PASSWORD={password}\n")
+
+    if args.redis_users:
+        password = secrets.token_urlsafe(24)
+        admin = secrets.token_urlsafe(24)
+        # redis.acl holds their SHA-256 only (Redis' `#<hash>` form).
+        values["REDIS_PASSWORD_HASH"] = hashlib.sha256(password.encode()).hexdigest()
+        values["REDIS_AUTH"] = json.dumps(password)
+        values["REDIS_ADMIN_PASSWORD_HASH"] = hashlib.sha256(admin.encode()).hexdigest()
+        fd = os.open(args.redis_users, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"REDIS_ADMIN_PASSWORD={admin}\n")
 
     os.makedirs(args.out, exist_ok=True)
     used = set()

@@ -590,6 +590,21 @@ fn webdis_answers_only_the_credentials_the_render_made_for_envoy() {
     assert_eq!(acl.len(), 2);
     assert_eq!(acl[1]["http_basic_auth"], format!("{user}:{password}"));
     assert_eq!(acl[1]["enabled"], serde_json::json!(["EVALSHA", "EVAL"]));
+    // Redis' users: Webdis connects as the restricted default user, with the
+    // password whose hash redis.acl holds; the file holds no password.
+    let acl = std::fs::read_to_string(out.0.join("redis.acl")).unwrap();
+    let redis_auth = webdis["redis_auth"].as_str().expect("webdis authenticates to Redis");
+    let hash = {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(redis_auth.as_bytes());
+        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    let default = acl.lines().find(|l| l.starts_with("user default ")).unwrap();
+    assert!(default.contains(&format!(" #{hash} ")), "{default}");
+    assert!(default.contains(" ~rg:* ") && default.contains(" -@all "), "{default}");
+    assert!(!acl.contains(redis_auth), "a password in redis.acl");
+    let redis = service(&c, "redis");
+    assert!(strings(&redis["command"]).windows(2).any(|w| w == ["--aclfile", "/rendered/redis.acl"]));
     // A second render makes another password.
     let (again, _) = run_render_service(&c);
     let env2 = std::fs::read_to_string(again.0.join("webdis.env")).unwrap();

@@ -233,10 +233,14 @@ impl ScriptCall {
                 ErrorKind::Redis,
                 format!("redis refused the call until the timeout: {msg}"),
             )),
-            Some("NOPERM") => Answer::Failed((
-                ErrorKind::Auth,
-                format!("the Redis user Webdis connects as may not do this: {msg}"),
-            )),
+            // Redis' ACL: refused before the script ran (NOPERM), or a
+            // command inside it (an ERR that says so).
+            _ if msg.starts_with("NOPERM") || msg.contains("user executing the script can't") => {
+                Answer::Failed((
+                    ErrorKind::Auth,
+                    format!("the Redis user Webdis connects as may not do this: {msg}"),
+                ))
+            }
             _ => Answer::Failed((ErrorKind::Redis, format!("redis error: {msg}"))),
         }
     }

@@ -308,6 +308,8 @@ pub fn render(template: &str, vars: &[(&str, String)]) -> String {
     if text.contains("{{GRPC_UPSTREAM_PORT}}") {
         text = text.replace("{{GRPC_UPSTREAM_PORT}}", &free_port().to_string());
     }
+    // Webdis connects to Redis without a password unless a test gives one.
+    text = text.replace("{{REDIS_AUTH}}", "null");
     text = text.replace("{{WEBDIS_USERNAME}}", WEBDIS_USERNAME);
     text = text.replace("{{WEBDIS_PASSWORD}}", WEBDIS_PASSWORD);
     text = text.replace("{{WASM_RUNTIME}}", &wasm_runtime());
@@ -324,7 +326,19 @@ pub struct Redis {
     dir: Scratch,
     /// `appendfsync` of its append-only file; `None`: no persistence.
     aof: Option<&'static str>,
+    /// Users from envoy/redis.acl: the test's connections are its admin.
+    acl: bool,
 }
+
+fn sha256_hex(text: &str) -> String {
+    use sha2::Digest;
+    hex(&sha2::Sha256::digest(text.as_bytes()))
+}
+
+/// The passwords of envoy/redis.acl's users in the tests: `default` (what
+/// Webdis connects as) and `admin` (the tests' own connections).
+pub const REDIS_PASSWORD: &str = "test-redis-password";
+pub const REDIS_ADMIN_PASSWORD: &str = "test-redis-admin-password";
 
 impl Redis {
     pub fn start() -> Redis {
@@ -343,9 +357,54 @@ impl Redis {
             proc,
             dir,
             aof,
+            acl: false,
         };
         r.wait_ready();
         r
+    }
+
+    /// A server whose users are envoy/redis.acl's, for key prefix `rg`: the
+    /// default user (Webdis) may run only the scripts' commands on `rg:`
+    /// keys; the test's connections are the admin.
+    pub fn start_restricted() -> Redis {
+        let dir = Scratch::new("redis");
+        let port = free_port();
+        let acl = render(
+            "envoy/redis.acl",
+            &[
+                ("REDIS_PASSWORD_HASH", sha256_hex(REDIS_PASSWORD)),
+                ("REDIS_ADMIN_PASSWORD_HASH", sha256_hex(REDIS_ADMIN_PASSWORD)),
+                ("KEY_PREFIX", "rg".to_string()),
+            ],
+        );
+        std::fs::write(dir.0.join("users.acl"), acl).unwrap();
+        let proc = Proc::spawn(
+            "redis-server",
+            Command::new(on_path("redis-server"))
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--aclfile")
+                .arg(dir.0.join("users.acl"))
+                .arg("--dir")
+                .arg(&dir.0)
+                .stdout(Stdio::null()),
+        );
+        let r = Redis {
+            port,
+            proc,
+            dir,
+            aof: None,
+            acl: true,
+        };
+        wait_for_port(port, "redis-server", Duration::from_secs(10));
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if redis::cmd("PING").query::<String>(&mut r.conn()).is_ok() {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("restricted redis-server did not answer its admin");
     }
 
     fn spawn(port: u16, dir: &Scratch, aof: Option<&str>) -> Proc {
@@ -367,6 +426,13 @@ impl Redis {
     }
 
     pub fn conn(&self) -> redis::Connection {
+        if self.acl {
+            let url = format!(
+                "redis://admin:{REDIS_ADMIN_PASSWORD}@127.0.0.1:{}/",
+                self.port
+            );
+            return redis::Client::open(url).unwrap().get_connection().unwrap();
+        }
         redis_conn(self.port)
     }
 
@@ -420,6 +486,10 @@ impl Redis {
     /// starts it again on the same port and directory: scripts are gone,
     /// and keys too unless its append-only file kept them.
     pub fn restart(&mut self) {
+        assert!(
+            !self.acl,
+            "a restricted server is not restarted (its users would be lost)"
+        );
         self.proc.kill();
         self.proc = Self::spawn(self.port, &self.dir, self.aof);
         self.wait_ready();
@@ -458,6 +528,12 @@ pub struct Webdis {
 
 impl Webdis {
     pub fn start(redis_port: u16) -> Webdis {
+        Webdis::start_with_redis_auth(redis_port, None)
+    }
+
+    /// The same, connecting to Redis with this password (as Redis' default
+    /// user: Webdis' `redis_auth` takes no user name).
+    pub fn start_with_redis_auth(redis_port: u16, password: Option<&str>) -> Webdis {
         let dir = Scratch::new("webdis");
         let port = free_port();
         let conf = render(
@@ -466,6 +542,10 @@ impl Webdis {
                 ("REDIS_PORT", redis_port.to_string()),
                 ("WEBDIS_PORT", port.to_string()),
                 ("WEBDIS_LOG", dir.0.join("webdis.log").display().to_string()),
+                (
+                    "REDIS_AUTH",
+                    password.map_or("null".to_string(), |p| serde_json::to_string(p).unwrap()),
+                ),
             ],
         );
         let path = dir.0.join("webdis.json");
