@@ -593,20 +593,66 @@ fn webdis_answers_only_the_credentials_the_render_made_for_envoy() {
     // Redis' users: Webdis connects as the restricted default user, with the
     // password whose hash redis.acl holds; the file holds no password.
     let acl = std::fs::read_to_string(out.0.join("redis.acl")).unwrap();
-    let redis_auth = webdis["redis_auth"].as_str().expect("webdis authenticates to Redis");
+    let redis_auth = webdis["redis_auth"]
+        .as_str()
+        .expect("webdis authenticates to Redis");
     let hash = {
         use sha2::Digest;
         let d = sha2::Sha256::digest(redis_auth.as_bytes());
         d.iter().map(|b| format!("{b:02x}")).collect::<String>()
     };
-    let default = acl.lines().find(|l| l.starts_with("user default ")).unwrap();
+    let default = acl
+        .lines()
+        .find(|l| l.starts_with("user default "))
+        .unwrap();
     assert!(default.contains(&format!(" #{hash} ")), "{default}");
-    assert!(default.contains(" ~rg:* ") && default.contains(" -@all "), "{default}");
+    assert!(
+        default.contains(" ~rg:* ") && default.contains(" -@all "),
+        "{default}"
+    );
     assert!(!acl.contains(redis_auth), "a password in redis.acl");
     let redis = service(&c, "redis");
-    assert!(strings(&redis["command"]).windows(2).any(|w| w == ["--aclfile", "/rendered/redis.acl"]));
+    assert!(strings(&redis["command"])
+        .windows(2)
+        .any(|w| w == ["--aclfile", "/rendered/redis.acl"]));
     // A second render makes another password.
     let (again, _) = run_render_service(&c);
     let env2 = std::fs::read_to_string(again.0.join("webdis.env")).unwrap();
     assert_ne!(env, env2);
+}
+
+#[test]
+fn only_envoy_is_reachable_from_outside_the_stacks_internal_network() {
+    let c = compose();
+    assert_eq!(
+        c["networks"]["backend"]["internal"], true,
+        "backend has no route out"
+    );
+    let services = c["services"].as_object().unwrap();
+    for (name, svc) in services {
+        let nets = strings(&svc["networks"]);
+        if name == "envoy" {
+            assert_eq!(
+                nets,
+                ["backend", "edge"],
+                "envoy reaches the backend and is published"
+            );
+            assert!(!published(svc).is_empty());
+        } else {
+            assert_eq!(nets, ["backend"], "{name} is on the internal network only");
+            assert!(svc.get("ports").is_none(), "{name} publishes a port");
+            assert!(
+                svc.get("network_mode").is_none(),
+                "{name} leaves the networks"
+            );
+        }
+    }
+    assert_eq!(
+        c["networks"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect::<Vec<_>>(),
+        ["backend", "edge"]
+    );
 }

@@ -192,7 +192,10 @@ fn a_filter_writing_outside_the_users_keys_takes_its_failure_mode_counted_as_aut
 #[test]
 fn the_acl_allows_exactly_the_commands_the_scripts_call() {
     let acl = std::fs::read_to_string(root().join("envoy/redis.acl")).unwrap();
-    let default = acl.lines().find(|l| l.starts_with("user default ")).unwrap();
+    let default = acl
+        .lines()
+        .find(|l| l.starts_with("user default "))
+        .unwrap();
     let allowed: BTreeSet<String> = default
         .split_whitespace()
         .filter_map(|w| w.strip_prefix('+'))

@@ -373,7 +373,10 @@ impl Redis {
             "envoy/redis.acl",
             &[
                 ("REDIS_PASSWORD_HASH", sha256_hex(REDIS_PASSWORD)),
-                ("REDIS_ADMIN_PASSWORD_HASH", sha256_hex(REDIS_ADMIN_PASSWORD)),
+                (
+                    "REDIS_ADMIN_PASSWORD_HASH",
+                    sha256_hex(REDIS_ADMIN_PASSWORD),
+                ),
                 ("KEY_PREFIX", "rg".to_string()),
             ],
         );
