@@ -683,3 +683,43 @@ fn the_identity_plugin_keys_users_on_the_verified_subject_and_workloads_on_the_m
     numbers_beyond_doubles(&spec["pluginConfig"], "pluginConfig", &mut beyond);
     assert!(beyond.is_empty(), "{beyond:?}");
 }
+
+/// envoy/istio/webdis-in-mesh.yaml: STRICT mTLS for Webdis, and an ALLOW
+/// policy whose only rule admits the service account of the workload the
+/// WasmPlugin selects, with the callouts' method and path.
+#[test]
+fn webdis_in_the_mesh_admits_only_the_filters_workload_over_mtls() {
+    let docs = documents_of("envoy/istio/webdis-in-mesh.yaml");
+    assert_eq!(docs.len(), 2);
+    let peer = &docs[0];
+    assert_eq!(peer["kind"], "PeerAuthentication");
+    assert_eq!(peer["spec"]["mtls"]["mode"], "STRICT");
+    let policy = &docs[1];
+    assert_eq!(policy["kind"], "AuthorizationPolicy");
+    assert_eq!(policy["apiVersion"], "security.istio.io/v1");
+    for d in &docs {
+        assert_eq!(d["metadata"]["namespace"], "redis");
+        assert_eq!(d["spec"]["selector"]["matchLabels"]["app"], "webdis");
+    }
+    let spec = &policy["spec"];
+    assert_eq!(spec["action"], "ALLOW");
+    let rules = spec["rules"].as_array().unwrap();
+    assert_eq!(rules.len(), 1, "one way in");
+    let sources = rules[0]["from"].as_array().unwrap();
+    assert_eq!(sources.len(), 1);
+    // The WasmPlugin's namespace and workload.
+    let plugin = only(&documents(), "WasmPlugin");
+    let ns = plugin["metadata"]["namespace"].as_str().unwrap();
+    let app = plugin["spec"]["selector"]["matchLabels"]["app"]
+        .as_str()
+        .unwrap();
+    assert_eq!(
+        sources[0]["source"],
+        json!({"principals": [format!("cluster.local/ns/{ns}/sa/{app}")]}),
+        "only the filter's service account, nothing by namespace or IP"
+    );
+    let op = &rules[0]["to"][0]["operation"];
+    assert_eq!(op["methods"], json!(["POST"]));
+    assert_eq!(op["paths"], json!(["/"]));
+    assert_eq!(op["ports"], json!(["7379"]));
+}
