@@ -381,7 +381,20 @@ impl Redis {
             ],
         );
         std::fs::write(dir.0.join("users.acl"), acl).unwrap();
-        let proc = Proc::spawn(
+        let proc = Self::spawn_restricted(port, &dir);
+        let r = Redis {
+            port,
+            proc,
+            dir,
+            aof: None,
+            acl: true,
+        };
+        r.wait_ready();
+        r
+    }
+
+    fn spawn_restricted(port: u16, dir: &Scratch) -> Proc {
+        Proc::spawn(
             "redis-server",
             Command::new(on_path("redis-server"))
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -391,23 +404,7 @@ impl Redis {
                 .arg("--dir")
                 .arg(&dir.0)
                 .stdout(Stdio::null()),
-        );
-        let r = Redis {
-            port,
-            proc,
-            dir,
-            aof: None,
-            acl: true,
-        };
-        wait_for_port(port, "redis-server", Duration::from_secs(10));
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(10) {
-            if redis::cmd("PING").query::<String>(&mut r.conn()).is_ok() {
-                return r;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("restricted redis-server did not answer its admin");
+        )
     }
 
     fn spawn(port: u16, dir: &Scratch, aof: Option<&str>) -> Proc {
@@ -425,7 +422,29 @@ impl Redis {
     }
 
     fn wait_ready(&self) {
-        wait_for_redis(self.port, "redis-server");
+        if !self.acl {
+            return wait_for_redis(self.port, "redis-server");
+        }
+        // The default user may not PING: the admin does.
+        wait_for_port(self.port, "redis-server", Duration::from_secs(10));
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            let url = format!(
+                "redis://admin:{REDIS_ADMIN_PASSWORD}@127.0.0.1:{}/",
+                self.port
+            );
+            let ping = redis::Client::open(url)
+                .and_then(|c| c.get_connection())
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+            if ping.is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "restricted redis-server on {} did not answer its admin",
+            self.port
+        );
     }
 
     pub fn conn(&self) -> redis::Connection {
@@ -489,12 +508,12 @@ impl Redis {
     /// starts it again on the same port and directory: scripts are gone,
     /// and keys too unless its append-only file kept them.
     pub fn restart(&mut self) {
-        assert!(
-            !self.acl,
-            "a restricted server is not restarted (its users would be lost)"
-        );
         self.proc.kill();
-        self.proc = Self::spawn(self.port, &self.dir, self.aof);
+        self.proc = if self.acl {
+            Self::spawn_restricted(self.port, &self.dir)
+        } else {
+            Self::spawn(self.port, &self.dir, self.aof)
+        };
         self.wait_ready();
     }
 }
@@ -891,8 +910,10 @@ impl Stack {
         envoys: usize,
         edit: impl Fn(String) -> String,
     ) -> Stack {
-        let redis = Redis::start();
-        let webdis = Webdis::start(redis.port);
+        // Redis with envoy/redis.acl's users, as the demo and compose run it:
+        // Webdis connects as the restricted one, the test as admin.
+        let redis = Redis::start_restricted();
+        let webdis = Webdis::start_with_redis_auth(redis.port, Some(REDIS_PASSWORD));
         let upstream = Upstream::start();
         let envoys = (0..envoys)
             .map(|_| Envoy::start_edited(filter_config, webdis.port, upstream.port, &edit))
