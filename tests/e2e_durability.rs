@@ -101,7 +101,11 @@ fn with_an_append_only_file_fsynced_always_every_record_survives_a_crash() {
     assert_eq!(keys.len(), KEYS);
     for key in keys {
         let pttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut con).unwrap();
-        assert!(pttl > 0, "{} has no TTL", String::from_utf8_lossy(&key));
+        assert!(
+            pttl > 0,
+            "{} has no TTL ({pttl})",
+            String::from_utf8_lossy(&key)
+        );
     }
 }
 

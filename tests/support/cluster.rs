@@ -390,7 +390,8 @@ impl ClusterStack {
     pub fn start(filter_config: &str) -> ClusterStack {
         let cluster = RedisCluster::start();
         let proxy = RedisProxy::start(&cluster);
-        let webdis = Webdis::start(proxy.port);
+        // redis_proxy here asks no password of its clients.
+        let webdis = Webdis::start_with_redis_auth(proxy.port, None);
         webdis.wait_until_redis_answers();
         let upstream = Upstream::start();
         // Both at once: each spends most of its start-up compiling the wasm.

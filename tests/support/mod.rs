@@ -326,8 +326,6 @@ pub struct Redis {
     dir: Scratch,
     /// `appendfsync` of its append-only file; `None`: no persistence.
     aof: Option<&'static str>,
-    /// Users from envoy/redis.acl: the test's connections are its admin.
-    acl: bool,
 }
 
 fn sha256_hex(text: &str) -> String {
@@ -341,32 +339,23 @@ pub const REDIS_PASSWORD: &str = "test-redis-password";
 pub const REDIS_ADMIN_PASSWORD: &str = "test-redis-admin-password";
 
 impl Redis {
+    /// A server whose users are envoy/redis.acl's, for key prefix `rg`, as
+    /// the demo and compose run Redis: the default user (what Webdis
+    /// connects as, `Webdis::start`) may run only the scripts' commands on
+    /// `rg:` keys; the test's own connections are its admin.
     pub fn start() -> Redis {
         Redis::start_with_aof(None)
     }
 
-    /// A server writing every change to an append-only file in its own
+    /// The same (envoy/redis.acl's users), named for the tests about them.
+    pub fn start_restricted() -> Redis {
+        Redis::start()
+    }
+
+    /// The same, writing every change to an append-only file in its own
     /// directory, fsynced as `appendfsync` says (`always`, `everysec`);
     /// `None`: no persistence at all, as the tests run Redis otherwise.
     pub fn start_with_aof(aof: Option<&'static str>) -> Redis {
-        let dir = Scratch::new("redis");
-        let port = free_port();
-        let proc = Self::spawn(port, &dir, aof);
-        let r = Redis {
-            port,
-            proc,
-            dir,
-            aof,
-            acl: false,
-        };
-        r.wait_ready();
-        r
-    }
-
-    /// A server whose users are envoy/redis.acl's, for key prefix `rg`: the
-    /// default user (Webdis) may run only the scripts' commands on `rg:`
-    /// keys; the test's connections are the admin.
-    pub fn start_restricted() -> Redis {
         let dir = Scratch::new("redis");
         let port = free_port();
         let acl = render(
@@ -381,30 +370,15 @@ impl Redis {
             ],
         );
         std::fs::write(dir.0.join("users.acl"), acl).unwrap();
-        let proc = Self::spawn_restricted(port, &dir);
+        let proc = Self::spawn(port, &dir, aof);
         let r = Redis {
             port,
             proc,
             dir,
-            aof: None,
-            acl: true,
+            aof,
         };
         r.wait_ready();
         r
-    }
-
-    fn spawn_restricted(port: u16, dir: &Scratch) -> Proc {
-        Proc::spawn(
-            "redis-server",
-            Command::new(on_path("redis-server"))
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--aclfile")
-                .arg(dir.0.join("users.acl"))
-                .arg("--dir")
-                .arg(&dir.0)
-                .stdout(Stdio::null()),
-        )
     }
 
     fn spawn(port: u16, dir: &Scratch, aof: Option<&str>) -> Proc {
@@ -417,45 +391,41 @@ impl Redis {
         };
         Proc::spawn(
             "redis-server",
-            cmd.arg("--dir").arg(&dir.0).stdout(Stdio::null()),
+            cmd.arg("--aclfile")
+                .arg(dir.0.join("users.acl"))
+                .arg("--dir")
+                .arg(&dir.0)
+                .stdout(Stdio::null()),
         )
     }
 
     fn wait_ready(&self) {
-        if !self.acl {
-            return wait_for_redis(self.port, "redis-server");
-        }
         // The default user may not PING: the admin does.
         wait_for_port(self.port, "redis-server", Duration::from_secs(10));
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(10) {
-            let url = format!(
-                "redis://admin:{REDIS_ADMIN_PASSWORD}@127.0.0.1:{}/",
-                self.port
-            );
-            let ping = redis::Client::open(url)
-                .and_then(|c| c.get_connection())
+            let ping = self
+                .client()
+                .get_connection()
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
             if ping.is_ok() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!(
-            "restricted redis-server on {} did not answer its admin",
+        panic!("redis-server on {} did not answer its admin", self.port);
+    }
+
+    fn client(&self) -> redis::Client {
+        let url = format!(
+            "redis://admin:{REDIS_ADMIN_PASSWORD}@127.0.0.1:{}/",
             self.port
         );
+        redis::Client::open(url).unwrap()
     }
 
     pub fn conn(&self) -> redis::Connection {
-        if self.acl {
-            let url = format!(
-                "redis://admin:{REDIS_ADMIN_PASSWORD}@127.0.0.1:{}/",
-                self.port
-            );
-            return redis::Client::open(url).unwrap().get_connection().unwrap();
-        }
-        redis_conn(self.port)
+        self.client().get_connection().unwrap()
     }
 
     /// Runs `calls` calls, numbered from 0, from `threads` connections of
@@ -509,11 +479,7 @@ impl Redis {
     /// and keys too unless its append-only file kept them.
     pub fn restart(&mut self) {
         self.proc.kill();
-        self.proc = if self.acl {
-            Self::spawn_restricted(self.port, &self.dir)
-        } else {
-            Self::spawn(self.port, &self.dir, self.aof)
-        };
+        self.proc = Self::spawn(self.port, &self.dir, self.aof);
         self.wait_ready();
     }
 }
@@ -549,8 +515,10 @@ pub struct Webdis {
 }
 
 impl Webdis {
+    /// Webdis (envoy/webdis.json) in front of a test Redis, connecting as
+    /// its restricted default user.
     pub fn start(redis_port: u16) -> Webdis {
-        Webdis::start_with_redis_auth(redis_port, None)
+        Webdis::start_with_redis_auth(redis_port, Some(REDIS_PASSWORD))
     }
 
     /// The same, connecting to Redis with this password (as Redis' default
@@ -910,10 +878,8 @@ impl Stack {
         envoys: usize,
         edit: impl Fn(String) -> String,
     ) -> Stack {
-        // Redis with envoy/redis.acl's users, as the demo and compose run it:
-        // Webdis connects as the restricted one, the test as admin.
-        let redis = Redis::start_restricted();
-        let webdis = Webdis::start_with_redis_auth(redis.port, Some(REDIS_PASSWORD));
+        let redis = Redis::start();
+        let webdis = Webdis::start(redis.port);
         let upstream = Upstream::start();
         let envoys = (0..envoys)
             .map(|_| Envoy::start_edited(filter_config, webdis.port, upstream.port, &edit))
