@@ -6,11 +6,11 @@
 //! lost. So a problem reply to a gRPC request is sent as a trailers-only
 //! response (Envoy writes it: HTTP 200, `grpc-status`, `grpc-message`) with
 //! the status from [`code_for`], the rate-limit fields kept as metadata, and
-//! the retry delay as `google.rpc.RetryInfo` in `grpc-status-details-bin`.
+//! the retry delay as `google.rpc.RetryInfo` in `grpc-status-details-bin`
+//! (the response module's `grpc_reply` builds it). This module depends on no
+//! other of the crate.
 
 use base64::Engine;
-
-use crate::response::LocalReply;
 
 /// The status codes of gRPC (`google.rpc.Code`), by their names.
 pub const CODES: [&str; 17] = [
@@ -80,45 +80,6 @@ pub fn code_for(status: u32) -> u32 {
         403 => 7,
         404 => 12,
         _ => 2,
-    }
-}
-
-/// The filter's problem reply as a gRPC client must get it: a trailers-only
-/// response whose `grpc-message` is the problem's `detail`. Headers other
-/// than `content-type` stay (rate-limit fields, `retry-after`): they are the
-/// response's metadata. A reply that is not a problem (a replay) is left as
-/// it is.
-pub fn reply_for(reply: &LocalReply) -> LocalReply {
-    let problem = reply
-        .headers
-        .iter()
-        .any(|(n, v)| n == "content-type" && v == "application/problem+json");
-    if !problem || reply.grpc_status.is_some() {
-        return reply.clone();
-    }
-    let detail = serde_json::from_slice::<serde_json::Value>(&reply.body)
-        .ok()
-        .and_then(|doc| doc.get("detail")?.as_str().map(str::to_string))
-        .unwrap_or_default();
-    let code = code_for(reply.status);
-    let mut headers: Vec<(String, String)> = reply
-        .headers
-        .iter()
-        .filter(|(n, _)| n != "content-type")
-        .cloned()
-        .collect();
-    if let (RESOURCE_EXHAUSTED, Some(ms)) = (code, reply.retry_ms) {
-        headers.push((
-            "grpc-status-details-bin".to_string(),
-            status_details(code, &detail, ms),
-        ));
-    }
-    LocalReply {
-        status: reply.status,
-        headers,
-        body: detail.into_bytes(),
-        grpc_status: Some(code),
-        retry_ms: reply.retry_ms,
     }
 }
 
@@ -222,10 +183,6 @@ pub fn decode_message(raw: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::response::{
-        bad_request, idempotency_conflict, idempotency_mismatch, stored_response_missing,
-        too_many_requests_locally, unavailable,
-    };
 
     #[test]
     fn grpc_content_types_are_recognised_as_envoy_does() {
@@ -244,67 +201,6 @@ mod tests {
         ] {
             assert!(!is_grpc(ct.as_bytes()), "{ct}");
         }
-    }
-
-    #[test]
-    fn every_answer_of_the_filter_has_its_grpc_status() {
-        let cases = [
-            (too_many_requests_locally("l", 1500), RESOURCE_EXHAUSTED),
-            (unavailable("down"), UNAVAILABLE),
-            (bad_request("bad key"), INVALID_ARGUMENT),
-            (idempotency_conflict(), ABORTED),
-            (idempotency_mismatch(), FAILED_PRECONDITION),
-            (stored_response_missing(), DATA_LOSS),
-        ];
-        for (reply, code) in cases {
-            let grpc = reply_for(&reply);
-            assert_eq!(grpc.grpc_status, Some(code), "{}", reply.status);
-            let doc: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
-            assert_eq!(grpc.body, doc["detail"].as_str().unwrap().as_bytes());
-            assert!(grpc.headers.iter().all(|(n, _)| n != "content-type"));
-        }
-    }
-
-    #[test]
-    fn a_rejection_keeps_its_rate_limit_metadata_and_carries_retry_info() {
-        let reply = too_many_requests_locally("per-ip", 1500);
-        let grpc = reply_for(&reply);
-        let get = |name: &str| {
-            grpc.headers
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| v.clone())
-        };
-        assert_eq!(get("retry-after").as_deref(), Some("2"));
-        let details = get("grpc-status-details-bin").unwrap();
-        let raw = base64::engine::general_purpose::STANDARD_NO_PAD
-            .decode(details)
-            .unwrap();
-        let message =
-            "rate limit `per-ip` exceeded (local budget while the shared store is unavailable)";
-        // Status{code: 8, message, details: [Any{RetryInfo{1.5 s}}]}
-        let mut want = vec![0x08, 8, 0x12, message.len() as u8];
-        want.extend_from_slice(message.as_bytes());
-        let type_url = b"type.googleapis.com/google.rpc.RetryInfo";
-        let retry = [0x0a, 8, 0x08, 1, 0x10, 0x80, 0xca, 0xb5, 0xee, 0x01];
-        want.extend_from_slice(&[0x1a, (2 + type_url.len() + 2 + retry.len()) as u8]);
-        want.extend_from_slice(&[0x0a, type_url.len() as u8]);
-        want.extend_from_slice(type_url);
-        want.extend_from_slice(&[0x12, retry.len() as u8]);
-        want.extend_from_slice(&retry);
-        assert_eq!(raw, want);
-    }
-
-    #[test]
-    fn a_reply_that_is_not_a_problem_is_left_alone() {
-        let replay = LocalReply {
-            status: 200,
-            headers: vec![("content-type".into(), "application/json".into())],
-            body: b"{}".to_vec(),
-            grpc_status: None,
-            retry_ms: None,
-        };
-        assert_eq!(reply_for(&replay), replay);
     }
 
     #[test]

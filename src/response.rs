@@ -9,6 +9,7 @@
 use serde_json::json;
 
 use crate::config::Config;
+use crate::grpc;
 use crate::ratelimit::{Outcome, Plan};
 
 /// A response the filter sends instead of forwarding the request.
@@ -18,7 +19,7 @@ pub struct LocalReply {
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
     /// For a gRPC request: the `grpc-status` of a trailers-only answer,
-    /// whose `grpc-message` is `body` (see [`crate::grpc::reply_for`]).
+    /// whose `grpc-message` is `body` (see [`grpc_reply`]).
     pub grpc_status: Option<u32>,
     /// How long the client should wait before it retries, exactly (the
     /// `retry-after` field rounds it up to seconds).
@@ -197,6 +198,45 @@ pub fn unavailable(detail: &str) -> LocalReply {
     problem_reply(503, "Service Unavailable", detail, json!({}))
 }
 
+/// The filter's problem reply as a gRPC client must get it: a trailers-only
+/// response whose `grpc-message` is the problem's `detail`. Headers other
+/// than `content-type` stay (rate-limit fields, `retry-after`): they are the
+/// response's metadata. A reply that is not a problem (a replay) is left as
+/// it is.
+pub fn grpc_reply(reply: &LocalReply) -> LocalReply {
+    let problem = reply
+        .headers
+        .iter()
+        .any(|(n, v)| n == "content-type" && v == "application/problem+json");
+    if !problem || reply.grpc_status.is_some() {
+        return reply.clone();
+    }
+    let detail = serde_json::from_slice::<serde_json::Value>(&reply.body)
+        .ok()
+        .and_then(|doc| doc.get("detail")?.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let code = grpc::code_for(reply.status);
+    let mut headers: Vec<(String, String)> = reply
+        .headers
+        .iter()
+        .filter(|(n, _)| n != "content-type")
+        .cloned()
+        .collect();
+    if let (grpc::RESOURCE_EXHAUSTED, Some(ms)) = (code, reply.retry_ms) {
+        headers.push((
+            "grpc-status-details-bin".to_string(),
+            grpc::status_details(code, &detail, ms),
+        ));
+    }
+    LocalReply {
+        status: reply.status,
+        headers,
+        body: detail.into_bytes(),
+        grpc_status: Some(code),
+        retry_ms: reply.retry_ms,
+    }
+}
+
 /// Index (into the plan) of the limit the X-RateLimit fields describe.
 fn headline(config: &Config, plan: &Plan, outcome: &Outcome) -> Option<usize> {
     let enforced = plan
@@ -313,6 +353,72 @@ pub fn too_many_requests(config: &Config, plan: &Plan, outcome: &Outcome) -> Loc
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_answer_of_the_filter_has_its_grpc_status() {
+        let cases = [
+            (
+                too_many_requests_locally("l", 1500),
+                grpc::RESOURCE_EXHAUSTED,
+            ),
+            (unavailable("down"), grpc::UNAVAILABLE),
+            (bad_request("bad key"), grpc::INVALID_ARGUMENT),
+            (idempotency_conflict(), grpc::ABORTED),
+            (idempotency_mismatch(), grpc::FAILED_PRECONDITION),
+            (stored_response_missing(), grpc::DATA_LOSS),
+        ];
+        for (reply, code) in cases {
+            let grpc = grpc_reply(&reply);
+            assert_eq!(grpc.grpc_status, Some(code), "{}", reply.status);
+            let doc: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+            assert_eq!(grpc.body, doc["detail"].as_str().unwrap().as_bytes());
+            assert!(grpc.headers.iter().all(|(n, _)| n != "content-type"));
+        }
+    }
+
+    #[test]
+    fn a_rejection_keeps_its_rate_limit_metadata_and_carries_retry_info() {
+        let reply = too_many_requests_locally("per-ip", 1500);
+        let grpc = grpc_reply(&reply);
+        let get = |name: &str| {
+            grpc.headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(get("retry-after").as_deref(), Some("2"));
+        let details = get("grpc-status-details-bin").unwrap();
+        let raw = {
+            use base64::Engine;
+            base64::engine::general_purpose::STANDARD_NO_PAD.decode(details)
+        }
+        .unwrap();
+        let message =
+            "rate limit `per-ip` exceeded (local budget while the shared store is unavailable)";
+        // Status{code: 8, message, details: [Any{RetryInfo{1.5 s}}]}
+        let mut want = vec![0x08, 8, 0x12, message.len() as u8];
+        want.extend_from_slice(message.as_bytes());
+        let type_url = b"type.googleapis.com/google.rpc.RetryInfo";
+        let retry = [0x0a, 8, 0x08, 1, 0x10, 0x80, 0xca, 0xb5, 0xee, 0x01];
+        want.extend_from_slice(&[0x1a, (2 + type_url.len() + 2 + retry.len()) as u8]);
+        want.extend_from_slice(&[0x0a, type_url.len() as u8]);
+        want.extend_from_slice(type_url);
+        want.extend_from_slice(&[0x12, retry.len() as u8]);
+        want.extend_from_slice(&retry);
+        assert_eq!(raw, want);
+    }
+
+    #[test]
+    fn a_reply_that_is_not_a_problem_is_left_alone() {
+        let replay = LocalReply {
+            status: 200,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: b"{}".to_vec(),
+            grpc_status: None,
+            retry_ms: None,
+        };
+        assert_eq!(grpc_reply(&replay), replay);
+    }
 
     #[test]
     fn a_response_is_complete_once_at_its_content_length_or_its_end() {

@@ -140,13 +140,13 @@ pub trait Host: RequestView {
     /// answer to a gRPC request).
     fn send_reply(&mut self, reply: &LocalReply);
     /// Answers the request from the filter: a gRPC request gets the reply
-    /// as its client reads it ([`crate::grpc::reply_for`]).
+    /// as its client reads it ([`crate::response::grpc_reply`]).
     fn send_local(&mut self, reply: &LocalReply) {
         let grpc = self
             .header("content-type")
             .is_some_and(|ct| crate::grpc::is_grpc(&ct));
         if grpc {
-            self.send_reply(&crate::grpc::reply_for(reply));
+            self.send_reply(&crate::response::grpc_reply(reply));
         } else {
             self.send_reply(reply);
         }

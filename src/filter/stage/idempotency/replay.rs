@@ -240,7 +240,7 @@ impl Replay {
             self.routed = None;
             // As gRPC, whatever the content-type says now (this stage
             // rewrote it; Envoy knows the call is gRPC from its start).
-            host.send_reply(&crate::grpc::reply_for(&unavailable(
+            host.send_reply(&crate::response::grpc_reply(&unavailable(
                 "the stored response for this idempotency key cannot be replayed here (no replay route); the request was executed and is not run again",
             )));
             return Some(Action::Pause);
