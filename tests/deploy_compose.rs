@@ -18,7 +18,7 @@ use std::process::Command;
 
 use redis_guard::config::{Config, ConfigError, ENV_ACCESS_KEY_ID, ENV_SECRET_ACCESS_KEY};
 use serde_json::Value;
-use support::{envoy_bin, root, Scratch};
+use support::{envoy_bin, root, sha256_hex, Scratch};
 
 fn envoy_dir() -> PathBuf {
     root().join("envoy")
@@ -596,11 +596,7 @@ fn webdis_answers_only_the_credentials_the_render_made_for_envoy() {
     let redis_auth = webdis["redis_auth"]
         .as_str()
         .expect("webdis authenticates to Redis");
-    let hash = {
-        use sha2::Digest;
-        let d = sha2::Sha256::digest(redis_auth.as_bytes());
-        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    };
+    let hash = sha256_hex(redis_auth);
     let default = acl
         .lines()
         .find(|l| l.starts_with("user default "))

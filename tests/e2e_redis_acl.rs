@@ -33,13 +33,7 @@ impl Restricted {
     /// A command sent to Webdis with its credentials, as one who stole them:
     /// (HTTP status, Redis' raw reply).
     fn webdis(&self, command: &str) -> (u16, String) {
-        let auth = webdis_authorization();
-        let r = http(
-            "POST",
-            &format!("http://127.0.0.1:{}/", self.webdis.port),
-            &[("authorization", &auth)],
-            Some(format!("{command}.raw").as_bytes()),
-        );
+        let r = self.webdis.post(format!("{command}.raw").as_bytes());
         (r.status, String::from_utf8_lossy(&r.body).into_owned())
     }
 }

@@ -88,20 +88,13 @@ fn the_shipped_webdis_acl_refuses_every_command_but_eval_and_evalsha() {
     assert_eq!(policy(), policy_before);
 
     // The two allowed ones run, in any letter case, as the filter sends them.
-    let base = format!("http://127.0.0.1:{}/", webdis.port);
     for body in [
         "EVAL/return%207/0.raw".to_string(),
         "eval/return%207/0.raw".to_string(),
         format!("EVALSHA/{sha}/0.raw"),
         format!("EvalSha/{sha}/0.raw"),
     ] {
-        let auth = webdis_authorization();
-        let r = http(
-            "POST",
-            &base,
-            &[("authorization", &auth)],
-            Some(body.as_bytes()),
-        );
+        let r = webdis.post(body.as_bytes());
         assert_eq!(
             (r.status, r.body.as_slice()),
             (200, &b":7\r\n"[..]),
@@ -142,13 +135,7 @@ fn without_its_credentials_webdis_runs_nothing_not_even_eval() {
     let n: i64 = redis::cmd("DBSIZE").query(&mut con).unwrap();
     assert_eq!(n, 0, "nothing ran");
     // The right ones run it.
-    let auth = webdis_authorization();
-    let r = http(
-        "POST",
-        &base,
-        &[("authorization", &auth)],
-        Some(body.as_bytes()),
-    );
+    let r = webdis.post(body.as_bytes());
     assert_eq!(r.status, 200);
     let v: String = redis::cmd("GET").arg("rg:canary").query(&mut con).unwrap();
     assert_eq!(v, "owned");

@@ -280,6 +280,22 @@ fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<
     Ok(())
 }
 
+/// A credential read from the Wasm VM's environment (`fromEnvironment`
+/// under `at`): set and not empty, or an error naming the variable (never a
+/// value) and where Envoy and Istio pass it.
+fn from_vm_env(
+    env: &dyn Fn(&str) -> Option<String>,
+    at: &str,
+    name: &str,
+) -> Result<String, ConfigError> {
+    env(name).filter(|v| !v.is_empty()).ok_or_else(|| {
+        ConfigError::new(
+            format!("{at}.fromEnvironment"),
+            format!("{name} is not set in the Wasm VM's environment (Envoy: vm_config.environment_variables.host_env_keys; Istio: vmConfig.env)"),
+        )
+    })
+}
+
 fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
     let redis = compile_redis(raw.redis, env)?;
     let object_store = raw

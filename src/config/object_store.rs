@@ -189,21 +189,11 @@ fn compile_credentials(
                 "set either fromEnvironment or accessKeyId/secretAccessKey, not both",
             ))
         }
-        Some(true) => {
-            let var = |name: &str| {
-                env(name).filter(|v| !v.is_empty()).ok_or_else(|| {
-                    ConfigError::new(
-                        format!("{AT}.fromEnvironment"),
-                        format!("{name} is not set in the Wasm VM's environment (Envoy: vm_config.environment_variables.host_env_keys; Istio: vmConfig.env)"),
-                    )
-                })
-            };
-            (
-                var(ENV_ACCESS_KEY_ID)?,
-                var(ENV_SECRET_ACCESS_KEY)?,
-                env(ENV_SESSION_TOKEN).filter(|v| !v.is_empty()),
-            )
-        }
+        Some(true) => (
+            super::from_vm_env(env, AT, ENV_ACCESS_KEY_ID)?,
+            super::from_vm_env(env, AT, ENV_SECRET_ACCESS_KEY)?,
+            env(ENV_SESSION_TOKEN).filter(|v| !v.is_empty()),
+        ),
         _ => match (raw.access_key_id, raw.secret_access_key) {
             (Some(id), Some(secret)) => (id, secret, raw.session_token),
             (None, _) => {

@@ -223,17 +223,10 @@ fn compile_credentials(
                 "set either fromEnvironment or username/password, not both",
             ))
         }
-        (true, false) => {
-            let var = |name: &str| {
-                env(name).filter(|v| !v.is_empty()).ok_or_else(|| {
-                    ConfigError::new(
-                        format!("{AT}.fromEnvironment"),
-                        format!("{name} is not set in the Wasm VM's environment (Envoy: vm_config.environment_variables.host_env_keys; Istio: vmConfig.env)"),
-                    )
-                })
-            };
-            (var(ENV_WEBDIS_USERNAME)?, var(ENV_WEBDIS_PASSWORD)?)
-        }
+        (true, false) => (
+            super::from_vm_env(env, AT, ENV_WEBDIS_USERNAME)?,
+            super::from_vm_env(env, AT, ENV_WEBDIS_PASSWORD)?,
+        ),
         (false, _) => match (raw.username, raw.password) {
             (Some(u), Some(p)) => (u, p),
             (None, _) => {

@@ -328,7 +328,8 @@ pub struct Redis {
     aof: Option<&'static str>,
 }
 
-fn sha256_hex(text: &str) -> String {
+/// SHA-256 of `text`, lower-case hex (Redis' ACL `#<hash>` form).
+pub fn sha256_hex(text: &str) -> String {
     use sha2::Digest;
     hex(&sha2::Sha256::digest(text.as_bytes()))
 }
@@ -568,17 +569,18 @@ impl Webdis {
     /// between needs a moment to reach its masters. The command is an EVAL
     /// with one key, because a proxy cannot route a call without a key; it
     /// touches no key.
-    pub fn wait_until_redis_answers(&self) {
+    /// POSTs one command (Webdis' path form, as the filter sends it) with
+    /// the credentials the filter has.
+    pub fn post(&self, command: &[u8]) -> Resp {
+        let auth = webdis_authorization();
         let url = format!("http://127.0.0.1:{}/", self.port);
+        http("POST", &url, &[("authorization", &auth)], Some(command))
+    }
+
+    pub fn wait_until_redis_answers(&self) {
         let start = Instant::now();
         loop {
-            let auth = webdis_authorization();
-            let r = http(
-                "POST",
-                &url,
-                &[("authorization", &auth)],
-                Some(b"EVAL/return%207/1/rg%3Aready.raw"),
-            );
+            let r = self.post(b"EVAL/return%207/1/rg%3Aready.raw");
             if r.status == 200 && r.body == b":7\r\n" {
                 return;
             }
