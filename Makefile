@@ -30,13 +30,21 @@ GRPC_STAMP     := $(VENV)/.grpc-installed
 # Integration tests start real processes; two at a time suits a 2-core box.
 TEST_THREADS ?= 2
 
-.PHONY: build panic-trigger deps apt-deps rust-deps envoy-dep s3-dep grpc-dep compose-schema test unit lint demo demo-down \
+.PHONY: build cli panic-trigger deps apt-deps rust-deps envoy-dep s3-dep grpc-dep compose-schema test unit lint demo demo-down \
         compose-up compose-down compose-check oci schema bench bench-deps clean test-matrix
 
 build: rust-deps $(WASM)
 
 $(WASM): Cargo.toml $(shell find src lua -type f 2>/dev/null)
 	cargo build --release --lib --target $(WASM_TARGET)
+
+# The operator's CLI (src/cli/): a native binary, with the `cli` feature the
+# wasm build never enables, so its dependencies never enter the filter.
+CLI := target/release/redis-guard
+cli: rust-deps $(CLI)
+
+$(CLI): Cargo.toml $(shell find src lua -type f 2>/dev/null)
+	cargo build --release --features cli --bin redis-guard
 
 panic-trigger: rust-deps
 	cargo build --release --lib --target $(WASM_TARGET) --features panic-trigger --target-dir $(WASM_PANIC_DIR)
@@ -93,7 +101,7 @@ $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
 deps: rust-deps apt-deps envoy-dep s3-dep grpc-dep compose-schema
 
 test: deps build panic-trigger oci lint
-	cargo test --all-targets -- --test-threads=$(TEST_THREADS)
+	cargo test --all-targets --features cli -- --test-threads=$(TEST_THREADS)
 
 unit:
 	cargo test --lib
@@ -109,10 +117,10 @@ test-matrix: rust-deps apt-deps grpc-dep build
 
 lint: rust-deps
 	cargo fmt --check
-	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features cli -- -D warnings
 	cargo clippy --lib --target $(WASM_TARGET) -- -D warnings
 
-demo: deps build
+demo: deps build cli
 	bash envoy/demo.sh
 
 demo-down:

@@ -133,6 +133,12 @@ echo "bob has his own bucket:"
 show "GET /api/orders (x-user: bob)" -H 'x-user: bob' "$URL/api/orders"
 echo "the 429 body (RFC 9457 problem):"
 curl -s -H 'x-user: alice' "$URL/api/orders"; echo
+echo "what Redis holds for alice's bucket, read by the operator's CLI (make cli; inspect spends nothing):"
+# The CLI parses filter.json as the filter does, fromEnvironment credentials
+# included, and reaches Redis as its admin user.
+( set -a; . "$STACK/objectstore.env"; . "$STACK/webdis.env"; . "$STACK/redis.env"; set +a
+  target/release/redis-guard inspect --config envoy/filter.json --limit per-user-burst \
+    --value x-user=alice --redis "redis://admin:$REDIS_ADMIN_PASSWORD@127.0.0.1:$REDIS_PORT" ) | sed 's/^/  /'
 echo "limit reports-gcra: GCRA, 2 per second with a burst of 3, per x-api-key (one value per key in Redis):"
 for i in 1 2 3 4; do show "GET /api/reports (x-api-key: k1) #$i" -H 'x-api-key: k1' "$URL/api/reports"; done
 sleep 0.5

@@ -90,6 +90,38 @@ local function malformed(keys, ko, nk, argv, ao, na)
   return nil
 end
 
+-- A verdict that admits but is not charged (another limit rejected, or an
+-- inspection): the budget as it stands, remaining without this request's
+-- cost, reset until whole again (0 if it already is). lua/inspect.lua
+-- reports every admitting verdict this way.
+local function report_uncharged(r)
+  local alg = r.alg
+  if alg == 'tb' then
+    r.remaining = math.floor(r.credits / r.period)
+    r.reset = math.ceil((r.full - r.credits) / r.refill)
+  elseif alg == 'sw' then
+    r.remaining = r.remaining + r.cost
+    if r.newest then
+      r.reset = math.max(0, r.newest + r.window - now)
+    else
+      r.reset = 0
+    end
+  elseif alg == 'gcra' then
+    -- An admitting verdict always has its backlog d (0 <= d <= full).
+    r.remaining = math.floor((r.full - r.d) / r.period)
+    r.reset = math.ceil(r.d / r.rate)
+  elseif alg == 'fw' then
+    r.remaining = r.remaining + r.cost
+    r.reset = r.count > 0 and r.ends or 0
+  elseif alg == 'swc' then
+    r.remaining = r.remaining + r.cost
+    r.reset = swc_restored_in(r.cur, r.prev, r)
+  else
+    -- No slot taken: the free slots as they stand.
+    r.remaining = r.remaining + r.cost
+  end
+end
+
 -- decide() for a request malformed() has passed, whose KEYS start after
 -- keys[ko] and ARGV after argv[ao]: lua/batch.lua checks every member before
 -- deciding any, and reads each member where it lies in KEYS and ARGV (checking
@@ -157,32 +189,7 @@ local function decide_checked(keys, ko, argv, ao, na)
       elseif alg == 'swc' then swc_charge(r)
       else cc_charge(r) end
     elseif r.allowed == 1 then
-      -- Not charged: report the budget as it stands (remaining without this
-      -- request's cost; reset: until whole again, 0 if it already is).
-      if alg == 'tb' then
-        r.remaining = math.floor(r.credits / r.period)
-        r.reset = math.ceil((r.full - r.credits) / r.refill)
-      elseif alg == 'sw' then
-        r.remaining = r.remaining + r.cost
-        if r.newest then
-          r.reset = math.max(0, r.newest + r.window - now)
-        else
-          r.reset = 0
-        end
-      elseif alg == 'gcra' then
-        -- An admitting verdict always has its backlog d (0 <= d <= full).
-        r.remaining = math.floor((r.full - r.d) / r.period)
-        r.reset = math.ceil(r.d / r.rate)
-      elseif alg == 'fw' then
-        r.remaining = r.remaining + r.cost
-        r.reset = r.count > 0 and r.ends or 0
-      elseif alg == 'swc' then
-        r.remaining = r.remaining + r.cost
-        r.reset = swc_restored_in(r.cur, r.prev, r)
-      else
-        -- No slot taken: the free slots as they stand.
-        r.remaining = r.remaining + r.cost
-      end
+      report_uncharged(r)
     end
     out[#out + 1] = r.allowed
     out[#out + 1] = wire(r.remaining)

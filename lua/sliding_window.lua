@@ -10,18 +10,25 @@ ARGV     the limit's group in ratelimit.lua: "sw", limit, window (ms), 0, cost,
          enforce
 Returns  sw_check(key, limit, window, cost) -> verdict table with allowed (0/1),
          remaining, retry (ms), reset (ms: until the newest member leaves);
-         sw_charge(verdict) adds the members and the key's PEXPIRE.
+         sw_charge(verdict) prunes the members out of the window, adds the
+         request's and sets the key's PEXPIRE.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
+
+sw_check only reads (ZCOUNT over the window, not ZCARD after a prune): the
+operator's read-only inspection (lua/inspect.lua, flagged no-writes) runs it
+too. Members older than the window are pruned by the next charge, and the
+key's TTL drops the whole set one window after its newest member.
 ]]
 
 -- Sliding-window log: one member per admitted unit, scored by its admission
--- time in ms. The window is (now - window, now]; older members are pruned.
+-- time in ms. The window is (now - window, now].
 local function sw_check(key, limit, window, cost)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-  local count = redis.call('ZCARD', key)
+  local oldest = '(' .. string.format('%d', now - window)
+  local count = redis.call('ZCOUNT', key, oldest, '+inf')
   local r = { key = key, count = count, cost = cost, window = window }
   -- The newest member's stamp: members are numbered after it, and the window
-  -- is fully restored once it leaves.
+  -- is fully restored once it leaves. A newest member out of the window
+  -- (not yet pruned) is older than `now` and changes neither.
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   r.newest_member = newest[1]
   r.newest = tonumber(newest[2])
@@ -36,7 +43,8 @@ local function sw_check(key, limit, window, cost)
     r.remaining = math.max(0, limit - count)
     -- The (count + cost - limit)-th oldest member must leave the window first.
     local k = count + cost - limit
-    local m = redis.call('ZRANGE', key, k - 1, k - 1, 'WITHSCORES')
+    local m = redis.call('ZRANGE', key, oldest, '+inf', 'BYSCORE', 'LIMIT', k - 1, 1,
+                         'WITHSCORES')
     if m[2] then
       r.retry = math.max(1, tonumber(m[2]) + window - now)
     else
@@ -48,6 +56,7 @@ local function sw_check(key, limit, window, cost)
 end
 
 local function sw_charge(r)
+  redis.call('ZREMRANGEBYSCORE', r.key, '-inf', string.format('%d', now - r.window))
   -- Members must be unique or same-millisecond requests would collapse into
   -- one. Number them after the newest member; a clock that stepped back keeps
   -- the newest stamp so the log stays ordered.

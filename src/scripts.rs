@@ -119,6 +119,17 @@ pub static IDEM_COMPLETE: LazyLock<Script> =
 pub static IDEM_RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/idempotency_release.lua").to_string()));
 
+/// One limit's state read for an operator (lua/inspect.lua, flagged
+/// no-writes, with the decision parts joined in): what a request of a given
+/// cost would get now, and nothing spent.
+pub static INSPECT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(compose(include_str!("../lua/inspect.lua"), &DECISION_PARTS)));
+
+/// An operator's forget of one idempotency record, refused while it is in
+/// progress unless forced.
+pub static IDEM_FORGET: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/idempotency_forget.lua").to_string()));
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,6 +194,25 @@ mod tests {
             assert!(wire < src.find("local function tb_check").unwrap());
             assert!(src.contains("wire(r.remaining)") || src.contains("wire(granted)"));
         }
+    }
+
+    #[test]
+    fn the_inspection_is_flagged_no_writes_and_checks_every_kind_without_charging() {
+        let src = &INSPECT.source;
+        // Redis reads the flags from the first line only.
+        assert!(src.starts_with("#!lua flags=no-writes\n"));
+        for f in [
+            "tb_check",
+            "sw_check",
+            "gcra_check",
+            "fw_check",
+            "swc_check",
+            "cc_check",
+        ] {
+            assert!(src.contains(&format!("r = {f}(")), "{f}");
+        }
+        assert!(src.find("local function report_uncharged") < src.find("local function inspect"));
+        assert!(!src.contains(ALGORITHMS));
     }
 
     #[test]

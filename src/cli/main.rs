@@ -1,0 +1,265 @@
+//! `redis-guard`: the operator's tool for a redis-guard deployment.
+//!
+//! - `check CONFIG.json`: the filter's own parser over a configuration,
+//!   for users' CI before they deploy.
+//! - `inspect` / `reset`: one limit's state for given descriptor values.
+//! - `idempotency show|forget`: one idempotency record.
+//!
+//! It reaches Redis directly over RESP (the `redis` crate, Redis Cluster
+//! included) and builds every key with the filter's own code
+//! (`redis_guard::config`, `keys`, `idempotency`), so a key it names is the
+//! key the filter uses. Built only with the `cli` feature, which the wasm
+//! build never enables.
+
+mod output;
+mod select;
+mod store;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use output::Out;
+
+/// Exit codes, as the README's CLI section documents them. Usage errors
+/// (unknown flags, a missing argument) exit 2, as clap reports them.
+pub mod exit {
+    /// Done (for `check`: the configuration is valid).
+    pub const OK: u8 = 0;
+    /// The configuration is invalid, or cannot be read.
+    pub const CONFIG: u8 = 3;
+    /// No such limit or rule, or a part value missing or malformed.
+    pub const SELECTION: u8 = 4;
+    /// Redis unreachable, refused the credentials, or answered an error.
+    pub const REDIS: u8 = 5;
+    /// Refused: `reset` without `--yes`, `forget` of a record in progress
+    /// without `--force`.
+    pub const REFUSED: u8 = 6;
+}
+
+#[derive(Parser)]
+#[command(
+    name = "redis-guard",
+    version,
+    about = "Operator's tool for redis-guard: check a filter configuration, inspect and reset limits, show and forget idempotency records",
+    after_help = "Exit codes: 0 done, 2 usage, 3 invalid configuration, 4 unknown limit/rule or missing part value, 5 Redis error, 6 refused (reset without --yes, forget in progress without --force)."
+)]
+struct Cli {
+    /// Print one JSON document on stdout instead of text (errors included).
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Parse a filter configuration as the filter does; print a summary or the error Envoy would log.
+    Check {
+        /// The filter's JSON configuration (Envoy's `configuration` value or Istio's pluginConfig).
+        config: PathBuf,
+        /// Treat every fromEnvironment credential as set (a CI job that has no secrets).
+        #[arg(long)]
+        assume_env: bool,
+    },
+    /// Show one limit's state for given part values: key, remaining, reset and retry, raw state. Spends nothing.
+    Inspect {
+        #[command(flatten)]
+        limit: LimitArgs,
+        /// The cost of the request asked about (default 1).
+        #[arg(long, default_value_t = 1)]
+        cost: u64,
+    },
+    /// Delete one limit's state, restoring its whole budget.
+    Reset {
+        #[command(flatten)]
+        limit: LimitArgs,
+        /// Confirms the reset (without it nothing is deleted).
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Show or forget one idempotency record.
+    Idempotency {
+        #[command(subcommand)]
+        command: IdemCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum IdemCommand {
+    /// The record's state, TTL, stored status, body size and object-store reference.
+    Show(IdemArgs),
+    /// Delete the record so the key runs again; refused while it is in progress unless --force.
+    Forget {
+        #[command(flatten)]
+        record: IdemArgs,
+        /// Forget a record that is in progress too (its request's response is then not stored).
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// Where Redis is.
+#[derive(Args)]
+struct RedisArgs {
+    /// Redis URL (redis://[user:password@]host:port); repeat to seed a cluster.
+    #[arg(long = "redis", default_value = "redis://127.0.0.1:6379")]
+    urls: Vec<String>,
+    /// Talk to a Redis Cluster (slot routing, MOVED/ASK) through the --redis seed nodes.
+    #[arg(long)]
+    cluster: bool,
+    /// Connect and reply timeout in ms.
+    #[arg(long, default_value_t = 2000)]
+    timeout_ms: u64,
+}
+
+/// A part value by the name `check` lists: a header name (`x-user`),
+/// `query:NAME`, a metadata path after its namespace (`payload.sub`), an
+/// attribute (`source.principal`), `clientAddress`, `path`, `method`,
+/// `grpcService`, `grpcMethod`.
+#[derive(Args)]
+struct Selection {
+    /// The filter's JSON configuration.
+    #[arg(long)]
+    config: PathBuf,
+    /// A part value, NAME=VALUE (repeat for each part).
+    #[arg(long = "value", value_name = "NAME=VALUE")]
+    values: Vec<String>,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+#[derive(Args)]
+struct LimitArgs {
+    /// The limit's name.
+    #[arg(long)]
+    limit: String,
+    #[command(flatten)]
+    selection: Selection,
+}
+
+#[derive(Args)]
+struct IdemArgs {
+    /// The idempotency rule's name.
+    #[arg(long)]
+    rule: String,
+    /// The Idempotency-Key value.
+    #[arg(long)]
+    key: String,
+    #[command(flatten)]
+    selection: Selection,
+}
+
+/// Why a command failed, and its exit code.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: u8,
+    /// `config`, `selection`, `redis`, `refused`: the JSON error's kind.
+    pub kind: &'static str,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn config(message: impl Into<String>) -> Failure {
+        Failure {
+            code: exit::CONFIG,
+            kind: "config",
+            message: message.into(),
+        }
+    }
+    pub fn selection(message: impl Into<String>) -> Failure {
+        Failure {
+            code: exit::SELECTION,
+            kind: "selection",
+            message: message.into(),
+        }
+    }
+    pub fn redis(message: impl Into<String>) -> Failure {
+        Failure {
+            code: exit::REDIS,
+            kind: "redis",
+            message: message.into(),
+        }
+    }
+    pub fn refused(message: impl Into<String>) -> Failure {
+        Failure {
+            code: exit::REFUSED,
+            kind: "refused",
+            message: message.into(),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let out = Out { json: cli.json };
+    match run(cli.command) {
+        Ok(report) => {
+            out.report(&report);
+            ExitCode::from(exit::OK)
+        }
+        Err(failure) => {
+            out.failure(&failure);
+            ExitCode::from(failure.code)
+        }
+    }
+}
+
+fn run(command: Command) -> Result<output::Report, Failure> {
+    match command {
+        Command::Check { config, assume_env } => {
+            let parsed = select::load_with(&config, assume_env)?;
+            Ok(output::summary(&config, &parsed))
+        }
+        Command::Inspect { limit, cost } => {
+            let config = select::load(&limit.selection.config)?;
+            let target = select::limit(&config, &limit.limit, &limit.selection.values)?;
+            if cost == 0 || cost > target.limit.algorithm.quota() {
+                return Err(Failure::selection(format!(
+                    "--cost must be between 1 and {} (the limit's quota)",
+                    target.limit.algorithm.quota()
+                )));
+            }
+            let mut redis = store::connect(&limit.selection.redis)?;
+            let state = redis.inspect(&target, cost)?;
+            Ok(output::inspection(&target, cost, &state))
+        }
+        Command::Reset { limit, yes } => {
+            let config = select::load(&limit.selection.config)?;
+            let target = select::limit(&config, &limit.limit, &limit.selection.values)?;
+            if !yes {
+                return Err(Failure::refused(format!(
+                    "not resetting `{}` at {} without --yes",
+                    target.limit.name,
+                    output::printable(&target.key)
+                )));
+            }
+            let mut redis = store::connect(&limit.selection.redis)?;
+            let deleted = redis.delete(&target.key)?;
+            Ok(output::reset(&target, deleted))
+        }
+        Command::Idempotency { command } => {
+            let (args, force, forget) = match command {
+                IdemCommand::Show(args) => (args, false, false),
+                IdemCommand::Forget { record, force } => (record, force, true),
+            };
+            let config = select::load(&args.selection.config)?;
+            let target = select::record(&config, &args.rule, &args.key, &args.selection.values)?;
+            let mut redis = store::connect(&args.selection.redis)?;
+            if forget {
+                let outcome = redis.forget(&target.key, force)?;
+                if outcome == store::Forgot::Refused {
+                    return Err(Failure::refused(format!(
+                        "the record {} is in progress (its request is running or its Envoy died holding the lock, which expires by itself): not forgetting it without --force",
+                        output::printable(&target.key)
+                    )));
+                }
+                Ok(output::forgot(&target, outcome))
+            } else {
+                let record = redis.record(&target.key)?;
+                Ok(output::record(&target, &record))
+            }
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! The CLI's Redis: one server or a Redis Cluster, over RESP with the
+//! `redis` crate. Every operation is one command or one script on one key,
+//! so a cluster routes it to the master that owns the key's slot.
+
+use std::time::Duration;
+
+use redis::{ConnectionLike, Value};
+use redis_guard::config::Algorithm;
+use redis_guard::ratelimit::kind_args;
+use redis_guard::scripts::{IDEM_FORGET, INSPECT};
+
+use crate::select::LimitTarget;
+use crate::{Failure, RedisArgs};
+
+pub struct Store {
+    conn: Box<dyn ConnectionLike>,
+}
+
+/// A limit's figures as lua/inspect.lua computes them, and its raw state.
+pub struct Inspection {
+    pub allowed: bool,
+    pub remaining: i64,
+    pub retry_ms: i64,
+    pub reset_ms: i64,
+    pub redis_time_ms: i64,
+    pub raw: Raw,
+}
+
+/// A key's type, TTL and contents as Redis holds them.
+pub struct Raw {
+    /// `none` when the key does not exist.
+    pub kind: String,
+    /// -2 no key, -1 no TTL (never set by the filter).
+    pub pttl_ms: i64,
+    /// Hash fields, a string's value, or a sorted set's first members
+    /// (oldest first) with their scores.
+    pub entries: Vec<(Vec<u8>, Vec<u8>)>,
+    /// A sorted set's member count (entries shows at most RAW_MEMBERS).
+    pub members: Option<i64>,
+}
+
+/// Sorted-set members shown (a sliding window may hold a million).
+const RAW_MEMBERS: isize = 10;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forgot {
+    Deleted,
+    Absent,
+    Refused,
+}
+
+pub fn connect(args: &RedisArgs) -> Result<Store, Failure> {
+    let timeout = Duration::from_millis(args.timeout_ms.max(1));
+    let unreachable = |e: redis::RedisError| {
+        Failure::redis(format!(
+            "cannot reach Redis at {}: {e}",
+            args.urls
+                .iter()
+                .map(|u| redacted(u))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    };
+    let conn: Box<dyn ConnectionLike> = if args.cluster {
+        let client = redis::cluster::ClusterClientBuilder::new(args.urls.clone())
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            .build()
+            .map_err(unreachable)?;
+        Box::new(client.get_connection().map_err(unreachable)?)
+    } else {
+        let [url] = args.urls.as_slice() else {
+            return Err(Failure::redis(
+                "several --redis URLs seed a cluster: add --cluster, or give one URL",
+            ));
+        };
+        let client = redis::Client::open(url.as_str()).map_err(unreachable)?;
+        let conn = client
+            .get_connection_with_timeout(timeout)
+            .map_err(unreachable)?;
+        conn.set_read_timeout(Some(timeout)).map_err(unreachable)?;
+        conn.set_write_timeout(Some(timeout)).map_err(unreachable)?;
+        Box::new(conn)
+    };
+    Ok(Store { conn })
+}
+
+/// A URL as it may be printed: without its password.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+fn failed(e: redis::RedisError) -> Failure {
+    Failure::redis(format!("Redis answered an error: {e}"))
+}
+
+impl Store {
+    pub fn inspect(&mut self, target: &LimitTarget, cost: u64) -> Result<Inspection, Failure> {
+        let (alg, a, b, c) = kind_args(&target.limit.algorithm);
+        // A concurrency limit's third value is a slot id: any valid one
+        // (nothing is taken).
+        let c = match target.limit.algorithm {
+            Algorithm::Concurrency { .. } => "0".to_string(),
+            _ => c.to_string(),
+        };
+        let reply: Vec<Value> = redis::Script::new(&INSPECT.source)
+            .key(target.key.as_slice())
+            .arg(alg)
+            .arg(a)
+            .arg(b)
+            .arg(c)
+            .arg(cost)
+            .invoke(self.conn.as_mut())
+            .map_err(failed)?;
+        let num = |i: usize| -> Result<i64, Failure> {
+            match reply.get(i) {
+                Some(Value::Int(n)) => Ok(*n),
+                // lua/wire.lua hands large figures over as strings.
+                Some(Value::BulkString(b)) => std::str::from_utf8(b)
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| Failure::redis("inspect: a figure is not a number")),
+                _ => Err(Failure::redis(format!(
+                    "inspect: unexpected reply {reply:?}"
+                ))),
+            }
+        };
+        Ok(Inspection {
+            allowed: num(0)? == 1,
+            remaining: num(1)?,
+            retry_ms: num(2)?,
+            reset_ms: num(3)?,
+            redis_time_ms: num(4)?,
+            raw: self.raw(&target.key)?,
+        })
+    }
+
+    /// The key's type, TTL and contents.
+    pub fn raw(&mut self, key: &[u8]) -> Result<Raw, Failure> {
+        let kind: String = redis::cmd("TYPE")
+            .arg(key)
+            .query(self.conn.as_mut())
+            .map_err(failed)?;
+        let pttl_ms: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query(self.conn.as_mut())
+            .map_err(failed)?;
+        let mut members = None;
+        let entries: Vec<(Vec<u8>, Vec<u8>)> = match kind.as_str() {
+            "hash" => redis::cmd("HGETALL")
+                .arg(key)
+                .query(self.conn.as_mut())
+                .map_err(failed)?,
+            "string" => {
+                let v: Vec<u8> = redis::cmd("GET")
+                    .arg(key)
+                    .query(self.conn.as_mut())
+                    .map_err(failed)?;
+                vec![(Vec::new(), v)]
+            }
+            "zset" => {
+                members = Some(
+                    redis::cmd("ZCARD")
+                        .arg(key)
+                        .query(self.conn.as_mut())
+                        .map_err(failed)?,
+                );
+                let pairs: Vec<(Vec<u8>, String)> = redis::cmd("ZRANGE")
+                    .arg(key)
+                    .arg(0)
+                    .arg(RAW_MEMBERS - 1)
+                    .arg("WITHSCORES")
+                    .query(self.conn.as_mut())
+                    .map_err(failed)?;
+                pairs
+                    .into_iter()
+                    .map(|(m, s)| (m, s.into_bytes()))
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        Ok(Raw {
+            kind,
+            pttl_ms,
+            entries,
+            members,
+        })
+    }
+
+    /// DEL; whether there was a key.
+    pub fn delete(&mut self, key: &[u8]) -> Result<bool, Failure> {
+        let n: i64 = redis::cmd("DEL")
+            .arg(key)
+            .query(self.conn.as_mut())
+            .map_err(failed)?;
+        Ok(n > 0)
+    }
+
+    pub fn record(&mut self, key: &[u8]) -> Result<Raw, Failure> {
+        self.raw(key)
+    }
+
+    pub fn forget(&mut self, key: &[u8], force: bool) -> Result<Forgot, Failure> {
+        let n: i64 = redis::Script::new(&IDEM_FORGET.source)
+            .key(key)
+            .arg(if force { "1" } else { "0" })
+            .invoke(self.conn.as_mut())
+            .map_err(failed)?;
+        Ok(match n {
+            1 => Forgot::Deleted,
+            0 => Forgot::Absent,
+            _ => Forgot::Refused,
+        })
+    }
+}
