@@ -1,9 +1,11 @@
 //! A Redis Cluster on loopback for the cluster end-to-end tests
-//! (tests/e2e_cluster.rs): three real `redis-server --cluster-enabled`
-//! masters, an Envoy running `redis_proxy` over an `envoy.clusters.redis`
-//! cluster (envoy/redis-cluster.yaml) in front of them, one Webdis pointed at
-//! that proxy, and two filter Envoys sharing it. Built from the same parts as
-//! the single-Redis [`Stack`]: [`Proc`], [`Scratch`], [`render`], [`Envoy`].
+//! (tests/e2e_cluster.rs, tests/e2e_failover.rs): three real
+//! `redis-server --cluster-enabled` masters (each with one replica for the
+//! failover test), an Envoy running `redis_proxy` over an
+//! `envoy.clusters.redis` cluster (envoy/redis-cluster.yaml) in front of
+//! them, one Webdis pointed at that proxy, and two filter Envoys sharing it.
+//! Built from the same parts as the single-Redis [`Stack`]: [`Proc`],
+//! [`Scratch`], [`render`], [`Envoy`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -22,21 +24,54 @@ use super::{
 /// several, few enough for two cores.
 pub const MASTERS: usize = 3;
 
-/// Three empty masters, no replicas, slots split by `redis-cli --cluster create`.
+/// `cluster-node-timeout` of a cluster with replicas: how long a master may
+/// be unreachable before the others flag it as failing. Redis' default is
+/// 15 s; at 1 s a killed master's replica takes over within a few seconds
+/// (the flag, then 0.5-1 s of election delay, then the vote), which keeps
+/// the failover test short. Loopback never stalls that long otherwise.
+pub const NODE_TIMEOUT_MS: u64 = 1000;
+
+/// Three masters with their slots split by `redis-cli --cluster create`:
+/// no replicas ([`RedisCluster::start`]) or one each
+/// ([`RedisCluster::start_with_replicas`]).
 pub struct RedisCluster {
-    /// Ports of the masters, in the order given to `--cluster create`.
+    /// Ports of the masters, in the order given to `--cluster create`. After
+    /// a failover ([`RedisCluster::wait_failover`]) the promoted replica
+    /// takes its master's place, so an index keeps naming the same slots.
     pub ports: Vec<u16>,
+    /// Each replica's port and its master's, while neither was promoted.
+    replicas: Vec<(u16, u16)>,
     /// `(first slot, last slot, index into ports)`, from CLUSTER NODES.
     slots: Vec<(u16, u16, usize)>,
-    /// Kept until the cluster is dropped (killed before `dir` goes).
-    _procs: Vec<Proc>,
+    /// How many nodes were started: a killed node stays known to the others.
+    started: usize,
+    /// Every live node's process by port, kept until the cluster is dropped
+    /// (killed before `dir` goes); [`RedisCluster::kill_master`] takes one out.
+    procs: Vec<(u16, Proc)>,
     dir: Scratch,
 }
 
 impl RedisCluster {
+    /// Three empty masters, no replicas.
     pub fn start() -> RedisCluster {
+        RedisCluster::start_nodes(0)
+    }
+
+    /// Three empty masters with one replica each (six nodes), every replica
+    /// in sync with its master before this returns. Like [`start`], no
+    /// persistence (`--save '' --appendonly no`): the failover test never
+    /// restarts a node, so a file would change nothing it measures; what a
+    /// promoted replica has is what replication delivered before the kill.
+    ///
+    /// [`start`]: RedisCluster::start
+    pub fn start_with_replicas() -> RedisCluster {
+        RedisCluster::start_nodes(1)
+    }
+
+    fn start_nodes(replicas_per_master: usize) -> RedisCluster {
         let dir = Scratch::new("redis-cluster");
-        let ports: Vec<u16> = (0..MASTERS).map(|_| free_port()).collect();
+        let started = MASTERS * (1 + replicas_per_master);
+        let ports: Vec<u16> = (0..started).map(|_| free_port()).collect();
         let procs = ports
             .iter()
             .enumerate()
@@ -44,45 +79,160 @@ impl RedisCluster {
                 // The cluster bus gets a free port of its own: the default,
                 // port + 10000, may be taken (or in the ephemeral range).
                 let bus = free_port();
-                Proc::spawn(
+                let mut cmd = Command::new(on_path("redis-server"));
+                cmd.args(["--cluster-enabled", "yes", "--cluster-config-file"])
+                    .arg(dir.0.join(format!("nodes-{i}.conf")))
+                    .args(["--cluster-port", &bus.to_string()])
+                    .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                    .args(["--save", "", "--appendonly", "no"]);
+                if replicas_per_master > 0 {
+                    cmd.args(["--cluster-node-timeout", &NODE_TIMEOUT_MS.to_string()])
+                        // A replica may take over however long ago it last
+                        // heard from its master (by default not past about
+                        // ten node timeouts): a failover always completes.
+                        .args(["--cluster-replica-validity-factor", "0"])
+                        // The first full sync starts at once, not after
+                        // Redis' default 5 s wait for more replicas.
+                        .args(["--repl-diskless-sync-delay", "0"]);
+                }
+                let proc = Proc::spawn(
                     "redis-server (cluster)",
-                    Command::new(on_path("redis-server"))
-                        .args(["--cluster-enabled", "yes", "--cluster-config-file"])
-                        .arg(dir.0.join(format!("nodes-{i}.conf")))
-                        .args(["--cluster-port", &bus.to_string()])
-                        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                        .args(["--save", "", "--appendonly", "no"])
-                        .arg("--dir")
-                        .arg(&dir.0)
-                        .stdout(Stdio::null()),
-                )
+                    cmd.arg("--dir").arg(&dir.0).stdout(Stdio::null()),
+                );
+                (*port, proc)
             })
             .collect();
         let mut cluster = RedisCluster {
-            ports,
+            ports: ports.clone(),
+            replicas: Vec::new(),
             slots: Vec::new(),
-            _procs: procs,
+            started,
+            procs,
             dir,
         };
-        for port in &cluster.ports {
+        for port in &ports {
             wait_for_redis(*port, "redis-server (cluster)");
         }
-        cluster.create();
+        cluster.create(replicas_per_master);
+        cluster.read_roles(&ports, replicas_per_master);
         cluster.wait_ok();
+        cluster.wait_replicas_in_sync();
         cluster.slots = cluster.read_slots();
         cluster
     }
 
+    /// Which nodes `--cluster create` made masters and which replicas (it
+    /// picks, and pairs replicas with masters as it likes on one host):
+    /// every node's own `INFO replication`.
+    fn read_roles(&mut self, all: &[u16], replicas_per_master: usize) {
+        let mut masters = Vec::new();
+        let mut replicas = Vec::new();
+        for port in all {
+            let info = info(*port, "replication");
+            match field(&info, "role").as_str() {
+                "master" => masters.push(*port),
+                "slave" => replicas.push((*port, field(&info, "master_port").parse().unwrap())),
+                other => panic!("node {port}: role {other}"),
+            }
+        }
+        assert_eq!(masters.len(), MASTERS, "{all:?}: masters {masters:?}");
+        for m in &masters {
+            let mine = replicas.iter().filter(|(_, of)| of == m).count();
+            assert_eq!(mine, replicas_per_master, "replicas of {m}: {replicas:?}");
+        }
+        self.ports = masters;
+        self.replicas = replicas;
+    }
+
+    /// Every replica's link to its master is up and its first sync done
+    /// (bounded): from then on it receives each write as its master makes it.
+    fn wait_replicas_in_sync(&self) {
+        let start = Instant::now();
+        for (port, _) in &self.replicas {
+            loop {
+                let info = info(*port, "replication");
+                if field(&info, "master_link_status") == "up"
+                    && field(&info, "master_sync_in_progress") == "0"
+                {
+                    break;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(15),
+                    "replica {port} not in sync:\n{info}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// The port of the replica of master `node` (not yet promoted).
+    pub fn replica_of(&self, node: usize) -> u16 {
+        let master = self.ports[node];
+        self.replicas
+            .iter()
+            .find(|(_, of)| *of == master)
+            .unwrap_or_else(|| panic!("master {master} has no replica: {:?}", self.replicas))
+            .0
+    }
+
+    /// Kills master `node` with SIGKILL (nothing flushed, no goodbye to the
+    /// cluster); returns the moment just before the signal went.
+    pub fn kill_master(&mut self, node: usize) -> Instant {
+        let port = self.ports[node];
+        let at = self
+            .procs
+            .iter()
+            .position(|(p, _)| *p == port)
+            .unwrap_or_else(|| panic!("master {port} was killed already"));
+        let (_, mut proc) = self.procs.remove(at);
+        let now = Instant::now();
+        proc.kill();
+        now
+    }
+
+    /// Waits, polling every 20 ms within `limit`, until the replica of the
+    /// killed master `node` calls itself a master and every surviving node
+    /// says `cluster_state:ok` with all 16384 slots served; then the replica
+    /// takes `node`'s place in [`RedisCluster::ports`] and the slot table is
+    /// read again. Returns the promoted replica's port.
+    pub fn wait_failover(&mut self, node: usize, limit: Duration) -> u16 {
+        let dead = self.ports[node];
+        assert!(
+            self.procs.iter().all(|(p, _)| *p != dead),
+            "master {dead} is alive: kill it first"
+        );
+        let replica = self.replica_of(node);
+        let start = Instant::now();
+        loop {
+            let promoted = field(&info(replica, "replication"), "role") == "master";
+            if promoted && self.procs.iter().all(|(p, _)| cluster_ok(*p)) {
+                break;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "no failover of {dead} to {replica} within {limit:?}:\n{}",
+                cluster_info(replica)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.ports[node] = replica;
+        self.replicas.retain(|(p, _)| *p != replica);
+        self.wait_ok();
+        self.slots = self.read_slots();
+        replica
+    }
+
     /// `redis-cli --cluster create`, bounded: it assigns the slots, makes the
     /// nodes meet and waits until they agree.
-    fn create(&self) {
+    fn create(&self, replicas_per_master: usize) {
         let (status, text) = run_to_exit(
             "redis-cli --cluster create",
             Command::new(on_path("redis-cli"))
                 .arg("--cluster")
                 .arg("create")
                 .args(self.ports.iter().map(|p| format!("127.0.0.1:{p}")))
-                .args(["--cluster-replicas", "0", "--cluster-yes"]),
+                .args(["--cluster-replicas", &replicas_per_master.to_string()])
+                .arg("--cluster-yes"),
             &self.dir.0.join("create.log"),
             Duration::from_secs(20),
         );
@@ -92,34 +242,32 @@ impl RedisCluster {
         );
     }
 
-    /// Every node says `cluster_state:ok` and knows every other (bounded).
+    /// Every live node says `cluster_state:ok` and knows every node started,
+    /// a killed one included (bounded).
     fn wait_ok(&self) {
         let start = Instant::now();
-        for i in 0..self.ports.len() {
+        for (port, _) in &self.procs {
             loop {
-                let info: String = redis::cmd("CLUSTER")
-                    .arg("INFO")
-                    .query(&mut self.conn(i))
-                    .unwrap();
+                let info = cluster_info(*port);
                 let want = [
                     "cluster_state:ok".to_string(),
                     "cluster_slots_ok:16384".to_string(),
-                    format!("cluster_known_nodes:{}", self.ports.len()),
+                    format!("cluster_known_nodes:{}", self.started),
                 ];
                 if want.iter().all(|w| info.lines().any(|l| l.trim() == w)) {
                     break;
                 }
                 assert!(
                     start.elapsed() < Duration::from_secs(15),
-                    "node {} not ok:\n{info}",
-                    self.ports[i]
+                    "node {port} not ok:\n{info}"
                 );
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
     }
 
-    /// The slot table as every node sees it (they must agree).
+    /// The slot table as every master sees it (they must agree). Replicas
+    /// and a failed master own no slot: their lines carry none.
     fn read_slots(&self) -> Vec<(u16, u16, usize)> {
         let tables: Vec<Vec<(u16, u16, usize)>> = (0..self.ports.len())
             .map(|i| {
@@ -131,6 +279,9 @@ impl RedisCluster {
                 // <id> <ip:port@cport> <flags> <master> <ping> <pong> <epoch> <link> <slot>...
                 for line in nodes.lines() {
                     let f: Vec<&str> = line.split_whitespace().collect();
+                    if f.len() <= 8 {
+                        continue;
+                    }
                     let port: u16 = f[1]
                         .split('@')
                         .next()
@@ -141,7 +292,7 @@ impl RedisCluster {
                         .parse()
                         .unwrap();
                     let node = self.ports.iter().position(|p| *p == port).unwrap();
-                    assert!(f[2].contains("master"), "{line}");
+                    assert!(f[2].contains("master") && !f[2].contains("fail"), "{line}");
                     for range in &f[8..] {
                         let (a, b) = range.split_once('-').unwrap_or((range, range));
                         table.push((a.parse().unwrap(), b.parse().unwrap(), node));
@@ -307,6 +458,36 @@ impl RedisCluster {
     }
 }
 
+/// One section of a node's INFO.
+fn info(port: u16, section: &str) -> String {
+    redis::cmd("INFO")
+        .arg(section)
+        .query(&mut redis_conn(port))
+        .unwrap()
+}
+
+/// A node's CLUSTER INFO.
+fn cluster_info(port: u16) -> String {
+    redis::cmd("CLUSTER")
+        .arg("INFO")
+        .query(&mut redis_conn(port))
+        .unwrap()
+}
+
+/// Whether a node says the cluster is up with every slot served.
+fn cluster_ok(port: u16) -> bool {
+    let info = cluster_info(port);
+    field(&info, "cluster_state") == "ok" && field(&info, "cluster_slots_ok") == "16384"
+}
+
+/// The value of `name:value` in INFO-style text ("" if absent).
+fn field(info: &str, name: &str) -> String {
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix(&format!("{name}:")))
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// Envoy with only `redis_proxy` (envoy/redis-cluster.yaml): Webdis' Redis.
 pub struct RedisProxy {
     pub port: u16,
@@ -376,7 +557,8 @@ impl RedisProxy {
     }
 }
 
-/// Two filter Envoys → one Webdis → the redis_proxy Envoy → three masters.
+/// Two filter Envoys → one Webdis → the redis_proxy Envoy → three masters
+/// (and their replicas).
 /// Fields drop in order: the clients go before what they talk to.
 pub struct ClusterStack {
     pub envoys: Vec<Envoy>,
@@ -388,7 +570,15 @@ pub struct ClusterStack {
 
 impl ClusterStack {
     pub fn start(filter_config: &str) -> ClusterStack {
-        let cluster = RedisCluster::start();
+        ClusterStack::on(RedisCluster::start(), filter_config)
+    }
+
+    /// The same over three masters with one replica each.
+    pub fn start_with_replicas(filter_config: &str) -> ClusterStack {
+        ClusterStack::on(RedisCluster::start_with_replicas(), filter_config)
+    }
+
+    fn on(cluster: RedisCluster, filter_config: &str) -> ClusterStack {
         let proxy = RedisProxy::start(&cluster);
         // redis_proxy here asks no password of its clients.
         let webdis = Webdis::start_with_redis_auth(proxy.port, None);
