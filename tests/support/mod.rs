@@ -109,6 +109,11 @@ impl Proc {
         }
     }
 
+    /// The process id (it must still run).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("process gone").id()
+    }
+
     /// Sends a signal (`STOP`, `CONT`…) with kill(1).
     pub fn signal(&self, sig: &str) {
         let pid = self.child.as_ref().expect("process gone").id();
@@ -478,6 +483,11 @@ impl Redis {
     /// Kills the server (SIGKILL: nothing is flushed on the way out) and
     /// starts it again on the same port and directory: scripts are gone,
     /// and keys too unless its append-only file kept them.
+    /// redis-server's process id.
+    pub fn pid(&self) -> u32 {
+        self.proc.pid()
+    }
+
     pub fn restart(&mut self) {
         self.proc.kill();
         self.proc = Self::spawn(self.port, &self.dir, self.aof);
