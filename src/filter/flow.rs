@@ -6,8 +6,9 @@
 //! idempotency key, the key's lock are decided by one script call (after the
 //! body is read, since the fingerprint covers it). Response side: a locked
 //! request's response is copied while it streams; its last chunk is held until
-//! Redis has the COMPLETED record, so a retry sent after the client saw the
-//! whole response is always a replay.
+//! Redis has the COMPLETED record (or, if that write failed, the lock's
+//! release), so a retry sent after the client saw the whole response is a
+//! replay, or, its record lost, runs again: never a 409.
 
 use std::rc::Rc;
 
