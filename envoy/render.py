@@ -11,9 +11,11 @@ an error, so a renamed placeholder cannot go unnoticed.
 --webdis-credentials FILE makes Webdis' HTTP Basic credentials for this
 stack: the user redis-guard and a new random password, inserted as
 WEBDIS_USERNAME and WEBDIS_PASSWORD (webdis.json's http_basic_auth) and
-written to FILE (mode 0600) as REDIS_GUARD_WEBDIS_USERNAME=... and
-REDIS_GUARD_WEBDIS_PASSWORD=..., the variables the filter reads with
-redis.credentials.fromEnvironment: load FILE into Envoy's environment.
+written to FILE (mode 0600) as REDIS_GUARD_WEBDIS_AUTHORIZATION="Basic ..."
+(the header envoy.yaml's webdis cluster adds to every callout), and as
+REDIS_GUARD_WEBDIS_USERNAME=... and REDIS_GUARD_WEBDIS_PASSWORD=... (what the
+filter reads with redis.credentials.fromEnvironment, where it sends them
+itself): load FILE into Envoy's environment.
 
 --redis-users FILE makes the passwords of redis.acl's two Redis users: the
 default user, which Webdis connects as (its SHA-256 in redis.acl, and
@@ -27,6 +29,7 @@ REDIS_ADMIN_PASSWORD=...
 Each TEMPLATE is written to DIR under its own file name.
 """
 import argparse
+import base64
 import hashlib
 import json
 import os
@@ -85,7 +88,11 @@ def main() -> int:
         values["WEBDIS_PASSWORD"] = password
         fd = os.open(args.webdis_credentials, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"REDIS_GUARD_WEBDIS_USERNAME=redis-guard\nREDIS_GUARD_WEBDIS_PASSWORD={password}\n")
+            basic = base64.b64encode(f"redis-guard:{password}".encode()).decode()
+            # Quoted for the shell (demo.sh and compose source the file):
+            # the value holds a space.
+            f.write(f"REDIS_GUARD_WEBDIS_AUTHORIZATION='Basic {basic}'\n"
+                    f"REDIS_GUARD_WEBDIS_USERNAME=redis-guard\nREDIS_GUARD_WEBDIS_PASSWORD={password}\n")
 
     if args.redis_users:
         password = secrets.token_urlsafe(24)

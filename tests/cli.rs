@@ -478,7 +478,7 @@ fn check_accepts_every_good_fixture_and_rejects_every_bad_one_with_the_parsers_m
     let demo = root().join("envoy/filter.json");
     let out = run(&["check", demo.to_str().unwrap()]);
     assert_eq!(code(&out), 3);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("REDIS_GUARD_WEBDIS_USERNAME is not set"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("AWS_ACCESS_KEY_ID is not set"));
     let out = run(&["check", "--assume-env", demo.to_str().unwrap()]);
     assert_eq!(code(&out), 0);
     assert!(String::from_utf8_lossy(&out.stdout).contains(": valid\n"));

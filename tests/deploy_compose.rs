@@ -590,6 +590,38 @@ fn webdis_answers_only_the_credentials_the_render_made_for_envoy() {
     assert_eq!(acl.len(), 2);
     assert_eq!(acl[1]["http_basic_auth"], format!("{user}:{password}"));
     assert_eq!(acl[1]["enabled"], serde_json::json!(["EVALSHA", "EVAL"]));
+    // Envoy sends them: its webdis cluster adds the header from its
+    // environment, so no log line and no config dump holds them, and the
+    // filter (configured without credentials) never sees them.
+    use base64::Engine;
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    assert_eq!(
+        var("REDIS_GUARD_WEBDIS_AUTHORIZATION"),
+        format!("'Basic {basic}'")
+    );
+    let envoy: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(out.0.join("envoy.yaml")).unwrap())
+            .unwrap();
+    let clusters = envoy["static_resources"]["clusters"].as_sequence().unwrap();
+    let cluster = clusters.iter().find(|c| c["name"] == "webdis").unwrap();
+    let options = &cluster["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+    let mutation =
+        &options["http_filters"][0]["typed_config"]["mutations"]["request_mutations"][0]["append"];
+    assert_eq!(mutation["header"]["key"], "authorization");
+    assert_eq!(
+        mutation["header"]["value"],
+        "%ENVIRONMENT(REDIS_GUARD_WEBDIS_AUTHORIZATION)%"
+    );
+    assert_eq!(mutation["append_action"], "ADD_IF_ABSENT");
+    let filter: Value =
+        serde_json::from_str(&std::fs::read_to_string(envoy_dir().join("filter.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        filter["redis"].get("credentials"),
+        None,
+        "the filter sends none"
+    );
     // Redis' users: Webdis connects as the restricted default user, with the
     // password whose hash redis.acl holds; the file holds no password.
     let acl = std::fs::read_to_string(out.0.join("redis.acl")).unwrap();

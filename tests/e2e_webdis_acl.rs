@@ -203,3 +203,82 @@ fn the_filter_with_wrong_credentials_takes_its_failure_mode_counted_as_auth() {
         "the password itself is never written"
     );
 }
+
+#[test]
+fn credentials_added_by_envoys_webdis_cluster_decide_and_never_reach_the_debug_log() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    // The filter sends no credentials; envoy.yaml's webdis cluster adds the
+    // header from Envoy's environment, as the demo and compose run it.
+    let config = |mode: &str| {
+        format!(
+            r#"{{"redis":{{"cluster":"webdis","timeoutMs":2000,"credentials":null}},
+                "failureMode":"{mode}","limits":[{{"name":"all","descriptor":[{{"header":"x-user"}}],
+                "tokenBucket":{{"capacity":3,"refill":1,"periodMs":3600000}}}}]}}"#
+        )
+    };
+    let authorization = webdis_authorization();
+    let right = Envoy::start_full(
+        &config("deny"),
+        webdis.port,
+        upstream.port,
+        None,
+        &[("REDIS_GUARD_WEBDIS_AUTHORIZATION", &authorization)],
+        |y| y,
+    );
+    use base64::Engine;
+    let wrong_secret = "NEVER-LOG-THIS-ONE-EITHER";
+    let wrong_basic = base64::engine::general_purpose::STANDARD
+        .encode(format!("{WEBDIS_USERNAME}:{wrong_secret}"));
+    let wrong = Envoy::start_full(
+        &config("deny"),
+        webdis.port,
+        upstream.port,
+        None,
+        &[(
+            "REDIS_GUARD_WEBDIS_AUTHORIZATION",
+            &format!("Basic {wrong_basic}"),
+        )],
+        |y| y,
+    );
+    for e in [&right, &wrong] {
+        let r = http(
+            "POST",
+            &format!("http://127.0.0.1:{}/logging?level=debug", e.admin_port),
+            &[],
+            None,
+        );
+        assert_eq!(r.status, 200);
+    }
+    let statuses: Vec<u16> = (0..4)
+        .map(|_| get(&right.url("/x"), &[("x-user", "a")]).status)
+        .collect();
+    assert_eq!(statuses, [200, 200, 200, 429], "decided by Redis, exactly");
+    assert_eq!(right.counter("redis_guard.redis.errors"), 0);
+    assert_eq!(get(&wrong.url("/x"), &[("x-user", "a")]).status, 503);
+    assert_eq!(wrong.counter("redis_guard.redis.errors_by_kind.auth"), 1);
+    // Envoy's debug log dumps each callout's headers (the router's), which
+    // here carry no credentials: the header is added after that dump.
+    let encoded = authorization.trim_start_matches("Basic ");
+    let log = right.log();
+    assert!(
+        log.contains("router decoding headers"),
+        "a debug log: {log}"
+    );
+    assert!(
+        !log.contains(encoded) && !log.contains(WEBDIS_PASSWORD),
+        "a secret in the debug log"
+    );
+    let log = wrong.log();
+    assert!(log.contains("redis.credentials"), "the one clear line");
+    assert!(!log.contains(&wrong_basic) && !log.contains(wrong_secret));
+    // Nor does the config dump hold it: only the placeholder.
+    let dump = get(
+        &format!("http://127.0.0.1:{}/config_dump", right.admin_port),
+        &[],
+    );
+    let dump = String::from_utf8_lossy(&dump.body);
+    assert!(dump.contains("%ENVIRONMENT(REDIS_GUARD_WEBDIS_AUTHORIZATION)%"));
+    assert!(!dump.contains(encoded) && !dump.contains(WEBDIS_PASSWORD));
+}

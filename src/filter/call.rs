@@ -65,7 +65,7 @@ pub fn transport(reply: &CalloutReply) -> Transport {
         // as the one thing to fix; the credentials themselves never.
         Some(s @ (401 | 403)) => Transport::Failed((
             ErrorKind::Auth,
-            format!("webdis refused the call (HTTP {s}): redis.credentials are missing or not the ones its http_basic_auth admits"),
+            format!("webdis refused the call (HTTP {s}): the credentials (redis.credentials, or the Authorization header the webdis cluster adds) are missing or not the ones its http_basic_auth admits"),
         )),
         Some(s) => Transport::Failed((ErrorKind::Http, format!("webdis answered HTTP {s}"))),
         None => Transport::Failed((
