@@ -737,8 +737,10 @@ def drop_wasm(doc):
 
 
 class Stack:
-    def __init__(self, envoy_log_level):
+    def __init__(self, envoy_log_level, appendfsync="none"):
         import yaml
+
+        self.appendfsync = appendfsync
 
         self.yaml = yaml
         self.envoy = envoy_binary()
@@ -767,10 +769,13 @@ class Stack:
         # a port nothing listens on will do.
         self.store_port = ports[4]
         self.spare_ports = ports[5:]
-        # Redis: no persistence, private dir.
+        # Redis: no persistence unless --redis-appendfsync asks for the
+        # append-only file (the demo's and compose's durability), private dir.
+        persistence = (["--appendonly", "no"] if self.appendfsync == "none" else
+                       ["--appendonly", "yes", "--appendfsync", self.appendfsync])
         self.redis = spawn("redis-server", [
             "redis-server", "--port", str(self.redis_port), "--bind", HOST, "--save", "",
-            "--appendonly", "no", "--dir", str(RUN), "--logfile", str(RUN / "redis.log"),
+            *persistence, "--dir", str(RUN), "--logfile", str(RUN / "redis.log"),
             "--daemonize", "no"], RUN / "redis.out")
         if not wait_port(self.redis, self.redis_port):
             raise BenchError(f"redis-server did not start:\n{tail(RUN / 'redis.log')}")
@@ -1630,6 +1635,11 @@ def main():
     ap.add_argument("--no-benchmarks-md", action="store_true",
                     help="do not rewrite BENCHMARKS.md (trial runs)")
     ap.add_argument("--envoy-log-level", default="warn")
+    ap.add_argument("--redis-appendfsync", default="none",
+                    choices=["none", "everysec", "always"],
+                    help="Redis persistence: none (the default: what the limits cost), or an "
+                    "append-only file fsynced every second or on every write (what the demo "
+                    "and compose run)")
     ap.add_argument("--quiet-wait", type=int, default=60,
                     help="seconds to wait at most for other work on the machine to stop")
     ap.add_argument("--out", help="directory for results.json, results.md, latency.png "
@@ -1672,7 +1682,7 @@ def main():
     RUN.mkdir(parents=True)
     jwt_issuer()
 
-    stack = Stack(args.envoy_log_level)
+    stack = Stack(args.envoy_log_level, args.redis_appendfsync)
     log("starting redis-server, webdis, the upstream Envoy and one Envoy per scenario")
     stack.start(scenarios)
     live = [s for s in scenarios if s["id"] not in stack.unavailable]
