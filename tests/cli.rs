@@ -613,7 +613,9 @@ fn the_cli_reads_and_resets_a_limit_over_a_redis_cluster() {
         .cluster
         .ports
         .iter()
-        .map(|p| format!("redis://127.0.0.1:{p}/"))
+        // The nodes' admin (tests/support/cluster.rs): their default user
+        // may run the scripts' commands only.
+        .map(|p| format!("redis://admin:{REDIS_ADMIN_PASSWORD}@127.0.0.1:{p}/"))
         .collect();
     // Users on every master, so the keys spread over the slots.
     let users: Vec<String> = (0..6).map(|i| format!("user-{i}")).collect();

@@ -7,6 +7,9 @@
 //! RESP endpoint. What must hold is that the guarantees stay exact when the
 //! keys of different tenants live on different masters, that no script call
 //! crosses slots, and that a master without the script recovers by itself.
+//! And that only the Envoys reach the nodes: they run envoy/redis.acl's
+//! users plus the proxy's own, Webdis authenticates to the proxy, and no
+//! node refuses the proxy anything it needs (`ClusterStack::assert_clean`).
 //!
 //! The harness (the cluster, the proxy, the stack and the tenant placement)
 //! is tests/support/cluster.rs.
@@ -607,4 +610,232 @@ fn concurrency_slots_hold_exactly_per_tenant_and_come_back_over_the_cluster() {
         (tenants.len() * MAX * 2) as u64
     );
     stack.assert_clean();
+}
+
+// ---------------------------------------------------------------------------
+// Only the Envoys reach Redis.
+
+/// A command as the filter POSTs it to Webdis: every byte of every argument
+/// that is not an ASCII letter or digit percent-encoded, `.raw` output.
+fn webdis_command(args: &[&str]) -> Vec<u8> {
+    let encoded: Vec<String> = args
+        .iter()
+        .map(|a| {
+            a.bytes()
+                .map(|b| match b.is_ascii_alphanumeric() {
+                    true => (b as char).to_string(),
+                    false => format!("%{b:02X}"),
+                })
+                .collect()
+        })
+        .collect();
+    format!("{}.raw", encoded.join("/")).into_bytes()
+}
+
+/// Refused by a node's ACL: NOPERM, or from inside a script an ERR saying
+/// the same (CONFIG and ACL are refused to every script, whoever runs it).
+fn refused_by_acl(reply: &str) -> bool {
+    let reply = reply.trim_start_matches('-');
+    reply.starts_with("NOPERM")
+        || reply.starts_with("ERR The user executing the script can't")
+        || reply.starts_with("ERR This Redis command is not allowed from script")
+}
+
+#[test]
+fn the_nodes_refuse_what_their_users_may_not_do_and_a_wrong_redis_password_decides_nothing() {
+    let cluster = RedisCluster::start();
+    let proxy = RedisProxy::start(&cluster);
+    // Webdis with the default user's password: the proxy admits it.
+    let webdis = Webdis::start(proxy.port);
+    webdis.wait_until_redis_answers();
+    // Discovery, AUTH and a script went through without a refusal.
+    assert_eq!(cluster.acl_refusals(), []);
+
+    // Every node has exactly these users (tests/support/cluster.rs, node_acl).
+    for port in &cluster.ports {
+        let mut users: Vec<String> = redis::cmd("ACL")
+            .arg("USERS")
+            .query(&mut admin_conn(*port))
+            .unwrap();
+        users.sort();
+        assert_eq!(users, ["admin", "default", PROXY_USER], "node {port}");
+    }
+
+    // One slot for every key below (one hash tag), on its master: a key
+    // outside the prefix and one under it, written by the admin.
+    let canary = "other:{g}canary";
+    let node = cluster.owner(cluster.slot_of(canary.as_bytes()));
+    let port = cluster.ports[node];
+    let mut admin = cluster.conn(node);
+    for (key, value) in [(canary, "kept"), ("rg:{g}x", "1")] {
+        redis::cmd("SET")
+            .arg(key)
+            .arg(value)
+            .query::<()>(&mut admin)
+            .unwrap();
+    }
+
+    // Through Webdis, with its credentials and the right Redis password:
+    // a script runs on the node as the proxy's user, which may use the
+    // filter's keys and nothing else.
+    for script in [
+        ["EVAL", "redis.call('SET',KEYS[1],'owned')", "1", canary],
+        ["EVAL", "return redis.call('GET',KEYS[1])", "1", canary],
+        [
+            "EVAL",
+            "return redis.call('GET','other:{g}canary')",
+            "1",
+            "rg:{g}x",
+        ],
+        [
+            "EVAL",
+            "redis.call('SET','other:{g}canary','owned')",
+            "1",
+            "rg:{g}x",
+        ],
+        ["EVAL", "return redis.call('KEYS','*')", "1", "rg:{g}x"],
+        ["EVAL", "return redis.call('SCAN','0')", "1", "rg:{g}x"],
+        ["EVAL", "return redis.call('FLUSHALL')", "1", "rg:{g}x"],
+        [
+            "EVAL",
+            "return redis.call('CONFIG','GET','requirepass')",
+            "1",
+            "rg:{g}x",
+        ],
+        ["EVAL", "return redis.call('ACL','LIST')", "1", "rg:{g}x"],
+        // Its one CLUSTER subcommand is SLOTS.
+        [
+            "EVAL",
+            "return redis.call('CLUSTER','NODES')",
+            "1",
+            "rg:{g}x",
+        ],
+    ] {
+        let r = webdis.post(&webdis_command(&script));
+        let reply = String::from_utf8_lossy(&r.body);
+        assert_eq!(r.status, 200, "{script:?}: Webdis passes EVAL on");
+        assert!(refused_by_acl(&reply), "{script:?}: {reply}");
+    }
+    let refusals = cluster.acl_refusals();
+    assert!(
+        !refusals.is_empty()
+            && refusals
+                .iter()
+                .all(|(_, e)| e.contains(&format!("username={PROXY_USER} "))),
+        "the scripts ran as the proxy's user: {refusals:#?}"
+    );
+    let r = webdis.post(&webdis_command(&[
+        "EVAL",
+        "return redis.call('GET',KEYS[1])",
+        "1",
+        "rg:{g}x",
+    ]));
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"$1\r\n1\r\n"[..]));
+
+    // Straight to the node: without a password nothing runs; with the
+    // default user's (Webdis') or the proxy's, administration, enumeration
+    // and keys outside the prefix are refused.
+    let run = |con: &mut redis::Connection, args: &[&str]| -> Result<redis::Value, String> {
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query(con).map_err(|e| e.to_string())
+    };
+    let mut anonymous = redis::Client::open(format!("redis://127.0.0.1:{port}/"))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    for args in [&["PING"][..], &["GET", "rg:{g}x"], &["CLUSTER", "SLOTS"]] {
+        let r = run(&mut anonymous, args);
+        assert!(
+            matches!(&r, Err(e) if e.contains("NOAUTH")),
+            "{args:?} without a password: {r:?}"
+        );
+    }
+    let mut default = conn_as(port, "default", REDIS_PASSWORD);
+    let mut proxy_user = conn_as(port, PROXY_USER, REDIS_PROXY_PASSWORD);
+    let administration: [&[&str]; 9] = [
+        &["FLUSHALL"],
+        &["KEYS", "*"],
+        &["SCAN", "0"],
+        &["CONFIG", "GET", "*"],
+        &["ACL", "LIST"],
+        &["CLUSTER", "NODES"],
+        &["CLUSTER", "RESET"],
+        &["GET", canary],
+        &["SET", "other:{g}new", "1"],
+    ];
+    for (user, con) in [("default", &mut default), (PROXY_USER, &mut proxy_user)] {
+        for args in administration {
+            let r = run(con, args);
+            assert!(
+                matches!(&r, Err(e) if e.contains("NOPERM")),
+                "{user}: {args:?}: {r:?}"
+            );
+        }
+    }
+    // The two commands the proxy needs beyond the scripts' are its own.
+    for args in [&["CLUSTER", "SLOTS"][..], &["ASKING"]] {
+        let r = run(&mut default, args);
+        assert!(
+            matches!(&r, Err(e) if e.contains("NOPERM")),
+            "default: {args:?}: {r:?}"
+        );
+        let r = run(&mut proxy_user, args);
+        assert!(r.is_ok(), "{PROXY_USER}: {args:?}: {r:?}");
+    }
+    // Under the prefix, what the scripts do (README "Threat model").
+    let x: String = redis::cmd("GET")
+        .arg("rg:{g}x")
+        .query(&mut default)
+        .unwrap();
+    assert_eq!(x, "1");
+    // Nothing changed anywhere.
+    let kept: String = redis::cmd("GET").arg(canary).query(&mut admin).unwrap();
+    assert_eq!(kept, "kept");
+    let mut all: Vec<Vec<u8>> = (0..MASTERS).flat_map(|n| cluster.keys_on(n, "*")).collect();
+    all.sort();
+    assert_eq!(all, [canary.as_bytes(), b"rg:{g}x"]);
+
+    // Webdis with a wrong Redis password, or none: the proxy answers its
+    // AUTH with an error (which Webdis does not check) and every command
+    // with NOAUTH; no node sees them (no failed AUTH in their ACL LOG).
+    let wrong = Webdis::start_with_redis_auth(proxy.port, Some("not-the-redis-password"));
+    let none = Webdis::start_with_redis_auth(proxy.port, None);
+    for w in [&wrong, &none] {
+        let r = w.post(b"EVAL/return%207/1/rg%3Aready.raw");
+        assert_eq!(
+            (r.status, String::from_utf8_lossy(&r.body).as_ref()),
+            (200, "-NOAUTH Authentication required.\r\n")
+        );
+    }
+    // A filter behind it decides nothing: its failure mode (deny) applies.
+    // src/filter/call.rs counts an error reply as `auth` only for NOPERM
+    // (or Webdis' own 401/403): NOAUTH is a `redis` error.
+    let upstream = Upstream::start();
+    let envoy = Envoy::start(&window_per_tenant(5), wrong.port, upstream.port);
+    let r = get(&envoy.url("/x"), &[("x-tenant", "t")]);
+    assert_eq!(r.status, 503);
+    assert_eq!(upstream.executed(), 0);
+    assert_eq!(envoy.counter("redis_guard.redis.errors"), 1);
+    assert_eq!(envoy.counter("redis_guard.redis.errors_by_kind.redis"), 1);
+    assert_eq!(envoy.counter("redis_guard.redis.errors_by_kind.auth"), 0);
+    assert_eq!(envoy.counter("redis_guard.failure_mode.denied"), 1);
+    assert!(envoy.log().contains("NOAUTH"), "{}", envoy.log());
+    assert!(cluster
+        .keys_on(cluster.node_of_tenant("t"), "rg:rl:*")
+        .is_empty());
+    let refusals = cluster.acl_refusals();
+    assert!(
+        !refusals.iter().any(|(_, e)| e.contains("reason=auth ")),
+        "{refusals:#?}"
+    );
+
+    // Neither password is in the proxy's /config_dump.
+    let dump = proxy.config_dump();
+    assert!(dump.contains("[redacted]"));
+    for secret in [REDIS_PASSWORD, REDIS_PROXY_PASSWORD] {
+        assert!(!dump.contains(secret), "{secret} in /config_dump");
+    }
 }

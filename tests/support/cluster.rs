@@ -6,6 +6,12 @@
 //! them, one Webdis pointed at that proxy, and two filter Envoys sharing it.
 //! Built from the same parts as the single-Redis [`Stack`]: [`Proc`],
 //! [`Scratch`], [`render`], [`Envoy`].
+//!
+//! Only the Envoys reach Redis: every node runs with envoy/redis.acl's users
+//! (no open default user) and one more, [`PROXY_USER`], that the
+//! `redis_proxy` Envoy connects as ([`node_acl`]); Webdis authenticates to
+//! that Envoy with the default user's password; the harness's own
+//! connections (cluster creation, slot moves, inspection) are `admin`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -16,8 +22,8 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use super::{
-    admin_stat, envoy_log, free_port, hex, on_path, redis_conn, render, run_to_exit, start_envoy,
-    wait_for_redis, Envoy, Proc, Scratch, Upstream, Webdis,
+    admin_stat, envoy_log, free_port, hex, on_path, redis_acl, render, run_to_exit, start_envoy,
+    wait_for_port, Envoy, Proc, Scratch, Upstream, Webdis, REDIS_ADMIN_PASSWORD, REDIS_PASSWORD,
 };
 
 /// Masters in the cluster: enough for the tenants of a test to spread over
@@ -30,6 +36,79 @@ pub const MASTERS: usize = 3;
 /// (the flag, then 0.5-1 s of election delay, then the vote), which keeps
 /// the failover test short. Loopback never stalls that long otherwise.
 pub const NODE_TIMEOUT_MS: u64 = 1000;
+
+/// The Redis user the `redis_proxy` Envoy connects to the nodes as
+/// (envoy/redis-cluster.yaml's `auth_username`), and its password.
+pub const PROXY_USER: &str = "redis-proxy";
+pub const REDIS_PROXY_PASSWORD: &str = "test-redis-proxy-password";
+
+/// What the proxy sends the nodes beyond the scripts' commands, found by
+/// running Envoy 1.40 against nodes that refused them: `CLUSTER SLOTS`, its
+/// topology discovery (which authenticates with the cluster's protocol
+/// options, as commands do), and `ASKING`, sent before a command it follows
+/// an ASK redirection with (refused, the target answers MOVED back to the
+/// source, which answers ASK again: Envoy loops until its client leaves).
+/// Nothing else: [`ClusterStack::assert_clean`] checks that no node's ACL
+/// refused anything ([`RedisCluster::acl_refusals`]).
+pub const PROXY_EXTRA_COMMANDS: &str = "+cluster|slots +asking";
+
+/// The nodes' ACL file: envoy/redis.acl's users as every test Redis has them
+/// (`default` limited to the scripts' commands on `rg:` keys, with
+/// [`REDIS_PASSWORD`]; `admin`), and [`PROXY_USER`]: the default user's
+/// line (so a command a script gains reaches it too) with its own password
+/// and [`PROXY_EXTRA_COMMANDS`].
+///
+/// A user of its own rather than those two commands added to the default
+/// user in envoy/redis.acl: a single Redis (the demo, compose, every other
+/// test) has no use for them, and the file's `default` stays exactly the
+/// scripts' commands, on the nodes as everywhere. Webdis' password opens
+/// nothing more on a node than on a single Redis; the proxy's own password
+/// lives only in its Envoy's configuration.
+pub fn node_acl() -> String {
+    let users = redis_acl(REDIS_PASSWORD);
+    let proxy = redis_acl(REDIS_PROXY_PASSWORD)
+        .lines()
+        .find_map(|l| l.strip_prefix("user default "))
+        .map(|rest| format!("user {PROXY_USER} {rest} {PROXY_EXTRA_COMMANDS}"))
+        .expect("envoy/redis.acl has a default user");
+    format!("{}\n{proxy}\n", users.trim_end())
+}
+
+/// A connection to the node on `port` as its `admin`.
+pub fn admin_conn(port: u16) -> redis::Connection {
+    try_admin_conn(port).unwrap()
+}
+
+fn try_admin_conn(port: u16) -> redis::RedisResult<redis::Connection> {
+    let url = format!("redis://admin:{REDIS_ADMIN_PASSWORD}@127.0.0.1:{port}/");
+    redis::Client::open(url)?.get_connection()
+}
+
+/// A connection to the node on `port` as `user` with `password`, to check
+/// what that user may do.
+pub fn conn_as(port: u16, user: &str, password: &str) -> redis::Connection {
+    redis::Client::open(format!("redis://{user}:{password}@127.0.0.1:{port}/"))
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+/// Waits (bounded to 10 s each) until `port` listens and its admin gets an
+/// answer to PING (the default user may not PING).
+fn wait_for_node(port: u16) {
+    let what = "redis-server (cluster)";
+    wait_for_port(port, what, Duration::from_secs(10));
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if let Ok(mut c) = try_admin_conn(port) {
+            if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what} on {port} did not answer its admin's PING");
+}
 
 /// Three masters with their slots split by `redis-cli --cluster create`:
 /// no replicas ([`RedisCluster::start`]) or one each
@@ -70,6 +149,8 @@ impl RedisCluster {
 
     fn start_nodes(replicas_per_master: usize) -> RedisCluster {
         let dir = Scratch::new("redis-cluster");
+        let acl = dir.0.join("users.acl");
+        std::fs::write(&acl, node_acl()).unwrap();
         let started = MASTERS * (1 + replicas_per_master);
         let ports: Vec<u16> = (0..started).map(|_| free_port()).collect();
         let procs = ports
@@ -84,16 +165,26 @@ impl RedisCluster {
                     .arg(dir.0.join(format!("nodes-{i}.conf")))
                     .args(["--cluster-port", &bus.to_string()])
                     .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                    .args(["--save", "", "--appendonly", "no"]);
+                    .args(["--save", "", "--appendonly", "no"])
+                    .arg("--aclfile")
+                    .arg(&acl);
                 if replicas_per_master > 0 {
-                    cmd.args(["--cluster-node-timeout", &NODE_TIMEOUT_MS.to_string()])
-                        // A replica may take over however long ago it last
-                        // heard from its master (by default not past about
-                        // ten node timeouts): a failover always completes.
-                        .args(["--cluster-replica-validity-factor", "0"])
-                        // The first full sync starts at once, not after
-                        // Redis' default 5 s wait for more replicas.
-                        .args(["--repl-diskless-sync-delay", "0"]);
+                    // A replica syncs from its master as a client of it
+                    // (PSYNC, REPLCONF): as admin, the default user may not.
+                    cmd.args([
+                        "--masteruser",
+                        "admin",
+                        "--masterauth",
+                        REDIS_ADMIN_PASSWORD,
+                    ])
+                    .args(["--cluster-node-timeout", &NODE_TIMEOUT_MS.to_string()])
+                    // A replica may take over however long ago it last
+                    // heard from its master (by default not past about
+                    // ten node timeouts): a failover always completes.
+                    .args(["--cluster-replica-validity-factor", "0"])
+                    // The first full sync starts at once, not after
+                    // Redis' default 5 s wait for more replicas.
+                    .args(["--repl-diskless-sync-delay", "0"]);
                 }
                 let proc = Proc::spawn(
                     "redis-server (cluster)",
@@ -111,7 +202,7 @@ impl RedisCluster {
             dir,
         };
         for port in &ports {
-            wait_for_redis(*port, "redis-server (cluster)");
+            wait_for_node(*port);
         }
         cluster.create(replicas_per_master);
         cluster.read_roles(&ports, replicas_per_master);
@@ -222,13 +313,15 @@ impl RedisCluster {
         replica
     }
 
-    /// `redis-cli --cluster create`, bounded: it assigns the slots, makes the
-    /// nodes meet and waits until they agree.
+    /// `redis-cli --cluster create` as admin (its password in the
+    /// environment, not on the command line), bounded: it assigns the slots,
+    /// makes the nodes meet and waits until they agree.
     fn create(&self, replicas_per_master: usize) {
         let (status, text) = run_to_exit(
             "redis-cli --cluster create",
             Command::new(on_path("redis-cli"))
-                .arg("--cluster")
+                .env("REDISCLI_AUTH", REDIS_ADMIN_PASSWORD)
+                .args(["--user", "admin", "--cluster"])
                 .arg("create")
                 .args(self.ports.iter().map(|p| format!("127.0.0.1:{p}")))
                 .args(["--cluster-replicas", &replicas_per_master.to_string()])
@@ -314,9 +407,34 @@ impl RedisCluster {
         table
     }
 
-    /// A direct connection to one master (not through the proxy).
+    /// A direct connection to one master (not through the proxy), as admin.
     pub fn conn(&self, node: usize) -> redis::Connection {
-        redis_conn(self.ports[node])
+        admin_conn(self.ports[node])
+    }
+
+    /// Every live node's ACL LOG entries (`(port, entry)`, each entry's
+    /// fields as `name=value` text): what some user was refused. Empty after
+    /// a scenario: neither the proxy nor Webdis needed more than their users
+    /// have.
+    pub fn acl_refusals(&self) -> Vec<(u16, String)> {
+        let mut out = Vec::new();
+        for (port, _) in &self.procs {
+            let entries: Vec<Vec<redis::Value>> = redis::cmd("ACL")
+                .arg("LOG")
+                .query(&mut admin_conn(*port))
+                .unwrap();
+            for entry in entries {
+                let text: Vec<String> = entry
+                    .chunks(2)
+                    .map(|kv| match kv {
+                        [k, v] => format!("{}={}", value_text(k), value_text(v)),
+                        _ => String::new(),
+                    })
+                    .collect();
+                out.push((*port, text.join(" ")));
+            }
+        }
+        out
     }
 
     /// CLUSTER KEYSLOT: CRC16 of the key's hash tag (or of the key), mod 16384.
@@ -408,12 +526,16 @@ impl RedisCluster {
             .query(&mut self.conn(from))
             .unwrap();
         assert!(!keys.is_empty(), "slot {slot} has no key to move");
+        // MIGRATE connects to the target as a client of it: as its admin.
         let ok: String = redis::cmd("MIGRATE")
             .arg("127.0.0.1")
             .arg(self.ports[to])
             .arg("")
             .arg(0)
             .arg(5000)
+            .arg("AUTH2")
+            .arg("admin")
+            .arg(REDIS_ADMIN_PASSWORD)
             .arg("KEYS")
             .arg(&keys)
             .query(&mut self.conn(from))
@@ -462,7 +584,7 @@ impl RedisCluster {
 fn info(port: u16, section: &str) -> String {
     redis::cmd("INFO")
         .arg(section)
-        .query(&mut redis_conn(port))
+        .query(&mut admin_conn(port))
         .unwrap()
 }
 
@@ -470,8 +592,18 @@ fn info(port: u16, section: &str) -> String {
 fn cluster_info(port: u16) -> String {
     redis::cmd("CLUSTER")
         .arg("INFO")
-        .query(&mut redis_conn(port))
+        .query(&mut admin_conn(port))
         .unwrap()
+}
+
+/// A RESP value as text (ACL LOG's fields are strings and numbers).
+fn value_text(v: &redis::Value) -> String {
+    match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        redis::Value::Int(i) => i.to_string(),
+        other => format!("{other:?}"),
+    }
 }
 
 /// Whether a node says the cluster is up with every slot served.
@@ -504,6 +636,10 @@ impl RedisProxy {
         let mut vars = vec![
             ("ADMIN_PORT", admin_port.to_string()),
             ("REDIS_PROXY_PORT", port.to_string()),
+            // What Webdis sends (Webdis::start): a JSON string, as
+            // webdis.json's redis_auth takes it.
+            ("REDIS_AUTH", serde_json::to_string(REDIS_PASSWORD).unwrap()),
+            ("REDIS_PROXY_PASSWORD", REDIS_PROXY_PASSWORD.to_string()),
         ];
         let names = ["REDIS_NODE_A", "REDIS_NODE_B", "REDIS_NODE_C"];
         for (name, p) in names.iter().zip(&cluster.ports) {
@@ -533,28 +669,45 @@ impl RedisProxy {
         admin_stat(self.admin_port, name)
     }
 
-    /// One command in RESP straight to the proxy; returns the reply's first
-    /// line (enough for status, error and integer replies).
+    /// One command in RESP straight to the proxy, after the AUTH Webdis
+    /// sends; returns the reply's first line (enough for status, error and
+    /// integer replies).
     pub fn command(&self, args: &[&str]) -> String {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut req = format!("*{}\r\n", args.len());
-        for a in args {
-            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-        }
-        s.write_all(req.as_bytes()).unwrap();
-        let mut out = Vec::new();
-        let mut byte = [0u8; 1];
-        while !out.ends_with(b"\r\n") {
-            assert_eq!(s.read(&mut byte).unwrap(), 1, "proxy closed the connection");
-            out.push(byte[0]);
-        }
-        String::from_utf8_lossy(&out).trim_end().to_string()
+        let auth = resp_line(&mut s, &["AUTH", REDIS_PASSWORD]);
+        assert_eq!(auth, "+OK", "the proxy refused Webdis' password");
+        resp_line(&mut s, args)
     }
 
     pub fn log(&self) -> String {
         envoy_log(&self.dir)
     }
+
+    /// Its admin /config_dump.
+    pub fn config_dump(&self) -> String {
+        let r = super::get(
+            &format!("http://127.0.0.1:{}/config_dump", self.admin_port),
+            &[],
+        );
+        String::from_utf8_lossy(&r.body).into_owned()
+    }
+}
+
+/// Sends one command in RESP on `s`; returns the reply's first line.
+fn resp_line(s: &mut TcpStream, args: &[&str]) -> String {
+    let mut req = format!("*{}\r\n", args.len());
+    for a in args {
+        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let mut byte = [0u8; 1];
+    while !out.ends_with(b"\r\n") {
+        assert_eq!(s.read(&mut byte).unwrap(), 1, "proxy closed the connection");
+        out.push(byte[0]);
+    }
+    String::from_utf8_lossy(&out).trim_end().to_string()
 }
 
 /// Two filter Envoys → one Webdis → the redis_proxy Envoy → three masters
@@ -580,8 +733,9 @@ impl ClusterStack {
 
     fn on(cluster: RedisCluster, filter_config: &str) -> ClusterStack {
         let proxy = RedisProxy::start(&cluster);
-        // redis_proxy here asks no password of its clients.
-        let webdis = Webdis::start_with_redis_auth(proxy.port, None);
+        // As in front of a single Redis: the default user's password,
+        // which the proxy checks itself (downstream_auth_passwords).
+        let webdis = Webdis::start(proxy.port);
         webdis.wait_until_redis_answers();
         let upstream = Upstream::start();
         // Both at once: each spends most of its start-up compiling the wasm.
@@ -634,6 +788,13 @@ impl ClusterStack {
         ] {
             assert_eq!(self.proxy.stat(stat), 0, "{stat}:\n{}", self.proxy.log());
         }
+        // Nothing the proxy sent (discovery, redirections, scripts) was
+        // refused by a node's ACL.
+        let refused = self.cluster.acl_refusals();
+        assert!(
+            refused.is_empty(),
+            "refused by the nodes' ACL: {refused:#?}"
+        );
     }
 }
 

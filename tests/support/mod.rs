@@ -344,6 +344,22 @@ pub fn sha256_hex(text: &str) -> String {
 pub const REDIS_PASSWORD: &str = "test-redis-password";
 pub const REDIS_ADMIN_PASSWORD: &str = "test-redis-admin-password";
 
+/// envoy/redis.acl as the tests load it (`--aclfile`): key prefix `rg`,
+/// `default` with `password`, `admin` with [`REDIS_ADMIN_PASSWORD`].
+pub fn redis_acl(password: &str) -> String {
+    render(
+        "envoy/redis.acl",
+        &[
+            ("REDIS_PASSWORD_HASH", sha256_hex(password)),
+            (
+                "REDIS_ADMIN_PASSWORD_HASH",
+                sha256_hex(REDIS_ADMIN_PASSWORD),
+            ),
+            ("KEY_PREFIX", "rg".to_string()),
+        ],
+    )
+}
+
 impl Redis {
     /// A server whose users are envoy/redis.acl's, for key prefix `rg`, as
     /// the demo and compose run Redis: the default user (what Webdis
@@ -364,18 +380,7 @@ impl Redis {
     pub fn start_with_aof(aof: Option<&'static str>) -> Redis {
         let dir = Scratch::new("redis");
         let port = free_port();
-        let acl = render(
-            "envoy/redis.acl",
-            &[
-                ("REDIS_PASSWORD_HASH", sha256_hex(REDIS_PASSWORD)),
-                (
-                    "REDIS_ADMIN_PASSWORD_HASH",
-                    sha256_hex(REDIS_ADMIN_PASSWORD),
-                ),
-                ("KEY_PREFIX", "rg".to_string()),
-            ],
-        );
-        std::fs::write(dir.0.join("users.acl"), acl).unwrap();
+        std::fs::write(dir.0.join("users.acl"), redis_acl(REDIS_PASSWORD)).unwrap();
         let proc = Self::spawn(port, &dir, aof);
         let r = Redis {
             port,
@@ -493,30 +498,6 @@ impl Redis {
         self.proc = Self::spawn(self.port, &self.dir, self.aof);
         self.wait_ready();
     }
-}
-
-fn try_redis_conn(port: u16) -> redis::RedisResult<redis::Connection> {
-    redis::Client::open(format!("redis://127.0.0.1:{port}/"))?.get_connection()
-}
-
-/// A connection to the redis-server on `port`.
-pub fn redis_conn(port: u16) -> redis::Connection {
-    try_redis_conn(port).unwrap()
-}
-
-/// Waits (bounded to 10 s each) until `port` listens and answers PING.
-fn wait_for_redis(port: u16, what: &str) {
-    wait_for_port(port, what, Duration::from_secs(10));
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(10) {
-        if let Ok(mut c) = try_redis_conn(port) {
-            if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                return;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("{what} on {port} did not answer PING");
 }
 
 pub struct Webdis {
