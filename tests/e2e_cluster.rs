@@ -810,17 +810,17 @@ fn the_nodes_refuse_what_their_users_may_not_do_and_a_wrong_redis_password_decid
             (200, "-NOAUTH Authentication required.\r\n")
         );
     }
-    // A filter behind it decides nothing: its failure mode (deny) applies.
-    // src/filter/call.rs counts an error reply as `auth` only for NOPERM
-    // (or Webdis' own 401/403): NOAUTH is a `redis` error.
+    // A filter behind it decides nothing: its failure mode (deny) applies,
+    // counted as `auth` (src/filter/call.rs: NOAUTH, as NOPERM and Webdis'
+    // own 401/403).
     let upstream = Upstream::start();
     let envoy = Envoy::start(&window_per_tenant(5), wrong.port, upstream.port);
     let r = get(&envoy.url("/x"), &[("x-tenant", "t")]);
     assert_eq!(r.status, 503);
     assert_eq!(upstream.executed(), 0);
     assert_eq!(envoy.counter("redis_guard.redis.errors"), 1);
-    assert_eq!(envoy.counter("redis_guard.redis.errors_by_kind.redis"), 1);
-    assert_eq!(envoy.counter("redis_guard.redis.errors_by_kind.auth"), 0);
+    assert_eq!(envoy.counter("redis_guard.redis.errors_by_kind.auth"), 1);
+    assert_eq!(envoy.counter("redis_guard.redis.errors_by_kind.redis"), 0);
     assert_eq!(envoy.counter("redis_guard.failure_mode.denied"), 1);
     assert!(envoy.log().contains("NOAUTH"), "{}", envoy.log());
     assert!(cluster

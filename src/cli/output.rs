@@ -152,6 +152,16 @@ fn match_summary(m: &redis_guard::config::Matcher) -> String {
     }
 }
 
+/// A limit's or rule's key pattern and the value names it needs.
+fn key_and_values(text: &mut String, key: &str, what: &str, values: &[String]) {
+    let values = if values.is_empty() {
+        "none".to_string()
+    } else {
+        values.join(", ")
+    };
+    let _ = writeln!(text, "    key: {key}\n    {what}: {values}");
+}
+
 /// `check`: what the configuration asks of the filter.
 pub fn summary(path: &Path, config: &Config) -> Report {
     let mut text = format!("{}: valid\n", path.display());
@@ -198,16 +208,7 @@ pub fn summary(path: &Path, config: &Config) -> Report {
             if limit.shadow { "; shadow" } else { "" },
             mode(limit.failure_mode)
         );
-        let _ = writeln!(text, "    key: {key}");
-        let _ = writeln!(
-            text,
-            "    values: {}",
-            if values.is_empty() {
-                "none".to_string()
-            } else {
-                values.join(", ")
-            }
-        );
+        key_and_values(&mut text, &key, "values", &values);
         limits.push(json!({
             "name": limit.name,
             "kind": params,
@@ -238,16 +239,7 @@ pub fn summary(path: &Path, config: &Config) -> Report {
             rule.record_ttl_ms,
             mode(rule.failure_mode)
         );
-        let _ = writeln!(text, "    key: {key}");
-        let _ = writeln!(
-            text,
-            "    tenant values: {}",
-            if values.is_empty() {
-                "none".to_string()
-            } else {
-                values.join(", ")
-            }
-        );
+        key_and_values(&mut text, &key, "tenant values", &values);
         rules.push(json!({
             "name": rule.name,
             "header": rule.header,

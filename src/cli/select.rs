@@ -82,11 +82,11 @@ pub fn limit<'a>(
     values: &[String],
 ) -> Result<LimitTarget<'a>, Failure> {
     let Some(limit) = config.limits.iter().find(|l| l.name == name) else {
-        let known: Vec<&str> = config.limits.iter().map(|l| l.name.as_str()).collect();
-        return Err(Failure::selection(format!(
-            "no limit named `{name}` (the configuration has: {})",
-            list(&known)
-        )));
+        return Err(unknown(
+            "limit",
+            name,
+            config.limits.iter().map(|l| &l.name),
+        ));
     };
     let view = Values::new(config, values, &limit.descriptor)?;
     let line = RequestLine::read(&view);
@@ -115,11 +115,11 @@ pub fn record<'a>(
     values: &[String],
 ) -> Result<RecordTarget<'a>, Failure> {
     let Some(rule) = config.idempotency.iter().find(|r| r.name == name) else {
-        let known: Vec<&str> = config.idempotency.iter().map(|r| r.name.as_str()).collect();
-        return Err(Failure::selection(format!(
-            "no idempotency rule named `{name}` (the configuration has: {})",
-            list(&known)
-        )));
+        return Err(unknown(
+            "idempotency rule",
+            name,
+            config.idempotency.iter().map(|r| &r.name),
+        ));
     };
     let key = parse_key(key.as_bytes())
         .map_err(|why| Failure::selection(format!("invalid key: {why}")))?;
@@ -144,12 +144,17 @@ pub fn record<'a>(
     })
 }
 
-fn list(names: &[&str]) -> String {
-    if names.is_empty() {
+/// No `what` of that name: the error lists the configuration's.
+fn unknown<'a>(what: &str, name: &str, known: impl Iterator<Item = &'a String>) -> Failure {
+    let known: Vec<&str> = known.map(String::as_str).collect();
+    let known = if known.is_empty() {
         "none".to_string()
     } else {
-        names.join(", ")
-    }
+        known.join(", ")
+    };
+    Failure::selection(format!(
+        "no {what} named `{name}` (the configuration has: {known})"
+    ))
 }
 
 fn missing(what: &str, parts: &[Part], view: &Values) -> Failure {

@@ -241,6 +241,13 @@ impl ScriptCall {
                     format!("the Redis user Webdis connects as may not do this: {msg}"),
                 ))
             }
+            // Webdis never authenticated to Redis (or to redis_proxy): its
+            // redis_auth is missing or wrong. Webdis does not check its
+            // AUTH's answer, so every command comes back NOAUTH.
+            _ if msg.starts_with("NOAUTH") || msg.starts_with("WRONGPASS") => Answer::Failed((
+                ErrorKind::Auth,
+                format!("webdis is not authenticated to Redis (its redis_auth): {msg}"),
+            )),
             _ => Answer::Failed((ErrorKind::Redis, format!("redis error: {msg}"))),
         }
     }

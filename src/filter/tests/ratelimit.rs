@@ -605,6 +605,23 @@ fn a_cluster_refusal_before_the_script_ran_is_retried_not_no_answer() {
 }
 
 #[test]
+fn a_credentials_refusal_by_redis_is_counted_as_auth_and_takes_the_failure_mode() {
+    for refusal in [
+        &b"-NOAUTH Authentication required.\r\n"[..],
+        b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+        b"-NOPERM this user has no permissions to run the 'evalsha' command\r\n",
+        b"-ERR The user executing the script can't run this command or subcommand\r\n",
+    ] {
+        let (mut f, mut h) = started("deny");
+        f.on_callout_reply(&mut h, 1, ok(refusal));
+        assert_eq!(h.dispatched.len(), 1, "not retried");
+        assert_eq!(h.sent[0].status, 503);
+        assert_eq!(count(&h, Counter::RedisError(ErrorKind::Auth)), 1);
+        assert_eq!(count(&h, Counter::RedisError(ErrorKind::Redis)), 0);
+    }
+}
+
+#[test]
 fn every_attempt_shares_the_one_timeout() {
     // timeoutMs is 50 (the default): EVALSHA at t=0 gets 50 ms; a
     // NOSCRIPT answer at t=30 leaves the EVAL 20 ms; at t=50 nothing is left.
