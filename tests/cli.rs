@@ -116,6 +116,16 @@ fn every_kind_config() -> String {
         .build()
 }
 
+/// One Envoy running [`every_kind_config`], that config as a file for the
+/// CLI (in the returned scratch directory), and the admin's Redis URL.
+fn every_kind_stack(tag: &str) -> (Stack, Scratch, PathBuf, String) {
+    let stack = Stack::start(&every_kind_config(), 1);
+    let dir = Scratch::new(tag);
+    let config = config_file(&dir, &every_kind_config());
+    let url = redis_url(&stack.redis);
+    (stack, dir, config, url)
+}
+
 /// `reset_ms` read now is at most the header's reset (whole seconds, rounded
 /// up, when the response left) and less only by the time since: a few
 /// seconds on a slow machine.
@@ -129,10 +139,7 @@ fn assert_reset_agrees(kind: &str, header_s: u64, reset_ms: u64) {
 
 #[test]
 fn inspect_agrees_with_the_headers_the_filter_returned_for_each_limit_kind() {
-    let stack = Stack::start(&every_kind_config(), 1);
-    let dir = Scratch::new("cli-inspect");
-    let config = config_file(&dir, &every_kind_config());
-    let url = redis_url(&stack.redis);
+    let (stack, _dir, config, url) = every_kind_stack("cli-inspect");
     let e = stack.envoy();
     for kind in ["tb", "sw", "gcra", "fw", "swc"] {
         // Before any request the limit is whole, and inspecting it spends nothing.
@@ -253,10 +260,7 @@ fn inspect_agrees_with_the_headers_the_filter_returned_for_each_limit_kind() {
 
 #[test]
 fn reset_restores_the_budget_only_when_confirmed() {
-    let stack = Stack::start(&every_kind_config(), 1);
-    let dir = Scratch::new("cli-reset");
-    let config = config_file(&dir, &every_kind_config());
-    let url = redis_url(&stack.redis);
+    let (stack, _dir, config, url) = every_kind_stack("cli-reset");
     let e = stack.envoy();
     for kind in ["tb", "sw", "gcra", "fw", "swc"] {
         let path = format!("/{kind}/");
@@ -332,10 +336,7 @@ fn reset_restores_the_budget_only_when_confirmed() {
 
 #[test]
 fn forget_lets_a_completed_key_run_again_and_refuses_one_in_progress_unless_forced() {
-    let stack = Stack::start(&every_kind_config(), 1);
-    let dir = Scratch::new("cli-forget");
-    let config = config_file(&dir, &every_kind_config());
-    let url = redis_url(&stack.redis);
+    let (stack, _dir, config, url) = every_kind_stack("cli-forget");
     let e = stack.envoy();
     let idem = |sub: &str, key: &str, extra: &[&str]| {
         let mut args = vec![

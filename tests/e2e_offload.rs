@@ -280,13 +280,7 @@ fn a_wrong_signature_key_stores_nothing_and_never_reruns_a_completed_key() {
     let wrong = world.envoy(Some(wrong_secret));
     let right = world.envoy(None);
     for e in [&wrong, &right] {
-        let r = http(
-            "POST",
-            &format!("http://127.0.0.1:{}/logging?level=debug", e.admin_port),
-            &[],
-            None,
-        );
-        assert_eq!(r.status, 200);
+        e.set_log_level("debug");
     }
 
     // Upload refused (403 SignatureDoesNotMatch): like a failed request.

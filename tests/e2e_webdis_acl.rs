@@ -177,13 +177,7 @@ fn the_filter_with_wrong_credentials_takes_its_failure_mode_counted_as_auth() {
     // At debug level Envoy itself prints every header of every request it
     // sends, the callout's Authorization too (envoyproxy/envoy#9652: no
     // redaction); the filter's own lines never carry it.
-    let r = http(
-        "POST",
-        &format!("http://127.0.0.1:{}/logging?level=debug", deny.admin_port),
-        &[],
-        None,
-    );
-    assert_eq!(r.status, 200);
+    deny.set_log_level("debug");
     assert_eq!(get(&deny.url("/x"), &[]).status, 503);
     let log = deny.log();
     let filter_lines: Vec<&str> = log
@@ -243,13 +237,7 @@ fn credentials_added_by_envoys_webdis_cluster_decide_and_never_reach_the_debug_l
         |y| y,
     );
     for e in [&right, &wrong] {
-        let r = http(
-            "POST",
-            &format!("http://127.0.0.1:{}/logging?level=debug", e.admin_port),
-            &[],
-            None,
-        );
-        assert_eq!(r.status, 200);
+        e.set_log_level("debug");
     }
     let statuses: Vec<u16> = (0..4)
         .map(|_| get(&right.url("/x"), &[("x-user", "a")]).status)

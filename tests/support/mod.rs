@@ -755,6 +755,13 @@ impl Envoy {
         envoy_log(&self.dir)
     }
 
+    /// Sets every logger to `level` through the admin interface (the
+    /// secret-in-the-log tests read Envoy at `debug`).
+    pub fn set_log_level(&self, level: &str) {
+        let url = format!("http://127.0.0.1:{}/logging?level={level}", self.admin_port);
+        assert_eq!(http("POST", &url, &[], None).status, 200, "{url}");
+    }
+
     /// A counter the filter defined (Envoy shows them under `wasmcustom.`).
     pub fn counter(&self, name: &str) -> u64 {
         admin_stat(self.admin_port, &format!("wasmcustom.{name}"))
