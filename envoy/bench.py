@@ -79,6 +79,9 @@ RUN = OUT / "run"
 WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "redis_guard.wasm"
 HOST = "127.0.0.1"
 PATH = "/api/bench"
+# (r) and (s) send their token here: envoy.yaml's jwt_authn verifies tokens
+# on /v1/me only (the demo's path), and lets other paths pass unverified.
+JWT_PATH = "/v1/me"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # ---------------------------------------------------------------------------
@@ -890,14 +893,21 @@ class Stack:
                     ph = {} if anon else {"x-user": "probe"}
                     if sc["request"] == "get-llm":
                         ph["x-bench-llm"] = "1"
+                    path = PATH
                     if sc["request"] == "get-jwt":
                         ph = {"authorization": f"Bearer {JWT['token']}"}
-                    s, h, _ = hreq(port, "GET", PATH, ph)
+                        path = JWT_PATH
+                    s, h, _ = hreq(port, "GET", path, ph)
                     want_rl = sc["filter"] is not None and not anon
-                    if s == 200 and (not want_rl or "ratelimit-policy" in h or "lease" in
-                                     json.dumps(sc["filter"])):
+                    # A token jwt_authn does not verify must be refused
+                    # there, or (r) and (s) would measure no verification.
+                    forged = (hreq(port, "GET", path, {"authorization": "Bearer x.y.z"})[0]
+                              if sc["request"] == "get-jwt" else 401)
+                    if s == 200 and forged == 401 and (
+                            not want_rl or "ratelimit-policy" in h or "lease" in
+                            json.dumps(sc["filter"])):
                         return None
-                    last = f"GET {s}, headers {sorted(h)}"
+                    last = f"GET {s}, headers {sorted(h)}, forged token {forged}"
             except OSError as ex:
                 last = f"{type(ex).__name__}: {ex}"
             time.sleep(0.25)
@@ -981,6 +991,7 @@ def wrk_script(kind):
             "get-llm": WRK_GET_LLM}.get(kind, WRK_GET)
     if kind == "get-jwt":
         body = ('wrk.method = "GET"\n'
+                f'wrk.path = "{JWT_PATH}"\n'
                 f'wrk.headers["authorization"] = "Bearer {JWT["token"]}"\n')
     path.write_text(body + WRK_DONE)
     return path
