@@ -427,12 +427,16 @@ impl Redis {
         panic!("redis-server on {} did not answer its admin", self.port);
     }
 
-    fn client(&self) -> redis::Client {
-        let url = format!(
+    /// The URL the tests' admin connections use (and the CLI's tests give it).
+    pub fn admin_url(&self) -> String {
+        format!(
             "redis://admin:{REDIS_ADMIN_PASSWORD}@127.0.0.1:{}/",
             self.port
-        );
-        redis::Client::open(url).unwrap()
+        )
+    }
+
+    fn client(&self) -> redis::Client {
+        redis::Client::open(self.admin_url()).unwrap()
     }
 
     pub fn conn(&self) -> redis::Connection {
