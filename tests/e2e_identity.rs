@@ -13,15 +13,20 @@ use std::time::Duration;
 use socket2::{Domain, Socket, Type};
 use support::*;
 
-/// 2 an hour per `api_key` on /q/, 3 an hour per client /24 on /n/.
+/// A window no run crosses the edge of: 2^40 ms, aligned to the Unix epoch
+/// (the current one ends in 2039). An hour-long window would reset at the
+/// top of the hour in the middle of a test about once in a hundred runs.
+const LONG_WINDOW_MS: u64 = 1 << 40;
+
+/// 2 per window per `api_key` on /q/, 3 per client /24 on /n/.
 fn config() -> String {
     filter_config(1000)
-        .limits(
-            r#"[{"name":"per-key","match":{"pathPrefix":"/q/"},"descriptor":[{"query":"api_key"}],
-                 "fixedWindow":{"limit":2,"windowMs":3600000}},
-                {"name":"per-net","match":{"pathPrefix":"/n/"},"descriptor":[{"clientPrefix":{"ipv4":24}}],
-                 "fixedWindow":{"limit":3,"windowMs":3600000}}]"#,
-        )
+        .limits(&format!(
+            r#"[{{"name":"per-key","match":{{"pathPrefix":"/q/"}},"descriptor":[{{"query":"api_key"}}],
+                 "fixedWindow":{{"limit":2,"windowMs":{LONG_WINDOW_MS}}}}},
+                {{"name":"per-net","match":{{"pathPrefix":"/n/"}},"descriptor":[{{"clientPrefix":{{"ipv4":24}}}}],
+                 "fixedWindow":{{"limit":3,"windowMs":{LONG_WINDOW_MS}}}}}]"#
+        ))
         .build()
 }
 
@@ -152,7 +157,7 @@ fn claim(name: &str, ty: &str) -> String {
     )
 }
 
-/// 3 an hour per JWT `sub` on /jwt/, 2 per numeric `org_id` on /org/, one
+/// 3 per window per JWT `sub` on /jwt/, 2 per numeric `org_id` on /org/, one
 /// keyed on a list claim (never a valid string) on /roles/; on /plan/, 1
 /// per `sub` whose `plan` claim is `free` and 2 for all subjects named
 /// `svc-<digits>` together; idempotency on /pay/ with the `sub` as tenant.
@@ -160,15 +165,15 @@ fn jwt_config() -> String {
     filter_config(1000)
         .limits(&format!(
             r#"[{{"name":"per-sub","match":{{"pathPrefix":"/jwt/"}},"descriptor":[{sub}],
-                  "fixedWindow":{{"limit":3,"windowMs":3600000}}}},
+                  "fixedWindow":{{"limit":3,"windowMs":{LONG_WINDOW_MS}}}}},
                 {{"name":"per-org","match":{{"pathPrefix":"/org/"}},"descriptor":[{org}],
-                  "fixedWindow":{{"limit":2,"windowMs":3600000}}}},
+                  "fixedWindow":{{"limit":2,"windowMs":{LONG_WINDOW_MS}}}}},
                 {{"name":"per-roles","match":{{"pathPrefix":"/roles/"}},"descriptor":[{roles}],
-                  "fixedWindow":{{"limit":1,"windowMs":3600000}}}},
+                  "fixedWindow":{{"limit":1,"windowMs":{LONG_WINDOW_MS}}}}},
                 {{"name":"free-plan","match":{{"pathPrefix":"/plan/","values":[{{"part":{plan},"exact":"free"}}]}},
-                  "descriptor":[{sub}],"fixedWindow":{{"limit":1,"windowMs":3600000}}}},
+                  "descriptor":[{sub}],"fixedWindow":{{"limit":1,"windowMs":{LONG_WINDOW_MS}}}}},
                 {{"name":"services","match":{{"pathPrefix":"/plan/","values":[{{"part":{sub},"regex":"svc-[0-9]+"}}]}},
-                  "fixedWindow":{{"limit":2,"windowMs":3600000}}}}]"#,
+                  "fixedWindow":{{"limit":2,"windowMs":{LONG_WINDOW_MS}}}}}]"#,
             sub = claim("sub", "string"),
             plan = claim("plan", "string"),
             org = claim("org_id", "number"),
@@ -341,8 +346,8 @@ fn behind_one_proxy(yaml: String) -> String {
 fn addresses_in_one_ipv6_prefix_share_a_budget_and_other_prefixes_have_their_own() {
     let cfg = filter_config(1000)
         .limits(
-            r#"[{"name":"per-net","match":{"pathPrefix":"/n/"},"descriptor":[{"clientPrefix":{"ipv6":56}}],
-                 "fixedWindow":{"limit":3,"windowMs":3600000}}]"#,
+            &format!(r#"[{{"name":"per-net","match":{{"pathPrefix":"/n/"}},"descriptor":[{{"clientPrefix":{{"ipv6":56}}}}],
+                 "fixedWindow":{{"limit":3,"windowMs":{LONG_WINDOW_MS}}}}}]"#),
         )
         .build();
     let stack = Stack::start_edited(&cfg, 1, behind_one_proxy);
@@ -494,8 +499,8 @@ fn per_principal_budgets_follow_the_mtls_peers_uri_san() {
     pki.client("bob", "spiffe://cluster.local/ns/shop/sa/bob");
     let cfg = filter_config(1000)
         .limits(
-            r#"[{"name":"per-peer","descriptor":[{"attribute":"connection.uri_san_peer_certificate"}],
-                 "fixedWindow":{"limit":2,"windowMs":3600000}}]"#,
+            &format!(r#"[{{"name":"per-peer","descriptor":[{{"attribute":"connection.uri_san_peer_certificate"}}],
+                 "fixedWindow":{{"limit":2,"windowMs":{LONG_WINDOW_MS}}}}}]"#),
         )
         .build();
     let stack = Stack::start_edited(&cfg, 1, |y| pki.listener(y));
@@ -538,8 +543,8 @@ fn a_limit_keyed_on_route_metadata_reads_the_matched_routes_value() {
     // Two routes tagged with a tier in their metadata; one budget per tier.
     let cfg = filter_config(1000)
         .limits(
-            r#"[{"name":"per-tier","descriptor":[{"attribute":"xds.route_metadata.filter_metadata.redis_guard.tier"}],
-                 "fixedWindow":{"limit":2,"windowMs":3600000}}]"#,
+            &format!(r#"[{{"name":"per-tier","descriptor":[{{"attribute":"xds.route_metadata.filter_metadata.redis_guard.tier"}}],
+                 "fixedWindow":{{"limit":2,"windowMs":{LONG_WINDOW_MS}}}}}]"#),
         )
         .build();
     let tiered = |yaml: String| {
