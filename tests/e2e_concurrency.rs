@@ -8,10 +8,14 @@
 
 mod support;
 
-use std::io::Write;
-use std::net::TcpStream;
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use support::probe::poll;
 use support::*;
 
 /// One concurrency limit on /slow, per x-user. The Redis timeout is the
@@ -79,6 +83,113 @@ fn open_request(port: u16, path: &str, user: &str, delay_ms: u64) -> TcpStream {
     s
 }
 
+/// What the gated upstream has seen: requests arrived, held now, the most
+/// held at once, and whether the gate is open.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    arrived: u64,
+    held: u64,
+    peak: u64,
+    open: bool,
+}
+
+/// An upstream that answers nothing until the test opens its gate, so an
+/// admitted request holds its slot exactly as long as the test says and no
+/// longer or shorter, however slow the machine. (Envoy's route gives up on
+/// it after 10 s.)
+struct Gate {
+    port: u16,
+    seen: Arc<(Mutex<Seen>, Condvar)>,
+}
+
+impl Gate {
+    fn start() -> Gate {
+        let port = free_port();
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let seen: Arc<(Mutex<Seen>, Condvar)> = Arc::default();
+        let shared = Arc::clone(&seen);
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let seen = Arc::clone(&shared);
+                std::thread::spawn(move || Gate::serve(stream, &seen));
+            }
+        });
+        Gate { port, seen }
+    }
+
+    /// One request per connection (a GET: no body), answered once the gate
+    /// opens, then the connection closes.
+    fn serve(mut stream: TcpStream, seen: &(Mutex<Seen>, Condvar)) {
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let (lock, opened) = seen;
+        let mut s = lock.lock().unwrap();
+        s.arrived += 1;
+        s.held += 1;
+        s.peak = s.peak.max(s.held);
+        while !s.open {
+            s = opened.wait(s).unwrap();
+        }
+        drop(s);
+        let _ = stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok");
+        lock.lock().unwrap().held -= 1;
+    }
+
+    fn set_open(&self, open: bool) {
+        let (lock, opened) = &*self.seen;
+        lock.lock().unwrap().open = open;
+        opened.notify_all();
+    }
+
+    fn seen(&self) -> Seen {
+        *self.seen.0.lock().unwrap()
+    }
+
+    /// Closes the gate and forgets the peak (nothing may be held).
+    fn close_for_a_new_round(&self) {
+        let mut s = self.seen.0.lock().unwrap();
+        assert_eq!(s.held, 0, "a request still held");
+        s.open = false;
+        s.peak = 0;
+    }
+}
+
+/// Redis, Webdis and `envoys` Envoys whose upstream is a closed [`Gate`].
+struct Gated {
+    redis: Redis,
+    _webdis: Webdis,
+    gate: Gate,
+    envoys: Vec<Envoy>,
+}
+
+impl Gated {
+    fn start(cfg: &str, envoys: usize) -> Gated {
+        let redis = Redis::start();
+        let webdis = Webdis::start(redis.port);
+        let gate = Gate::start();
+        let envoys = (0..envoys)
+            .map(|_| Envoy::start(cfg, webdis.port, gate.port))
+            .collect();
+        Gated {
+            redis,
+            _webdis: webdis,
+            gate,
+            envoys,
+        }
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        self.envoys.iter().map(|e| e.counter(name)).sum()
+    }
+}
+
 /// Waits (bounded) until the upstream runs `n` requests of `path`.
 fn wait_in_flight(upstream: &Upstream, path: &str, n: u64) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -93,26 +204,45 @@ fn wait_in_flight(upstream: &Upstream, path: &str, n: u64) {
 
 #[test]
 fn two_envoys_under_concurrent_load_let_exactly_max_requests_reach_the_upstream_at_once() {
-    let stack = Stack::start(&config(5, 30_000), 2);
+    let stack = Gated::start(&config(5, 30_000), 2);
     let mut con = stack.redis.conn();
     for round in 0..2 {
-        // Every request arrives while the first five still run (3 s), so
-        // exactly five are admitted, across both Envoys.
+        stack.gate.close_for_a_new_round();
+        let arrived_before = stack.gate.seen().arrived;
+        // The admitted requests are held at the upstream until every one of
+        // the 40 has been decided, so all were decided while the admitted
+        // held their slots, however slowly they arrived.
+        let rejected = AtomicUsize::new(0);
         let jobs: Vec<usize> = (0..40).collect();
         let path = format!("/slow?round={round}");
-        let statuses = run_jobs(&jobs, 40, Duration::from_secs(60), agent, |agent, i, _| {
-            let e = &stack.envoys[i % 2];
-            let headers = [("x-user", "load"), ("x-upstream-delay-ms", "3000")];
-            http_with(agent, "GET", &e.url(&path), &headers, None).status
+        let statuses = std::thread::scope(|s| {
+            let load = s.spawn(|| {
+                run_jobs(&jobs, 40, Duration::from_secs(60), agent, |agent, i, _| {
+                    let e = &stack.envoys[i % 2];
+                    let status =
+                        http_with(agent, "GET", &e.url(&path), &[("x-user", "load")], None).status;
+                    if status == 429 {
+                        rejected.fetch_add(1, Ordering::SeqCst);
+                    }
+                    status
+                })
+            });
+            poll("every request decided", Duration::from_secs(60), || {
+                let held = stack.gate.seen().held;
+                (rejected.load(Ordering::SeqCst) as u64 + held == 40).then_some(())
+            });
+            stack.gate.set_open(true);
+            load.join().unwrap()
         });
         let admitted = statuses.iter().filter(|s| **s == 200).count();
         let rejected = statuses.iter().filter(|s| **s == 429).count();
         assert_eq!((admitted, rejected), (5, 35), "round {round}");
-        assert_eq!(stack.upstream.executions_of(&path), 5, "round {round}");
-        assert_eq!(stack.upstream.peak_in_flight(&path), 5, "round {round}");
+        let seen = stack.gate.seen();
+        assert_eq!(seen.arrived - arrived_before, 5, "round {round}");
+        assert_eq!(seen.peak, 5, "round {round}");
         // Every slot came back when its request ended: the next round
         // starts from an empty set, long before any lease (30 s) ends.
-        wait_for_slots(&mut con, 0, Duration::from_secs(2));
+        wait_for_slots(&mut con, 0, Duration::from_secs(10));
     }
     let released = stack.counter("redis_guard.concurrency.released");
     assert_eq!(released, 10, "one release per admitted request");
@@ -182,64 +312,110 @@ fn an_envoy_killed_with_sigkill_frees_its_slots_when_their_lease_ends() {
     let _b = open_request(port, "/slow?b", "dave", 10_000);
     wait_in_flight(&stack.upstream, "/slow?a", 1);
     wait_in_flight(&stack.upstream, "/slow?b", 1);
-    // Longer than a lease: the slots live on renewals.
-    std::thread::sleep(Duration::from_millis(LEASE_MS + 500));
+    let mut con = stack.redis.conn();
+    let key = slots_key(&mut con, "").unwrap();
+    // When each slot's lease ends, on Redis' clock: its score (the scripts
+    // count a slot live while its score is ahead of Redis TIME). Once both
+    // have ended the set may expire: no ends.
+    let ends = |con: &mut redis::Connection| -> BTreeMap<String, i64> {
+        zset_scores(con, &key).into_iter().collect()
+    };
+    // Past the leases the slots were taken with: they live on renewals.
+    let taken_until = zset_scores(&mut con, &key)
+        .iter()
+        .map(|(_, end)| *end)
+        .max()
+        .unwrap();
+    wait_until(&mut con, taken_until + 1);
     assert_eq!(get(&other, &user).status, 429, "renewed past their lease");
     stack.envoys[0].kill();
-    let killed = Instant::now();
-    // Renewed every 375 ms, so the last lease ends 1125 to 1500 ms after
-    // the kill: rejected until then, admitted after.
-    let mut first_admitted = None;
-    while killed.elapsed() < Duration::from_millis(LEASE_MS + 3000) {
+    // Rejected while both dead leases run, admitted once one has ended: each
+    // answer is checked against Redis TIME around it, not the test's clock.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let before = ends(&mut con);
+        let end_before = before.values().copied().min().unwrap_or(i64::MIN);
+        let sent = redis_now_ms(&mut con);
         let status = get(&other, &user).status;
+        let answered = redis_now_ms(&mut con);
         if status == 200 {
-            first_admitted = Some(killed.elapsed());
+            assert!(
+                answered >= end_before,
+                "admitted by {answered}, before the first dead lease ended at {end_before}"
+            );
             break;
         }
         assert_eq!(status, 429);
-        std::thread::sleep(Duration::from_millis(50));
+        // A renewal the killed Envoy sent may land after the kill and push
+        // an end later: the ends read after the answer include it (a slot
+        // gone by then had ended where it was read before).
+        let after = ends(&mut con);
+        let end_after = before
+            .iter()
+            .map(|(slot, end)| after.get(slot).copied().unwrap_or(*end).max(*end))
+            .min()
+            .unwrap_or(i64::MIN);
+        assert!(
+            sent < end_after,
+            "rejected though sent at {sent}, when a dead lease had ended ({end_after})"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the dead Envoy's slots never came back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
-    let after = first_admitted.expect("the dead Envoy's slots never came back");
-    assert!(
-        after >= Duration::from_millis(LEASE_MS - 600),
-        "freed {after:?} after the kill, before the lease could end"
-    );
-    assert!(
-        after <= Duration::from_millis(LEASE_MS + 1000),
-        "freed only {after:?} after the kill"
-    );
 }
 
 #[test]
 fn a_stream_longer_than_its_lease_keeps_its_slot() {
-    const LEASE_MS: u64 = 600;
-    let stack = Stack::start(&config(1, LEASE_MS), 2);
+    const LEASE_MS: u64 = 1000;
+    let stack = Gated::start(&config(1, LEASE_MS), 2);
     let user = [("x-user", "erin")];
     let other = stack.envoys[1].url("/slow?other");
     let started = Instant::now();
-    let long = std::thread::scope(|s| {
+    let (long, held_for) = std::thread::scope(|s| {
         let url = stack.envoys[0].url("/slow?long");
-        let long = s.spawn(move || {
-            let headers = [("x-user", "erin"), ("x-upstream-delay-ms", "3500")];
-            http_with(&agent(), "GET", &url, &headers, None).status
-        });
-        wait_in_flight(&stack.upstream, "/slow?long", 1);
-        // Five leases long: every check comes after at least one lease ended.
+        let long =
+            s.spawn(move || http_with(&agent(), "GET", &url, &[("x-user", "erin")], None).status);
+        poll(
+            "the long stream reached the upstream",
+            Duration::from_secs(10),
+            || (stack.gate.seen().held == 1).then_some(()),
+        );
+        let held = Instant::now();
+        // The stream is held for four leases and until eight checks were
+        // made (whichever is later): the checks after the first lease found
+        // the slot renewed. The gate, not a delay, ends the stream.
         let mut checks = 0;
-        while started.elapsed() < Duration::from_millis(3000) {
-            assert_eq!(get(&other, &user).status, 429, "at {:?}", started.elapsed());
+        while held.elapsed() < Duration::from_millis(4 * LEASE_MS) || checks < 8 {
+            assert_eq!(get(&other, &user).status, 429, "at {:?}", held.elapsed());
             checks += 1;
-            std::thread::sleep(Duration::from_millis(250));
+            std::thread::sleep(Duration::from_millis(100));
         }
-        assert!(checks >= 8, "{checks} checks");
-        long.join().unwrap()
+        let held_for = held.elapsed();
+        stack.gate.set_open(true);
+        (long.join().unwrap(), held_for)
     });
+    let lived = started.elapsed();
     assert_eq!(long, 200);
     assert_eq!(get(&other, &user).status, 200, "free once the stream ended");
+    assert_eq!(
+        stack.gate.seen().arrived,
+        2,
+        "the long stream, then the other"
+    );
     let e = &stack.envoys[0];
-    // Renewed every 150 ms for 3.5 s.
+    // A renewal every quarter lease, never more often; and at least one a
+    // lease while the slot was seen held, or it would have lapsed (the
+    // last one may still be on its way: one less).
     let renewed = e.counter("redis_guard.concurrency.renewed");
-    assert!((15..=24).contains(&renewed), "{renewed} renewals");
+    let at_most = lived.as_millis() as u64 / (LEASE_MS / 4) + 1;
+    let at_least = held_for.as_millis() as u64 / LEASE_MS - 1;
+    assert!(
+        (at_least..=at_most).contains(&renewed),
+        "{renewed} renewals in {lived:?}, held {held_for:?}"
+    );
     assert_eq!(e.counter("redis_guard.concurrency.lost"), 0);
 }
 
