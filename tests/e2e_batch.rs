@@ -7,6 +7,8 @@
 
 mod support;
 
+use std::io::Write;
+use std::net::TcpStream;
 use std::time::Duration;
 
 use support::probe::*;
@@ -131,12 +133,14 @@ fn frozen(cfg: &str) -> Frozen {
     }
 }
 
-/// A request whose client gives up after `wait` (its connection closes).
-fn leaving(url: String, user: &'static str, wait: Duration) -> std::thread::JoinHandle<bool> {
-    std::thread::spawn(move || {
-        let agent = ureq::AgentBuilder::new().timeout(wait).build();
-        agent.get(&url).set("x-user", user).call().is_err()
-    })
+/// A GET of /x sent on a connection of its own and left waiting: dropping
+/// the connection is its client leaving, when the test says (a client
+/// timeout would say when instead, and a slow machine reorders them).
+fn waiting(port: u16, user: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let req = raw_request_bytes("GET", "/x", "", &[("x-user", user.as_bytes())], b"");
+    s.write_all(&req).unwrap();
+    s
 }
 
 #[test]
@@ -147,38 +151,43 @@ fn clients_that_leave_while_queued_are_dropped_and_while_in_flight_are_skipped()
     let alone = || e.counter("redis_guard.batch.alone");
     let admin = e.admin_port;
     let arrived = || admin_stat(admin, "http.ingress.downstream_rq_total");
-    let (calls_before, alone_before, in_before) = (calls(), alone(), arrived());
+    let left = || admin_stat(admin, "http.ingress.downstream_cx_destroy_remote_active_rq");
+    let (calls_before, alone_before, in_before, left_before) =
+        (calls(), alone(), arrived(), left());
     // A finds its worker quiet: its own call leaves at once and waits on
     // the frozen Redis, holding the group.
-    // A gives up long after B (B must leave while it is queued behind A),
-    // and long before D (D must leave while its batch is out).
-    let a = leaving(e.url("/x"), "user-u", Duration::from_millis(1500));
-    poll("A's call is out", Duration::from_secs(5), || {
+    let a = waiting(e.port, "user-u");
+    poll("A's call is out", Duration::from_secs(10), || {
         (alone() == alone_before + 1).then_some(())
     });
-    // B, D and C queue behind it; B's client leaves while it is queued.
-    let b = leaving(e.url("/x"), "user-u", Duration::from_millis(300));
-    let d = leaving(e.url("/x"), "user-u", Duration::from_millis(4000));
+    // B, D and C queue behind it.
+    let b = waiting(e.port, "user-u");
+    let d = waiting(e.port, "user-u");
     let url = e.url("/x");
     let c = std::thread::spawn(move || get(&url, &[("x-user", "user-u")]).status);
-    poll("A, B, D and C arrived", Duration::from_secs(5), || {
-        (arrived() >= in_before + 4).then_some(())
+    poll("A, B, D and C arrived", Duration::from_secs(10), || {
+        (arrived() == in_before + 4).then_some(())
     });
-    assert!(b.join().unwrap(), "B gave up");
+    // B's client leaves while it is queued behind A.
+    drop(b);
+    poll("Envoy saw B leave", Duration::from_secs(10), || {
+        (left() == left_before + 1).then_some(())
+    });
     // A's client leaves: Envoy cancels its call, the group is free, and the
     // worker sends what queued (B dropped): D and C in one batch.
-    assert!(a.join().unwrap(), "A gave up");
+    drop(a);
     poll(
         "the batch of D and C is out",
-        Duration::from_secs(5),
+        Duration::from_secs(10),
         || (calls() == calls_before + 1).then_some(()),
     );
     // D's client leaves while its batch is out.
-    assert!(d.join().unwrap(), "D gave up");
-    poll("Envoy saw A, B and D leave", Duration::from_secs(5), || {
-        (admin_stat(admin, "http.ingress.downstream_cx_destroy_remote_active_rq") >= 3)
-            .then_some(())
-    });
+    drop(d);
+    poll(
+        "Envoy saw A, B and D leave",
+        Duration::from_secs(10),
+        || (left() == left_before + 3).then_some(()),
+    );
     f.redis.freeze(false);
     assert_eq!(c.join().unwrap(), 200, "C, still there, is decided");
     // A's command had reached Redis before its call was cancelled, and D's
