@@ -12,6 +12,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use support::probe::poll_eq;
 use support::*;
 
 /// One token in the buckets: they refill one token an hour, so nothing
@@ -110,11 +111,17 @@ fn the_balance_is_exactly_what_the_responses_said_and_a_debt_rejects_what_follow
         200
     );
     settles_to(&mut con, "openai", "u1", -40);
-    for e in [a, b] {
+    // Twice on one Envoy: the second 429 is Redis' too, since the over-limit
+    // cache never answers for a usage-based limit (a settlement can move
+    // the balance at any time).
+    let calls = a.counter("redis_guard.redis.calls");
+    for e in [a, a, b] {
         let r = llm(e, "/v1/chat/completions", "u1", "openai-json", "1,1");
         assert_eq!(r.status, 429, "in debt");
         assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
     }
+    assert_eq!(a.counter("redis_guard.redis.calls") - calls, 2);
+    assert_eq!(stack.counter("redis_guard.overlimit_cache.rejected"), 0);
     // Anthropic's stream: 25 input tokens in message_start, 40 output
     // tokens as the last running total.
     assert_eq!(
@@ -184,10 +191,24 @@ fn a_replayed_request_charges_nothing() {
     let first = headers(&stack.envoys[0]);
     assert_eq!(first.status, 200);
     settles_to(&mut con, "openai", "u3", 60);
-    let again = headers(&stack.envoys[1]);
+    let e = &stack.envoys[1];
+    let calls = e.counter("redis_guard.redis.calls");
+    let again = headers(e);
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(again.body, first.body);
-    std::thread::sleep(Duration::from_millis(200));
+    // A settlement would be sent as the stream ends: once Envoy has ended
+    // it, the replay's one call is all there was, and nothing was settled.
+    poll_eq(
+        "the replay's stream ended",
+        0,
+        Duration::from_secs(10),
+        || admin_stat(e.admin_port, "http.ingress.downstream_rq_active"),
+    );
+    assert_eq!(e.counter("redis_guard.redis.calls") - calls, 1);
+    for settled in ["charged_units", "refunded_units", "fallback", "lost"] {
+        let n = e.counter(&format!("redis_guard.usage.{settled}"));
+        assert_eq!(n, 0, "usage.{settled}");
+    }
     assert_eq!(tokens(&mut con, "openai", "u3"), Some(60));
     assert_eq!(stack.upstream.executions_of("/v1/chat/completions"), 1);
 }
