@@ -334,12 +334,9 @@ fn a_limit_applies_by_claim_value_exactly_or_by_a_whole_value_regex() {
 /// client address it reports is the one that proxy saw (how a deployment
 /// behind a load balancer gives the filter the real client).
 fn behind_one_proxy(yaml: String) -> String {
-    let anchor = "          stat_prefix: ingress\n";
-    assert_eq!(yaml.matches(anchor).count(), 1);
-    yaml.replace(
-        anchor,
-        &format!("{anchor}          use_remote_address: true\n          xff_num_trusted_hops: 1\n"),
-    )
+    let shipped = "          xff_num_trusted_hops: 0\n";
+    assert_eq!(yaml.matches(shipped).count(), 1);
+    yaml.replace(shipped, "          xff_num_trusted_hops: 1\n")
 }
 
 #[test]
