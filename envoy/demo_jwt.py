@@ -26,8 +26,13 @@ def b64(raw: bytes) -> str:
 
 def keys(jwks_out: str, secret_out: str) -> None:
     secret = os.urandom(32)
-    with open(secret_out, "wb") as f:
+    # Created 0600 under a new name and renamed over the old one: only the
+    # demo's user may sign tokens, and an older file never lends its mode.
+    tmp = f"{secret_out}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(secret)
+    os.replace(tmp, secret_out)
     jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "demo", "k": b64(secret)}]}
     with open(jwks_out, "w", encoding="utf-8") as f:
         json.dump(jwks, f)

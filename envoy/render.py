@@ -11,7 +11,8 @@ an error, so a renamed placeholder cannot go unnoticed.
 --webdis-credentials FILE makes Webdis' HTTP Basic credentials for this
 stack: the user redis-guard and a new random password, inserted as
 WEBDIS_USERNAME and WEBDIS_PASSWORD (webdis.json's http_basic_auth) and
-written to FILE (mode 0600) as REDIS_GUARD_WEBDIS_AUTHORIZATION="Basic ..."
+written to FILE (mode 0600, as is the rendered webdis.json) as
+REDIS_GUARD_WEBDIS_AUTHORIZATION="Basic ..."
 (the header envoy.yaml's webdis cluster adds to every callout), and as
 REDIS_GUARD_WEBDIS_USERNAME=... and REDIS_GUARD_WEBDIS_PASSWORD=... (what the
 filter reads with redis.credentials.fromEnvironment, where it sends them
@@ -26,7 +27,8 @@ REDIS_ADMIN_PASSWORD=...
   render.py --out DIR [--set NAME=VALUE ...] [--filter-config FILE] [--jwks FILE]
             [--webdis-credentials FILE] [--redis-users FILE] TEMPLATE...
 
-Each TEMPLATE is written to DIR under its own file name.
+Each TEMPLATE is written to DIR under its own file name, mode 0600 when it
+uses a secret (WEBDIS_PASSWORD, REDIS_AUTH), as the credential files are.
 """
 import argparse
 import base64
@@ -38,6 +40,27 @@ import secrets
 import sys
 
 PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
+# Placeholders whose values are secrets: a template using one is rendered
+# readable by its owner only (webdis.json: Webdis' Basic password and
+# redis_auth). redis.acl holds only SHA-256s of random passwords and stays
+# readable, as Redis in the compose stack runs as another user.
+SECRET_PLACEHOLDERS = {"WEBDIS_PASSWORD", "REDIS_AUTH"}
+
+
+def write_file(path: str, text: str, secret: bool) -> None:
+    """Writes `text` to `path` under a new temporary name, renamed over it:
+    a secret is created 0600, so no other user can open it at any moment,
+    and a file left by an earlier run never lends it its mode."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret else 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def main() -> int:
@@ -86,13 +109,13 @@ def main() -> int:
         password = secrets.token_urlsafe(24)
         values["WEBDIS_USERNAME"] = "redis-guard"
         values["WEBDIS_PASSWORD"] = password
-        fd = os.open(args.webdis_credentials, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            basic = base64.b64encode(f"redis-guard:{password}".encode()).decode()
-            # Quoted for the shell (demo.sh and compose source the file):
-            # the value holds a space.
-            f.write(f"REDIS_GUARD_WEBDIS_AUTHORIZATION='Basic {basic}'\n"
-                    f"REDIS_GUARD_WEBDIS_USERNAME=redis-guard\nREDIS_GUARD_WEBDIS_PASSWORD={password}\n")
+        basic = base64.b64encode(f"redis-guard:{password}".encode()).decode()
+        # Quoted for the shell (demo.sh and compose source the file): the
+        # value holds a space.
+        write_file(args.webdis_credentials,
+                   f"REDIS_GUARD_WEBDIS_AUTHORIZATION='Basic {basic}'\n"
+                   f"REDIS_GUARD_WEBDIS_USERNAME=redis-guard\nREDIS_GUARD_WEBDIS_PASSWORD={password}\n",
+                   secret=True)
 
     if args.redis_users:
         password = secrets.token_urlsafe(24)
@@ -101,9 +124,7 @@ def main() -> int:
         values["REDIS_PASSWORD_HASH"] = hashlib.sha256(password.encode()).hexdigest()
         values["REDIS_AUTH"] = json.dumps(password)
         values["REDIS_ADMIN_PASSWORD_HASH"] = hashlib.sha256(admin.encode()).hexdigest()
-        fd = os.open(args.redis_users, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"REDIS_ADMIN_PASSWORD={admin}\n")
+        write_file(args.redis_users, f"REDIS_ADMIN_PASSWORD={admin}\n", secret=True)
 
     os.makedirs(args.out, exist_ok=True)
     used = set()
@@ -117,8 +138,8 @@ def main() -> int:
             return 1
         used |= wanted
         rendered = PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
-        with open(os.path.join(args.out, os.path.basename(template)), "w", encoding="utf-8") as f:
-            f.write(rendered)
+        write_file(os.path.join(args.out, os.path.basename(template)), rendered,
+                   secret=bool(wanted & SECRET_PLACEHOLDERS))
     unused = sorted(values.keys() - used)
     if unused:
         print(f"render.py: no template uses {', '.join(unused)}", file=sys.stderr)

@@ -684,3 +684,100 @@ fn only_envoy_is_reachable_from_outside_the_stacks_internal_network() {
         ["backend", "edge"]
     );
 }
+
+/// The permission bits of `path`.
+fn mode(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o777
+}
+
+/// The mode a new file gets in `dir` under this process's umask: what a
+/// rendered file without a secret has.
+fn fresh_file_mode(dir: &std::path::Path) -> u32 {
+    let probe = dir.join("fresh-file-probe");
+    std::fs::write(&probe, b"").unwrap();
+    let m = mode(&probe);
+    std::fs::remove_file(&probe).unwrap();
+    m
+}
+
+/// Each of `secret` is readable by its owner only; each of `public` has a
+/// new file's mode.
+fn assert_modes(dir: &std::path::Path, secret: &[&str], public: &[&str]) {
+    let fresh = fresh_file_mode(dir);
+    assert_ne!(fresh, 0o600, "the umask would hide a difference");
+    for name in secret {
+        assert_eq!(mode(&dir.join(name)), 0o600, "{name} holds a secret");
+    }
+    for name in public {
+        assert_eq!(mode(&dir.join(name)), fresh, "{name} holds none");
+    }
+}
+
+#[test]
+fn the_compose_render_writes_every_file_holding_a_secret_for_its_owner_only() {
+    let c = compose();
+    let (out, _) = run_render_service(&c);
+    // webdis.json: Webdis' Basic password and redis_auth; the env files:
+    // the same password, the Authorization header, the Redis admin's.
+    // redis.acl holds SHA-256s only, and Redis reads it as another user.
+    assert_modes(
+        &out.0,
+        &["webdis.json", "webdis.env", "redis.env"],
+        &["envoy.yaml", "redis.acl"],
+    );
+}
+
+/// The lines of envoy/demo.sh from the one starting with `start` to the
+/// first that does not continue onto the next (no trailing backslash).
+fn demo_command(demo: &str, start: &str) -> String {
+    let lines: Vec<&str> = demo.lines().collect();
+    let first = lines
+        .iter()
+        .position(|l| l.starts_with(start))
+        .unwrap_or_else(|| panic!("demo.sh no longer runs {start}"));
+    let last = first
+        + lines[first..]
+            .iter()
+            .position(|l| !l.ends_with('\\'))
+            .unwrap();
+    lines[first..=last].join("\n")
+}
+
+#[test]
+fn the_demo_renders_its_secrets_for_its_owner_only_even_over_an_earlier_runs_files() {
+    let demo = std::fs::read_to_string(envoy_dir().join("demo.sh")).unwrap();
+    let stack = Scratch::new("demo-render");
+    // An earlier run's files, readable by anyone (what a render before this
+    // fix left in .stack): the new ones must not inherit their mode.
+    let secret = ["webdis.json", "webdis.env", "redis.env", "jwt.secret"];
+    for name in secret {
+        let path = stack.0.join(name);
+        std::fs::write(&path, b"old").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    // demo.sh's own two commands, with its variables.
+    let script = format!(
+        "set -euo pipefail\nSTACK={}\nENVOY_PORT=10000 ADMIN_PORT=9901 WEBDIS_PORT=17379 REDIS_PORT=16379\n\
+         UPSTREAM_PORT=18080 GRPC_UPSTREAM_PORT=18081 OBJECT_STORE_PORT=17900\n\
+         WASM=target/wasm32-wasip1/release/redis_guard.wasm\n{}\n{}\n",
+        stack.0.display(),
+        demo_command(&demo, "python3 envoy/demo_jwt.py keys"),
+        demo_command(&demo, "python3 envoy/render.py"),
+    );
+    let status = Command::new("bash")
+        .arg("-c")
+        .arg(&script)
+        .current_dir(root())
+        .status()
+        .unwrap();
+    assert!(status.success(), "{script}");
+    assert_modes(&stack.0, &secret, &["envoy.yaml", "redis.acl", "jwks.json"]);
+    // Rewritten, not merely re-moded.
+    assert_ne!(std::fs::read(stack.0.join("jwt.secret")).unwrap(), b"old");
+}
