@@ -11,6 +11,7 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -119,6 +120,19 @@ fn every_kind_stack(tag: &str, envoys: usize) -> (Stack, Scratch, PathBuf, Strin
     (stack, dir, config, url)
 }
 
+/// Every key with its serialized value (DUMP) and absolute expiry
+/// (PEXPIRETIME, -1 for none).
+fn snapshot(con: &mut redis::Connection) -> BTreeMap<Vec<u8>, (Vec<u8>, i64)> {
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("*").query(con).unwrap();
+    keys.into_iter()
+        .map(|key| {
+            let value: Vec<u8> = redis::cmd("DUMP").arg(&key).query(con).unwrap();
+            let at: i64 = redis::cmd("PEXPIRETIME").arg(&key).query(con).unwrap();
+            (key, (value, at))
+        })
+        .collect()
+}
+
 /// `reset_ms` read now is at most the header's reset (whole seconds, rounded
 /// up, when the response left) and less only by the time since: a few
 /// seconds on a slow machine.
@@ -134,9 +148,22 @@ fn assert_reset_agrees(kind: &str, header_s: u64, reset_ms: u64) {
 fn inspect_agrees_with_the_headers_the_filter_returned_for_each_limit_kind() {
     let (stack, _dir, config, url) = every_kind_stack("cli-inspect", 1);
     let e = stack.envoy();
+    // Every inspection below leaves every key's value and expiry exactly as
+    // it found them, and creates none.
+    let mut con = stack.redis.conn();
+    let mut look = |kind: &str, user: &str| -> Value {
+        let before = snapshot(&mut con);
+        let shown = inspect(&config, &url, kind, user);
+        assert_eq!(
+            snapshot(&mut con),
+            before,
+            "inspect {kind} for {user} wrote"
+        );
+        shown
+    };
     for kind in ["tb", "sw", "gcra", "fw", "swc"] {
         // Before any request the limit is whole, and inspecting it spends nothing.
-        let fresh = inspect(&config, &url, kind, "alice");
+        let fresh = look(kind, "alice");
         assert_eq!(fresh["remaining"], 5, "{kind}");
         assert_eq!(fresh["allowed"], true, "{kind}");
         assert_eq!(fresh["state"]["type"], "none", "{kind}");
@@ -147,7 +174,7 @@ fn inspect_agrees_with_the_headers_the_filter_returned_for_each_limit_kind() {
             last = Some(resp);
         }
         let last = last.unwrap();
-        let state = inspect(&config, &url, kind, "alice");
+        let state = look(kind, "alice");
         assert_eq!(
             state["remaining"].as_u64().unwrap(),
             header_u64(&last, "x-ratelimit-remaining"),
@@ -173,15 +200,15 @@ fn inspect_agrees_with_the_headers_the_filter_returned_for_each_limit_kind() {
             "{kind}: {state}"
         );
         // Inspecting twice changed nothing: the same remaining units.
-        assert_eq!(inspect(&config, &url, kind, "alice")["remaining"], 2);
+        assert_eq!(look(kind, "alice")["remaining"], 2);
         // Another user's key is another key, untouched.
-        assert_eq!(inspect(&config, &url, kind, "bob")["remaining"], 5);
+        assert_eq!(look(kind, "bob")["remaining"], 5);
     }
     // The state as Redis holds it: the token bucket's hash, the sliding
     // window's 3 members.
-    let tb = inspect(&config, &url, "tb", "alice");
+    let tb = look("tb", "alice");
     assert_eq!(tb["state"]["type"], "hash");
-    let sw = inspect(&config, &url, "sw", "alice");
+    let sw = look("sw", "alice");
     assert_eq!(
         (sw["state"]["type"].clone(), sw["state"]["members"].clone()),
         ("zset".into(), 3.into())
@@ -193,7 +220,7 @@ fn inspect_agrees_with_the_headers_the_filter_returned_for_each_limit_kind() {
     }
     let rejected = get(&e.url("/tb/"), &[("x-user", "alice")]);
     assert_eq!(rejected.status, 429);
-    let state = inspect(&config, &url, "tb", "alice");
+    let state = look("tb", "alice");
     assert_eq!(
         (state["allowed"].clone(), state["remaining"].clone()),
         (false.into(), 0.into())
@@ -416,6 +443,20 @@ fn forget_lets_a_completed_key_run_again_and_refuses_one_in_progress_unless_forc
     // The forced forget left nothing for the running request to complete:
     // its owner's completion found no lock, and no record was written.
     assert_eq!(json_of(&idem("show", "k-2", &[]))["state"], "absent");
+    assert_eq!(
+        stack.upstream.executions_of("/pay"),
+        3,
+        "k-1 twice, k-2 once"
+    );
+    // So a retry of k-2 runs again, once, and is stored this time.
+    let retry = pay("k-2", "0");
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert_eq!(stack.upstream.executions_of("/pay"), 4, "k-2 ran again");
+    let replay = pay("k-2", "0");
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, retry.body);
+    assert_eq!(stack.upstream.executions_of("/pay"), 4);
 }
 
 #[test]
