@@ -1550,8 +1550,22 @@ fn numbers_that_would_corrupt_a_new_kinds_key_are_an_error_and_write_nothing() {
         );
         assert!(!exists(&mut con, k), "{what}: wrote {k}");
     }
-    // The largest numbers the config allows pass.
-    let argv = ["1", "gcra", "4503599627370495", "1", "1", "1", "1"];
-    script::set_clock(&mut con, T0);
-    assert!(script::eval_raw(&mut con, &RATELIMIT_AT, &[k], &argv).is_ok());
+    // The largest numbers the config allows pass, and decide exactly: a
+    // burst of 2^52 - 1 units, one back every ms (whole again 1 ms per unit
+    // taken), ...
+    let max_burst = (1_i64 << 52) - 1;
+    let g = gcra(k, max_burst, 1, 1);
+    assert_eq!(one(&mut con, T0, &g), admits(max_burst - 1, 1));
+    assert_eq!(one(&mut con, T0, &g), admits(max_burst - 2, 2));
+    assert_eq!(get(&mut con, k), Some((T0 + 2).to_string()), "the TAT");
+    // ... and a fixed window of 2^50 units (T0 is on a second's edge: the
+    // whole window is left).
+    let max_limit = 1_i64 << 50;
+    let w = fw("t:{k}:err-fw", max_limit, SECOND);
+    assert_eq!(one(&mut con, T0, &w), admits(max_limit - 1, SECOND));
+    assert_eq!(
+        one(&mut con, T0, &w.clone().cost(max_limit - 1)),
+        admits(0, SECOND)
+    );
+    assert_eq!(one(&mut con, T0, &w), rejects(0, SECOND));
 }
