@@ -75,12 +75,15 @@ fn each_kind_admits_its_budget_with_its_headers_then_answers_429_with_retry_afte
     );
     let stack = Stack::start(&cfg, 1);
     let e = stack.envoy();
+    let mut con = stack.redis.conn();
     let user = [("x-user", "alice")];
     for (path, name, window_s) in [
         ("/gcra", "g", 6),
         ("/fw", "f", LONG_WINDOW_MS.div_ceil(1000)),
         ("/swc", "s", LONG_WINDOW_MS.div_ceil(1000)),
     ] {
+        // Redis' clock, which the scripts read, before the first request.
+        let first = redis_now_ms(&mut con);
         for remaining in ["2", "1", "0"] {
             let r = get(&e.url(path), &user);
             assert_eq!(r.status, 200, "{path}");
@@ -92,26 +95,34 @@ fn each_kind_admits_its_budget_with_its_headers_then_answers_429_with_retry_afte
                 "{path}"
             );
         }
+        let sent = redis_now_ms(&mut con);
         let r = get(&e.url(path), &user);
+        let answered = redis_now_ms(&mut con);
         assert_eq!(r.status, 429, "{path}");
-        let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+        let retry: i64 = r.header("retry-after").unwrap().parse().unwrap();
         assert_eq!(r.header("x-ratelimit-remaining"), Some("0"), "{path}");
-        match path {
-            // The next unit is due 2 s after the first of the burst.
-            "/gcra" => assert!((1..=2).contains(&retry), "{path}: Retry-After {retry}"),
-            // The window ends at the next multiple of 2^40 ms since the epoch;
-            // the counter's three units weigh less than 3 from 1 ms into the
-            // next window (floor(3 (W - 1) / W) = 2).
+        // When a unit is back, on Redis' clock. GCRA: 2 s after the first
+        // of the burst (decided at or after `first`, at or before `sent`).
+        // The windows: at the end of the current one (the next multiple of
+        // 2^40 ms since the epoch), and the counter 1 ms later: its three
+        // units weigh less than 3 from 1 ms into the next window
+        // (floor(3 (W - 1) / W) = 2).
+        let (earliest, latest) = match path {
+            "/gcra" => (first + 2000, sent + 2000),
             _ => {
-                let now = now_ms();
-                let end_s = (now / LONG_WINDOW_MS + 1) * LONG_WINDOW_MS / 1000;
-                let expected = end_s - now / 1000;
-                assert!(
-                    retry.abs_diff(expected) <= 2,
-                    "{path}: Retry-After {retry}, the window ends in {expected} s"
-                );
+                let end = i64::try_from((now_ms() / LONG_WINDOW_MS + 1) * LONG_WINDOW_MS).unwrap();
+                let late = i64::from(path == "/swc");
+                (end + late, end + late)
             }
-        }
+        };
+        // Retry-After rounds the wait from the 429's decision, made between
+        // `sent` and `answered`, up to whole seconds.
+        let up_to_s = |ms: i64| (ms.max(0) + 999) / 1000;
+        let (lo, hi) = (up_to_s(earliest - answered), up_to_s(latest - sent));
+        assert!(
+            (lo..=hi).contains(&retry),
+            "{path}: Retry-After {retry}, not within {lo}..={hi}"
+        );
     }
     assert_eq!(
         stack.upstream.executed(),
