@@ -47,13 +47,15 @@ pub fn code_of(name: &str) -> Option<u32> {
     CODES.iter().position(|c| *c == name).map(|i| i as u32)
 }
 
-/// True for a gRPC request's content-type: `application/grpc`, or with a
-/// `+format` or `;` parameters (as Envoy decides it; `application/grpc-web`
-/// is another protocol).
+/// True for a gRPC request's content-type, decided exactly as Envoy decides
+/// it (`Grpc::Common::hasGrpcContentType`): `application/grpc`, or it
+/// followed by `+` (`application/grpc+proto`), byte for byte. Envoy treats
+/// anything else (`application/grpc;charset=utf-8`, `Application/GRPC`,
+/// `application/grpc-web`) as plain HTTP: so must the filter, or it would
+/// wait for a `grpc-status` the response never carries.
 pub fn is_grpc(content_type: &[u8]) -> bool {
-    content_type.len() >= 16
-        && content_type[..16].eq_ignore_ascii_case(b"application/grpc")
-        && matches!(content_type.get(16), None | Some(b'+' | b';'))
+    const GRPC: &[u8] = b"application/grpc";
+    content_type.starts_with(GRPC) && matches!(content_type.get(GRPC.len()), None | Some(b'+'))
 }
 
 /// The gRPC status for the filter's own answer of HTTP `status`:
@@ -151,8 +153,15 @@ pub fn frames(body: &[u8]) -> Frames {
                 whole: false,
             };
         };
-        let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
-        match rest.get(5 + len..) {
+        // The length is the client's: on wasm32 `5 + len` wraps to a
+        // small offset and the loop would never end, so a frame whose end
+        // cannot be represented is simply not whole.
+        let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]);
+        let after = usize::try_from(len)
+            .ok()
+            .and_then(|len| len.checked_add(5))
+            .and_then(|end| rest.get(end..));
+        match after {
             Some(after) => rest = after,
             None => {
                 return Frames {
@@ -189,11 +198,15 @@ mod tests {
         for ct in [
             "application/grpc",
             "application/grpc+proto",
-            "Application/GRPC;charset=utf-8",
+            "application/grpc+",
         ] {
             assert!(is_grpc(ct.as_bytes()), "{ct}");
         }
         for ct in [
+            "application/grpc;charset=utf-8",
+            "Application/GRPC",
+            "application/GRPC+proto",
+            " application/grpc",
             "application/grpc-web",
             "application/json",
             "application/gr",

@@ -312,14 +312,11 @@ mod tests {
             grpc_call(b"/shop.v1.Orders/Create", grpc),
             Some((&b"shop.v1.Orders"[..], &b"Create"[..]))
         );
+        assert!(grpc_call(b"/a.S/M", Some(b"application/grpc+proto")).is_some());
+        // What Envoy does not take for gRPC is not a gRPC call here either.
         for ct in [
-            "application/grpc+proto",
             "application/grpc; charset=x",
             "Application/GRPC",
-        ] {
-            assert!(grpc_call(b"/a.S/M", Some(ct.as_bytes())).is_some(), "{ct}");
-        }
-        for ct in [
             "application/json",
             "application/grpc-web",
             "application/grpcx",
