@@ -47,13 +47,34 @@ pub fn weighted(terms: &[Term], values: &[Option<u64>]) -> Result<u64, Unknown> 
         .ok_or(Unknown::Overflow)
 }
 
-/// Reads each term's value from one JSON document; `None` per term absent
-/// or not a whole non-negative number.
+/// Reads each term's value from one JSON document (a response's stated
+/// usage); `None` per term absent or not a whole non-negative number.
 fn read_terms(doc: &serde_json::Value, terms: &[Term]) -> Vec<Option<u64>> {
+    read_terms_with(doc, terms, serde_json::Value::as_u64)
+}
+
+fn read_terms_with(
+    doc: &serde_json::Value,
+    terms: &[Term],
+    read: fn(&serde_json::Value) -> Option<u64>,
+) -> Vec<Option<u64>> {
     terms
         .iter()
-        .map(|t| doc.pointer(&t.pointer).and_then(serde_json::Value::as_u64))
+        .map(|t| doc.pointer(&t.pointer).and_then(read))
         .collect()
+}
+
+/// A number a client asks for, as units, never fewer than it says: a
+/// fraction counts rounded up (`1000.5` is 1001), and an integer past 64
+/// bits, which serde_json reads as a float (`18446744073709551616`, `1e30`),
+/// saturates at `u64::MAX` (a float's `as` conversion saturates).
+/// Negative: not units.
+fn asked_units(value: &serde_json::Value) -> Option<u64> {
+    if let Some(n) = value.as_u64() {
+        return Some(n);
+    }
+    let f = value.as_f64()?;
+    (f >= 0.0).then(|| f.ceil() as u64)
 }
 
 /// A whole JSON response body, kept up to `max` bytes.
@@ -117,8 +138,15 @@ pub fn reservation(body: &[u8], max: usize, terms: &[Term], quota: u64) -> Resul
     if body.len() > max {
         return Err(Unknown::TooLarge);
     }
-    let doc: serde_json::Value = serde_json::from_slice(body).map_err(|_| Unknown::Absent)?;
-    let units = match weighted(terms, &read_terms(&doc, terms)) {
+    let doc: serde_json::Value = match serde_json::from_slice(body) {
+        Ok(doc) => doc,
+        // A number past a float's range (`1e400`): serde_json refuses the
+        // document, which an upstream may still read as infinity. It asks
+        // for more than any quota, so it reserves all of it.
+        Err(e) if e.to_string().starts_with("number out of range") => return Ok(quota.max(1)),
+        Err(_) => return Err(Unknown::Absent),
+    };
+    let units = match weighted(terms, &read_terms_with(&doc, terms, asked_units)) {
         Err(Unknown::Overflow) => u64::MAX,
         other => other?,
     };
@@ -272,6 +300,25 @@ mod tests {
         assert_eq!(reservation(body, 1024, &max_tokens, 500), Ok(500));
         let zero = br#"{"max_tokens":0}"#;
         assert_eq!(reservation(zero, 1024, &max_tokens, 500), Ok(1));
+        for (body, reserved) in [
+            // Past 64 bits (a float to serde_json) or past a float: the quota.
+            (&br#"{"max_tokens":18446744073709551616}"#[..], 5000),
+            (br#"{"max_tokens":1000000000000000000000000000000}"#, 5000),
+            (br#"{"max_tokens":1e30}"#, 5000),
+            (br#"{"max_tokens":1e400}"#, 5000),
+            // A float counts, rounded up.
+            (br#"{"max_tokens":1000.0}"#, 1000),
+            (br#"{"max_tokens":1e3}"#, 1000),
+            (br#"{"max_tokens":99.1}"#, 100),
+            (br#"{"max_tokens":0.5}"#, 1),
+        ] {
+            let shown = String::from_utf8_lossy(body);
+            assert_eq!(
+                reservation(body, 1024, &max_tokens, 5000),
+                Ok(reserved),
+                "{shown}"
+            );
+        }
         let huge = br#"{"max_tokens":18446744073709551615}"#;
         assert_eq!(
             reservation(huge, 1024, &both, 500),
