@@ -424,44 +424,6 @@ fn a_response_over_the_stored_body_cap_is_not_stored_and_the_key_is_freed() {
 }
 
 #[test]
-fn a_client_that_resets_mid_request_frees_the_key() {
-    let stack = Stack::start(&config(""), 1);
-    let e = stack.envoy();
-    {
-        use std::io::Write;
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", e.port)).unwrap();
-        let body = b"reset-me";
-        let req = format!(
-            "POST /pay/r HTTP/1.1\r\nhost: x\r\nidempotency-key: k-reset\r\nx-tenant: acme\r\n\
-             x-upstream-delay-ms: 1500\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        );
-        s.write_all(req.as_bytes()).unwrap();
-        s.write_all(body).unwrap();
-        // Once the upstream is executing, the client gives up.
-        poll_eq("k-reset executing", 1, Duration::from_secs(5), || {
-            executions_of(&stack, "/pay/r")
-        });
-    }
-    // Without the release the key would stay locked (409) for lockTtlMs (30 s).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let h = [("idempotency-key", "k-reset"), ("x-tenant", "acme")];
-    let retry = loop {
-        let r = post(e, "/pay/r", &h, b"reset-me");
-        if r.status != 409 || Instant::now() > deadline {
-            break r;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    assert_eq!(
-        (retry.status, retry.header("idempotent-replayed")),
-        (200, None)
-    );
-    assert_eq!(e.counter("redis_guard.idempotency.released"), 1);
-    assert_no_lock_survives(&stack);
-}
-
-#[test]
 fn stored_responses_replay_every_value_of_a_repeated_header_byte_for_byte() {
     let stack = Stack::start(&config(""), 1);
     let e = stack.envoy();

@@ -39,7 +39,7 @@ const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
 const KINDS: [&str; 6] = ["timeout", "dispatch", "http", "redis", "reply", "auth"];
 /// Every series without labels, by its name after `redis_guard_`.
-const PLAIN: [&str; 42] = [
+const PLAIN: [&str; 44] = [
     "redis_calls",
     "batch_calls",
     "batch_alone",
@@ -63,6 +63,7 @@ const PLAIN: [&str; 42] = [
     "idempotency_conflicted",
     "idempotency_mismatched",
     "idempotency_released",
+    "idempotency_abandoned",
     "idempotency_stored",
     "idempotency_store_failed",
     "idempotency_too_large",
@@ -74,6 +75,7 @@ const PLAIN: [&str; 42] = [
     "idempotency_object_corrupt",
     "idempotency_object_fetch_failed",
     "concurrency_released",
+    "concurrency_abandoned",
     "concurrency_renewed",
     "concurrency_lost",
     "usage_charged_units",

@@ -30,6 +30,9 @@ pub enum Counter {
     IdemMismatches,
     /// Lock released so a retry runs again (failure, non-storable, too large).
     IdemReleased,
+    /// The client left after its keyed request was forwarded: the upstream
+    /// may be running it, so the lock stays until `lockTtlMs`.
+    IdemAbandoned,
     /// COMPLETED record written.
     IdemStored,
     /// The COMPLETED record could not be written (lock lost, Redis failed).
@@ -79,6 +82,9 @@ pub enum Counter {
     IdemObjectFetchFailed,
     /// A request's concurrency slots given back at its stream's end.
     SlotsReleased,
+    /// A forwarded request's response never completed (its client left):
+    /// its slots are kept until their lease ends.
+    SlotsAbandoned,
     /// A renewal of a running request's slot leases.
     SlotsRenewed,
     /// A running request's slot was gone at its renewal (its Envoy was cut
@@ -210,6 +216,7 @@ impl Counter {
             Counter::IdemConflicts,
             Counter::IdemMismatches,
             Counter::IdemReleased,
+            Counter::IdemAbandoned,
             Counter::IdemStored,
             Counter::IdemStoreFailed,
             Counter::IdemTooLarge,
@@ -230,6 +237,7 @@ impl Counter {
             Counter::BatchCalls,
             Counter::BatchAlone,
             Counter::SlotsReleased,
+            Counter::SlotsAbandoned,
             Counter::SlotsRenewed,
             Counter::SlotsLost,
             Counter::UsageCharged,
@@ -286,6 +294,7 @@ impl Counter {
             Counter::IdemConflicts => fixed("idempotency.conflicted"),
             Counter::IdemMismatches => fixed("idempotency.mismatched"),
             Counter::IdemReleased => fixed("idempotency.released"),
+            Counter::IdemAbandoned => fixed("idempotency.abandoned"),
             Counter::IdemStored => fixed("idempotency.stored"),
             Counter::IdemStoreFailed => fixed("idempotency.store_failed"),
             Counter::IdemTooLarge => fixed("idempotency.too_large"),
@@ -304,6 +313,7 @@ impl Counter {
             Counter::BatchCalls => fixed("batch.calls"),
             Counter::BatchAlone => fixed("batch.alone"),
             Counter::SlotsReleased => fixed("concurrency.released"),
+            Counter::SlotsAbandoned => fixed("concurrency.abandoned"),
             Counter::SlotsRenewed => fixed("concurrency.renewed"),
             Counter::SlotsLost => fixed("concurrency.lost"),
             Counter::UsageCharged => fixed("usage.charged_units"),
@@ -331,10 +341,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 48
+        // The stat list as the README and tests/e2e_stats.rs know it: 50
         // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 48);
-        assert_eq!(names(2).len(), 48 + 8);
+        assert_eq!(names(0).len(), 50);
+        assert_eq!(names(2).len(), 50 + 8);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

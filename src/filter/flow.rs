@@ -500,7 +500,7 @@ impl Flow {
     /// lease fetch's claim) must not stay held.
     pub fn on_stream_end<H: Host>(&mut self, host: &mut H) {
         let config = Rc::clone(&self.config);
-        self.record.on_stream_end(host, &config);
+        self.record.on_stream_end(host);
         self.slots.on_stream_end(host, &config);
         self.usage.on_stream_end(host, &config);
         if self.decision.on_stream_end(host) {

@@ -671,6 +671,26 @@ impl Envoy {
         )
     }
 
+    /// The same with `workers` worker threads and `edit` applied to the
+    /// rendered envoy.yaml.
+    pub fn start_edited_with_workers(
+        filter_config: &str,
+        webdis_port: u16,
+        upstream_port: u16,
+        workers: usize,
+        edit: impl FnOnce(String) -> String,
+    ) -> Envoy {
+        Envoy::start_inner(
+            filter_config,
+            webdis_port,
+            upstream_port,
+            None,
+            &[],
+            workers,
+            edit,
+        )
+    }
+
     /// The same, with `edit` applied to the rendered envoy.yaml (to run the
     /// filter the way another host, such as Istio, configures it).
     pub fn start_edited(

@@ -179,7 +179,7 @@ impl Concurrency {
             }
             Err((_, why)) => {
                 log::debug!("redis-guard: releasing slots through the worker: {why}");
-                self.on_stream_end(host, config);
+                self.release_through_worker(host, config, Duration::ZERO);
                 Action::Continue
             }
         }
@@ -286,30 +286,52 @@ impl Concurrency {
         }
     }
 
-    /// The stream is over, however it ended (a client reset, a local reply,
-    /// a response that never ended): gives back what the request holds or
-    /// may hold, or what a release still out may not have given back (the
-    /// host cancels a gone stream's calls). The worker sends it (the stream
-    /// is going away). A request whose decision failed after its call left
-    /// is released once that call can no longer run (`timeoutMs` later, plus
-    /// a margin): a release sent first would find nothing, and the late
-    /// script would take a slot nobody gives back. Without a worker to take
-    /// it, the release goes at once as the root context, the script whole,
-    /// since nobody reads the answer to fall back on after a NOSCRIPT. A
-    /// slot that cannot be given back ends with its lease.
+    /// The stream is over, however it ended: gives back what the request
+    /// may hold but no upstream is working on, or what a release still out
+    /// may not have given back (the host cancels a gone stream's calls).
+    ///
+    /// A request whose decision failed after its call left (a timeout, a
+    /// reset) never reached the upstream: it is released once that call can
+    /// no longer run (`timeoutMs` later, plus a margin), since a release
+    /// sent first would find nothing and the late script would take a slot
+    /// nobody gives back.
+    ///
+    /// A request that was forwarded and whose response never completed (its
+    /// client left, or the response was cut off) keeps its slots until their
+    /// lease ends: a slot stands for the upstream's work, and the upstream
+    /// may still be running the request (an HTTP/1.1 server learns its
+    /// client left only when it writes). Released here, a new request would
+    /// run beside it, over the limit. The renewals stop with the stream, so
+    /// the slot ends at most `leaseMs` after its last renewal.
     pub fn on_stream_end<H: Host>(&mut self, host: &mut H, config: &Config) {
-        if self.state == State::Releasing {
-            self.release = None;
-            return self.on_stream_end_queued(host);
+        match self.state {
+            State::Releasing => {
+                self.release = None;
+                self.on_stream_end_queued(host)
+            }
+            State::Asked => {
+                let after = config.redis.timeout + LATE_CALL_MARGIN;
+                self.release_through_worker(host, config, after)
+            }
+            State::Held => {
+                self.state = State::Done;
+                if self.slots.is_some() {
+                    log::info!(
+                        "redis-guard: response not completed (client left or stream reset): concurrency slots kept until their lease ends"
+                    );
+                    host.count(Counter::SlotsAbandoned);
+                }
+            }
+            _ => {}
         }
-        if !matches!(self.state, State::Asked | State::Held) {
-            return;
-        }
-        let after = if self.state == State::Asked {
-            config.redis.timeout + LATE_CALL_MARGIN
-        } else {
-            Duration::ZERO
-        };
+    }
+
+    /// Gives the slots back through the worker's root (the stream is going
+    /// away), `after` from now. Without a worker to take it, the release
+    /// goes at once as the root context, the script whole, since nobody
+    /// reads the answer to fall back on after a NOSCRIPT. A slot that cannot
+    /// be given back ends with its lease.
+    fn release_through_worker<H: Host>(&mut self, host: &mut H, config: &Config, after: Duration) {
         self.state = State::Done;
         let Some(slots) = self.slots.as_ref() else {
             return;

@@ -52,14 +52,40 @@ fn the_decision_takes_the_slot_under_the_requests_own_slot_id() {
 }
 
 #[test]
-fn an_admitted_request_holds_its_slot_until_its_stream_ends_then_gives_it_back() {
+fn an_admitted_request_whose_client_leaves_keeps_its_slot_until_its_lease_ends() {
     let (mut f, mut h) = cc_started("allow");
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
     assert_eq!(h.resumed, 1);
     // Renewed every quarter of the lease.
     assert_eq!(h.wakes, [Duration::from_millis(750)]);
-    assert!(h.slot_releases.is_empty());
+    // The client leaves before the response is whole: the upstream may
+    // still work on the request, so the slot is not given back (its lease
+    // ends it) and no renewal follows.
     f.on_stream_end(&mut h);
+    assert!(h.slot_releases.is_empty() && h.detached.is_empty());
+    assert_eq!(count(&h, Counter::SlotsReleased), 0);
+    assert_eq!(count(&h, Counter::SlotsAbandoned), 1);
+    h.clock_ms = 750;
+    f.on_wake(&mut h);
+    assert_eq!(h.dispatched.len(), 1, "no renewal after the stream ended");
+    f.on_stream_end(&mut h);
+    assert_eq!(count(&h, Counter::SlotsAbandoned), 1, "once only");
+}
+
+/// The whole response arrives while no call can be sent from the stream:
+/// its slots go back through the worker.
+fn respond_whole_without_a_call(f: &mut Flow, h: &mut FakeHost) {
+    h.dispatch_fails = true;
+    h.respond(&[(":status", "200"), ("content-length", "0")]);
+    assert_eq!(f.on_response_headers(h, true), Action::Continue);
+}
+
+#[test]
+fn a_response_whose_release_cannot_be_sent_gives_the_slot_back_through_the_worker() {
+    let (mut f, mut h) = cc_started("allow");
+    f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
+    assert!(h.slot_releases.is_empty());
+    respond_whole_without_a_call(&mut f, &mut h);
     // Handed to the worker, under the request's hash tag.
     assert_eq!(h.slot_releases.len(), 1);
     let (tag, keys, argv) = &h.slot_releases[0];
@@ -72,6 +98,7 @@ fn an_admitted_request_holds_its_slot_until_its_stream_ends_then_gives_it_back()
     // Once only.
     f.on_stream_end(&mut h);
     assert_eq!(h.slot_releases.len(), 1);
+    assert_eq!(count(&h, Counter::SlotsAbandoned), 0);
 }
 
 #[test]
@@ -79,7 +106,7 @@ fn without_a_worker_to_take_it_the_stream_sends_its_release_whole_as_the_root() 
     let (mut f, mut h) = cc_started("allow");
     f.on_callout_reply(&mut h, 1, ok(CC_ADMIT));
     h.no_worker = true;
-    f.on_stream_end(&mut h);
+    respond_whole_without_a_call(&mut f, &mut h);
     assert_eq!(h.detached.len(), 1);
     // EVAL: nobody reads its answer to fall back on after a NOSCRIPT.
     let release = &h.detached[0];
@@ -146,8 +173,9 @@ fn a_running_request_renews_its_lease_when_due_and_only_then() {
     h.clock_ms = 2250;
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 3);
-    // The slot still held is given back at the end.
-    f.on_stream_end(&mut h);
+    // The slot still held is given back when the response is whole.
+    f.on_callout_reply(&mut h, 3, ok(&resp(&[b"1"])));
+    respond_whole_without_a_call(&mut f, &mut h);
     assert_eq!(h.slot_releases.len(), 1);
 }
 
@@ -189,7 +217,8 @@ fn a_failed_renewal_keeps_the_slot_for_the_next_one() {
     h.clock_ms = 1500;
     f.on_wake(&mut h);
     assert_eq!(h.dispatched.len(), 3, "renewed again");
-    f.on_stream_end(&mut h);
+    f.on_callout_reply(&mut h, 3, ok(&resp(&[b"1"])));
+    respond_whole_without_a_call(&mut f, &mut h);
     assert_eq!(h.slot_releases.len(), 1);
 }
 

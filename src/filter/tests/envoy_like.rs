@@ -188,9 +188,11 @@ fn a_prefetch_the_root_cannot_take_frees_its_claim() {
 
 #[test]
 fn a_release_the_root_cannot_send_is_left_to_the_lock_ttl() {
-    let (mut f, mut h, _) = holding("allow");
+    // The decision's call left and never came back: the script may hold
+    // the lock, and the root's release of it cannot be sent.
+    let (mut f, mut h) = keyed_in_flight("allow");
     h.detached_fails = true;
-    f.on_stream_end(&mut h);
+    f.on_callout_reply(&mut h, 1, no_answer());
     assert!(h.detached.is_empty());
     assert_eq!(count(&h, Counter::IdemReleased), 1, "counted as tried");
     assert_eq!(h.dispatched.len(), 1, "not sent from the stream instead");

@@ -129,6 +129,39 @@ fn a_call_ending_internal_frees_its_key_before_its_trailers_go_out() {
     assert!(h.dispatched[1].starts_with("EVALSHA/"));
 }
 
+#[test]
+fn a_complete_answer_without_a_grpc_status_is_judged_by_its_http_status() {
+    // The body ends without trailers: complete, and a 200 its rule stores.
+    let (mut f, mut h, _) = grpc_holding();
+    h.response_chunks = vec![b"\0\0\0\0\x02ok".to_vec()];
+    assert_eq!(f.on_response_body(&mut h, 7, true), Action::Pause);
+    assert!(h.dispatched[1].starts_with(&format!("EVALSHA/{}/", IDEM_COMPLETE.sha1)));
+    assert_eq!(count(&h, Counter::IdemReleased), 0);
+
+    // Trailers without a grpc-status: the same.
+    let (mut f, mut h, _) = grpc_holding();
+    h.response_trailers = pairs(&[("x-sig", b"1")]);
+    assert_eq!(f.on_response_trailers(&mut h), Action::Pause);
+    assert!(h.dispatched[1].starts_with(&format!("EVALSHA/{}/", IDEM_COMPLETE.sha1)));
+
+    // A whole 500 from an upstream that is not gRPC: released, by its status.
+    let cfg = idem_config("allow");
+    let mut f = Flow::new(cfg.clone(), test_breaker());
+    let mut h = grpc_post(b"abc-123");
+    let key = admitted(&mut f, &mut h, &cfg);
+    h.respond(&[(":status", "500")]);
+    assert_eq!(f.on_response_headers(&mut h, true), Action::Pause);
+    release_lands(&mut f, &mut h, &key);
+
+    // A whole 201 without a status: stored.
+    let mut f = Flow::new(cfg.clone(), test_breaker());
+    let mut h = grpc_post(b"abc-123");
+    admitted(&mut f, &mut h, &cfg);
+    h.respond(&[(":status", "201"), ("content-type", "application/json")]);
+    assert_eq!(f.on_response_headers(&mut h, true), Action::Pause);
+    assert!(h.dispatched[1].starts_with(&format!("EVALSHA/{}/", IDEM_COMPLETE.sha1)));
+}
+
 /// A completed record of a gRPC call: status 200, its headers and
 /// trailers, one message.
 fn completed_grpc_record() -> Vec<u8> {

@@ -441,26 +441,29 @@ fn response_of_exactly_max_stored_body_is_stored() {
 }
 
 #[test]
-fn stream_end_releases_a_held_or_capturing_lock_detached() {
-    // Held: the response never started.
-    let (mut f, mut h, key) = holding("allow");
+fn a_client_that_leaves_after_its_request_was_forwarded_leaves_the_lock_to_its_ttl() {
+    // Held: forwarded, the response not started; the upstream may be
+    // running it, so a retry must meet the lock (409), not run beside it.
+    let (mut f, mut h, _) = holding("allow");
     f.on_stream_end(&mut h);
-    assert_eq!(h.detached, [detached_release_call(&key)]);
-    assert_eq!(h.dispatched.len(), 1, "not through dispatch_redis");
-    assert_eq!(count(&h, Counter::IdemReleased), 1);
+    assert!(h.detached.is_empty());
+    assert_eq!(h.dispatched.len(), 1, "no release through dispatch_redis");
+    assert_eq!(count(&h, Counter::IdemReleased), 0);
+    assert_eq!(count(&h, Counter::IdemAbandoned), 1);
     f.on_stream_end(&mut h);
-    assert_eq!(h.detached.len(), 1, "released once");
+    assert_eq!(count(&h, Counter::IdemAbandoned), 1, "counted once");
 
-    // Capturing: part of the response went out.
-    let (mut f, mut h, key) = holding("allow");
+    // Capturing: part of the response went out; the upstream ran it.
+    let (mut f, mut h, _) = holding("allow");
     h.respond(&[(":status", "200"), ("content-length", "10")]);
     f.on_response_headers(&mut h, false);
     h.response_chunks = vec![b"12345".to_vec()];
     assert_eq!(f.on_response_body(&mut h, 5, false), Action::Continue);
     f.on_stream_end(&mut h);
-    assert_eq!(h.detached, [detached_release_call(&key)]);
+    assert!(h.detached.is_empty());
     assert_eq!(h.dispatched.len(), 1);
-    assert_eq!(count(&h, Counter::IdemReleased), 1);
+    assert_eq!(count(&h, Counter::IdemReleased), 0);
+    assert_eq!(count(&h, Counter::IdemAbandoned), 1);
 
     // Completing: the COMPLETED record is on its way; a release would race it.
     let (mut f, mut h, _) = holding("allow");
@@ -471,6 +474,7 @@ fn stream_end_releases_a_held_or_capturing_lock_detached() {
     f.on_stream_end(&mut h);
     assert!(h.detached.is_empty());
     assert!(!h.counters.contains(&Counter::IdemReleased));
+    assert!(!h.counters.contains(&Counter::IdemAbandoned));
 }
 
 #[test]

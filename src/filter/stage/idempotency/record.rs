@@ -61,6 +61,9 @@ pub(super) enum Lock {
 pub struct Record {
     pub(super) keyed: Option<Keyed>,
     pub(super) lock: Lock,
+    /// The response is gRPC's (as Envoy tells one), not merely the answer
+    /// to a gRPC request.
+    grpc_response: bool,
 }
 
 impl Default for Record {
@@ -68,6 +71,7 @@ impl Default for Record {
         Record {
             keyed: None,
             lock: Lock::None,
+            grpc_response: false,
         }
     }
 }
@@ -103,19 +107,32 @@ impl Record {
         let status = host
             .response_header(":status")
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-        let (storable, expected, headers) = if keyed.grpc {
+        // Envoy's own test (`isGrpcResponseHeaders`): a trailers-only
+        // answer has a grpc-status; any other is a 200 of a gRPC
+        // content-type. Anything else answering a gRPC request (an upstream
+        // that is not gRPC, a proxy's error page) is an HTTP response, kept
+        // or freed by its HTTP status and complete at its content-length.
+        self.grpc_response = keyed.grpc
+            && if end_of_stream {
+                host.response_header("grpc-status").is_some()
+            } else {
+                status == Some(200)
+                    && host
+                        .response_header("content-type")
+                        .is_some_and(|ct| crate::grpc::is_grpc(&ct))
+            };
+        let (storable, expected, headers) = if self.grpc_response {
             // A gRPC call's outcome is its grpc-status: in the headers of a
             // trailers-only answer, or else in the trailers still to come.
-            // Its length is known at its trailers only.
-            let ok = status == Some(200);
-            let storable = match (ok, end_of_stream) {
-                (false, _) => None,
-                (true, true) => host
-                    .response_header("grpc-status")
-                    .and_then(|v| crate::grpc::parse_status(&v))
+            // Its length is known at its trailers only; one that ends
+            // without them is judged by its HTTP status.
+            let storable = if end_of_stream {
+                host.response_header("grpc-status")
+                    .and_then(|code| crate::grpc::parse_status(&code))
                     .filter(|code| rule.stores_grpc(*code))
-                    .and(status),
-                (true, false) => status,
+                    .and(status)
+            } else {
+                status
             };
             (storable, None, grpc_metadata(host.response_headers()))
         } else {
@@ -183,11 +200,12 @@ impl Record {
             _ => return Action::Continue,
         };
         let chunk = host.response_body(body_size);
-        let grpc = self.keyed.as_ref().is_some_and(|k| k.grpc);
-        if grpc && end_of_stream {
-            // A gRPC response that ends without trailers has no status: not
-            // a call that can be stored as done.
-            log::info!("redis-guard: gRPC response without trailers, not stored");
+        if self.grpc_response && end_of_stream && !self.stores_by_http_status(config) {
+            // A gRPC call that ends without trailers has no grpc-status: it
+            // is complete, so its HTTP status decides.
+            log::info!(
+                "redis-guard: gRPC response without trailers or storable status, not stored"
+            );
             return self.release_held_end(host, config, calls);
         }
         let mut complete = end_of_stream;
@@ -226,16 +244,20 @@ impl Record {
         config: &Config,
         calls: &mut Calls,
     ) -> Action {
-        let grpc = self.keyed.as_ref().map(|k| (k.grpc, k.rule));
+        let grpc = self.keyed.as_ref().map(|k| (self.grpc_response, k.rule));
+        let by_http = self.stores_by_http_status(config);
         match &mut self.lock {
             Lock::Capturing { headers, .. } => {
                 if let Some((true, rule)) = grpc {
-                    let code = host
-                        .response_trailer("grpc-status")
-                        .and_then(|v| crate::grpc::parse_status(&v));
-                    if !code.is_some_and(|c| config.idempotency[rule].stores_grpc(c)) {
-                        // Failed (or no status): free the key before the
-                        // trailers tell the client, so its retry runs again.
+                    let storable = match host.response_trailer("grpc-status") {
+                        Some(code) => crate::grpc::parse_status(&code)
+                            .is_some_and(|c| config.idempotency[rule].stores_grpc(c)),
+                        // Trailers without a status: the HTTP status decides.
+                        None => by_http,
+                    };
+                    if !storable {
+                        // Failed: free the key before the trailers tell the
+                        // client, so its retry runs again.
                         return self.release_held_end(host, config, calls);
                     }
                     append_trailers(headers, host.response_trailers());
@@ -245,6 +267,16 @@ impl Record {
             Lock::Completing { .. } | Lock::Uploading { .. } => Action::Pause,
             Lock::Releasing { .. } => self.hold_if_ended(true, 0),
             _ => Action::Continue,
+        }
+    }
+
+    /// The captured response's HTTP status is one its rule stores.
+    fn stores_by_http_status(&self, config: &Config) -> bool {
+        match (&self.keyed, &self.lock) {
+            (Some(keyed), Lock::Capturing { status, .. }) => {
+                config.idempotency[keyed.rule].stores(*status)
+            }
+            _ => false,
         }
     }
 
@@ -260,7 +292,7 @@ impl Record {
         else {
             return Action::Continue;
         };
-        *seen += chunk;
+        *seen = seen.saturating_add(chunk);
         if end_of_stream || expected.is_some_and(|n| *seen >= n) {
             *held = true;
             return Action::Pause;
@@ -493,16 +525,24 @@ impl Record {
         }
     }
 
-    /// The stream is over (done, reset or aborted). A lock still held was
-    /// never completed: release it now rather than at its TTL. An upload's
-    /// reply would come to this stream, which is gone: the record will never
-    /// be written, so the key is freed now too.
-    pub fn on_stream_end<H: Host>(&mut self, host: &mut H, config: &Config) {
+    /// The stream is over (done, reset or aborted). A lock still held here
+    /// belongs to a request that was forwarded and whose response the
+    /// client never had whole: the upstream may be running it, or may have
+    /// run it (an upload's record will never be written either). Released,
+    /// a retry would run beside it; so the lock stays until its outcome is
+    /// known (never, here) or `lockTtlMs` passes, and retries meanwhile get
+    /// 409. A request whose decision was still out never reached the
+    /// upstream, and holds nothing here.
+    pub fn on_stream_end<H: Host>(&mut self, host: &mut H) {
         if matches!(
             self.lock,
             Lock::Held | Lock::Capturing { .. } | Lock::Uploading { .. }
         ) {
-            self.release(host, config, true);
+            log::info!(
+                "redis-guard: keyed request forwarded but its response not completed: lock kept until lockTtlMs"
+            );
+            host.count(Counter::IdemAbandoned);
+            self.lock = Lock::Finished;
         }
     }
 }
