@@ -618,19 +618,20 @@ fn errors_name_what_is_wrong_with_their_documented_exit_codes() {
     ]);
     assert_eq!(json_of(&out)["error"]["kind"], "redis");
     assert_eq!(json_of(&out)["error"]["exitCode"], 5);
-    // A URL's password is never printed.
+    // A live Redis refusing the credentials is a Redis error too (5), and
+    // the URL's password is never printed.
+    let redis = Redis::start();
+    let wrong = redis
+        .admin_url()
+        .replace(REDIS_ADMIN_PASSWORD, "s3cret-wrong");
     let out = run(&[
-        "inspect",
-        "--config",
-        config,
-        "--limit",
-        "tb",
-        "--value",
-        "x-user=a",
-        "--redis",
-        &nothing.replace("redis://", "redis://admin:s3cret@"),
+        "--json", "inspect", "--config", config, "--limit", "tb", "--value", "x-user=a", "--redis",
+        &wrong,
     ]);
-    assert!(!String::from_utf8_lossy(&out.stderr).contains("s3cret"));
+    assert_eq!(code(&out), 5, "{out:?}");
+    assert_eq!(json_of(&out)["error"]["kind"], "redis");
+    let printed = format!("{out:?}");
+    assert!(!printed.contains("s3cret-wrong"), "{printed}");
 }
 
 #[test]
