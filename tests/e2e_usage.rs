@@ -397,3 +397,33 @@ fn a_request_body_over_the_reservations_bound_is_decided_there_with_the_fixed_re
     let echoed: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(echoed["bodyBytes"], body.len());
 }
+
+#[test]
+fn a_debt_past_what_redis_holds_exactly_is_clamped_at_2_to_the_52_credits() {
+    let stack = Stack::start(&config(), 1);
+    let e = stack.envoy();
+    let mut con = stack.redis.conn();
+    // 10^12 tokens at one token an hour: 3.6 * 10^18 credits of debt, past
+    // the 2^53 a double holds exactly. The bucket keeps 2^52 of it.
+    let r = llm(
+        e,
+        "/v1/chat/completions",
+        "u8",
+        "openai-json",
+        "1000000000000,0",
+    );
+    assert_eq!(r.status, 200);
+    let clamped = -(1_i64 << 52);
+    settles_to(&mut con, "openai", "u8", clamped.div_euclid(PERIOD));
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:openai:tb.*:2:u8")
+        .query(&mut con)
+        .unwrap();
+    let (credits, _) = read_bucket(&mut con, &keys[0]).unwrap();
+    assert_eq!(credits, clamped, "exactly 2^52 credits of debt");
+    // Still a bucket that decides: in debt, so the next request is refused.
+    let r = llm(e, "/v1/chat/completions", "u8", "openai-json", "1,1");
+    assert_eq!(r.status, 429);
+    assert_eq!(e.counter("redis_guard.usage.lost"), 0);
+    assert_eq!(e.counter("redis_guard.redis.errors"), 0);
+}
