@@ -1,0 +1,323 @@
+//! Promises the README makes that no other suite shows, each through real
+//! Envoys, Webdis and Redis: the object-store key kept out of Envoy's
+//! `/config_dump`, the retry the default `timeoutMs` leaves room for, and
+//! usage settlements sent again when Webdis refuses them before they run.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use redis_guard::scripts::{RATELIMIT, SETTLE};
+use support::probe::{poll, poll_eq, WebdisRefusingFirst, ENVOY_TIMER_GRANULARITY};
+use support::s3::S3;
+use support::*;
+
+/// Loads the filter's scripts into Redis, so no call below meets NOSCRIPT
+/// and each request's calls are exactly the ones a test counts.
+fn load_scripts(redis: &Redis) {
+    let mut con = redis.conn();
+    for script in [&*RATELIMIT, &*SETTLE] {
+        let sha: String = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(&script.source)
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(sha, script.sha1);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The object-store key
+
+#[test]
+fn the_object_store_key_from_the_environment_signs_and_never_appears_in_the_config_dump() {
+    let s3 = S3::start();
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    let cfg = filter_config(3000)
+        .object_store(&format!(
+            r#"{{"cluster":"objectstore","authority":"127.0.0.1:{port}",
+              "bucket":"{bucket}","region":"us-east-1","keyPrefix":"idem/","timeoutMs":10000,
+              "credentials":{{"fromEnvironment":true}}}}"#,
+            port = s3.port,
+            bucket = s3.bucket,
+        ))
+        .idempotency(
+            r#"[{"name":"pay","match":{"pathPrefix":"/pay"},
+              "maxStoredBodyBytes":16777216,"offloadAboveBytes":1024}]"#,
+        )
+        .build();
+    let e = Envoy::start_full(
+        &cfg,
+        webdis.port,
+        upstream.port,
+        Some(s3.port),
+        &[
+            ("AWS_ACCESS_KEY_ID", &s3.access_key_id),
+            ("AWS_SECRET_ACCESS_KEY", &s3.secret_access_key),
+        ],
+        |yaml| yaml,
+    );
+    // A body over the threshold goes to the object store, signed with the
+    // key from the environment, and its retry is replayed from there.
+    let pay = || {
+        http(
+            "POST",
+            &e.url("/pay"),
+            &[
+                ("idempotency-key", "k-1"),
+                ("x-upstream-pad-bytes", "100000"),
+            ],
+            Some(b"{}"),
+        )
+    };
+    let first = pay();
+    assert_eq!(first.status, 200);
+    assert!(first.body.len() > 100_000);
+    let again = pay();
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(s3.keys().len(), 1, "one object");
+    assert_eq!(e.counter("redis_guard.idempotency.offloaded"), 1);
+    assert_eq!(e.counter("redis_guard.idempotency.object_fetched"), 1);
+    assert_eq!(upstream.executed(), 1);
+    // The dump holds the configuration as given: `fromEnvironment`, not
+    // the key.
+    let dump = get(
+        &format!("http://127.0.0.1:{}/config_dump", e.admin_port),
+        &[],
+    );
+    let dump = String::from_utf8_lossy(&dump.body);
+    assert!(dump.contains("fromEnvironment"), "the filter's config");
+    assert!(!dump.contains(&s3.secret_access_key), "the secret key");
+    assert!(!dump.contains(&s3.access_key_id), "the key id");
+}
+
+// ---------------------------------------------------------------------------
+// The default timeout
+
+/// One sliding window, Redis reached with the default `timeoutMs`; denied
+/// when Redis cannot decide.
+const DEFAULT_TIMEOUT: &str = r#"{"redis":{"cluster":"webdis"},"failureMode":"deny",
+  "limits":[{"name":"w","descriptor":[{"literal":"x"}],"slidingWindow":{"limit":100,"windowMs":60000}}]}"#;
+
+#[test]
+fn the_default_timeout_leaves_one_retry_so_one_refusal_costs_no_request_and_two_do() {
+    let redis = Redis::start();
+    load_scripts(&redis);
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    // Refused once, as while Webdis reconnects to a restarted Redis: sent
+    // again (after the first pause, or at once if that no longer fits)
+    // and decided.
+    let once = WebdisRefusingFirst::start(webdis.port, 1);
+    let e = Envoy::start(DEFAULT_TIMEOUT, once.port, upstream.port);
+    let r = get(&e.url("/a"), &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("99"));
+    assert_eq!(once.calls(), 2, "refused, then decided");
+    assert_eq!(e.counter("redis_guard.redis.retries"), 1);
+    assert_eq!(e.counter("redis_guard.redis.errors"), 0);
+    // Refused twice: the second pause (50 ms) cannot fit in the default
+    // timeout, and the one retry is spent: the failure mode (deny).
+    let twice = WebdisRefusingFirst::start(webdis.port, 2);
+    let e = Envoy::start(DEFAULT_TIMEOUT, twice.port, upstream.port);
+    let r = get(&e.url("/a"), &[]);
+    assert_eq!(r.status, 503);
+    assert_eq!(twice.calls(), 2, "refused twice, nothing more");
+    assert_eq!(e.counter("redis_guard.redis.retries"), 1);
+    assert_eq!(e.counter("redis_guard.failure_mode.denied"), 1);
+    assert_eq!(upstream.executed(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Settlements refused before they run
+
+/// A stand-in in front of Webdis that refuses the calls whose index (from
+/// 0, in arrival order) `refuse` names, as Webdis does without a Redis
+/// connection (503, `server: Webdis`: the command never ran), and passes
+/// the rest on; it notes when each call arrived.
+struct Refusing {
+    port: u16,
+    arrivals: Arc<Mutex<Vec<Instant>>>,
+}
+
+impl Refusing {
+    fn start(webdis_port: u16, refuse: fn(usize) -> bool) -> Refusing {
+        let port = free_port();
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let arrivals: Arc<Mutex<Vec<Instant>>> = Arc::default();
+        let seen = Arc::clone(&arrivals);
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let seen = Arc::clone(&seen);
+                std::thread::spawn(move || Refusing::serve(conn, webdis_port, refuse, &seen));
+            }
+        });
+        Refusing { port, arrivals }
+    }
+
+    fn serve(conn: TcpStream, webdis: u16, refuse: fn(usize) -> bool, seen: &Mutex<Vec<Instant>>) {
+        let mut out = conn.try_clone().unwrap();
+        let mut from_envoy = std::io::BufReader::new(conn);
+        let mut to_webdis: Option<(TcpStream, std::io::BufReader<TcpStream>)> = None;
+        while let Some(request) = read_http_message(&mut from_envoy) {
+            let index = {
+                let mut seen = seen.lock().unwrap();
+                seen.push(Instant::now());
+                seen.len() - 1
+            };
+            if refuse(index) {
+                let refusal = "HTTP/1.1 503 Service Unavailable\r\n\
+                               Server: Webdis\r\nContent-Length: 0\r\n\r\n";
+                out.write_all(refusal.as_bytes()).unwrap();
+                continue;
+            }
+            let (w, r) = to_webdis.get_or_insert_with(|| {
+                let s = TcpStream::connect(("127.0.0.1", webdis)).unwrap();
+                (s.try_clone().unwrap(), std::io::BufReader::new(s))
+            });
+            w.write_all(&request).unwrap();
+            let reply = read_http_message(r).expect("webdis closed the connection");
+            out.write_all(&reply).unwrap();
+        }
+    }
+
+    fn arrivals(&self) -> Vec<Instant> {
+        self.arrivals.lock().unwrap().clone()
+    }
+}
+
+/// One HTTP/1.1 message (head and a `content-length` body), or `None` once
+/// the peer has closed.
+fn read_http_message(stream: &mut std::io::BufReader<TcpStream>) -> Option<Vec<u8>> {
+    use std::io::{BufRead, Read};
+    let mut message = Vec::new();
+    let mut length = 0;
+    loop {
+        let start = message.len();
+        if stream.read_until(b'\n', &mut message).ok()? == 0 {
+            return None;
+        }
+        let line = String::from_utf8_lossy(&message[start..]).to_ascii_lowercase();
+        if let Some(v) = line.strip_prefix("content-length:") {
+            length = v.trim().parse().ok()?;
+        }
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let start = message.len();
+    message.resize(start + length, 0);
+    stream.read_exact(&mut message[start..]).ok()?;
+    Some(message)
+}
+
+/// 100 tokens per x-user, reserving 10 and charged what the OpenAI-style
+/// answer says; a token back an hour.
+fn usage_config() -> String {
+    filter_config(2000)
+        .limits(
+            r#"[{"name":"openai","match":{"pathPrefix":"/v1/chat"},"descriptor":[{"header":"x-user"}],
+                 "tokenBucket":{"capacity":100,"refill":1,"periodMs":3600000},
+                 "usage":{"reserve":10,
+                          "json":[{"pointer":"/usage/prompt_tokens"},{"pointer":"/usage/completion_tokens"}]}}]"#,
+        )
+        .build()
+}
+
+/// Tokens left in `user`'s bucket (negative: debt), or `None` before any.
+fn tokens(redis: &Redis, user: &str) -> Option<i64> {
+    let mut con = redis.conn();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("*:openai:tb.*:{}:{user}", user.len()))
+        .query(&mut con)
+        .unwrap();
+    let (credits, _) = read_bucket(&mut con, keys.first()?)?;
+    Some(credits.div_euclid(3_600_000))
+}
+
+/// A chat completion whose answer says it used `tokens` ("prompt,completion").
+fn chat(e: &Envoy, user: &str, tokens: &str) -> u16 {
+    http(
+        "POST",
+        &e.url("/v1/chat/completions"),
+        &[
+            ("x-user", user),
+            ("x-upstream-llm", "openai-json"),
+            ("x-upstream-tokens", tokens),
+        ],
+        Some(b"{}"),
+    )
+    .status
+}
+
+#[test]
+fn a_settlement_webdis_refuses_is_sent_again_after_25_then_50_ms_and_runs_once() {
+    let redis = Redis::start();
+    load_scripts(&redis);
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    // Call 0 is the decision; calls 1 and 2, the settlement and its first
+    // retry, are refused; call 3 runs it.
+    let refusing = Refusing::start(webdis.port, |i| i == 1 || i == 2);
+    let e = Envoy::start(&usage_config(), refusing.port, upstream.port);
+    assert_eq!(chat(&e, "u1", "30,20"), 200);
+    // Reserved 10, used 50: 40 more charged, once.
+    poll_eq(
+        "the settlement ran",
+        Some(50),
+        Duration::from_secs(10),
+        || tokens(&redis, "u1"),
+    );
+    let at = refusing.arrivals();
+    assert_eq!(at.len(), 4, "decision, two refusals, the settlement");
+    for (gap, pause) in [(at[2] - at[1], 25), (at[3] - at[2], 50)] {
+        assert!(
+            gap + ENVOY_TIMER_GRANULARITY >= Duration::from_millis(pause),
+            "sent again {gap:?} after a refusal, not after {pause} ms"
+        );
+    }
+    // The worker's retries, not a request's: redis.retries stays.
+    assert_eq!(e.counter("redis_guard.redis.retries"), 0);
+    assert_eq!(e.counter("redis_guard.usage.charged_units"), 40);
+    assert_eq!(e.counter("redis_guard.usage.lost"), 0);
+}
+
+#[test]
+fn a_settlement_refused_four_times_is_counted_lost_and_charges_nothing_more() {
+    let redis = Redis::start();
+    load_scripts(&redis);
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    // The decision runs; the settlement and all three retries are refused.
+    let refusing = Refusing::start(webdis.port, |i| (1..=4).contains(&i));
+    let e = Envoy::start(&usage_config(), refusing.port, upstream.port);
+    assert_eq!(chat(&e, "u2", "30,20"), 200);
+    poll("the settlement given up", Duration::from_secs(10), || {
+        (e.counter("redis_guard.usage.lost") == 1).then_some(())
+    });
+    let at = refusing.arrivals();
+    assert_eq!(at.len(), 5, "decision, the settlement, three retries");
+    for (gap, pause) in [
+        (at[2] - at[1], 25),
+        (at[3] - at[2], 50),
+        (at[4] - at[3], 100),
+    ] {
+        assert!(
+            gap + ENVOY_TIMER_GRANULARITY >= Duration::from_millis(pause),
+            "sent again {gap:?} after a refusal, not after {pause} ms"
+        );
+    }
+    assert_eq!(e.counter("redis_guard.redis.retries"), 0);
+    // Only the reserve was taken: the 40 units the answer charged beyond
+    // it (counted as charged: what the responses said) never reached Redis.
+    assert_eq!(tokens(&redis, "u2"), Some(90));
+    assert_eq!(e.counter("redis_guard.usage.charged_units"), 40);
+}
