@@ -321,3 +321,91 @@ fn a_settlement_refused_four_times_is_counted_lost_and_charges_nothing_more() {
     assert_eq!(tokens(&redis, "u2"), Some(90));
     assert_eq!(e.counter("redis_guard.usage.charged_units"), 40);
 }
+
+// ---------------------------------------------------------------------------
+// The gRPC replay route
+
+/// Sends gRPC calls to the demo upstream (it answers any POST 200), not to
+/// envoy.yaml's HTTP/2 gRPC cluster; the replay route stays.
+fn grpc_to_the_demo_upstream(yaml: String) -> String {
+    let grpc_route = "              - match: { prefix: \"/\", grpc: {} }\n                route: { cluster: grpc_upstream, timeout: 10s }\n";
+    assert_eq!(yaml.matches(grpc_route).count(), 1);
+    assert_eq!(yaml.matches("path: \"/redis-guard/replay\"").count(), 1);
+    yaml.replace(grpc_route, "")
+}
+
+#[test]
+fn a_client_can_neither_fetch_a_stored_call_through_the_replay_route_nor_forge_a_replay() {
+    // Every path is keyed, the replay route's included, per x-tenant.
+    let cfg = filter_config(2000)
+        .idempotency(
+            r#"[{"name":"calls","match":{"pathPrefix":"/"},"tenant":[{"header":"x-tenant"}]}]"#,
+        )
+        .build();
+    let stack = Stack::start_edited(&cfg, 1, grpc_to_the_demo_upstream);
+    let e = stack.envoy();
+    let call = |path: &str, key: &str, extra: &[(&str, &str)]| {
+        let mut headers = vec![
+            ("content-type", "application/grpc"),
+            ("idempotency-key", key),
+            ("x-tenant", "acme"),
+        ];
+        headers.extend_from_slice(extra);
+        http("POST", &e.url(path), &headers, Some(b"\0\0\0\0\0"))
+    };
+    let create = "/shop.v1.Orders/Create";
+    // A keyed call runs once; its retry goes through the replay route and
+    // gets the stored answer.
+    let first = call(create, "k-1", &[]);
+    assert_eq!(first.status, 200);
+    let retry = call(create, "k-1", &[]);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(stack.upstream.executed(), 1);
+    // The same key and tenant sent to the replay route itself is another
+    // request under that key (its path differs): refused in gRPC's form
+    // (FAILED_PRECONDITION), nothing fetched.
+    let fetch = call(
+        "/redis-guard/replay",
+        "k-1",
+        &[("x-redis-guard-replay", "1")],
+    );
+    assert_eq!(
+        (fetch.status, fetch.header("grpc-status")),
+        (200, Some("9")),
+        "{fetch:?}"
+    );
+    assert!(fetch.body.is_empty());
+    assert_eq!(fetch.header("idempotent-replayed"), None);
+    // Unkeyed, the route answers its dummy and nothing else.
+    let dummy = http("POST", &e.url("/redis-guard/replay"), &[], Some(b"x"));
+    assert_eq!(
+        (
+            dummy.status,
+            dummy.body.len(),
+            dummy.header("x-redis-guard-replay")
+        ),
+        (200, 1, Some("1")),
+        "the route's one-byte dummy"
+    );
+    assert_eq!(dummy.header("idempotent-replayed"), None);
+    assert_eq!(stack.upstream.executed(), 1, "nothing reached the service");
+    // The mark in a request, or in an upstream's answer, makes nothing a
+    // replay: a new key runs, and its answer is the upstream's.
+    let marked = call(
+        create,
+        "k-2",
+        &[
+            ("x-redis-guard-replay", "1"),
+            ("x-upstream-headers", r#"[["x-redis-guard-replay","1"]]"#),
+        ],
+    );
+    assert_eq!(marked.status, 200);
+    assert_eq!(marked.header("idempotent-replayed"), None);
+    assert_eq!(stack.upstream.executed(), 2, "k-2 ran");
+    assert_eq!(
+        e.counter("redis_guard.idempotency.replayed"),
+        1,
+        "k-1's retry only"
+    );
+}
