@@ -123,7 +123,9 @@ fn parse_at(input: &[u8], depth: usize) -> Result<(Reply, usize), ReplyError> {
             if n < 0 {
                 return Ok((Reply::Bulk(None), consumed));
             }
-            let n = usize::try_from(n).map_err(|_| ReplyError::Malformed("bad length"))?;
+            // Past usize (wasm32: past 4 GiB) is past any input: truncated,
+            // on every target alike.
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
             let body = &input[consumed..];
             if body.len() < n.saturating_add(2) {
                 return Err(ReplyError::Truncated);
@@ -138,7 +140,7 @@ fn parse_at(input: &[u8], depth: usize) -> Result<(Reply, usize), ReplyError> {
             if n < 0 {
                 return Ok((Reply::Array(None), consumed));
             }
-            let n = usize::try_from(n).map_err(|_| ReplyError::Malformed("bad length"))?;
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
             // Each element takes at least 3 bytes; refuse counts the input cannot hold
             // before reserving memory for them.
             if n > input.len() / 3 {
