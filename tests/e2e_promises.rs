@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis_guard::scripts::{RATELIMIT, SETTLE};
+use serde_json::{json, Value};
 use support::probe::{poll, poll_eq, WebdisRefusingFirst, ENVOY_TIMER_GRANULARITY};
 use support::s3::S3;
 use support::*;
@@ -408,4 +409,149 @@ fn a_client_can_neither_fetch_a_stored_call_through_the_replay_route_nor_forge_a
         1,
         "k-1's retry only"
     );
+}
+
+// ---------------------------------------------------------------------------
+// gRPC statuses as a real client sees them (grpcio, as tests/e2e_grpc.rs runs
+// it: envoy/grpc_peer.py serving demo.Orders, and its client)
+
+fn python() -> std::path::PathBuf {
+    root().join(".venv/bin/python")
+}
+
+/// The demo.Orders service on a free port.
+fn grpc_service() -> (u16, Proc) {
+    let port = free_port();
+    let proc = Proc::spawn(
+        "grpc service",
+        std::process::Command::new(python())
+            .arg(root().join("envoy/grpc_peer.py"))
+            .args(["serve", "--port", &port.to_string()])
+            .stdout(std::process::Stdio::null()),
+    );
+    wait_for_port(port, "grpc service", Duration::from_secs(20));
+    (port, proc)
+}
+
+/// One unary call by grpc_peer.py's client through `port`: its code,
+/// details, messages, metadata and the RetryInfo its runtime decoded.
+fn grpc_call(port: u16, spec: &Value) -> Value {
+    let mut cmd = std::process::Command::new(python());
+    cmd.arg(root().join("envoy/grpc_peer.py"))
+        .args(["call", "--target", &format!("127.0.0.1:{port}")])
+        .arg(json!([spec]).to_string());
+    let dir = Scratch::new("grpc-client");
+    let log = dir.0.join("client.log");
+    let (status, out) = run_to_exit("grpc client", &mut cmd, &log, Duration::from_secs(60));
+    assert!(status.success(), "grpc client failed: {out}");
+    let line = out.lines().rev().find(|l| l.starts_with('[')).unwrap();
+    serde_json::from_str::<Value>(line).unwrap()[0].clone()
+}
+
+/// How many times the service ran `method`, asked of the service itself.
+fn grpc_executions(service: u16, method: &str) -> u64 {
+    let stats = grpc_call(service, &json!({"method": "Stats"}));
+    let hex = stats["messages"][0].as_str().unwrap();
+    let bytes: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    serde_json::from_slice::<Value>(&bytes).unwrap()[method]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// envoy.yaml with its `grpc_upstream` cluster sent to `port`.
+fn grpc_upstream_at(port: u16) -> impl FnOnce(String) -> String {
+    move |yaml: String| {
+        let mut doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&yaml).unwrap();
+        let clusters = doc["static_resources"]["clusters"]
+            .as_sequence_mut()
+            .unwrap();
+        let cluster = clusters
+            .iter_mut()
+            .find(|c| c["name"] == "grpc_upstream")
+            .unwrap();
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"]["port_value"] = port.into();
+        serde_yaml_ng::to_string(&doc).unwrap()
+    }
+}
+
+#[test]
+fn a_lost_stored_call_is_data_loss_and_an_oversized_keyed_call_resource_exhausted_without_retry_info(
+) {
+    let s3 = S3::start();
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    let (service, _service) = grpc_service();
+    let cfg = filter_config(3000)
+        .object_store(&format!(
+            r#"{{"cluster":"objectstore","authority":"127.0.0.1:{port}",
+              "bucket":"{bucket}","region":"us-east-1","keyPrefix":"idem/","timeoutMs":10000,
+              "credentials":{{"fromEnvironment":true}}}}"#,
+            port = s3.port,
+            bucket = s3.bucket,
+        ))
+        .idempotency(
+            r#"[{"name":"orders","match":{"pathPrefix":"/demo.Orders/"},
+              "tenant":[{"header":"x-tenant"}],"maxRequestBodyBytes":64}]"#,
+        )
+        .build();
+    let e = Envoy::start_full(
+        &cfg,
+        webdis.port,
+        upstream.port,
+        Some(s3.port),
+        &[
+            ("AWS_ACCESS_KEY_ID", &s3.access_key_id),
+            ("AWS_SECRET_ACCESS_KEY", &s3.secret_access_key),
+        ],
+        grpc_upstream_at(service),
+    );
+    let keyed = |data: &str, key: &str| {
+        json!({"method": "Create", "data": data,
+               "metadata": {"idempotency-key": key, "x-tenant": "t1"}})
+    };
+    assert_eq!(grpc_call(e.port, &keyed("book", "k-1"))["code"], 0);
+    // Its record now says its answer is in the object store, where there
+    // is no such object: lost (as when a lifecycle rule removed it).
+    let mut con = redis.conn();
+    let records: Vec<String> = redis::cmd("KEYS").arg("rg:idem:*").query(&mut con).unwrap();
+    assert_eq!(records.len(), 1);
+    redis::cmd("HSET")
+        .arg(&records[0])
+        .arg(&[
+            "b",
+            "",
+            "ok",
+            "idem/lost",
+            "oc",
+            &"0".repeat(64),
+            "ol",
+            "16",
+        ])
+        .query::<()>(&mut con)
+        .unwrap();
+    let lost = grpc_call(e.port, &keyed("book", "k-1"));
+    assert_eq!(lost["code"], 15, "DATA_LOSS: {lost}");
+    assert!(
+        lost["details"]
+            .as_str()
+            .unwrap()
+            .contains("missing from the object store"),
+        "{lost}"
+    );
+    assert_eq!(lost["retry"], Value::Null, "no RetryInfo: {lost}");
+    // A keyed call over maxRequestBodyBytes: RESOURCE_EXHAUSTED, and no
+    // RetryInfo (waiting would not help), before anything ran.
+    let big = grpc_call(e.port, &keyed(&"x".repeat(100), "k-2"));
+    assert_eq!(big["code"], 8, "RESOURCE_EXHAUSTED: {big}");
+    assert_eq!(
+        big["details"],
+        "requests with an idempotency key may carry at most 64 bytes"
+    );
+    assert_eq!(big["retry"], Value::Null, "no RetryInfo: {big}");
+    assert_eq!(grpc_executions(service, "Create"), 1, "only k-1 ran");
 }
