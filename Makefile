@@ -162,6 +162,17 @@ compose-check:
 	@docker compose version >/dev/null 2>&1 || { \
 	  echo "'docker compose' not found: install Docker Engine with the compose plugin"; exit 1; }
 
+# envoy/compose.yaml run for real with Docker (part of make test): installs
+# docker.io, docker-compose (v1: Debian has no v2) and debootstrap if missing,
+# starts dockerd if none answers (and stops it after), builds stand-ins of the
+# public images (envoy/compose/*.Dockerfile; standins.yaml swaps only the
+# images), checks the stack end to end on 127.0.0.1 (envoy/compose/check.py).
+.PHONY: compose-test
+compose-test: build envoy-dep s3-dep grpc-dep
+	bash envoy/compose/run.sh
+
+test: compose-test
+
 # The filter as an OCI image (Istio Wasm image spec, compat variant) in an
 # OCI layout under target/oci/, built without a Docker engine.
 oci: apt-deps build
