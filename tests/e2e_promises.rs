@@ -555,3 +555,128 @@ fn a_lost_stored_call_is_data_loss_and_an_oversized_keyed_call_resource_exhauste
     assert_eq!(big["retry"], Value::Null, "no RetryInfo: {big}");
     assert_eq!(grpc_executions(service, "Create"), 1, "only k-1 ran");
 }
+
+// ---------------------------------------------------------------------------
+// The TLS hop to Webdis (as tests/e2e_tls_hop.rs builds it)
+
+/// envoy.yaml with a TLS listener on `tls_port` in front of Webdis, whose
+/// certificate (for `webdis.internal`, signed by a CA made here) the
+/// `webdis` cluster verifies against that CA and the name `expected`.
+fn tls_hop_expecting(
+    dir: &Scratch,
+    tls_port: u16,
+    webdis_port: u16,
+    expected: &str,
+) -> impl FnOnce(String) -> String {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, "ca");
+    let ca = params.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["webdis.internal".to_string()]).unwrap();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "webdis.internal");
+    let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+    let path = |file: &str, pem: String| {
+        let path = dir.0.join(file);
+        std::fs::write(&path, pem).unwrap();
+        path.display().to_string()
+    };
+    let (ca, cert, key) = (
+        path("ca.pem", ca.pem()),
+        path("webdis.pem", cert.pem()),
+        path("webdis.key", key.serialize_pem()),
+    );
+    let expected = expected.to_string();
+    move |yaml: String| {
+        let mut doc: Value = serde_yaml_ng::from_str(&yaml).unwrap();
+        let resources = &mut doc["static_resources"];
+        resources["listeners"].as_array_mut().unwrap().push(json!({
+            "name": "webdis_tls",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": tls_port}},
+            "filter_chains": [{
+                "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                    "common_tls_context": {"tls_certificates": [{
+                        "certificate_chain": {"filename": cert},
+                        "private_key": {"filename": key}}]}}},
+                "filters": [{"name": "envoy.filters.network.tcp_proxy", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                    "stat_prefix": "webdis_tls", "cluster": "webdis_plain"}}]}]
+        }));
+        let clusters = resources["clusters"].as_array_mut().unwrap();
+        clusters.push(json!({
+            "name": "webdis_plain", "type": "STATIC", "connect_timeout": "0.25s",
+            "load_assignment": {"cluster_name": "webdis_plain", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address":
+                    {"address": "127.0.0.1", "port_value": webdis_port}}}}]}]}
+        }));
+        let webdis = clusters.iter_mut().find(|c| c["name"] == "webdis").unwrap();
+        webdis["transport_socket"] = json!({"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": expected,
+            "common_tls_context": {"validation_context": {
+                "trusted_ca": {"filename": ca},
+                "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": expected}}]}}}});
+        serde_yaml_ng::to_string(&doc).unwrap()
+    }
+}
+
+#[test]
+fn a_certificate_from_the_trusted_ca_for_another_name_fails_verification_and_takes_the_failure_mode(
+) {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    let dir = Scratch::new("tls-san");
+    let tls_port = free_port();
+    let cfg = filter_config(2000)
+        .limits(
+            r#"[{"name":"per-user","descriptor":[{"header":"x-user"}],
+                "tokenBucket":{"capacity":3,"refill":1,"periodMs":3600000}}]"#,
+        )
+        .build();
+    // The right CA signed it, but for webdis.internal; the filter's cluster
+    // expects redis-proxy.internal.
+    let e = Envoy::start_edited(
+        &cfg,
+        tls_port,
+        upstream.port,
+        tls_hop_expecting(&dir, tls_port, webdis.port, "redis-proxy.internal"),
+    );
+    let st: Vec<u16> = (0..3)
+        .map(|_| get(&e.url("/a"), &[("x-user", "carol")]).status)
+        .collect();
+    assert_eq!(st, [503; 3], "deny, every time");
+    assert!(admin_stat(e.admin_port, "cluster.webdis.ssl.fail_verify_san") >= 1);
+    assert_eq!(
+        admin_stat(e.admin_port, "cluster.webdis.ssl.fail_verify_error"),
+        0,
+        "the chain verified: only the name is wrong"
+    );
+    assert_eq!(e.counter("redis_guard.redis.errors"), 3);
+    let mut con = redis.conn();
+    let evals: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        !evals.contains("cmdstat_eval"),
+        "nothing reached Redis: {evals}"
+    );
+    assert_eq!(upstream.executed(), 0);
+    // The control: the same hop expecting the certificate's own name.
+    let dir = Scratch::new("tls-san-control");
+    let tls_port = free_port();
+    let e = Envoy::start_edited(
+        &cfg,
+        tls_port,
+        upstream.port,
+        tls_hop_expecting(&dir, tls_port, webdis.port, "webdis.internal"),
+    );
+    assert_eq!(get(&e.url("/a"), &[("x-user", "carol")]).status, 200);
+    assert_eq!(upstream.executed(), 1);
+}
