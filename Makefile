@@ -38,7 +38,7 @@ TEST_THREADS ?= 2
 
 .PHONY: build cli panic-trigger deps apt-deps rust-deps envoy-dep s3-dep grpc-dep wasi-dep compose-schema test unit \
         test-wasm32 lint demo demo-down \
-        compose-up compose-down compose-check oci schema bench bench-deps clean test-matrix
+        compose-up compose-down compose-check oci schema bench bench-tier bench-deps clean test-matrix
 
 build: rust-deps $(WASM)
 
@@ -182,6 +182,12 @@ oci: apt-deps build
 # scenarios; writes target/bench/ (JSON, Markdown, PNG) and BENCHMARKS.md.
 bench: deps build bench-deps
 	$(VENV)/bin/python envoy/bench.py
+
+# The shared tier's capacity (envoy/bench_tier.py): the calls the filter
+# sends, written by the CLI's `wire`, straight at Webdis and Redis. Writes
+# target/bench-tier/ and its section of BENCHMARKS.md. Not part of make test.
+bench-tier: deps cli bench-deps
+	$(VENV)/bin/python envoy/bench_tier.py $(BENCH_TIER_ARGS)
 
 # wrk (Debian) drives the load; PyYAML removes the filter from envoy.yaml for
 # the baseline; matplotlib draws target/bench/latency.png.

@@ -6,6 +6,7 @@ use std::sync::LazyLock;
 use sha1::{Digest, Sha1};
 
 use crate::codec::hex;
+use crate::webdis::command_body;
 
 #[derive(Debug)]
 pub struct Script {
@@ -17,6 +18,25 @@ impl Script {
     fn new(source: String) -> Script {
         let sha1 = hex(&Sha1::digest(source.as_bytes()));
         Script { source, sha1 }
+    }
+
+    /// The Webdis body that runs this script on `keys` and `argv`: EVALSHA
+    /// by its SHA-1, or (`eval`) EVAL with its source. The one encoder of a
+    /// script call, the filter's and `redis-guard wire`'s.
+    pub fn call_body(&self, eval: bool, keys: &[Vec<u8>], argv: &[Vec<u8>]) -> Vec<u8> {
+        let nkeys = keys.len().to_string();
+        let mut args: Vec<&[u8]> = Vec::with_capacity(2 + keys.len() + argv.len());
+        let command = if eval {
+            args.push(self.source.as_bytes());
+            "EVAL"
+        } else {
+            args.push(self.sha1.as_bytes());
+            "EVALSHA"
+        };
+        args.push(nkeys.as_bytes());
+        args.extend(keys.iter().map(Vec::as_slice));
+        args.extend(argv.iter().map(Vec::as_slice));
+        command_body(command, &args)
     }
 }
 

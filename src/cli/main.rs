@@ -14,6 +14,7 @@
 mod output;
 mod select;
 mod store;
+mod wire;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -83,6 +84,34 @@ enum Command {
     Idempotency {
         #[command(subcommand)]
         command: IdemCommand,
+    },
+    /// For `make bench-tier`: write the Webdis calls the filter sends for requests with these values.
+    #[command(hide = true)]
+    Wire {
+        /// The filter's JSON configuration.
+        #[arg(long)]
+        config: PathBuf,
+        /// A part value, NAME=VALUE; `{i}` in VALUE is the request's number modulo --distinct.
+        #[arg(long = "value", value_name = "NAME=VALUE")]
+        values: Vec<String>,
+        /// How many different values `{i}` takes (keys the requests spread over).
+        #[arg(long, default_value_t = 10_000)]
+        distinct: u64,
+        /// Requests per call: 1 as a lone request, more as a worker's batch.
+        #[arg(long, default_value_t = 1)]
+        members: usize,
+        /// How many calls to write.
+        #[arg(long, default_value_t = 1000)]
+        calls: u64,
+        /// An idempotency rule: every request carries a fresh key under it.
+        #[arg(long)]
+        rule: Option<String>,
+        /// The file of calls to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// A folder to write the scripts' sources to (ratelimit.lua, batch.lua).
+        #[arg(long)]
+        scripts: Option<PathBuf>,
     },
 }
 
@@ -238,6 +267,31 @@ fn run(command: Command) -> Result<output::Report, Failure> {
             let mut redis = store::connect(&limit.selection.redis)?;
             let deleted = redis.delete(&target.key)?;
             Ok(output::reset(&target, deleted))
+        }
+        Command::Wire {
+            config,
+            values,
+            distinct,
+            members,
+            calls,
+            rule,
+            out,
+            scripts,
+        } => {
+            let parsed = select::load_with(&config, true)?;
+            let w = wire::Wire {
+                config: &parsed,
+                values: &values,
+                distinct,
+                members,
+                calls,
+                rule: rule.as_deref(),
+            };
+            if let Some(dir) = scripts {
+                wire::write_scripts(&dir)?;
+            }
+            let bytes = wire::write(&w, &out)?;
+            Ok(output::wire(calls, members, bytes))
         }
         Command::Idempotency { command } => {
             let (args, force, forget) = match command {

@@ -452,3 +452,15 @@ pub fn forgot(target: &RecordTarget, outcome: Forgot) -> Report {
         json: json!({"rule": target.rule.name, "key": key, "forgotten": forgotten}),
     }
 }
+
+/// `wire`: what was written.
+pub fn wire(calls: u64, members: usize, bytes: u64) -> Report {
+    let requests = calls.saturating_mul(members as u64);
+    Report {
+        text: format!(
+            "wrote {calls} calls ({requests} requests, {bytes} bytes of body, {:.1} per request)\n",
+            bytes as f64 / requests.max(1) as f64
+        ),
+        json: json!({"calls": calls, "requests": requests, "bodyBytes": bytes}),
+    }
+}

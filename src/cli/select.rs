@@ -11,6 +11,7 @@ use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
 use redis_guard::config::{descriptor, Config, Idempotency, Limit, Part, Read};
 use redis_guard::idempotency::{parse_key, record_key};
 use redis_guard::keys::rate_limit_key;
+use redis_guard::ratelimit::Plan;
 use redis_guard::request::{RequestLine, RequestView, ValueType};
 
 use crate::Failure;
@@ -106,6 +107,24 @@ pub fn limit<'a>(
         limit,
         key: rate_limit_key(&config.key_prefix, &tag, &limit.key_infix, &descriptor),
     })
+}
+
+/// Every limit that applies to a request with these values (its path and
+/// method given as `path=` and `method=`), as the filter plans it, and the
+/// request's line; for `wire`, which sends what the filter would.
+pub fn plan(config: &Config, values: &[String]) -> Result<(Plan, RequestLine), Failure> {
+    let mut parts: Vec<Part> = vec![Part::Path, Part::Method];
+    for limit in &config.limits {
+        parts.extend(limit.descriptor.iter().cloned());
+    }
+    for rule in &config.idempotency {
+        parts.extend(rule.tenant.iter().cloned());
+    }
+    let view = Values::new(config, values, &parts)?;
+    let line = RequestLine::read(&view);
+    let plan = Plan::build(config, &line, &view)
+        .map_err(|bad| Failure::selection(format!("the request is refused: {}", bad.detail)))?;
+    Ok((plan, line))
 }
 
 pub fn record<'a>(

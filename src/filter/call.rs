@@ -8,7 +8,7 @@ use crate::config::RedisTarget;
 use crate::filter::stage::lease::Prefetch;
 use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
 use crate::scripts::Script;
-use crate::webdis::{command_body, parse_reply, Reply};
+use crate::webdis::{parse_reply, Reply};
 
 /// How long each attempt of a call may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,19 +117,7 @@ impl ScriptCall {
     }
 
     fn body(&self) -> Vec<u8> {
-        let nkeys = self.keys.len().to_string();
-        let mut args: Vec<&[u8]> = Vec::with_capacity(2 + self.keys.len() + self.argv.len());
-        let command = if self.eval {
-            args.push(self.script.source.as_bytes());
-            "EVAL"
-        } else {
-            args.push(self.script.sha1.as_bytes());
-            "EVALSHA"
-        };
-        args.push(nkeys.as_bytes());
-        args.extend(self.keys.iter().map(Vec::as_slice));
-        args.extend(self.argv.iter().map(Vec::as_slice));
-        command_body(command, &args)
+        self.script.call_body(self.eval, &self.keys, &self.argv)
     }
 
     fn timeout<H: Host>(&self, host: &H) -> Result<Duration, Failure> {
