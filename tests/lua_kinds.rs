@@ -266,30 +266,17 @@ fn the_script_without_expiry_decides_as_the_real_one_and_leaves_every_key_withou
     }
 }
 
-/// A new seed every run, so that each run tries other cases, printed (the
-/// output of a failing test is shown) so that a failure can be replayed:
-/// `PROPTEST_RNG_SEED=<seed>`, which wins when set.
-fn fresh_seed() -> u64 {
-    let seed = match std::env::var("PROPTEST_RNG_SEED") {
-        Ok(seed) => seed.parse().expect("PROPTEST_RNG_SEED is a u64"),
-        Err(_) => {
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap();
-            t.as_secs() ^ (u64::from(t.subsec_nanos()) << 32)
-        }
-    };
-    eprintln!("replay with PROPTEST_RNG_SEED={seed}");
-    seed
-}
-
 #[test]
 fn gcra_admits_exactly_what_the_token_bucket_admits_for_any_arrival_sequence() {
     let redis = support::Redis::start();
     let con = RefCell::new(redis.conn());
     let case_no = Cell::new(0usize);
     let (admitted, rejected) = (Cell::new(0u32), Cell::new(0u32));
-    let mut runner = TestRunner::new(support::fixed_seed::config(64, fresh_seed(), 256));
+    let mut runner = TestRunner::new(support::fixed_seed::config(
+        64,
+        support::fixed_seed::fresh_seed(),
+        256,
+    ));
     let result = runner.run(&bucketed_strategy(), |case| {
         let con = &mut *con.borrow_mut();
         let n = case_no.get();
@@ -1459,7 +1446,11 @@ fn a_batch_at_one_instant_answers_and_writes_exactly_as_its_members_one_by_one()
     let case_no = Cell::new(0usize);
     // Per kind (pool index): limits that admitted, and that rejected.
     let seen: [(Cell<u32>, Cell<u32>); 5] = Default::default();
-    let mut runner = TestRunner::new(support::fixed_seed::config(64, fresh_seed(), 256));
+    let mut runner = TestRunner::new(support::fixed_seed::config(
+        64,
+        support::fixed_seed::fresh_seed(),
+        256,
+    ));
     let result = runner.run(&instant_strategy(), |case| {
         let con = &mut *con.borrow_mut();
         let n = case_no.get();

@@ -26,3 +26,21 @@ pub fn config(cases: u32, seed: u64, max_shrink_iters: u32) -> ProptestConfig {
         ..base
     }
 }
+
+/// A new seed every run, so that each run tries other cases, printed (the
+/// output of a failing test is shown) so that a failure can be replayed:
+/// `PROPTEST_RNG_SEED=<seed>`, which wins when set.
+#[allow(dead_code)] // not every test binary that includes this file draws fresh seeds
+pub fn fresh_seed() -> u64 {
+    let seed = match std::env::var("PROPTEST_RNG_SEED") {
+        Ok(seed) => seed.parse().expect("PROPTEST_RNG_SEED is a u64"),
+        Err(_) => {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap();
+            t.as_secs() ^ (u64::from(t.subsec_nanos()) << 32)
+        }
+    };
+    eprintln!("replay with PROPTEST_RNG_SEED={seed}");
+    seed
+}

@@ -231,10 +231,43 @@ pub fn wasm_runtime() -> String {
 }
 
 pub fn wasm_path() -> PathBuf {
-    require(
+    let wasm = require(
         &root().join("target/wasm32-wasip1/release/redis_guard.wasm"),
         "the filter (target/wasm32-wasip1/release/redis_guard.wasm)",
-    )
+    );
+    // A test run as `cargo test --test e2e_…` would otherwise pass or fail
+    // against whatever filter an earlier build left.
+    let built = modified(&wasm);
+    let newest = ["src", "lua", "Cargo.toml", "Cargo.lock"]
+        .iter()
+        .filter_map(|p| newest_file(&root().join(p)))
+        .max_by_key(|(_, t)| *t);
+    if let Some((source, changed)) = newest {
+        assert!(
+            changed <= built,
+            "the filter at {} is older than {}: run `make build` (make test does)",
+            wasm.display(),
+            source.display()
+        );
+    }
+    wasm
+}
+
+fn modified(path: &Path) -> std::time::SystemTime {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .unwrap_or(std::time::UNIX_EPOCH)
+}
+
+/// The most recently modified file at or below `path`, and when.
+fn newest_file(path: &Path) -> Option<(PathBuf, std::time::SystemTime)> {
+    if path.is_file() {
+        return Some((path.to_path_buf(), modified(path)));
+    }
+    std::fs::read_dir(path)
+        .ok()?
+        .filter_map(|entry| newest_file(&entry.ok()?.path()))
+        .max_by_key(|(_, t)| *t)
 }
 
 /// envoy/jwks.json as envoy.yaml takes it (one line): a public key whose
