@@ -63,8 +63,8 @@ def compose_cmd():
 COMPOSE = compose_cmd()
 
 
-def run(cmd, check_rc=True, timeout=300, stdin=None):
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, input=stdin)
+def run(cmd, check_rc=True, timeout=300):
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check_rc and p.returncode != 0:
         raise Fail(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()[-2000:]}")
     return p
@@ -130,10 +130,9 @@ def grpc_calls(specs):
 # --- inside the stack ----------------------------------------------------------
 
 
-def containers(service=None, all_states=True):
-    args = ["ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"]
-    if all_states:
-        args.insert(1, "-a")
+def containers(service=None):
+    """The project's containers, running or not."""
+    args = ["ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"]
     if service:
         args += ["--filter", f"label=com.docker.compose.service={service}"]
     return docker(*args).stdout.split()
@@ -230,7 +229,7 @@ def up():
             eq(state["Status"], "running", f"{name}")
         if "healthcheck" in real["services"][name]:
             eq(state["Health"]["Status"], "healthy", f"{name}'s health")
-        nets = sorted(n.split("_", 1)[-1].split("-", 1)[-1] for n in c["NetworkSettings"]["Networks"])
+        nets = sorted(re.sub(rf"^{PROJECT}[_-]", "", n) for n in c["NetworkSettings"]["Networks"])
         if state["Status"] == "running":
             eq(nets, sorted(real["services"][name]["networks"]), f"{name}'s networks")
         ports = {k: v for k, v in (c["NetworkSettings"]["Ports"] or {}).items() if v}
@@ -311,7 +310,6 @@ def grpc_limited():
     # yours): admitted calls end UNAVAILABLE at Envoy, the limited one at the filter.
     eq([r["code"] for r in got], [14, 14, 8], "grpc-status of the three calls")
     check(got[2].get("retry") and 0 < got[2]["retry"]["ms"] <= 30000, f"RetryInfo {got[2].get('retry')}")
-    return spec
 
 
 # Run inside the stack (a one-off objectstore-init container: python3, the

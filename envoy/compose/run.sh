@@ -20,7 +20,7 @@ mkdir -p "$WORK"
 # The classic builder: Debian's dockerd 20.10 has no BuildKit front end
 # that a newer client without buildx could use.
 export DOCKER_BUILDKIT=0
-say() { echo "compose-test: $*"; }
+say() { echo "compose-test: [$(($(date +%s) - started)) s] $*"; }
 started=$(date +%s)
 
 # --- packages ---------------------------------------------------------------
