@@ -108,6 +108,7 @@ s3ctl_signed() { # cmd, args before the key...
 # only, and envoy.yaml passes them on to the filter's VM.
 ( set -a; . "$STACK/objectstore.env"; . "$STACK/webdis.env"; set +a
   exec "$ENVOY" -c "$STACK/envoy.yaml" --concurrency 2 --disable-hot-restart \
+    --file-flush-interval-msec 200 \
     --log-level "${ENVOY_LOG_LEVEL:-warn}" ) </dev/null > "$STACK/envoy.log" 2>&1 &
 echo $! > "$STACK/envoy.pid"; wait_port "$ENVOY_PORT" envoy
 for _ in $(seq 1 100); do curl -sf "http://127.0.0.1:$ADMIN_PORT/ready" >/dev/null && break; sleep 0.1; done
@@ -233,6 +234,18 @@ echo "Webdis runs nothing without the credentials render.py made for this run (t
 echo "  EVAL without them: HTTP $(curl -s -o /dev/null -w '%{http_code}' -X POST --data 'EVAL/return%207/0.raw' "http://127.0.0.1:$WEBDIS_PORT/")"
 echo "  EVAL with them:    HTTP $( (. "$STACK/webdis.env"; curl -s -o /dev/null -w '%{http_code}' \
   -u "$REDIS_GUARD_WEBDIS_USERNAME:$REDIS_GUARD_WEBDIS_PASSWORD" -X POST --data 'EVAL/return%207/0.raw' "http://127.0.0.1:$WEBDIS_PORT/") )"
+# The access log (JSON on Envoy's stdout, envoy.yaml): the filter's answers
+# carry their own response code details and its record of the decision.
+access_line() { # a response_code_details value
+  for _ in $(seq 1 50); do
+    grep -m1 "\"response_code_details\":\"$1\"" "$STACK/envoy.log" && return
+    sleep 0.1
+  done
+  echo "  (no access-log line with $1)"
+}
+echo "the access-log line of the first 429 and of a replay (envoy.yaml's access_log, in $STACK/envoy.log):"
+access_line redis_guard_rate_limited | sed 's/^/  /'
+access_line redis_guard_idempotent_replay | sed 's/^/  /'
 echo "the filter's Envoy stats:"
 curl -s "http://127.0.0.1:$ADMIN_PORT/stats?filter=wasmcustom" | sed 's/^/  /'
 echo "keys in Redis (every one with a TTL):"
@@ -248,5 +261,6 @@ The stack keeps running. Try:
   .venv/bin/python envoy/grpc_peer.py call --target 127.0.0.1:$ENVOY_PORT '[{"method":"Create","data":"x","metadata":{"idempotency-key":"k1","x-tenant":"t"}}]'
   curl -s http://127.0.0.1:$ADMIN_PORT/stats/prometheus | grep redis_guard
   (. $STACK/redis.env; redis-cli -p $REDIS_PORT --user admin --pass \$REDIS_ADMIN_PASSWORD --no-auth-warning --scan)
-Logs are in $STACK/. Stop it with: make demo-down
+Logs are in $STACK/ (envoy.log holds the JSON access log). Alert rules and their tests:
+envoy/prometheus/; a Grafana dashboard: envoy/grafana/redis-guard.json. Stop it with: make demo-down
 TXT

@@ -6,6 +6,7 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod access_log;
 pub mod batch;
 pub mod breaker;
 pub mod codec;

@@ -24,6 +24,18 @@ pub struct LocalReply {
     /// How long the client should wait before it retries, exactly (the
     /// `retry-after` field rounds it up to seconds).
     pub retry_ms: Option<u64>,
+    /// Envoy's response code details for this answer (`%RESPONSE_CODE_DETAILS%`
+    /// in an access log): one value per kind of answer, so a log tells them
+    /// apart. Envoy's own are snake case without spaces; so are these.
+    pub details: &'static str,
+}
+
+impl LocalReply {
+    /// The same answer under other response code details.
+    pub fn with_details(mut self, details: &'static str) -> LocalReply {
+        self.details = details;
+        self
+    }
 }
 
 fn seconds_up(ms: u64) -> u64 {
@@ -40,8 +52,15 @@ pub fn problem(status: u32, title: &str, detail: &str, extra: serde_json::Value)
     doc.to_string().into_bytes()
 }
 
-fn problem_reply(status: u32, title: &str, detail: &str, extra: serde_json::Value) -> LocalReply {
+fn problem_reply(
+    details: &'static str,
+    status: u32,
+    title: &str,
+    detail: &str,
+    extra: serde_json::Value,
+) -> LocalReply {
     LocalReply {
+        details,
         status,
         headers: vec![(
             "content-type".to_string(),
@@ -53,7 +72,13 @@ fn problem_reply(status: u32, title: &str, detail: &str, extra: serde_json::Valu
 }
 
 pub fn bad_request(detail: &str) -> LocalReply {
-    problem_reply(400, "Bad Request", detail, json!({}))
+    problem_reply(
+        "redis_guard_bad_request",
+        400,
+        "Bad Request",
+        detail,
+        json!({}),
+    )
 }
 
 /// 409: another request with the same idempotency key is in progress.
@@ -61,6 +86,7 @@ pub fn bad_request(detail: &str) -> LocalReply {
 /// lock would expire, so the lock's remaining TTL is no useful hint.
 pub fn idempotency_conflict() -> LocalReply {
     let mut reply = problem_reply(
+        "redis_guard_idempotency_conflict",
         409,
         "Conflict",
         "a request with this idempotency key is being processed",
@@ -78,6 +104,7 @@ pub fn idempotency_conflict() -> LocalReply {
 pub fn too_many_requests_locally(limit: &str, retry_ms: u64) -> LocalReply {
     let retry_after = seconds_up(retry_ms).max(1);
     let mut reply = problem_reply(
+        "redis_guard_rate_limited_locally",
         429,
         "Too Many Requests",
         &format!(
@@ -95,6 +122,7 @@ pub fn too_many_requests_locally(limit: &str, retry_ms: u64) -> LocalReply {
 /// 422: the idempotency key was used with a different request.
 pub fn idempotency_mismatch() -> LocalReply {
     problem_reply(
+        "redis_guard_idempotency_mismatch",
         422,
         "Unprocessable Content",
         "this idempotency key was used with a different request (method, path or body)",
@@ -105,6 +133,7 @@ pub fn idempotency_mismatch() -> LocalReply {
 /// 413: a keyed request's body is over the configured cap.
 pub fn payload_too_large(max: usize) -> LocalReply {
     problem_reply(
+        "redis_guard_request_too_large",
         413,
         "Content Too Large",
         &format!("requests with an idempotency key may carry at most {max} bytes"),
@@ -118,6 +147,7 @@ pub fn payload_too_large(max: usize) -> LocalReply {
 /// record expires.
 pub fn stored_response_missing() -> LocalReply {
     problem_reply(
+        "redis_guard_stored_response_missing",
         502,
         "Bad Gateway",
         "the stored response for this idempotency key is missing from the object store; the request was executed and is not run again",
@@ -128,6 +158,7 @@ pub fn stored_response_missing() -> LocalReply {
 /// 502: the object store returned bytes that are not the stored body.
 pub fn stored_response_corrupt() -> LocalReply {
     problem_reply(
+        "redis_guard_stored_response_corrupt",
         502,
         "Bad Gateway",
         "the stored response for this idempotency key failed its checksum; the request was executed and is not run again",
@@ -139,6 +170,7 @@ pub fn stored_response_corrupt() -> LocalReply {
 /// or refusing the filter's signature); a retry may get the replay.
 pub fn stored_response_unavailable() -> LocalReply {
     let mut reply = problem_reply(
+        "redis_guard_stored_response_unavailable",
         503,
         "Service Unavailable",
         "the stored response for this idempotency key cannot be fetched from the object store now; the request was executed and is not run again",
@@ -194,8 +226,16 @@ impl Completion {
 }
 
 /// Fail-closed answer when Redis cannot decide.
+/// 503 when Redis cannot decide and the failure mode denies; other causes
+/// say theirs with [`LocalReply::with_details`].
 pub fn unavailable(detail: &str) -> LocalReply {
-    problem_reply(503, "Service Unavailable", detail, json!({}))
+    problem_reply(
+        "redis_guard_failure_mode_denied",
+        503,
+        "Service Unavailable",
+        detail,
+        json!({}),
+    )
 }
 
 /// The filter's problem reply as a gRPC client must get it: a trailers-only
@@ -234,6 +274,7 @@ pub fn grpc_reply(reply: &LocalReply) -> LocalReply {
         body: detail.into_bytes(),
         grpc_status: Some(code),
         retry_ms: reply.retry_ms,
+        details: reply.details,
     }
 }
 
@@ -335,6 +376,7 @@ pub fn too_many_requests(config: &Config, plan: &Plan, outcome: &Outcome) -> Loc
         .collect();
     let detail = format!("rate limit `{}` exceeded", names.join("`, `"));
     let mut reply = problem_reply(
+        "redis_guard_rate_limited",
         429,
         "Too Many Requests",
         &detail,
@@ -409,6 +451,33 @@ mod tests {
     }
 
     #[test]
+    fn every_kind_of_answer_has_its_own_response_code_details_without_spaces() {
+        let all = [
+            bad_request("x"),
+            idempotency_conflict(),
+            too_many_requests_locally("l", 10),
+            idempotency_mismatch(),
+            payload_too_large(1),
+            stored_response_missing(),
+            stored_response_corrupt(),
+            stored_response_unavailable(),
+            unavailable("x"),
+        ];
+        let mut seen: Vec<&str> = all.iter().map(|r| r.details).collect();
+        assert!(seen
+            .iter()
+            .all(|d| d.starts_with("redis_guard_") && !d.contains(char::is_whitespace)));
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), all.len(), "one value per kind: {seen:?}");
+        // gRPC's form of an answer keeps them.
+        assert_eq!(
+            grpc_reply(&idempotency_conflict()).details,
+            "redis_guard_idempotency_conflict"
+        );
+    }
+
+    #[test]
     fn a_reply_that_is_not_a_problem_is_left_alone() {
         let replay = LocalReply {
             status: 200,
@@ -416,6 +485,7 @@ mod tests {
             body: b"{}".to_vec(),
             grpc_status: None,
             retry_ms: None,
+            details: "redis_guard_idempotent_replay",
         };
         assert_eq!(grpc_reply(&replay), replay);
     }

@@ -126,6 +126,16 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "rateLimitHeaders[1]",
         "unknown variant `draft-7`, expected `ietf` or `x-ratelimit`",
     ),
+    (
+        "access_log_key_unknown.json",
+        "accessLog.key",
+        "unknown variant `raw`, expected one of `hash`, `plain`, `none`",
+    ),
+    (
+        "access_log_unknown_field.json",
+        "accessLog.fields",
+        "unknown field `fields`, expected `enabled` or `key`",
+    ),
     // Limit shape and name.
     (
         "limit_no_algorithm.json",

@@ -723,3 +723,51 @@ fn webdis_in_the_mesh_admits_only_the_filters_workload_over_mtls() {
     assert_eq!(op["paths"], json!(["/"]));
     assert_eq!(op["ports"], json!(["7379"]));
 }
+
+/// envoy/istio/access-log.yaml: the Telemetry turns on a provider the
+/// IstioOperator overlay defines, on the plugin's workloads, with the same
+/// fields as envoy.yaml's access log.
+#[test]
+fn the_access_log_provider_logs_the_same_fields_as_envoy_yaml_for_the_plugins_workloads() {
+    let docs = documents_of("envoy/istio/access-log.yaml");
+    let operator = only(&docs, "IstioOperator");
+    let telemetry = only(&docs, "Telemetry");
+    let providers = &operator["spec"]["meshConfig"]["extensionProviders"];
+    let provider = &providers[0];
+    let name = provider["name"].as_str().unwrap();
+    assert_eq!(
+        telemetry["spec"]["accessLogging"][0]["providers"][0]["name"],
+        name
+    );
+    let plugin = only(&documents(), "WasmPlugin");
+    assert_eq!(
+        telemetry["metadata"]["namespace"],
+        plugin["metadata"]["namespace"]
+    );
+    assert_eq!(
+        telemetry["spec"]["selector"]["matchLabels"],
+        plugin["spec"]["selector"]["matchLabels"]
+    );
+    let labels = &provider["envoyFileAccessLog"]["logFormat"]["labels"];
+    assert_eq!(
+        labels["redis_guard"],
+        "%FILTER_STATE(wasm.redis_guard:PLAIN)%"
+    );
+    assert_eq!(labels["response_code_details"], "%RESPONSE_CODE_DETAILS%");
+    // The same fields, with the same values, as envoy/envoy.yaml's access log.
+    let yaml =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/envoy.yaml"))
+            .unwrap();
+    let start = yaml.find("json_format:").unwrap();
+    let mut shipped = serde_json::Map::new();
+    for line in yaml[start..].lines().skip(1) {
+        let Some((k, v)) = line.trim().split_once(": ") else {
+            break;
+        };
+        if !v.starts_with('"') {
+            break;
+        }
+        shipped.insert(k.to_string(), Value::from(v.trim_matches('"')));
+    }
+    assert_eq!(Value::Object(shipped), *labels);
+}

@@ -6,6 +6,7 @@
 //! features (hash tag parts in every descriptor and tenant, offloading rules
 //! against the object store); each feature's types and checks are in its file.
 
+mod access_log;
 mod idempotency;
 mod limit;
 mod matcher;
@@ -22,6 +23,7 @@ use serde::Deserialize;
 
 use crate::request::{RequestLine, RequestView};
 
+pub use access_log::{AccessLog, KeyInLog};
 pub use idempotency::{
     Idempotency, DEFAULT_IDEMPOTENCY_HEADER, DEFAULT_LOCK_TTL_MS, DEFAULT_MAX_REQUEST_BODY,
     DEFAULT_MAX_STORED_BODY, DEFAULT_RECORD_TTL_MS, MAX_OFFLOADED_BODY,
@@ -42,6 +44,7 @@ pub use redis::{
 };
 pub use usage::{Usage, DEFAULT_USAGE_BODY, MAX_USAGE_BODY, MAX_USAGE_UNITS};
 
+use access_log::{compile_access_log, RawAccessLog};
 use idempotency::{compile_idempotency, RawIdempotency};
 use limit::{compile_limit, RawLimit};
 use object_store::{compile_object_store, RawObjectStore};
@@ -119,6 +122,10 @@ struct RawConfig {
     /// offloadAboveBytes): Redis keeps a reference and a checksum, the store the body.
     #[serde(default)]
     object_store: Option<RawObjectStore>,
+    /// What each decision leaves in Envoy's access log (filter state
+    /// `wasm.redis_guard`).
+    #[serde(default)]
+    access_log: Option<RawAccessLog>,
     /// The schema this file follows (for editors); ignored by the filter.
     #[serde(default, rename = "$schema")]
     #[allow(dead_code)]
@@ -164,6 +171,7 @@ pub struct Config {
     pub limits: Vec<Limit>,
     pub idempotency: Vec<Idempotency>,
     pub object_store: Option<ObjectStore>,
+    pub access_log: AccessLog,
 }
 
 pub const DEFAULT_KEY_PREFIX: &str = "rg";
@@ -440,6 +448,7 @@ fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Confi
         limits,
         idempotency,
         object_store,
+        access_log: compile_access_log(raw.access_log),
     })
 }
 

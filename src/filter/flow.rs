@@ -15,6 +15,7 @@ use std::rc::Rc;
 use crate::breaker::Breaker;
 use crate::config::{Config, FailureMode};
 use crate::filter::call::{Budget, ScriptCall};
+use crate::filter::stage::access_log::AccessLogStage;
 use crate::filter::stage::batch::Verdict as BatchVerdict;
 use crate::filter::stage::concurrency::Concurrency;
 use crate::filter::stage::decision::{Decision, Step};
@@ -76,6 +77,7 @@ pub struct Flow {
     intake: Intake,
     record: Record,
     replay: Replay,
+    log: AccessLogStage,
     /// When the client has the whole response.
     response: Completion,
 }
@@ -93,6 +95,7 @@ impl Flow {
             intake: Intake::default(),
             record: Record::default(),
             replay: Replay::default(),
+            log: AccessLogStage::default(),
             response: Completion::default(),
         }
     }
@@ -101,6 +104,7 @@ impl Flow {
         let config = Rc::clone(&self.config);
         let line = RequestLine::read_needed(host, config.needs);
         if let Err(reply) = self.limits.on_request(host, &config, &line) {
+            self.log.verdict("refused");
             return answer_locally(host, &reply);
         }
         self.slots.on_request(host, &config, self.limits.plan());
@@ -179,6 +183,7 @@ impl Flow {
     /// nothing reads on, so no later body callback starts a decision.
     fn refuse<H: Host>(&mut self, host: &mut H, reply: &LocalReply) -> Action {
         self.usage.stop_reading();
+        self.log.verdict("refused");
         answer_locally(host, reply)
     }
 
@@ -204,15 +209,18 @@ impl Flow {
             if let Some(i) = leased {
                 if let Spend::Spent(prefetch) = self.lease.spend(host, &config, plan, i, false) {
                     self.lease.spent(host, &config, plan, i, prefetch);
+                    self.log.verdict("leased");
                     return Action::Continue;
                 }
             }
             if let Some(reply) = overlimit::cached(host, &config, plan) {
+                self.log.verdict("cached_rejection");
                 return answer_locally(host, &reply);
             }
             if let Some(i) = leased {
                 if let Spend::Spent(prefetch) = self.lease.spend(host, &config, plan, i, true) {
                     self.lease.spent(host, &config, plan, i, prefetch);
+                    self.log.verdict("leased");
                     return Action::Continue;
                 }
             }
@@ -289,8 +297,13 @@ impl Flow {
             // release it (only if ours) so retries are not answered 409.
             self.record.release(host, &config, true);
         }
+        let mode = self.failure_mode();
+        self.log.failure(mode);
+        if keyed && mode != FailureMode::Deny {
+            self.log.unguarded();
+        }
         let undecided = Undecided {
-            mode: self.failure_mode(),
+            mode,
             why: &why,
             level,
             keyed,
@@ -318,6 +331,7 @@ impl Flow {
             Err(e) if completed_reply(reply) => {
                 self.decision.succeeded(host, false);
                 self.slots.not_taken();
+                self.log.verdict("replay_failed");
                 return self.replay.unreadable(host, &e);
             }
             Err(e) => {
@@ -329,6 +343,7 @@ impl Flow {
         self.decision.succeeded(host, true);
         match &verdict {
             Verdict::Limits(outcome) => {
+                self.log.limits(&config, self.limits.plan(), outcome);
                 self.slots.on_outcome(host, self.limits.plan(), outcome);
                 let sent_at = self.decision.sent_at();
                 self.usage
@@ -348,8 +363,14 @@ impl Flow {
                     host.send_local(&too_many);
                 }
             },
-            Verdict::Busy { .. } => self.replay.busy(host),
-            Verdict::Mismatch => self.replay.mismatch(host),
+            Verdict::Busy { .. } => {
+                self.log.verdict("conflict");
+                self.replay.busy(host)
+            }
+            Verdict::Mismatch => {
+                self.log.verdict("mismatch");
+                self.replay.mismatch(host)
+            }
             Verdict::Replay {
                 status,
                 headers,
@@ -357,6 +378,7 @@ impl Flow {
                 object,
             } => {
                 let stored = (status, headers, body, object);
+                self.log.verdict("replayed");
                 self.replay.replay(host, &config, &mut self.calls, stored);
             }
         }
@@ -506,6 +528,7 @@ impl Flow {
         if self.decision.on_stream_end(host) {
             self.lease.abandon(host, self.limits.plan());
         }
+        self.log.on_stream_end(host, &config, self.record.outcome());
     }
 }
 

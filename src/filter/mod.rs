@@ -157,6 +157,9 @@ pub trait Host: RequestView {
     /// Counts `n` at once (units, not events).
     fn count_n(&mut self, counter: Counter, n: u64);
     fn observe(&mut self, histogram: Histogram, value: u64);
+    /// Sets this request's filter state `wasm.<name>` (Envoy prefixes it),
+    /// which an access log prints with `%FILTER_STATE(wasm.<name>:PLAIN)%`.
+    fn set_filter_state(&mut self, name: &str, value: &[u8]);
     /// Adds this request's decision to its worker's next batch call (see
     /// [`stage::batch`]); its verdict comes to `Flow::on_batch_verdict`.
     /// `Err`: it failed at once (its call could not be sent).

@@ -85,6 +85,8 @@ pub struct FakeHost {
     pub replaced_bodies: Vec<Vec<u8>>,
     /// Trailers the filter added to the response.
     pub added_trailers: Vec<(String, Vec<u8>)>,
+    /// Filter state set, in order (name, value).
+    pub filter_state: Vec<(String, Vec<u8>)>,
 }
 
 /// An object-store call's headers and body.
@@ -287,6 +289,9 @@ impl Host for FakeHost {
     }
     fn observe(&mut self, histogram: Histogram, value: u64) {
         self.observed.push((histogram, value));
+    }
+    fn set_filter_state(&mut self, name: &str, value: &[u8]) {
+        self.filter_state.push((name.to_string(), value.to_vec()));
     }
     fn join_batch(&mut self, _: &RedisTarget, member: Member) -> Result<(), Failure> {
         if let Some(failure) = &self.batch_fails {

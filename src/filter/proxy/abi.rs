@@ -73,6 +73,7 @@ fn ok(status: Status) -> Result<(), Status> {
 /// `grpc_status`: -1 for none.
 pub fn send_local_response(
     status: u32,
+    details: &str,
     headers: &[(&str, &[u8])],
     body: &[u8],
     grpc_status: i32,
@@ -83,8 +84,8 @@ pub fn send_local_response(
     ok(unsafe {
         proxy_send_local_response(
             status,
-            std::ptr::null(),
-            0,
+            details.as_ptr(),
+            details.len(),
             body.as_ptr(),
             body.len(),
             headers.as_ptr(),

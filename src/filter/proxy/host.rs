@@ -232,6 +232,12 @@ impl Host for ProxyHost<'_> {
         }
     }
 
+    fn set_filter_state(&mut self, name: &str, value: &[u8]) {
+        if let Err(e) = hostcalls::set_property(vec![name], Some(value)) {
+            log::debug!("redis-guard: cannot set filter state {name}: {e:?}");
+        }
+    }
+
     fn join_batch(&mut self, _target: &RedisTarget, member: Member) -> Result<(), Failure> {
         let refused = |why: &str| (ErrorKind::Dispatch, why.to_string());
         let Some(shared) = self.shared else {
@@ -330,7 +336,9 @@ impl Host for ProxyHost<'_> {
             .grpc_status
             .and_then(|s| i32::try_from(s).ok())
             .unwrap_or(-1);
-        if let Err(e) = abi::send_local_response(reply.status, &headers, &reply.body, grpc) {
+        if let Err(e) =
+            abi::send_local_response(reply.status, reply.details, &headers, &reply.body, grpc)
+        {
             log::warn!("redis-guard: cannot send local reply: {e:?}");
         }
     }

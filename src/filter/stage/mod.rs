@@ -3,6 +3,7 @@
 //! stage reads another's state. Calls go through [`crate::filter::call`],
 //! shared-data updates through [`crate::filter::cas`].
 
+pub mod access_log;
 pub mod batch;
 pub mod concurrency;
 pub mod decision;

@@ -41,7 +41,10 @@ pub fn cached<H: Host>(host: &mut H, config: &Config, plan: &Plan) -> Option<Loc
     for check in &rejecting.checks {
         host.count(Counter::Rejected(check.limit));
     }
-    Some(too_many_requests(config, &rejecting, &outcome))
+    Some(
+        too_many_requests(config, &rejecting, &outcome)
+            .with_details("redis_guard_rate_limited_cached"),
+    )
 }
 
 /// Records every enforced limit that rejected, counted from when the call

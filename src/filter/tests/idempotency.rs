@@ -220,6 +220,7 @@ fn completed_key_replays_status_headers_and_exact_body() {
                 ("idempotent-replayed".to_string(), "true".to_string()),
             ],
             body: body.to_vec(),
+            details: "redis_guard_idempotent_replay",
             ..LocalReply::default()
         }]
     );

@@ -2,6 +2,7 @@
 //! fake host in [`super::testing`].
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod access_log;
 mod batch;
 mod concurrency;
 mod envoy_like;

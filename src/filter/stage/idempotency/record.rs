@@ -61,6 +61,9 @@ pub(super) enum Lock {
 pub struct Record {
     pub(super) keyed: Option<Keyed>,
     pub(super) lock: Lock,
+    /// What became of the key, for the access log: the first of stored,
+    /// store_failed, released, abandoned.
+    pub(super) outcome: Option<&'static str>,
     /// The response is gRPC's (as Envoy tells one), not merely the answer
     /// to a gRPC request.
     grpc_response: bool,
@@ -71,6 +74,7 @@ impl Default for Record {
         Record {
             keyed: None,
             lock: Lock::None,
+            outcome: None,
             grpc_response: false,
         }
     }
@@ -80,6 +84,13 @@ impl Record {
     /// The request carries a key: its lock may be taken by the decision.
     pub fn arm(&mut self, keyed: Keyed) {
         self.keyed = Some(keyed);
+    }
+
+    /// What became of the key so far (for the access log): `executed` once
+    /// the lock is taken, then how it ended.
+    pub fn outcome(&self) -> Option<&'static str> {
+        self.outcome
+            .or_else(|| (!matches!(self.lock, Lock::None)).then_some("executed"))
     }
 
     /// The decision admitted the request and took its lock.
@@ -370,6 +381,7 @@ impl Record {
             Err((_, e)) => {
                 log::warn!("redis-guard: cannot store idempotent response: {e}");
                 host.count(Counter::IdemStoreFailed);
+                self.outcome.get_or_insert("store_failed");
                 // Try to free the key all the same (it expires by itself otherwise).
                 self.release(host, config, true);
                 Action::Continue
@@ -394,6 +406,7 @@ impl Record {
                         Some(1) => {
                             self.lock = Lock::Finished;
                             host.count(Counter::IdemStored);
+                            self.outcome.get_or_insert("stored");
                             if offloaded {
                                 host.count(Counter::IdemOffloaded);
                             }
@@ -407,6 +420,7 @@ impl Record {
                                 "redis-guard: idempotency lock lost before the response; not stored"
                             );
                             host.count(Counter::IdemStoreFailed);
+                            self.outcome.get_or_insert("store_failed");
                             self.lock = Lock::Finished;
                             host.resume_response();
                         }
@@ -444,6 +458,7 @@ impl Record {
     ) {
         log::warn!("redis-guard: idempotent response not stored ({status:?})");
         host.count(Counter::IdemStoreFailed);
+        self.outcome.get_or_insert("store_failed");
         if self.release_held_end(host, config, calls) == Action::Continue {
             host.resume_response();
         }
@@ -500,6 +515,7 @@ impl Record {
         self.lock = Lock::Finished;
         let keyed = self.keyed.as_ref()?;
         host.count(Counter::IdemReleased);
+        self.outcome.get_or_insert("released");
         let args = (
             vec![keyed.args.key.clone()],
             vec![keyed.args.owner.as_bytes().to_vec()],
@@ -542,6 +558,7 @@ impl Record {
                 "redis-guard: keyed request forwarded but its response not completed: lock kept until lockTtlMs"
             );
             host.count(Counter::IdemAbandoned);
+            self.outcome.get_or_insert("abandoned");
             self.lock = Lock::Finished;
         }
     }

@@ -67,7 +67,10 @@ impl Replay {
     pub fn unreadable<H: Host>(&self, host: &mut H, why: &str) {
         log::warn!("redis-guard: unreadable idempotency record: {why}");
         host.count(Counter::RedisError(ErrorKind::Reply));
-        host.send_local(&unavailable("stored idempotent response is unreadable"));
+        host.send_local(
+            &unavailable("stored idempotent response is unreadable")
+                .with_details("redis_guard_stored_response_unreadable"),
+        );
     }
 
     /// Answers with the stored response (fetching its body first when it
@@ -207,6 +210,7 @@ impl Replay {
                 body: message.into_bytes(),
                 grpc_status: code,
                 retry_ms: None,
+                details: REPLAYED,
             });
             return;
         }
@@ -217,6 +221,7 @@ impl Replay {
             status,
             headers,
             body,
+            details: REPLAYED,
             ..LocalReply::default()
         });
     }
@@ -240,7 +245,7 @@ impl Replay {
             self.routed = None;
             // As gRPC, whatever the content-type says now (this stage
             // rewrote it; Envoy knows the call is gRPC from its start).
-            host.send_reply(&crate::response::grpc_reply(&unavailable(
+            host.send_reply(&crate::response::grpc_reply(&unavailable_without_route(
                 "the stored response for this idempotency key cannot be replayed here (no replay route); the request was executed and is not run again",
             )));
             return Some(Action::Pause);
@@ -275,4 +280,12 @@ impl Replay {
         self.routed = None;
         Some(Action::Continue)
     }
+}
+
+/// The response code details of a replayed answer.
+const REPLAYED: &str = "redis_guard_idempotent_replay";
+
+/// 503: a gRPC replay owed, but no replay route to send it through.
+fn unavailable_without_route(detail: &str) -> LocalReply {
+    unavailable(detail).with_details("redis_guard_replay_route_missing")
 }
