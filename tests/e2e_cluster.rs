@@ -508,7 +508,7 @@ fn a_tenant_whose_slot_moves_to_another_master_keeps_its_exact_budget() {
 }
 
 #[test]
-fn concurrency_slots_hold_exactly_per_tenant_and_come_back_over_the_cluster() {
+fn concurrency_slots_hold_exactly_per_tenant_over_the_cluster_and_stay_when_clients_leave() {
     const MAX: usize = 2;
     let cfg = config(
         &format!(
@@ -557,8 +557,9 @@ fn concurrency_slots_hold_exactly_per_tenant_and_come_back_over_the_cluster() {
     // Released as each response completed: no slot left on any master.
     assert!(stack.cluster.keys_by_node("rg:*").is_empty());
 
-    // Clients of every tenant leave at once: their worker gathers the
-    // releases, one call per tenant's tag, so none crosses slots.
+    // Clients of every tenant leave at once while the upstream works: each
+    // tenant's slots stay taken on its own master until their lease ends
+    // (the upstream may still run those requests), with a TTL that ends them.
     let mut held = Vec::new();
     for t in &tenants {
         for _ in 0..MAX {
@@ -588,26 +589,34 @@ fn concurrency_slots_hold_exactly_per_tenant_and_come_back_over_the_cluster() {
         assert!(std::time::Instant::now() < deadline, "never all running");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let slots: usize = stack
-        .cluster
-        .keys_by_node("rg:*")
-        .values()
-        .map(Vec::len)
-        .sum();
-    assert_eq!(slots, tenants.len(), "one set per tenant");
     drop(held);
-    let deadline = std::time::Instant::now() + Duration::from_secs(3);
-    while !stack.cluster.keys_by_node("rg:*").is_empty() {
+    let abandoned = || stack.counter("redis_guard.concurrency.abandoned");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while abandoned() != (tenants.len() * MAX) as u64 {
         assert!(
             std::time::Instant::now() < deadline,
-            "slots left behind: {:?}",
-            stack.cluster.keys_by_node("rg:*")
+            "hang-ups: {}",
+            abandoned()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    let by_node = stack.cluster.keys_by_node("rg:*");
+    let keys: Vec<&Vec<u8>> = by_node.values().flatten().collect();
+    assert_eq!(keys.len(), tenants.len(), "one set per tenant");
+    for t in &tenants {
+        let mine = keys.iter().filter(|k| k.ends_with(t.as_bytes())).count();
+        assert_eq!(mine, 1, "{t}'s slots in one set");
+    }
+    let status = |t: &str| {
+        let e = &stack.envoys[1];
+        get(&e.url(&format!("/cc?after-{t}")), &[("x-tenant", t)]).status
+    };
+    for t in &tenants {
+        assert_eq!(status(t), 429, "{t}: its slots are still taken");
+    }
     assert_eq!(
         stack.counter("redis_guard.concurrency.released"),
-        (tenants.len() * MAX * 2) as u64
+        (tenants.len() * MAX) as u64
     );
     stack.assert_clean();
 }

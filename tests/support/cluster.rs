@@ -166,6 +166,10 @@ impl RedisCluster {
                     .args(["--cluster-port", &bus.to_string()])
                     .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
                     .args(["--save", "", "--appendonly", "no"])
+                    // A master that fails takes only its own slots down:
+                    // by default (yes) every master refuses every slot
+                    // until the failover is over, so every tenant fails.
+                    .args(["--cluster-require-full-coverage", "no"])
                     .arg("--aclfile")
                     .arg(&acl);
                 if replicas_per_master > 0 {
