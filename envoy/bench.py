@@ -1655,6 +1655,9 @@ def main():
                     help="seconds to wait at most for other work on the machine to stop")
     ap.add_argument("--out", help="directory for results.json, results.md, latency.png "
                     "(default target/bench)")
+    ap.add_argument("--no-access-log-record", action="store_true",
+                    help="every filter config with accessLog.enabled false: what the record "
+                    "(one filter-state write per request) costs, against a run without this")
     args = ap.parse_args()
     global OUT, RUN
     if args.out:
@@ -1678,6 +1681,10 @@ def main():
     if unknown:
         raise BenchError(f"--scenarios: no scenario {', '.join(sorted(unknown))}")
     scenarios = [s for s in SCENARIOS if s["id"] in wanted]
+    if args.no_access_log_record:
+        for sc in scenarios:
+            if sc.get("filter"):
+                sc["filter"]["accessLog"] = {"enabled": False}
     runtimes = args.runtimes.split(",")
     for rt in runtimes:
         if rt not in ("v8", "wasmtime", "wamr"):
