@@ -1,4 +1,5 @@
-//! A circuit breaker for the Redis path, per Envoy worker.
+//! A circuit breaker for the Redis path, per Envoy worker and group of Redis
+//! Cluster slots ([`Breakers`]).
 //!
 //! After `threshold` consecutive failed calls the breaker opens: requests go
 //! straight to their failure mode for `cool_down`, without waiting on a dead
@@ -6,7 +7,10 @@
 //! failure opens it again. Cells, not a RefCell: nothing here can panic.
 
 use std::cell::Cell;
+use std::rc::Rc;
 use std::time::Duration;
+
+use crate::keys::cluster_slot;
 
 #[derive(Debug)]
 pub struct Breaker {
@@ -95,6 +99,51 @@ impl Breaker {
     }
 }
 
+/// Slot groups: 64 contiguous ranges of 256 of Redis Cluster's 16384 slots.
+/// A master owns whole ranges but for the one or two its boundaries cut, so
+/// its failure opens the breakers of its own tenants (and at most those of
+/// the one or two groups it shares), not everyone's.
+pub const SLOT_GROUPS: usize = 64;
+const SLOTS_PER_GROUP: u16 = 16384 / SLOT_GROUPS as u16;
+
+/// A worker's breakers, one per group of Redis Cluster slots: a request
+/// consults the one of its hash tag's slot. With one Redis, or one hash tag,
+/// every request meets the same one.
+#[derive(Debug)]
+pub struct Breakers {
+    groups: Vec<Rc<Breaker>>,
+}
+
+impl Breakers {
+    pub fn new(threshold: u32, cool_down: Duration) -> Breakers {
+        Breakers {
+            groups: (0..SLOT_GROUPS)
+                .map(|_| Rc::new(Breaker::new(threshold, cool_down)))
+                .collect(),
+        }
+    }
+
+    /// The group of the slot `tag` hashes to.
+    pub fn group(tag: &str) -> usize {
+        usize::from(cluster_slot(tag.as_bytes()) / SLOTS_PER_GROUP)
+    }
+
+    /// The breaker of `tag`'s slot group; without a tag, group 0 (a request
+    /// that needs no Redis key has no call to make anyway).
+    pub fn for_tag(&self, tag: Option<&str>) -> Rc<Breaker> {
+        let i = tag.map_or(0, Breakers::group);
+        match self.groups.get(i) {
+            Some(b) => Rc::clone(b),
+            None => Rc::new(Breaker::new(1, Duration::ZERO)),
+        }
+    }
+
+    /// How many groups are open or probing (each counted in the gauge).
+    pub fn tripped(&self) -> usize {
+        self.groups.iter().filter(|b| b.tripped()).count()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,5 +189,21 @@ mod tests {
             "its stream ended unanswered: another probes"
         );
         assert!(!b.allow(MS(402)));
+    }
+
+    #[test]
+    fn each_slot_group_has_its_own_breaker() {
+        let b = Breakers::new(1, MS(1000));
+        // "foo" is slot 12182 (group 47), "bar" 5061 (group 19).
+        assert_eq!(Breakers::group("foo"), 47);
+        assert_eq!(Breakers::group("bar"), 19);
+        b.for_tag(Some("foo")).failure(MS(0));
+        assert!(!b.for_tag(Some("foo")).allow(MS(1)));
+        assert!(
+            b.for_tag(Some("bar")).allow(MS(1)),
+            "another group calls on"
+        );
+        assert_eq!(b.tripped(), 1);
+        assert!(Rc::ptr_eq(&b.for_tag(None), &b.for_tag(Some(""))));
     }
 }

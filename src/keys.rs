@@ -109,3 +109,25 @@ mod tests {
         assert_eq!(exact.len(), 4 + MAX_RAW_VALUE);
     }
 }
+
+/// The Redis Cluster slot of a hash tag (the text between `{` and `}` of
+/// every key of one request): CRC16/XMODEM of it, modulo 16384, as Redis
+/// computes it (`keyHashSlot`).
+pub fn cluster_slot(tag: &[u8]) -> u16 {
+    const CRC16: crc::Crc<u16> = crc::Crc::<u16>::new(&crc::CRC_16_XMODEM);
+    CRC16.checksum(tag) & 0x3fff
+}
+
+#[cfg(test)]
+mod slot_tests {
+    use super::cluster_slot;
+
+    #[test]
+    fn slots_are_the_ones_redis_cluster_computes() {
+        // Redis' own examples (CLUSTER KEYSLOT).
+        assert_eq!(cluster_slot(b"foo"), 12182);
+        assert_eq!(cluster_slot(b"bar"), 5061);
+        assert_eq!(cluster_slot(b"user1000"), 3443);
+        assert_eq!(cluster_slot(b""), 0);
+    }
+}

@@ -319,6 +319,50 @@ fn a_master_killed_under_traffic_fails_over_and_the_figures_stay_within_bounds()
         stack.counter("redis_guard.circuit.opened"),
     );
     timeline(&log, &on_victim, kill_at, recovered_all);
+    // Each tenant's slot group (the breaker's unit) and its 503s: a tenant
+    // of a surviving master fails only while it shares a group with the
+    // dead master's (the group's breaker opened on their failures).
+    let group =
+        |t: &str| redis_guard::breaker::Breakers::group(&redis_guard::keys::hash_tag_of([t]));
+    let victim_groups: Vec<usize> = tenants
+        .iter()
+        .zip(&on_victim)
+        .filter(|(_, v)| **v)
+        .map(|(t, _)| group(t))
+        .collect();
+    let per_tenant: Vec<String> = tenants
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let n = log
+                .iter()
+                .filter(|r| r.tenant == i && r.status == 503)
+                .count();
+            let shares = !on_victim[i] && victim_groups.contains(&group(t));
+            format!(
+                "{t} group {}{} {n}",
+                group(t),
+                if shares { " (shared)" } else { "" }
+            )
+        })
+        .collect();
+    eprintln!("503s by tenant: {}", per_tenant.join(", "));
+    let mut reasons: Vec<String> = stack
+        .envoys
+        .iter()
+        .flat_map(|e| {
+            e.log()
+                .lines()
+                .filter_map(|l| {
+                    l.split_once("undecided, denying: ")
+                        .map(|(_, why)| why.to_string())
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    reasons.sort();
+    reasons.dedup();
+    eprintln!("why undecided: {reasons:?}");
     // Every 503 is the filter's failure mode, counted as such.
     assert_eq!((lost.len() + others.len()) as u64, denied);
     // The dead master's slots went unserved at least until the others had

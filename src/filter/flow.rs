@@ -12,7 +12,7 @@
 
 use std::rc::Rc;
 
-use crate::breaker::Breaker;
+use crate::breaker::Breakers;
 use crate::config::{Config, FailureMode};
 use crate::filter::call::{Budget, ScriptCall};
 use crate::filter::stage::access_log::AccessLogStage;
@@ -83,7 +83,7 @@ pub struct Flow {
 }
 
 impl Flow {
-    pub fn new(config: Rc<Config>, breaker: Rc<Breaker>) -> Flow {
+    pub fn new(config: Rc<Config>, breakers: Rc<Breakers>) -> Flow {
         Flow {
             config,
             calls: Calls::default(),
@@ -91,7 +91,7 @@ impl Flow {
             slots: Concurrency::default(),
             usage: UsageStage::default(),
             lease: LeaseStage::default(),
-            decision: Decision::new(breaker),
+            decision: Decision::new(breakers),
             intake: Intake::default(),
             record: Record::default(),
             replay: Replay::default(),
@@ -232,9 +232,10 @@ impl Flow {
         // fetch is one per Envoy already.
         let batchable =
             config.redis.batch.is_some() && self.intake.keyed().is_none() && !self.lease.fetching();
-        let tag = self.limits.tag().filter(|_| batchable);
+        let group = self.limits.tag();
+        let tag = group.filter(|_| batchable);
         self.slots.asking();
-        let step = self.decision.start(host, &config.redis, call, tag);
+        let step = self.decision.start(host, &config.redis, call, (group, tag));
         self.on_step(host, step, false)
     }
 

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;
 
-use crate::breaker::Breaker;
+use crate::breaker::Breakers;
 use crate::config::RedisTarget;
 use crate::filter::call::Failure;
 use crate::filter::stage::batch::Member;
@@ -18,8 +18,8 @@ use crate::request::fake::FakeRequest;
 use crate::request::RequestView;
 use crate::response::LocalReply;
 
-pub fn test_breaker() -> Rc<Breaker> {
-    Rc::new(Breaker::new(1000, Duration::from_millis(1000)))
+pub fn test_breaker() -> Rc<Breakers> {
+    Rc::new(Breakers::new(1000, Duration::from_millis(1000)))
 }
 
 /// The request part is the pure modules' [`FakeRequest`]; the rest is what

@@ -12,7 +12,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
-use crate::breaker::Breaker;
+use crate::breaker::Breakers;
 use crate::config::{Config, RedisTarget};
 use crate::filter::deferred::Deferred;
 use crate::filter::flow::Flow;
@@ -45,9 +45,10 @@ proxy_wasm::main! {{
 pub(super) struct Shared {
     config: Rc<Config>,
     metrics: Metrics,
-    /// One breaker per worker (VM): what it learns about Redis is shared by
-    /// that worker's requests.
-    breaker: Rc<Breaker>,
+    /// One breaker per worker (VM) and group of Redis Cluster slots: what it
+    /// learns about a master is shared by that worker's requests of its
+    /// slots, and only by them.
+    breakers: Rc<Breakers>,
     /// The root context's id: calls that must outlive a stream run as it.
     root_id: u32,
     /// Seeds owner tokens: random per VM (WASI random), then a counter.
@@ -373,12 +374,14 @@ impl RootContext for Root {
                 // A new configuration brings new breakers: an open old one
                 // no longer counts in the gauge.
                 if let Some(old) = &self.shared {
-                    if old.breaker.tripped() && old.metrics.circuit_open_workers != UNDEFINED {
-                        let _ = hostcalls::increment_metric(old.metrics.circuit_open_workers, -1);
+                    let open = i64::try_from(old.breakers.tripped()).unwrap_or(0);
+                    if open > 0 && old.metrics.circuit_open_workers != UNDEFINED {
+                        let _ =
+                            hostcalls::increment_metric(old.metrics.circuit_open_workers, -open);
                     }
                 }
                 let metrics = Metrics::define(&config);
-                let breaker = Rc::new(Breaker::new(
+                let breakers = Rc::new(Breakers::new(
                     config.redis.breaker_failures,
                     config.redis.breaker_cool_down,
                 ));
@@ -388,11 +391,11 @@ impl RootContext for Root {
                     .redis
                     .batch
                     .filter(|_| batch_queue.is_some())
-                    .map(|b| Batcher::new(b, Rc::clone(&breaker)));
+                    .map(|b| Batcher::new(b, Rc::clone(&breakers)));
                 self.shared = Some(Rc::new(Shared {
                     config: Rc::new(config),
                     metrics,
-                    breaker,
+                    breakers,
                     root_id: self.context_id,
                     token_seed,
                     token_counter: std::cell::Cell::new(0),
@@ -424,7 +427,7 @@ impl RootContext for Root {
             flow: self.shared.as_ref().map(|s| {
                 Rc::new(RefCell::new(Flow::new(
                     Rc::clone(&s.config),
-                    Rc::clone(&s.breaker),
+                    Rc::clone(&s.breakers),
                 )))
             }),
             shared: self.shared.clone(),

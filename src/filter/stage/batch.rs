@@ -13,7 +13,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use crate::batch::{batch_args, split_reply};
-use crate::breaker::Breaker;
+use crate::breaker::Breakers;
 use crate::config::{Batch, RedisTarget};
 use crate::filter::call::{Answer, Budget, Failure, ScriptCall};
 use crate::filter::counter::Histogram;
@@ -67,8 +67,9 @@ struct InFlight<W> {
 
 pub struct Batcher<W> {
     limits: Batch,
-    /// The worker's breaker, told once per failed batch.
-    breaker: Rc<Breaker>,
+    /// The worker's breakers, the batch's slot group's told once per
+    /// failed batch.
+    breakers: Rc<Breakers>,
     groups: HashMap<String, Group<W>>,
     calls: HashMap<u32, InFlight<W>>,
     /// Calls refused before they ran, waiting out a pause: (due, call).
@@ -76,10 +77,10 @@ pub struct Batcher<W> {
 }
 
 impl<W: Waiter> Batcher<W> {
-    pub fn new(limits: Batch, breaker: Rc<Breaker>) -> Batcher<W> {
+    pub fn new(limits: Batch, breakers: Rc<Breakers>) -> Batcher<W> {
         Batcher {
             limits,
-            breaker,
+            breakers,
             groups: HashMap::new(),
             calls: HashMap::new(),
             retrying: Vec::new(),
@@ -224,8 +225,9 @@ impl<W: Waiter> Batcher<W> {
             }
             Answer::Failed(failure) => failure,
         };
-        // One failed call, one failure for the breaker, however many rode it.
-        tell_breaker(host, &self.breaker);
+        // One failed call, one failure for its slot group's breaker, however
+        // many rode it.
+        tell_breaker(host, &self.breakers.for_tag(Some(&flight.tag)));
         let mut verdicts = failed_all(flight.members, &failure);
         verdicts.extend(self.finished(host, target, &flight.tag));
         verdicts
@@ -257,7 +259,7 @@ impl<W: Waiter> Batcher<W> {
                     self.calls.insert(token, flight);
                 }
                 Err(failure) => {
-                    tell_breaker(host, &self.breaker);
+                    tell_breaker(host, &self.breakers.for_tag(Some(&flight.tag)));
                     verdicts.extend(failed_all(flight.members, &failure));
                     verdicts.extend(self.finished(host, target, &flight.tag));
                 }
@@ -345,7 +347,7 @@ impl<W: Waiter> Batcher<W> {
                 );
             }
             Err(failure) => {
-                tell_breaker(host, &self.breaker);
+                tell_breaker(host, &self.breakers.for_tag(Some(tag)));
                 verdicts.extend(failed_all(waiters, &failure));
             }
         }

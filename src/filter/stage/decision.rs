@@ -5,7 +5,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
-use crate::breaker::Breaker;
+use crate::breaker::{Breaker, Breakers};
 use crate::config::RedisTarget;
 use crate::filter::call::{Answer, Budget, Failure, ScriptCall};
 use crate::filter::stage::batch::{Member, Verdict as BatchVerdict};
@@ -52,6 +52,9 @@ pub enum Step {
 }
 
 pub struct Decision {
+    /// The worker's breakers, one per slot group.
+    breakers: Rc<Breakers>,
+    /// The breaker of this request's slot group, from its call's start.
     breaker: Rc<Breaker>,
     call: Option<ScriptCall>,
     state: State,
@@ -75,9 +78,10 @@ pub struct Decision {
 }
 
 impl Decision {
-    pub fn new(breaker: Rc<Breaker>) -> Decision {
+    pub fn new(breakers: Rc<Breakers>) -> Decision {
         Decision {
-            breaker,
+            breaker: breakers.for_tag(None),
+            breakers,
             call: None,
             state: State::Idle,
             retried: false,
@@ -96,16 +100,18 @@ impl Decision {
         Budget::Until(host.now() + target.timeout)
     }
 
-    /// Sends the call, unless the breaker is open. With `tag`, the call
-    /// joins the worker's batch of that hash tag instead; a probe of an open
-    /// breaker goes alone, so that one request tests Redis.
+    /// Sends the call, unless the breaker of `group`'s slots (the request's
+    /// hash tag) is open. With `tag`, the call joins the worker's batch of
+    /// that hash tag instead; a probe of an open breaker goes alone, so that
+    /// one request tests Redis.
     pub fn start<H: Host>(
         &mut self,
         host: &mut H,
         target: &RedisTarget,
         call: ScriptCall,
-        tag: Option<&str>,
+        (group, tag): (Option<&str>, Option<&str>),
     ) -> Step {
+        self.breaker = self.breakers.for_tag(group);
         let now = host.now();
         let tripped = self.breaker.tripped();
         if !self.breaker.allow(now) {

@@ -72,7 +72,7 @@ fn a_batched_rejection_is_a_429_and_feeds_the_over_limit_cache() {
 #[test]
 fn a_failed_batch_gives_each_member_its_failure_mode_and_spares_the_breaker() {
     let cfg = batched_config();
-    let breaker = Rc::new(Breaker::new(2, Duration::from_millis(100)));
+    let breaker = Rc::new(Breakers::new(2, Duration::from_millis(100)));
     let mut h = FakeHost::get("/x");
     for _ in 0..5 {
         let mut f = Flow::new(cfg.clone(), breaker.clone());
@@ -88,7 +88,7 @@ fn a_failed_batch_gives_each_member_its_failure_mode_and_spares_the_breaker() {
         0,
         "the batch told it, once"
     );
-    assert_eq!(breaker.consecutive_failures(), 0);
+    assert_eq!(breaker.for_tag(Some(TAG)).consecutive_failures(), 0);
 }
 
 #[test]
@@ -129,12 +129,12 @@ fn keyed_requests_lease_fetches_and_probes_keep_their_own_call() {
     assert!(h.batched.is_empty());
 
     // The probe of an open breaker tests Redis alone.
-    let breaker = Rc::new(Breaker::new(1, Duration::from_millis(100)));
+    let breaker = Rc::new(Breakers::new(1, Duration::from_millis(100)));
     let mut h = FakeHost::get("/x");
     let mut f = Flow::new(batched_config(), breaker.clone());
     f.on_request_headers(&mut h, true);
     f.on_batch_verdict(&mut h, Verdict::Failed((ErrorKind::Timeout, "t".into())));
-    crate::filter::stage::decision::tell_breaker(&mut h, &breaker);
+    crate::filter::stage::decision::tell_breaker(&mut h, &breaker.for_tag(Some(TAG)));
     h.clock_ms = 150;
     let mut probe = Flow::new(batched_config(), breaker);
     assert_eq!(probe.on_request_headers(&mut h, true), Action::Pause);
@@ -276,8 +276,8 @@ fn member(key: &str, deadline_ms: u64) -> Member {
     }
 }
 
-fn batcher(max_requests: usize, max_in_flight: usize) -> (Batcher<Stream>, Rc<Breaker>) {
-    let breaker = Rc::new(Breaker::new(2, Duration::from_millis(100)));
+fn batcher(max_requests: usize, max_in_flight: usize) -> (Batcher<Stream>, Rc<Breakers>) {
+    let breaker = Rc::new(Breakers::new(2, Duration::from_millis(100)));
     let limits = Batch {
         max_requests,
         max_in_flight,
@@ -464,7 +464,7 @@ fn a_failed_batch_fails_every_member_and_tells_the_breaker_once() {
     assert!(verdicts
         .iter()
         .all(|(_, v)| matches!(v, Verdict::Failed((ErrorKind::Timeout, _)))));
-    assert_eq!(breaker.consecutive_failures(), 1);
+    assert_eq!(breaker.for_tag(Some("{t}")).consecutive_failures(), 1);
 }
 
 #[test]
@@ -479,7 +479,7 @@ fn a_batch_that_cannot_be_sent_fails_its_members_at_once() {
     assert!(verdicts
         .iter()
         .all(|(_, v)| matches!(v, Verdict::Failed((ErrorKind::Dispatch, _)))));
-    assert_eq!(breaker.consecutive_failures(), 1);
+    assert_eq!(breaker.for_tag(Some("{t}")).consecutive_failures(), 1);
     h.dispatch_fails = false;
     join_all(&mut b, &mut h, vec![(stream(3), member("k", 300))]);
     assert_eq!(h.dispatched.len(), 1, "the group has its call back");

@@ -15,7 +15,9 @@ mod usage;
 pub(super) use std::rc::Rc;
 pub(super) use std::time::Duration;
 
-pub(super) use crate::breaker::Breaker;
+pub(super) use crate::breaker::Breakers;
+/// The hash tag of a request without hashTag parts (the static default).
+pub(super) const TAG: &str = "e3b0c44298fc1c14";
 pub(super) use crate::codec;
 pub(super) use crate::config::Config;
 pub(super) use crate::filter::cas::create_or_swap;

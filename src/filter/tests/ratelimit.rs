@@ -122,7 +122,7 @@ fn an_open_breaker_sends_requests_to_the_failure_mode_without_a_call() {
     )
     .unwrap();
     let cfg = Rc::new(cfg);
-    let breaker = Rc::new(Breaker::new(2, Duration::from_millis(100)));
+    let breaker = Rc::new(Breakers::new(2, Duration::from_millis(100)));
     let mut h = FakeHost::get("/");
     for token in 1..=2 {
         let mut f = Flow::new(cfg.clone(), breaker.clone());
@@ -161,6 +161,45 @@ fn an_open_breaker_sends_requests_to_the_failure_mode_without_a_call() {
     assert_eq!(count(&h, Counter::RedisError(ErrorKind::Timeout)), 2);
 }
 
+#[test]
+fn an_open_breaker_short_circuits_only_its_own_slot_groups_tenants() {
+    let cfg = Rc::new(
+        Config::parse(
+            br#"{"redis":{"batch":{"enabled":false},"cluster":"w"},"failureMode":"deny",
+                "hashTag":[{"header":"x-tenant"}],"limits":[
+                {"name":"a","descriptor":[{"header":"x-tenant"}],"tokenBucket":{"capacity":5,"refill":1,"periodMs":1000}}]}"#,
+        )
+        .unwrap(),
+    );
+    // Two tenants whose hash tags fall in different slot groups.
+    let group = |t: &str| Breakers::group(&crate::keys::hash_tag_of([t]));
+    let (a, b) = (
+        "t1",
+        ["t2", "t3", "t4", "t5"]
+            .into_iter()
+            .find(|t| group(t) != group("t1"))
+            .unwrap(),
+    );
+    let breakers = Rc::new(Breakers::new(2, Duration::from_millis(100)));
+    let mut h = FakeHost::get("/").with("x-tenant", a.as_bytes());
+    for token in 1..=2 {
+        let mut f = Flow::new(cfg.clone(), breakers.clone());
+        f.on_request_headers(&mut h, true);
+        f.on_callout_reply(&mut h, token, no_answer());
+    }
+    assert_eq!(count(&h, Counter::CircuitOpened), 1);
+    let calls = h.dispatched.len();
+    let mut f = Flow::new(cfg.clone(), breakers.clone());
+    f.on_request_headers(&mut h, true);
+    assert_eq!(h.dispatched.len(), calls, "a's group is open: no call");
+    // The other tenant's slots are another master's, maybe: it still calls.
+    let mut h = FakeHost::get("/").with("x-tenant", b.as_bytes());
+    let mut f = Flow::new(cfg, breakers.clone());
+    assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+    assert_eq!(h.dispatched.len(), 1, "b's group is closed");
+    assert_eq!(breakers.tripped(), 1);
+}
+
 /// One token bucket of 5 on every path.
 fn bucket_of_five(failure: &str) -> Rc<Config> {
     let json = format!(
@@ -173,7 +212,7 @@ fn bucket_of_five(failure: &str) -> Rc<Config> {
 #[test]
 fn a_probe_whose_client_left_lets_the_next_request_probe() {
     let cfg = bucket_of_five("allow");
-    let breaker = Rc::new(Breaker::new(1, Duration::from_millis(100)));
+    let breaker = Rc::new(Breakers::new(1, Duration::from_millis(100)));
     let mut h = FakeHost::get("/");
     let mut f = Flow::new(cfg.clone(), breaker.clone());
     f.on_request_headers(&mut h, true);
