@@ -52,13 +52,25 @@ impl Pki {
 
 /// envoy.yaml with a TLS listener on `tls_port` that forwards to Webdis on
 /// `webdis_port`, and the `webdis` cluster (already pointed at `tls_port`)
-/// speaking TLS to it, trusting `trusted_ca`.
+/// speaking TLS to it, trusting `trusted_ca`, expecting NAME.
 fn tls_hop(
     pki: &Pki,
     tls_port: u16,
     webdis_port: u16,
     trusted_ca: &str,
 ) -> impl Fn(String) -> String {
+    tls_hop_expecting(pki, tls_port, webdis_port, trusted_ca, NAME)
+}
+
+/// The same, the cluster expecting the name `expected` (SNI and SAN).
+fn tls_hop_expecting(
+    pki: &Pki,
+    tls_port: u16,
+    webdis_port: u16,
+    trusted_ca: &str,
+    expected: &str,
+) -> impl Fn(String) -> String {
+    let expected = expected.to_string();
     let (cert, key, ca) = (
         pki.path("webdis.pem"),
         pki.path("webdis.key"),
@@ -90,10 +102,10 @@ fn tls_hop(
         let webdis = clusters.iter_mut().find(|c| c["name"] == "webdis").unwrap();
         webdis["transport_socket"] = json!({"name": "envoy.transport_sockets.tls", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            "sni": NAME,
+            "sni": expected,
             "common_tls_context": {"validation_context": {
                 "trusted_ca": {"filename": ca},
-                "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": NAME}}]}}}});
+                "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": expected}}]}}}});
         serde_yaml_ng::to_string(&doc).unwrap()
     }
 }
@@ -175,4 +187,40 @@ fn a_certificate_that_does_not_verify_is_a_failure_never_a_plaintext_call() {
     }
     assert_eq!(scripts_run(&redis), 0, "nothing reached Webdis or Redis");
     assert_eq!(upstream.executed(), 3, "allow forwarded its requests");
+}
+
+#[test]
+fn a_certificate_from_the_trusted_ca_for_another_name_fails_verification_and_takes_the_failure_mode(
+) {
+    let pki = Pki::new();
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let upstream = Upstream::start();
+    // The right CA signed it, but for NAME; the cluster expects another name.
+    let tls_port = free_port();
+    let e = Envoy::start_edited(
+        &config("deny"),
+        tls_port,
+        upstream.port,
+        tls_hop_expecting(
+            &pki,
+            tls_port,
+            webdis.port,
+            "ca.pem",
+            "redis-proxy.internal",
+        ),
+    );
+    let st: Vec<u16> = (0..3)
+        .map(|_| get(&e.url("/a"), &[("x-user", "carol")]).status)
+        .collect();
+    assert_eq!(st, [503; 3], "deny, every time");
+    assert!(admin_stat(e.admin_port, "cluster.webdis.ssl.fail_verify_san") >= 1);
+    assert_eq!(
+        admin_stat(e.admin_port, "cluster.webdis.ssl.fail_verify_error"),
+        0,
+        "the chain verified: only the name is wrong"
+    );
+    assert_eq!(e.counter("redis_guard.redis.errors"), 3);
+    assert_eq!(scripts_run(&redis), 0, "nothing reached Webdis or Redis");
+    assert_eq!(upstream.executed(), 0);
 }

@@ -693,15 +693,7 @@ impl Envoy {
         upstream_port: u16,
         workers: usize,
     ) -> Envoy {
-        Envoy::start_inner(
-            filter_config,
-            webdis_port,
-            upstream_port,
-            None,
-            &[],
-            workers,
-            |y| y,
-        )
+        Envoy::start_edited_with_workers(filter_config, webdis_port, upstream_port, workers, |y| y)
     }
 
     /// The same with `workers` worker threads and `edit` applied to the
