@@ -168,7 +168,7 @@ impl Refusing {
         let mut out = conn.try_clone().unwrap();
         let mut from_envoy = std::io::BufReader::new(conn);
         let mut to_webdis: Option<(TcpStream, std::io::BufReader<TcpStream>)> = None;
-        while let Some(request) = read_http_message(&mut from_envoy) {
+        while let Some(request) = support::probe::read_message(&mut from_envoy) {
             let index = {
                 let mut seen = seen.lock().unwrap();
                 seen.push(Instant::now());
@@ -185,7 +185,7 @@ impl Refusing {
                 (s.try_clone().unwrap(), std::io::BufReader::new(s))
             });
             w.write_all(&request).unwrap();
-            let reply = read_http_message(r).expect("webdis closed the connection");
+            let reply = support::probe::read_message(r).expect("webdis closed the connection");
             out.write_all(&reply).unwrap();
         }
     }
@@ -193,31 +193,6 @@ impl Refusing {
     fn arrivals(&self) -> Vec<Instant> {
         self.arrivals.lock().unwrap().clone()
     }
-}
-
-/// One HTTP/1.1 message (head and a `content-length` body), or `None` once
-/// the peer has closed.
-fn read_http_message(stream: &mut std::io::BufReader<TcpStream>) -> Option<Vec<u8>> {
-    use std::io::{BufRead, Read};
-    let mut message = Vec::new();
-    let mut length = 0;
-    loop {
-        let start = message.len();
-        if stream.read_until(b'\n', &mut message).ok()? == 0 {
-            return None;
-        }
-        let line = String::from_utf8_lossy(&message[start..]).to_ascii_lowercase();
-        if let Some(v) = line.strip_prefix("content-length:") {
-            length = v.trim().parse().ok()?;
-        }
-        if line == "\r\n" {
-            break;
-        }
-    }
-    let start = message.len();
-    message.resize(start + length, 0);
-    stream.read_exact(&mut message[start..]).ok()?;
-    Some(message)
 }
 
 /// 100 tokens per x-user, reserving 10 and charged what the OpenAI-style

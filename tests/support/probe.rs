@@ -401,7 +401,7 @@ pub fn scrape_with_samples(envoy: &Envoy, name: &str, want: u64) -> Scrape {
 
 /// Reads one HTTP/1.1 message (head and a `content-length` body) whole;
 /// `None` when the peer closed the connection first.
-fn read_message(stream: &mut std::io::BufReader<TcpStream>) -> Option<Vec<u8>> {
+pub fn read_message(stream: &mut std::io::BufReader<TcpStream>) -> Option<Vec<u8>> {
     use std::io::BufRead;
     let mut message = Vec::new();
     let mut length = 0;
