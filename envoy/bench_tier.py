@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench as B  # noqa: E402  (the stack helpers: spawn, ports, Redis client)
+import bench_tier_cluster  # noqa: E402
 import bench_tier_profile  # noqa: E402
 
 OUT = B.ROOT / "target" / "bench-tier"
@@ -42,6 +43,10 @@ MARK_START = "<!-- bench-tier:start -->"
 MARK_END = "<!-- bench-tier:end -->"
 KEYS = 10_000  # descriptor values the requests spread over
 CONNS = 32
+# Bytes per decision of the encoding before the packed batch (one string per
+# value, percent-encoded; the first bench-tier run, commit f62a8c6): issue
+# 29's goal is at most half of these.
+BYTES_BEFORE = {8: 131, 32: 126}
 
 BIG = 100_000_000
 KINDS = {
@@ -126,7 +131,7 @@ def write_calls(case, calls):
     if r.returncode != 0:
         raise B.BenchError(f"redis-guard wire: {r.stdout}{r.stderr}")
     info = json.loads(r.stdout)
-    case["bytes_per_decision"] = info["bodyBytes"] / info["requests"]
+    case["bytes_per_decision"] = info["wireBytes"] / info["requests"]
     return out
 
 
@@ -160,6 +165,11 @@ class Tier:
                               B.RUN / "tier-webdis.out")
         if not B.wait_port(self.webdis, self.webdis_port):
             raise B.BenchError("webdis did not start")
+
+    def close(self):
+        self.r.close()
+        B.stop(self.webdis)
+        B.stop(self.redis)
 
     def load_scripts(self):
         for name in ("ratelimit", "batch"):
@@ -216,9 +226,10 @@ class Tier:
         """One call by hand: its reply is a verdict that admits every member."""
         data = calls_file.read_bytes()
         nl = data.index(b"\n")
-        n = int(data[:nl].split()[2])
-        status, _, body = B.hreq(self.webdis_port, "POST", "/",
-                              {"Authorization": self.authorization}, data[nl + 1:nl + 1 + n])
+        method, path, n = data[:nl].decode().split()
+        status, _, body = B.hreq(self.webdis_port, method, path,
+                              {"Authorization": self.authorization},
+                              data[nl + 1:nl + 1 + int(n)])
         text = body.decode(errors="replace")
         if status != 200 or not text.startswith("*"):
             raise B.BenchError(f"{case['id']}: HTTP {status}: {text[:200]}")
@@ -295,7 +306,16 @@ def markdown(res):
     for label, us, cap, envoys in fleet_rows(res):
         lines.append(f"| {label} | {us:.1f} | {cap:,.0f} | {envoys[0]:.0f} | {envoys[1]:.0f} | "
                      f"{envoys[2]:.1f} |")
+    for r in res.get("cluster", []):
+        # The cluster is full when its busiest master (share × cost) is at 70%.
+        busiest = max(x["share"] * x["cpu_us_per_decision"] for x in r["masters"])
+        mean = sum(x["cpu_us_per_decision"] for x in r["masters"]) / len(r["masters"])
+        cap = 0.7 * 1e6 / busiest
+        lines.append(f"| 3-master cluster, {r['members']} per call | {mean:.1f} per master | "
+                     f"{cap:,.0f} | {cap / 1000:.0f} | {cap / 5000:.0f} | {cap / 20000:.1f} |")
     lines += ["", *goals(res), ""]
+    if res.get("cluster"):
+        lines += bench_tier_cluster.markdown(res["cluster"]) + [""]
     if res.get("profile"):
         lines += bench_tier_profile.markdown({int(k): v for k, v in res["profile"].items()})
     lines += ["", "Reading it: *saturation* is 32 connections with no pause; the paced runs (8 "
@@ -305,8 +325,9 @@ def markdown(res):
               "and the machine before Redis (Redis near 50%): their Redis figures are its CPU "
               "per decision, not its ceiling. p50/p99 *Redis* is INFO latencystats of the "
               "script calls, *end to end* wrk's through Webdis.", "",
-              "A 3-master Redis Cluster case (per-master CPU and the spread of load over "
-              "`hashTag`s) is not measured yet.", "",
+              "A cluster row of the fleet table is full when its busiest master is at 70% "
+              "(its share of the calls × its µs per decision), so an uneven spread of tenants "
+              "over the masters costs capacity.", "",
               "`target/bench-tier/tier.png` plots decisions/s against Redis utilisation and p99 "
               "(not committed). Reproduce: `make bench-tier` (about "
               f"{res['wall_s'] / 60:.0f} min).", MARK_END]
@@ -332,10 +353,14 @@ def goals(res):
     for what, got, goal in rows:
         verdict = "met" if got <= goal else f"missed: {got / goal:.1f}× the goal"
         lines.append(f"| {what} | {got:.1f} | {verdict} |")
-    if b8:
-        lines.append(f"| batched bytes per decision at most half of today's | "
-                     f"{b8['bytes_per_decision']:.0f} (8 per call) | today's encoding: the "
-                     f"baseline |")
+    for c in (b8, b32):
+        if c:
+            before = BYTES_BEFORE[c["members"]]
+            got = c["bytes_per_decision"]
+            verdict = (f"met: {got / before:.2f}× the {before} before" if got <= before / 2
+                       else f"missed: {got / before:.2f}× the {before} before")
+            lines.append(f"| batched ({c['members']}): bytes per decision at most half of "
+                         f"before | {got:.0f} | {verdict} |")
     return lines
 
 
@@ -375,6 +400,8 @@ def main():
     ap.add_argument("--members", default="1,8,32")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kind ids")
     ap.add_argument("--no-benchmarks-md", action="store_true")
+    ap.add_argument("--no-cluster", action="store_true",
+                    help="skip the 3-master Redis Cluster case")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the breakdown of lua/batch.lua's time by step")
     args = ap.parse_args()
@@ -403,9 +430,15 @@ def main():
               f" µs/decision, Lua {s['lua_us_per_decision']:.1f}, Webdis "
               f"{s['webdis_cpu_us_per_decision']:.1f}")
         res["cases"].append({k: v for k, v in c.items() if k != "config"})
+    tier.close()
+    if not args.no_cluster:
+        B.log("cluster: three masters behind Envoy's redis_proxy")
+        res["cluster"] = bench_tier_cluster.measure(OUT, CLI, args.seconds, KEYS)
     if not args.no_profile:
         B.log("profile: lua/batch.lua cut short at each step")
-        res["profile"] = bench_tier_profile.profile((OUT / "batch.lua").read_text())
+        files = {c["members"]: OUT / f"{c['id']}.calls" for c in todo
+                 if c["id"].startswith("tb-") and c["members"] > 1}
+        res["profile"] = bench_tier_profile.profile((OUT / "batch.lua").read_text(), files)
     res["wall_s"] = time.monotonic() - started
     (OUT / "results.json").write_text(json.dumps(res, indent=2))
     text = markdown(res)

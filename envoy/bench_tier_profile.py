@@ -1,14 +1,16 @@
 """Where a batched decision's Redis microseconds go (part of `make bench-tier`).
 
 Runs lua/batch.lua, as the filter composes it, and variants of it cut short
-at successive points, on the same token-bucket batches, pipelined straight
-into Redis (no Webdis: what is measured is the script, from INFO
-commandstats' usec per call). The differences between the variants are the
-cost of each step, per decision:
+at successive points, on the token-bucket batches `redis-guard wire` wrote
+for the tier's runs (the filter's own packed calls), pipelined straight into
+Redis (no Webdis: what is measured is the script, from INFO commandstats'
+usec per call). The differences between the variants are the cost of each
+step, per decision:
 
 * the script's setup per call: its clock, and every kind's functions defined
   (a script cannot keep state between calls);
-* reading and checking each member's ARGV strings (`malformed()`);
+* unpacking each member from the packed argument into the values
+  lua/ratelimit.lua's ARGV would hold, and checking them (`malformed()`);
 * the member's decision (`decide_checked()`: the kind's check with its
   HMGET, the verdict tables, the reply values);
 * writing what was charged (`flush_all()`: HSET and PEXPIRE per key).
@@ -18,71 +20,70 @@ HSET, PEXPIRE) per member: the floor of the current state layout.
 """
 import re
 import time
+from urllib.parse import unquote_to_bytes
 
 import bench as B
 
-MEMBERS = (1, 8, 32)
 CALLS = 3000
 
 
-def tb_member(i):
-    key = f"rg:rl:{{e3b0c44298fc1c14}}:tb:tb.100000000.100000000.1000:4:u{i}"
-    return [key], ["1", "tb", "100000000", "100000000", "1000", "1", "1"]
-
-
-def batch_args(m, start):
-    keys, argv = [], [str(m)]
-    members = [tb_member((start + j) % 10_000) for j in range(m)]
-    for k, a in members:
-        argv += [str(len(k)), str(len(a))]
-    for k, a in members:
-        keys += k
-        argv += a
-    return keys, argv
+def read_calls(path):
+    """The Webdis requests of a `redis-guard wire` file, as EVALSHA argument
+    lists (a PUT's path segments, percent-decoded, then its body)."""
+    data = path.read_bytes()
+    calls, pos = [], 0
+    while pos < len(data) and len(calls) < CALLS:
+        nl = data.index(b"\n", pos)
+        method, target, n = data[pos:nl].decode().split()
+        body = data[nl + 1:nl + 1 + int(n)]
+        pos = nl + 1 + int(n)
+        if method != "PUT":
+            raise B.BenchError(f"{path}: a batch is a PUT, got {method}")
+        parts = target.lstrip("/").removesuffix(".raw").split("/")
+        calls.append([unquote_to_bytes(p) for p in parts] + [body])
+    return calls
 
 
 def resp(args):
     out = [b"*%d\r\n" % len(args)]
     for a in args:
-        a = a.encode()
+        a = a if isinstance(a, bytes) else a.encode()
         out.append(b"$%d\r\n%s\r\n" % (len(a), a))
     return b"".join(out)
 
 
-def per_call_us(r, script, m):
+def per_call_us(r, script, calls):
     sha = r.cmd("SCRIPT", "LOAD", script)
     r.cmd("FLUSHALL")
     r.cmd("CONFIG", "RESETSTAT")
-    data = []
-    for c in range(CALLS):
-        keys, argv = batch_args(m, c * m)
-        data.append(resp(["EVALSHA", sha, str(len(keys)), *keys, *argv]))
-    r.sock.sendall(b"".join(data))
-    for _ in range(CALLS):
+    # Each call as the filter sent it, naming this variant instead.
+    r.sock.sendall(b"".join(resp([c[0], sha.encode()] + c[2:]) for c in calls))
+    for _ in calls:
         r._reply()
     stat = r.info("commandstats")["cmdstat_evalsha"]
-    calls, usec = map(int, re.search(r"calls=(\d+),usec=(\d+)", stat).groups())
-    return usec / calls
+    n, usec = map(int, re.search(r"calls=(\d+),usec=(\d+)", stat).groups())
+    return usec / n
 
 
 def variants(batch_src):
     pre, _ = batch_src.split("local out = { m }")
-    head = batch_src.split("local m = tonumber(ARGV[1])")[0]
-    raw = ("for j = 1, m do local k = KEYS[ko[j] + 1]; redis.call('HMGET', k, 'c', 't'); "
+    head = batch_src.split("local kinds = {")[0]
+    raw = ("for j = 1, m do local k = K[ko[j] + 1]; redis.call('HMGET', k, 'c', 't'); "
            "redis.call('HSET', k, 'c', '100', 't', '200'); redis.call('PEXPIRE', k, 1000) end\n")
     return [
         ("empty script", "return 1\n"),
         ("setup: clock and definitions", head + "\nreturn 1\n"),
-        ("+ members' ARGV read and checked", pre + "return 1\n"),
-        ("+ decisions, no writes", pre + "for j = 1, m do decide_checked(KEYS, ko[j], ARGV, "
+        ("+ members unpacked and checked", pre + "return 1\n"),
+        ("+ decisions, no writes", pre + "for j = 1, m do decide_checked(K, ko[j], A, "
                                          "ao[j], na[j]) end\nreturn 1\n"),
         ("+ writes: the whole script", batch_src),
-        ("raw: checked ARGV + HMGET, HSET, PEXPIRE per member", pre + raw + "return 1\n"),
+        ("raw: unpacked and checked + HMGET, HSET, PEXPIRE per member", pre + raw + "return 1\n"),
     ]
 
 
-def profile(batch_src):
-    """{members: [(step, µs per call, µs per decision)]} on a private Redis."""
+def profile(batch_src, calls_files):
+    """{members: [(step, µs per call, µs per decision)]} on a private Redis,
+    for each {members: path of a token-bucket `wire` file}."""
     port = B.free_ports(1)[0]
     p = B.spawn("redis-server (profile)", [
         "redis-server", "--port", str(port), "--bind", B.HOST, "--save", "", "--appendonly",
@@ -92,10 +93,11 @@ def profile(batch_src):
     r = B.Redis(port)
     out = {}
     try:
-        for m in MEMBERS:
+        for m, path in sorted(calls_files.items()):
+            calls = read_calls(path)
             rows = []
             for name, src in variants(batch_src):
-                us = per_call_us(r, src, m)
+                us = per_call_us(r, src, calls)
                 rows.append((name, us, us / m))
             out[m] = rows
     finally:
@@ -106,9 +108,10 @@ def profile(batch_src):
 
 def markdown(prof):
     lines = ["### Where a batched decision's Lua time goes", "",
-             "`lua/batch.lua` and variants of it cut short at each step, on token-bucket batches "
-             f"pipelined straight into Redis ({CALLS} calls each, INFO commandstats µs per call; "
-             "no Webdis). Each row adds one step; per decision = per call / members.", "",
+             "`lua/batch.lua` and variants of it cut short at each step, on the token-bucket "
+             f"batches `redis-guard wire` wrote, pipelined straight into Redis ({CALLS} calls "
+             "each, INFO commandstats µs per call; no Webdis). Each row adds one step; per "
+             "decision = per call / members.", "",
              "| step | " + " | ".join(f"{m} per call: µs/call, µs/decision" for m in prof) + " |",
              "|---|" + "---|" * len(prof)]
     names = [n for n, _, _ in next(iter(prof.values()))]
@@ -119,11 +122,12 @@ def markdown(prof):
 
 
 if __name__ == "__main__":
-    src = (B.ROOT / "target" / "bench-tier" / "batch.lua").read_text()
+    out = B.ROOT / "target" / "bench-tier"
+    files = {m: out / f"tb-{m}.calls" for m in (8, 32) if (out / f"tb-{m}.calls").exists()}
     B.RUN.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        print("\n".join(markdown(profile(src))))
+        print("\n".join(markdown(profile((out / "batch.lua").read_text(), files))))
     finally:
         B.stop_all()
     print(f"({time.monotonic() - started:.0f} s)")

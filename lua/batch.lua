@@ -2,15 +2,24 @@
 the order given, each exactly as its own call to lua/ratelimit.lua would have
 been decided at that point (group commit).
 
-ARGV[1]  M, the number of members
-ARGV per member j, two values starting at 2 + (j-1)*2:
-  nkeys    how many of KEYS are this member's (in order after the previous
-           members')
-  nargs    how many of ARGV after the header are this member's
-ARGV[2 + 2M ...]  the members' ARGV, one after another, each in the layout of
-                  lua/ratelimit.lua
-KEYS     the members' KEYS, one after another. The filter batches only
+KEYS     every key the batch uses, each once. The filter batches only
          requests of one Redis Cluster hash tag, so the call runs on one slot.
+ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
+         figure an 8-byte double, exact below 2^53; u16 counts and indexes,
+         1-based; a string is a u16 length then its bytes):
+  u8   version, 1 (any other is refused)
+  u16  P, then P parameter sets, each a limit's as lua/ratelimit.lua takes
+       it: u8 kind (1 tb, 2 sw, 3 gcra, 4 fw, 5 swc, 6 cc), figures a, b, c
+       (c is 0 for cc: its slot id is the member's), u8 enforce (1 or 0)
+  u16  M, then per member, in the order to decide them:
+       u16 N limits, each: u16 parameter set, u16 key (into KEYS), figure
+           cost, and for a cc limit the request's slot id (string)
+       u8  1 if the member carries an idempotency key, then: u16 its key,
+           owner token (string), request fingerprint (string), figure lock
+           TTL (ms); else 0
+  nothing after the last member.
+  Each member is unpacked into the values lua/ratelimit.lua's ARGV would
+  hold, and decided by the same code (lua/decide.lua).
 
 Returns a flat array (Webdis' raw output cannot carry nested arrays):
   [1]  M
@@ -38,38 +47,107 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- @@ALGORITHMS@@
 
-local m = tonumber(ARGV[1])
-if m == nil or m < 1 then
-  return redis.error_reply('ERR redis-guard batch: ARGV[1] must be the member count')
-end
--- Every member is checked before any is decided: Redis keeps what a script
--- wrote before it returned an error, so a malformed member found late would
--- leave the members before it charged (and locked) for a batch the filter
--- sees fail.
--- Members are read where they lie in KEYS and ARGV (offsets), not copied.
-local ko, ao, na = {}, {}, {}
-local k, a = 1, 2 + 2 * m
-for j = 1, m do
-  local nkeys = tonumber(ARGV[2 * j])
-  local nargs = tonumber(ARGV[2 * j + 1])
-  if nkeys == nil or nargs == nil or nkeys < 0 or nargs < 1
-      or k + nkeys - 1 > #KEYS or a + nargs - 1 > #ARGV then
-    return redis.error_reply('ERR redis-guard batch: member sizes do not match KEYS and ARGV')
-  end
-  local bad = malformed(KEYS, k - 1, nkeys, ARGV, a - 1, nargs)
-  if bad then
-    return redis.error_reply(bad)
-  end
-  ko[j], ao[j], na[j] = k - 1, a - 1, nargs
-  k, a = k + nkeys, a + nargs
-end
-if k - 1 ~= #KEYS or a - 1 ~= #ARGV then
-  return redis.error_reply('ERR redis-guard batch: member sizes do not match KEYS and ARGV')
+local kinds = { 'tb', 'sw', 'gcra', 'fw', 'swc', 'cc' }
+local function bad(why)
+  return redis.error_reply('ERR redis-guard batch: ' .. why)
 end
 
+local packed = ARGV[1]
+if #ARGV ~= 1 or type(packed) ~= 'string' or #packed < 5 then
+  return bad('ARGV must be one packed batch')
+end
+local unpack = struct.unpack
+local m
+local K, A = {}, {}
+local ko, nk, ao, na = {}, {}, {}, {}
+-- Reads the whole batch into K and A; an error string for a batch that does
+-- not hold together. Run under pcall: struct raises on a short string.
+local function read()
+  local version, np, pos = unpack('>BH', packed)
+  if version ~= 1 then
+    return 'packed batch version ' .. version .. ', this script reads 1'
+  end
+  local params = {}
+  for i = 1, np do
+    local kind, a, b, c, enforce
+    kind, a, b, c, enforce, pos = unpack('>BdddB', packed, pos)
+    if kinds[kind] == nil then
+      return 'unknown algorithm'
+    end
+    params[i] = { kinds[kind], a, b, c, enforce == 1 and '1' or '0' }
+  end
+  m, pos = unpack('>H', packed, pos)
+  if m < 1 then
+    return 'no members'
+  end
+  -- Members unpacked into one KEYS-like and one ARGV-like table, each in
+  -- lua/ratelimit.lua's layout at its offsets, then checked and decided as
+  -- separate calls would be. Every member is checked before any is decided:
+  -- Redis keeps what a script wrote before it returned an error, so a
+  -- malformed member found late would leave the members before it charged
+  -- (and locked) for a batch the filter sees fail.
+  local keys = #KEYS
+  for j = 1, m do
+    local n
+    n, pos = unpack('>H', packed, pos)
+    ko[j], ao[j] = #K, #A
+    A[#A + 1] = n
+    for _ = 1, n do
+      local p, k, cost
+      p, k, cost, pos = unpack('>HHd', packed, pos)
+      local set = params[p]
+      if set == nil or k < 1 or k > keys then
+        return 'member ' .. j .. ' names a parameter set or key it does not carry'
+      end
+      local c = set[4]
+      if set[1] == 'cc' then
+        c, pos = unpack('>Hc0', packed, pos)
+      end
+      K[#K + 1] = KEYS[k]
+      A[#A + 1] = set[1]
+      A[#A + 1] = set[2]
+      A[#A + 1] = set[3]
+      A[#A + 1] = c
+      A[#A + 1] = cost
+      A[#A + 1] = set[5]
+    end
+    local keyed
+    keyed, pos = unpack('>B', packed, pos)
+    if keyed == 1 then
+      local k, owner, fp, ttl
+      k, owner, fp, ttl, pos = unpack('>HHc0Hc0d', packed, pos)
+      if k < 1 or k > keys then
+        return 'member ' .. j .. ' names a key it does not carry'
+      end
+      K[#K + 1] = KEYS[k]
+      A[#A + 1] = '1'
+      A[#A + 1] = owner
+      A[#A + 1] = fp
+      A[#A + 1] = ttl
+    elseif keyed ~= 0 then
+      return 'member ' .. j .. ' has no idempotency flag'
+    end
+    nk[j], na[j] = #K - ko[j], #A - ao[j]
+  end
+  if pos ~= #packed + 1 then
+    return 'bytes after the last member'
+  end
+  return nil
+end
+
+local ok, why = pcall(read)
+if not ok or why then
+  return bad(ok and why or 'unreadable: ' .. tostring(why))
+end
+for j = 1, m do
+  local why = malformed(K, ko[j], nk[j], A, ao[j], na[j])
+  if why then
+    return redis.error_reply(why)
+  end
+end
 local out = { m }
 for j = 1, m do
-  local reply = decide_checked(KEYS, ko[j], ARGV, ao[j], na[j])
+  local reply = decide_checked(K, ko[j], A, ao[j], na[j])
   if reply.err then
     return reply
   end

@@ -1,28 +1,182 @@
 //! Batches without the host: the one call that decides several requests of
 //! one worker (lua/batch.lua), and each member's part of its reply.
 
+use std::collections::HashMap;
+use std::hash::Hash;
+
 use crate::ratelimit::ScriptArgs;
 use crate::webdis::Reply;
 
-/// KEYS and ARGV of lua/batch.lua for `members` (each a request's own KEYS
-/// and ARGV for lua/ratelimit.lua), decided in this order. The members'
-/// arguments are moved, not copied: a batch is built on the request path.
-pub fn batch_args(members: Vec<ScriptArgs>) -> ScriptArgs {
-    let mut keys = Vec::with_capacity(members.iter().map(|(k, _)| k.len()).sum());
-    let mut argv = Vec::with_capacity(
-        1 + 2 * members.len() + members.iter().map(|(_, a)| a.len()).sum::<usize>(),
-    );
-    argv.push(members.len().to_string().into_bytes());
-    for (k, a) in &members {
-        argv.push(k.len().to_string().into_bytes());
-        argv.push(a.len().to_string().into_bytes());
-    }
-    for (k, a) in members {
-        keys.extend(k);
-        argv.extend(a);
-    }
-    (keys, argv)
+/// The limit kinds' codes in a packed batch, in lua/batch.lua's order.
+const KINDS: [&[u8]; 6] = [b"tb", b"sw", b"gcra", b"fw", b"swc", b"cc"];
+
+/// The largest figure a packed batch carries: its numbers are doubles,
+/// exact up to 2^53 (the config keeps every figure below it).
+const MAX_FIGURE: u64 = 1 << 53;
+
+/// One batch as lua/batch.lua takes it: KEYS, each key once, and the one
+/// packed argument that holds every member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Packed {
+    pub keys: Vec<Vec<u8>>,
+    pub body: Vec<u8>,
 }
+
+/// Distinct values in order of first use, each with its 1-based index.
+struct Table<T> {
+    index: HashMap<T, u16>,
+    items: Vec<T>,
+}
+
+impl<T: Clone + Eq + Hash> Table<T> {
+    fn new() -> Table<T> {
+        Table {
+            index: HashMap::new(),
+            items: Vec::new(),
+        }
+    }
+
+    fn of(&mut self, item: &T) -> Result<u16, String> {
+        if let Some(i) = self.index.get(item) {
+            return Ok(*i);
+        }
+        let i = u16::try_from(self.items.len() + 1).map_err(|_| "more than 65535 distinct")?;
+        self.index.insert(item.clone(), i);
+        self.items.push(item.clone());
+        Ok(i)
+    }
+}
+
+/// A limit's parameters: kind code, its three numbers (a concurrency
+/// limit's third is its request's slot id, carried per member) and enforce.
+type Params = (u8, u64, u64, u64, bool);
+
+fn figure(raw: &[u8]) -> Result<u64, String> {
+    std::str::from_utf8(raw)
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .filter(|n| *n <= MAX_FIGURE)
+        .ok_or_else(|| {
+            format!(
+                "not a figure below 2^53: {:?}",
+                String::from_utf8_lossy(raw)
+            )
+        })
+}
+
+fn put_u16(out: &mut Vec<u8>, n: usize) -> Result<(), String> {
+    let n = u16::try_from(n).map_err(|_| format!("{n} does not fit a packed batch's u16"))?;
+    out.extend_from_slice(&n.to_be_bytes());
+    Ok(())
+}
+
+fn put_figure(out: &mut Vec<u8>, n: u64) {
+    // n <= 2^53: the double is exact.
+    out.extend_from_slice(&(n as f64).to_be_bytes());
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) -> Result<(), String> {
+    put_u16(out, b.len())?;
+    out.extend_from_slice(b);
+    Ok(())
+}
+
+/// One member's part of the body, from its lua/ratelimit.lua KEYS and ARGV.
+fn pack_member(
+    (keys, argv): &ScriptArgs,
+    key_table: &mut Table<Vec<u8>>,
+    params: &mut Table<Params>,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    let n = argv
+        .first()
+        .map(|v| figure(v))
+        .transpose()?
+        .ok_or("no ARGV")?;
+    let n = usize::try_from(n).map_err(|_| "too many limits")?;
+    let values = n
+        .checked_mul(6)
+        .and_then(|v| v.checked_add(1))
+        .ok_or("too many limits")?;
+    let flag = argv.get(values).map(Vec::as_slice);
+    let keyed = flag == Some(b"1");
+    let expected = match flag {
+        None => values,
+        Some(b"0") => values.saturating_add(1),
+        Some(_) => values.saturating_add(4),
+    };
+    if argv.len() != expected || keys.len() != n.saturating_add(usize::from(keyed)) {
+        return Err("KEYS and ARGV are not in lua/ratelimit.lua's layout".to_string());
+    }
+    put_u16(out, n)?;
+    for (i, key) in keys.iter().take(n).enumerate() {
+        let v = &argv[1 + 6 * i..7 + 6 * i];
+        let kind = KINDS
+            .iter()
+            .position(|k| *k == v[0].as_slice())
+            .ok_or("unknown limit kind")?;
+        let cc = KINDS[kind] == b"cc";
+        let c = if cc { 0 } else { figure(&v[3])? };
+        let p = (
+            kind as u8 + 1,
+            figure(&v[1])?,
+            figure(&v[2])?,
+            c,
+            v[5] == b"1",
+        );
+        put_u16(out, usize::from(params.of(&p)?))?;
+        put_u16(out, usize::from(key_table.of(key)?))?;
+        put_figure(out, figure(&v[4])?);
+        if cc {
+            put_bytes(out, &v[3])?;
+        }
+    }
+    out.push(u8::from(keyed));
+    if keyed {
+        let (key, idem) = (&keys[n], &argv[values + 1..]);
+        put_u16(out, usize::from(key_table.of(key)?))?;
+        put_bytes(out, &idem[0])?;
+        put_bytes(out, &idem[1])?;
+        put_figure(out, figure(&idem[2])?);
+    }
+    Ok(())
+}
+
+/// lua/batch.lua's KEYS and packed argument for `members` (each a request's
+/// own KEYS and ARGV for lua/ratelimit.lua), decided in this order. Each key
+/// and each limit's parameters are sent once, however many members use
+/// them; every figure is an 8-byte double (exact below 2^53). The layout is
+/// lua/batch.lua's header. An error is a member not built by
+/// `Plan::script_args`: a bug, never a client's doing.
+pub fn pack(members: &[ScriptArgs]) -> Result<Packed, String> {
+    let mut keys = Table::new();
+    let mut params = Table::new();
+    let mut body = Vec::with_capacity(16 + members.len() * 48);
+    for member in members {
+        pack_member(member, &mut keys, &mut params, &mut body)?;
+    }
+    let mut head = Vec::with_capacity(8 + params.items.len() * 26);
+    head.push(PACKED_VERSION);
+    put_u16(&mut head, params.items.len())?;
+    for (kind, a, b, c, enforce) in &params.items {
+        head.push(*kind);
+        put_figure(&mut head, *a);
+        put_figure(&mut head, *b);
+        put_figure(&mut head, *c);
+        head.push(u8::from(*enforce));
+    }
+    put_u16(&mut head, members.len())?;
+    head.extend_from_slice(&body);
+    Ok(Packed {
+        keys: keys.items,
+        body: head,
+    })
+}
+
+/// The packed layout's version, its first byte: lua/batch.lua refuses any
+/// other (a filter and a script of different releases never mix silently;
+/// each release's script has its own SHA-1 anyway).
+pub const PACKED_VERSION: u8 = 1;
 
 /// Splits lua/batch.lua's flat reply into each member's own reply, in the
 /// form lua/ratelimit.lua gives it; `m` members were sent.
@@ -66,19 +220,70 @@ mod tests {
         v.iter().map(|s| s.as_bytes().to_vec()).collect()
     }
 
+    fn f(n: f64) -> Vec<u8> {
+        n.to_be_bytes().to_vec()
+    }
+
     #[test]
-    fn members_are_laid_out_sizes_first_then_in_order() {
+    fn a_batch_packs_each_key_and_each_limits_parameters_once() {
         let a = (
             bytes(&["k1"]),
             bytes(&["1", "tb", "5", "1", "1000", "1", "1"]),
         );
-        let b = (bytes(&["k1", "k2"]), bytes(&["2", "x"]));
-        let (keys, argv) = batch_args(vec![a, b]);
-        assert_eq!(keys, bytes(&["k1", "k1", "k2"]));
-        assert_eq!(
-            argv,
-            bytes(&["2", "1", "7", "2", "2", "1", "tb", "5", "1", "1000", "1", "1", "2", "x"])
+        let b = (
+            bytes(&["k1", "c", "idem"]),
+            bytes(&[
+                "2", "tb", "5", "1", "1000", "2", "1", "cc", "3", "60000", "s1", "1", "0", "1",
+                "own", "fp", "9000",
+            ]),
         );
+        let p = pack(&[a, b]).unwrap();
+        assert_eq!(p.keys, bytes(&["k1", "c", "idem"]));
+        let mut want = vec![PACKED_VERSION, 0, 2];
+        want.push(1);
+        want.extend([f(5.0), f(1.0), f(1000.0)].concat());
+        want.push(1);
+        want.push(6);
+        want.extend([f(3.0), f(60000.0), f(0.0)].concat());
+        want.push(0);
+        want.extend([0, 2]);
+        // a: one limit, parameters 1 on key 1, cost 1, no key.
+        want.extend([0, 1, 0, 1, 0, 1]);
+        want.extend(f(1.0));
+        want.push(0);
+        // b: two limits, then its idempotency key.
+        want.extend([0, 2, 0, 1, 0, 1]);
+        want.extend(f(2.0));
+        want.extend([0, 2, 0, 2]);
+        want.extend(f(1.0));
+        want.extend([0, 2, b's', b'1']);
+        want.extend([1, 0, 3, 0, 3, b'o', b'w', b'n', 0, 2, b'f', b'p']);
+        want.extend(f(9000.0));
+        assert_eq!(p.body, want);
+    }
+
+    #[test]
+    fn a_member_not_in_the_request_layout_is_an_error() {
+        let cases = [
+            (bytes(&["k"]), bytes(&["1", "tb", "5", "1", "1000", "1"])),
+            (
+                bytes(&["k"]),
+                bytes(&["1", "xx", "5", "1", "1000", "1", "1"]),
+            ),
+            (bytes(&["k"]), bytes(&["1", "tb", "5", "1", "-1", "1", "1"])),
+            (
+                bytes(&["k"]),
+                bytes(&["1", "tb", "9007199254740993", "1", "1", "1", "1"]),
+            ),
+            (bytes(&[]), bytes(&["1", "tb", "5", "1", "1000", "1", "1"])),
+            (
+                bytes(&["k", "i"]),
+                bytes(&["1", "tb", "5", "1", "1000", "1", "1", "1", "o"]),
+            ),
+        ];
+        for case in cases {
+            assert!(pack(std::slice::from_ref(&case)).is_err(), "{case:?}");
+        }
     }
 
     fn int(n: i64) -> Reply {

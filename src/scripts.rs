@@ -6,7 +6,7 @@ use std::sync::LazyLock;
 use sha1::{Digest, Sha1};
 
 use crate::codec::hex;
-use crate::webdis::command_body;
+use crate::webdis::Command;
 
 #[derive(Debug)]
 pub struct Script {
@@ -20,12 +20,15 @@ impl Script {
         Script { source, sha1 }
     }
 
-    /// The Webdis body that runs this script on `keys` and `argv`: EVALSHA
-    /// by its SHA-1, or (`eval`) EVAL with its source. The one encoder of a
-    /// script call, the filter's and `redis-guard wire`'s.
-    pub fn call_body(&self, eval: bool, keys: &[Vec<u8>], argv: &[Vec<u8>]) -> Vec<u8> {
+    /// The Webdis request that runs this script on `keys` and `argv`:
+    /// EVALSHA by its SHA-1, or (`eval`) EVAL with its source. With
+    /// `packed`, the arguments are one binary string (a batch, see
+    /// lua/batch.lua) sent as a PUT's body, byte for byte; EVAL stays a POST
+    /// (a composed source is tens of kB, too long for a path). The one
+    /// encoder of a script call, the filter's and `redis-guard wire`'s.
+    pub fn call(&self, eval: bool, keys: &[Vec<u8>], argv: Args) -> Command {
         let nkeys = keys.len().to_string();
-        let mut args: Vec<&[u8]> = Vec::with_capacity(2 + keys.len() + argv.len());
+        let mut args: Vec<&[u8]> = Vec::with_capacity(3 + keys.len());
         let command = if eval {
             args.push(self.source.as_bytes());
             "EVAL"
@@ -35,9 +38,25 @@ impl Script {
         };
         args.push(nkeys.as_bytes());
         args.extend(keys.iter().map(Vec::as_slice));
-        args.extend(argv.iter().map(Vec::as_slice));
-        command_body(command, &args)
+        match argv {
+            Args::Strings(argv) => {
+                args.extend(argv.iter().map(Vec::as_slice));
+                Command::post(command, &args)
+            }
+            Args::Packed(packed) if eval => {
+                args.push(packed);
+                Command::post(command, &args)
+            }
+            Args::Packed(packed) => Command::put(command, &args, packed.to_vec()),
+        }
     }
+}
+
+/// A script call's ARGV: strings, or one packed binary string.
+#[derive(Debug, Clone, Copy)]
+pub enum Args<'a> {
+    Strings(&'a [Vec<u8>]),
+    Packed(&'a [u8]),
 }
 
 /// Where lua/ratelimit.lua takes the algorithm files.

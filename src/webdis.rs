@@ -6,10 +6,67 @@
 //! percent-encoded: keys and arguments reach Redis byte for byte and a client
 //! value can never add an argument or a command. The `.raw` format returns
 //! Redis' own RESP, which is binary-safe (its JSON output is not).
+//!
+//! A `PUT` carries the command in its path and its last argument as the
+//! body, which Webdis passes to Redis byte for byte (no percent-decoding, no
+//! `.ext`): a packed binary argument travels at its own size.
 
 use percent_encoding::{percent_encode, AsciiSet, NON_ALPHANUMERIC};
 
 const ARG: &AsciiSet = NON_ALPHANUMERIC;
+
+/// One request to Webdis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Command {
+    /// `Some(path)`: a PUT to this path (the command and every argument but
+    /// the last), `body` being the last argument. `None`: a POST to `/` whose
+    /// body is the whole command.
+    pub put: Option<String>,
+    pub body: Vec<u8>,
+}
+
+impl Command {
+    /// The POST that runs `command args…` (see [`command_body`]).
+    pub fn post(command: &str, args: &[&[u8]]) -> Command {
+        Command {
+            put: None,
+            body: command_body(command, args),
+        }
+    }
+
+    /// The PUT that runs `command args… last`: `last` is the body, as is.
+    pub fn put(command: &str, args: &[&[u8]], last: Vec<u8>) -> Command {
+        let mut path = String::with_capacity(
+            command.len() + 6 + args.iter().map(|a| a.len() * 3 + 1).sum::<usize>(),
+        );
+        path.push('/');
+        path.push_str(command);
+        for arg in args {
+            path.push('/');
+            for chunk in percent_encode(arg, ARG) {
+                path.push_str(chunk);
+            }
+        }
+        path.push_str(".raw");
+        Command {
+            put: Some(path),
+            body: last,
+        }
+    }
+
+    /// The request's method and path.
+    pub fn method_path(&self) -> (&'static str, &str) {
+        match &self.put {
+            Some(path) => ("PUT", path.as_str()),
+            None => ("POST", "/"),
+        }
+    }
+
+    /// Bytes on the wire besides the headers: a PUT's path and the body.
+    pub fn wire_len(&self) -> usize {
+        self.put.as_ref().map_or(0, String::len) + self.body.len()
+    }
+}
 
 /// The POST body that runs `command args…` through Webdis, asking for RESP.
 pub fn command_body(command: &str, args: &[&[u8]]) -> Vec<u8> {
@@ -172,6 +229,22 @@ mod tests {
         assert_eq!(
             String::from_utf8(body).unwrap(),
             "EVALSHA/ab/a%2Fb%2Ec%25d%2Be%3Ff%20g/%00%FF/%C3%A9.raw"
+        );
+    }
+
+    #[test]
+    fn a_put_carries_its_last_argument_as_the_body_byte_for_byte() {
+        let c = Command::put("EVALSHA", &[b"ab", b"1", b"k:{t}.x"], vec![0, 0xff, b'/']);
+        assert_eq!(
+            c.method_path(),
+            ("PUT", "/EVALSHA/ab/1/k%3A%7Bt%7D%2Ex.raw")
+        );
+        assert_eq!(c.body, [0, 0xff, b'/']);
+        assert_eq!(c.wire_len(), 33 + 3);
+        let p = Command::post("GET", &[b"k"]);
+        assert_eq!(
+            (p.method_path(), p.body.as_slice()),
+            (("POST", "/"), &b"GET/k.raw"[..])
         );
     }
 

@@ -125,33 +125,42 @@ fn eval(script: &str, keys: &[String], argv: &[String]) -> redis::Cmd {
     cmd
 }
 
-/// KEYS and ARGV of lua/batch.lua for `members`: the member count, each
-/// member's (nkeys, nargs), then every member's ARGV; KEYS concatenated.
-fn batch_args(members: &[Request]) -> (Vec<String>, Vec<String>) {
-    let mut keys = Vec::new();
-    let mut header = vec![members.len().to_string()];
-    let mut body = Vec::new();
-    for m in members {
-        let (k, a) = (m.keys(), m.argv());
-        header.push(k.len().to_string());
-        header.push(a.len().to_string());
-        keys.extend(k);
-        body.extend(a);
-    }
-    header.extend(body);
-    (keys, header)
+/// KEYS and the packed argument of lua/batch.lua for `members`, packed by
+/// the filter's own code (`redis_guard::batch::pack`).
+fn batch_args(members: &[Request]) -> (Vec<Vec<u8>>, Vec<u8>) {
+    let bytes =
+        |v: Vec<String>| -> Vec<Vec<u8>> { v.into_iter().map(String::into_bytes).collect() };
+    let args: Vec<_> = members
+        .iter()
+        .map(|m| (bytes(m.keys()), bytes(m.argv())))
+        .collect();
+    let packed =
+        redis_guard::batch::pack(&args).unwrap_or_else(|e| panic!("cannot pack {members:?}: {e}"));
+    (packed.keys, packed.body)
 }
 
-/// lua/batch.lua with hand-made KEYS and ARGV (the malformed-size tests).
-fn batch_raw(con: &mut Connection, keys: &[String], argv: &[String]) -> redis::RedisResult<Value> {
-    eval(&redis_guard::scripts::BATCH.source, keys, argv).query(con)
+/// lua/batch.lua with hand-made KEYS and ARGV (the malformed-batch tests).
+fn batch_raw(
+    con: &mut Connection,
+    keys: &[Vec<u8>],
+    argv: &[Vec<u8>],
+) -> redis::RedisResult<Value> {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(&redis_guard::scripts::BATCH.source).arg(keys.len());
+    for k in keys {
+        cmd.arg(k.as_slice());
+    }
+    for a in argv {
+        cmd.arg(a.as_slice());
+    }
+    cmd.query(con)
 }
 
 /// One EVAL of lua/batch.lua: each member's reply, split by the documented
 /// `[M, len_1, reply_1..., len_2, reply_2...]` framing (which this asserts).
 fn batch(con: &mut Connection, members: &[Request]) -> Vec<Vec<Value>> {
-    let (keys, argv) = batch_args(members);
-    let v = batch_raw(con, &keys, &argv)
+    let (keys, packed) = batch_args(members);
+    let v = batch_raw(con, &keys, &[packed])
         .unwrap_or_else(|e| panic!("batch EVAL failed for {members:?}: {e}"));
     split_batch_reply(v, members.len())
 }
@@ -853,8 +862,8 @@ fn a_batch_of_one_member_answers_exactly_as_ratelimit() {
         prepare(&mut con, &nx, far_future);
         prepare(&mut con, &ny, far_future);
         let (rx, ry) = (make(&nx), make(&ny));
-        let (keys, argv) = batch_args(std::slice::from_ref(&rx));
-        let got = batch_raw(&mut con, &keys, &argv).unwrap();
+        let (keys, packed) = batch_args(std::slice::from_ref(&rx));
+        let got = batch_raw(&mut con, &keys, &[packed]).unwrap();
         let want = ratelimit(&mut con, &ry);
         let mut framed = values(&[1, want.len() as i64]);
         framed.extend(want);
@@ -1067,47 +1076,69 @@ fn a_keyed_member_takes_its_lock_and_a_later_member_with_the_same_key_is_busy() 
     }
 }
 
-/// A valid member as (KEYS, ARGV) under `ns`: one token of a 3-token bucket.
-fn valid_member(ns: &str) -> (Vec<String>, Vec<String>) {
-    let r = request(vec![tb(&format!("{ns}:v"), 3, 1, HOUR)]);
-    (r.keys(), r.argv())
+/// A valid member under `ns`: one token of a 3-token bucket.
+fn valid_member(ns: &str, key: &str) -> Request {
+    request(vec![tb(&format!("{ns}:{key}"), 3, 1, HOUR)])
 }
 
 /// KEYS and ARGV of one hand-made call of lua/batch.lua.
 struct Raw {
-    keys: Vec<String>,
-    argv: Vec<String>,
+    keys: Vec<Vec<u8>>,
+    argv: Vec<Vec<u8>>,
 }
 
-/// Builds a batch from raw member sizes and bodies: `count` is ARGV[1],
-/// `sizes` the (nkeys, nargs) pairs as sent, then KEYS and member ARGV.
-fn raw_batch(count: &str, sizes: &[(&str, &str)], keys: Vec<String>, body: Vec<String>) -> Raw {
-    let mut argv = vec![count.to_string()];
-    for (k, a) in sizes {
-        argv.push(k.to_string());
-        argv.push(a.to_string());
+/// `members` packed as the filter packs them, then changed by `edit` (the
+/// packed argument's bytes, in lua/batch.lua's layout).
+fn edited(members: &[Request], edit: impl FnOnce(&mut Vec<u8>)) -> Raw {
+    let (keys, mut packed) = batch_args(members);
+    edit(&mut packed);
+    Raw {
+        keys,
+        argv: vec![packed],
     }
-    argv.extend(body);
-    Raw { keys, argv }
 }
+
+/// Writes the big-endian u16 `v` at `at`.
+fn set_u16(body: &mut [u8], at: usize, v: u16) {
+    body[at..at + 2].copy_from_slice(&v.to_be_bytes());
+}
+
+// Offsets in a batch of token-bucket members sharing one parameter set
+// (lua/batch.lua's layout): version 1, P 2, the set 26, M 2, then per member
+// its limit count 2, set 2, key 2, cost 8 and flag 1.
+const M_AT: usize = 29;
+const MEMBER_AT: usize = 31;
+const MEMBER_LEN: usize = 15;
 
 /// Runs each malformed batch under its own namespace and returns, for every
 /// case that broke the contract, what went wrong: the reply must be an error
-/// `ERR redis-guard batch: ...`, and no key may be written.
+/// `ERR redis-guard batch: ...` (or, for a member that unpacks but whose
+/// numbers `malformed()` refuses, `ERR redis-guard ratelimit: ...`), and no
+/// key may be written.
 fn malformed_failures(cases: Vec<(&str, Raw)>) -> Vec<String> {
     let redis = support::Redis::start();
     let mut con = redis.conn();
     let mut failures = Vec::new();
     for (i, (what, Raw { keys, argv })) in cases.into_iter().enumerate() {
         let ns = format!("e{i}");
-        let keys: Vec<String> = keys.into_iter().map(|k| k.replace("NS", &ns)).collect();
+        let keys: Vec<Vec<u8>> = keys
+            .into_iter()
+            .map(|k| {
+                String::from_utf8(k)
+                    .unwrap()
+                    .replace("NS", &ns)
+                    .into_bytes()
+            })
+            .collect();
         match batch_raw(&mut con, &keys, &argv) {
             Ok(v) => failures.push(format!("{what}: answered {v:?}, not an error")),
             // The crate splits `ERR <detail>` into the code and the detail.
             Err(e)
                 if e.code() == Some("ERR")
-                    && e.detail()
-                        .is_some_and(|d| d.starts_with("redis-guard batch: ")) => {}
+                    && e.detail().is_some_and(|d| {
+                        d.starts_with("redis-guard batch: ")
+                            || d.starts_with("redis-guard ratelimit: ")
+                    }) => {}
             Err(e) => failures.push(format!(
                 "{what}: error {:?} {:?}, not `ERR redis-guard batch: ...`",
                 e.code(),
@@ -1127,97 +1158,91 @@ fn malformed_failures(cases: Vec<(&str, Raw)>) -> Vec<String> {
 }
 
 #[test]
-fn malformed_sizes_in_the_first_member_give_an_error_reply_and_write_nothing() {
-    let (vk, va) = valid_member("NS");
-    let n = va.len().to_string();
-    let n1 = (va.len() + 1).to_string();
+fn a_malformed_packed_batch_gives_an_error_reply_and_writes_nothing() {
+    let one = || vec![valid_member("NS", "v")];
     let cases = vec![
-        (
-            "member count 0",
-            raw_batch("0", &[("1", &n)], vk.clone(), va.clone()),
-        ),
-        (
-            "member count not a number",
-            raw_batch("x", &[("1", &n)], vk.clone(), va.clone()),
-        ),
+        ("version 2", edited(&one(), |b| b[0] = 2)),
+        ("member count 0", edited(&one(), |b| set_u16(b, M_AT, 0))),
         (
             "member count 2, one member sent",
-            raw_batch("2", &[("1", &n)], vk.clone(), va.clone()),
+            edited(&one(), |b| set_u16(b, M_AT, 2)),
+        ),
+        ("unknown kind", edited(&one(), |b| b[3] = 9)),
+        (
+            "a parameter set it does not carry",
+            edited(&one(), |b| set_u16(b, MEMBER_AT + 2, 2)),
+        ),
+        ("key 0", edited(&one(), |b| set_u16(b, MEMBER_AT + 4, 0))),
+        (
+            "a key beyond KEYS",
+            edited(&one(), |b| set_u16(b, MEMBER_AT + 4, 2)),
         ),
         (
-            "nkeys beyond KEYS",
-            raw_batch("1", &[("2", &n)], vk.clone(), va.clone()),
+            "an idempotency flag of 7",
+            edited(&one(), |b| b[MEMBER_AT + MEMBER_LEN - 1] = 7),
         ),
         (
-            "nargs beyond ARGV",
-            raw_batch("1", &[("1", &n1)], vk.clone(), va.clone()),
+            "one byte short",
+            edited(&one(), |b| {
+                b.pop();
+            }),
         ),
         (
-            "nkeys not a number",
-            raw_batch("1", &[("one", &n)], vk.clone(), va.clone()),
+            "a byte after the last member",
+            edited(&one(), |b| b.push(0)),
         ),
-        ("nargs missing", raw_batch("1", &[], vk.clone(), vec![])),
+        ("two ARGV", {
+            let mut raw = edited(&one(), |_| {});
+            raw.argv.push(b"x".to_vec());
+            raw
+        }),
+        ("no ARGV", {
+            let mut raw = edited(&one(), |_| {});
+            raw.argv.clear();
+            raw
+        }),
     ];
     let failures = malformed_failures(cases);
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
 #[test]
-fn malformed_sizes_after_a_valid_member_give_an_error_reply_and_write_nothing() {
+fn a_malformed_member_after_a_valid_one_gives_an_error_reply_and_writes_nothing() {
     // The filter built the batch, so a malformed member is a bug and the
     // whole batch an error (lua/batch.lua's header). An error reply tells the
     // filter nothing was decided; if the valid member before it was charged
     // anyway, that budget (and any lock it took) is spent for nothing.
-    //
-    // At a8bca67 this fails: lua/batch.lua checks each member's sizes only
-    // when it reaches that member (and the leftovers only after the last),
-    // while the members before it have already been decided and written,
-    // and Redis does not roll back a script that returns an error.
-    let (vk, va) = valid_member("NS");
-    let n = va.len().to_string();
-    let n1 = (va.len() + 1).to_string();
-    let two_keys = || vec![vk[0].clone(), "NS:w".to_string()];
-    let two_bodies = || [va.clone(), va.clone()].concat();
-    let k = keyed(
-        vec![tb("NS:v", 3, 1, HOUR)],
-        idem("NS:i", "owner-1", "fp-1", MINUTE),
-    );
-    let (kk, ka) = (k.keys(), k.argv());
-    let kn = ka.len().to_string();
+    let two = || vec![valid_member("NS", "v"), valid_member("NS", "w")];
+    let second = MEMBER_AT + MEMBER_LEN;
+    let keyed_first = || {
+        vec![
+            keyed(
+                vec![tb("NS:v", 3, 1, HOUR)],
+                idem("NS:i", "owner-1", "fp-1", MINUTE),
+            ),
+            valid_member("NS", "w"),
+        ]
+    };
     let cases = vec![
         (
-            "second member's nkeys beyond KEYS",
-            raw_batch("2", &[("1", &n), ("2", &n)], two_keys(), two_bodies()),
+            "second member's key beyond KEYS",
+            edited(&two(), |b| set_u16(b, second + 4, 9)),
         ),
         (
-            "second member's nargs beyond ARGV",
-            raw_batch("2", &[("1", &n), ("1", &n1)], two_keys(), two_bodies()),
+            "second member's parameter set 0",
+            edited(&two(), |b| set_u16(b, second + 2, 0)),
         ),
         (
-            "second member's nkeys not a number",
-            raw_batch("2", &[("1", &n), ("x", &n)], two_keys(), two_bodies()),
+            "second member's idempotency flag 2",
+            edited(&two(), |b| b[second + MEMBER_LEN - 1] = 2),
         ),
         (
-            "a KEY left over after the last member",
-            raw_batch("1", &[("1", &n)], two_keys(), va.clone()),
+            "second member cut short",
+            edited(&two(), |b| b.truncate(second + 3)),
         ),
         (
-            "an ARGV left over after the last member",
-            raw_batch(
-                "1",
-                &[("1", &n)],
-                vk.clone(),
-                [va.clone(), vec!["junk".to_string()]].concat(),
-            ),
-        ),
-        (
-            "a keyed member, then a KEY left over (the lock outlives the error)",
-            raw_batch(
-                "1",
-                &[("2", &kn)],
-                [kk.clone(), vec!["NS:w".to_string()]].concat(),
-                ka,
-            ),
+            "a keyed member, then bytes after the last member (the lock outlives the error)",
+            edited(&keyed_first(), |b| b.push(0)),
         ),
     ];
     let failures = malformed_failures(cases);

@@ -1014,22 +1014,12 @@ fn a_renewal_or_release_with_a_bad_slot_or_bad_numbers_is_an_error_and_writes_no
 /// lua/batch.lua at `now` on the test clock, for unkeyed members: each
 /// member's decision.
 fn batch_at(con: &mut Connection, now: i64, members: &[Vec<Limit>]) -> Vec<Decision> {
-    let mut keys = Vec::new();
-    let mut argv = vec![members.len().to_string()];
-    let mut body = Vec::new();
-    for limits in members {
-        keys.extend(limits.iter().map(|l| l.key.clone()));
-        let a = script::request_argv(limits, None);
-        argv.push(limits.len().to_string());
-        argv.push(a.len().to_string());
-        body.extend(a);
-    }
-    argv.extend(body);
+    let (keys, packed) = script::packed_batch(members);
     script::set_clock(con, now);
     let v: Value = script::eval(&BATCH_AT)
         .arg(keys.len())
         .arg(&keys)
-        .arg(&argv)
+        .arg(&packed)
         .query(con)
         .unwrap_or_else(|e| panic!("batch at {now}: {e}"));
     let Value::Array(items) = v else {

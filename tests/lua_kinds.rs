@@ -1251,21 +1251,9 @@ fn a_shadow_limit_of_a_new_kind_that_admits_is_charged() {
 // ---------------------------------------------------------------------------
 // Batches, concurrency, contract
 
-/// KEYS and ARGV of lua/batch.lua for unkeyed members, each a list of
-/// limits, each member's ARGV as the filter sends it.
-fn batch_args(members: &[Vec<Limit>]) -> (Vec<String>, Vec<String>) {
-    let mut keys = Vec::new();
-    let mut header = vec![members.len().to_string()];
-    let mut body = Vec::new();
-    for limits in members {
-        keys.extend(limits.iter().map(|l| l.key.clone()));
-        let argv = script::request_argv(limits, None);
-        header.push(limits.len().to_string());
-        header.push(argv.len().to_string());
-        body.extend(argv);
-    }
-    header.extend(body);
-    (keys, header)
+/// KEYS and the packed argument of lua/batch.lua for unkeyed members.
+fn batch_args(members: &[Vec<Limit>]) -> (Vec<Vec<u8>>, Vec<u8>) {
+    script::packed_batch(members)
 }
 
 #[test]

@@ -19,7 +19,7 @@ use support::{
     write_bucket as set_bucket,
 };
 
-use redis::Connection;
+use redis::{Connection, Value};
 use redis_guard::scripts::RATELIMIT;
 
 /// One minute: the window of most sliding-window tests, and the period of the
@@ -936,18 +936,26 @@ fn rejects_a_keyed_request_without_its_idempotency_arguments_and_writes_nothing(
 
 #[test]
 fn a_batch_of_requests_sent_without_the_idempotency_flag_decides_each_as_unkeyed() {
-    // The filter leaves the flag out for a request without a key, so in a
-    // batch the value after a member's limits is the next member's count
-    // ("1"): it must not read as that member's flag.
+    // The filter leaves the flag out for a request without a key; packed
+    // (src/batch.rs), each member says it is unkeyed with a 0, and the key
+    // both use is sent once.
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:wire:a";
-    let member = ["tb", "10", "1", "3600000", "1", "1"];
-    let mut argv = vec!["2", "1", "7", "1", "7", "1"];
-    argv.extend(member);
-    argv.push("1");
-    argv.extend(member);
-    let reply =
-        script::eval_raw(&mut con, &redis_guard::scripts::BATCH, &[key, key], &argv).unwrap();
+    let member: (Vec<Vec<u8>>, Vec<Vec<u8>>) = (
+        vec![key.as_bytes().to_vec()],
+        ["1", "tb", "10", "1", "3600000", "1", "1"]
+            .iter()
+            .map(|v| v.as_bytes().to_vec())
+            .collect(),
+    );
+    let packed = redis_guard::batch::pack(&[member.clone(), member]).unwrap();
+    assert_eq!(packed.keys, [key.as_bytes()]);
+    let reply: Value = script::eval(&redis_guard::scripts::BATCH)
+        .arg(1)
+        .arg(key)
+        .arg(&packed.body)
+        .query(&mut con)
+        .unwrap();
     let ints: Vec<i64> = redis::from_redis_value(&reply).unwrap();
     // Two members, each admitted with its own verdicts (length 5).
     assert_eq!(
@@ -956,21 +964,6 @@ fn a_batch_of_requests_sent_without_the_idempotency_flag_decides_each_as_unkeyed
         "no member taken for a keyed one"
     );
     assert!(exists(&mut con, key));
-}
-
-#[test]
-fn a_batch_member_missing_its_enforce_flag_is_an_error_not_the_next_members_count() {
-    let (_redis, mut con) = support::Redis::start_with_conn();
-    let key = "t:{x}:wire:b";
-    // The first member has five of its limit's six values: its "enforce"
-    // would be the second member's count.
-    let mut argv = vec!["2", "1", "6", "1", "7", "1"];
-    argv.extend(["tb", "10", "1", "3600000", "1"]);
-    argv.extend(["1", "tb", "10", "1", "3600000", "1", "1"]);
-    let err =
-        script::eval_raw(&mut con, &redis_guard::scripts::BATCH, &[key, key], &argv).unwrap_err();
-    assert!(err.to_string().contains("needs numbers"), "{err}");
-    assert!(!exists(&mut con, key), "errors write nothing");
 }
 
 #[test]

@@ -91,12 +91,16 @@ enum Command {
         /// The filter's JSON configuration.
         #[arg(long)]
         config: PathBuf,
-        /// A part value, NAME=VALUE; `{i}` in VALUE is the request's number modulo --distinct.
+        /// A part value, NAME=VALUE; `{i}` in VALUE is the request's number modulo --distinct,
+        /// `{c}` its call's number modulo --tenants (a batch's members share their call's).
         #[arg(long = "value", value_name = "NAME=VALUE")]
         values: Vec<String>,
         /// How many different values `{i}` takes (keys the requests spread over).
         #[arg(long, default_value_t = 10_000)]
         distinct: u64,
+        /// How many different values `{c}` takes (e.g. tenants, one hash tag each).
+        #[arg(long, default_value_t = 1)]
+        tenants: u64,
         /// Requests per call: 1 as a lone request, more as a worker's batch.
         #[arg(long, default_value_t = 1)]
         members: usize,
@@ -272,6 +276,7 @@ fn run(command: Command) -> Result<output::Report, Failure> {
             config,
             values,
             distinct,
+            tenants,
             members,
             calls,
             rule,
@@ -283,6 +288,7 @@ fn run(command: Command) -> Result<output::Report, Failure> {
                 config: &parsed,
                 values: &values,
                 distinct,
+                tenants,
                 members,
                 calls,
                 rule: rule.as_deref(),

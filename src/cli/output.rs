@@ -458,9 +458,9 @@ pub fn wire(calls: u64, members: usize, bytes: u64) -> Report {
     let requests = calls.saturating_mul(members as u64);
     Report {
         text: format!(
-            "wrote {calls} calls ({requests} requests, {bytes} bytes of body, {:.1} per request)\n",
+            "wrote {calls} calls ({requests} requests, {bytes} bytes of path and body, {:.1} per request)\n",
             bytes as f64 / requests.max(1) as f64
         ),
-        json: json!({"calls": calls, "requests": requests, "bodyBytes": bytes}),
+        json: json!({"calls": calls, "requests": requests, "wireBytes": bytes}),
     }
 }

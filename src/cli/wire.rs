@@ -2,21 +2,22 @@
 //! the filter sends for a configuration and a stream of requests, written to
 //! a file for a load generator. Every byte comes from the filter's own code:
 //! the plan and its keys (`Plan::build`), the call's arguments
-//! (`Plan::script_args`), a worker's batch (`batch::batch_args`) and the
-//! body (`Script::call_body`), so what is measured is what the filter sends.
+//! (`Plan::script_args`), a worker's packed batch (`batch::pack`) and the
+//! request (`Script::call`), so what is measured is what the filter sends.
 //!
-//! The file holds one record per call: a line `POST / <length>`, then that
+//! The file holds one record per call: a line `<method> <path> <length>`
+//! (`POST /` for a lone request, `PUT /EVALSHA/…` for a batch), then that
 //! many bytes of body.
 
 use std::io::Write;
 use std::path::Path;
 
-use redis_guard::batch::batch_args;
+use redis_guard::batch::pack;
 use redis_guard::concurrency::Slots;
 use redis_guard::config::Config;
 use redis_guard::idempotency::fingerprint;
 use redis_guard::ratelimit::{IdemArgs, ScriptArgs};
-use redis_guard::scripts::{BATCH, RATELIMIT};
+use redis_guard::scripts::{Args, BATCH, RATELIMIT};
 
 use crate::{select, Failure};
 
@@ -26,6 +27,9 @@ pub struct Wire<'a> {
     /// `distinct`, so the requests spread over that many keys.
     pub values: &'a [String],
     pub distinct: u64,
+    /// `{c}` in a value is the request's call number modulo `tenants`: the
+    /// members of one batch share it (the filter batches one hash tag).
+    pub tenants: u64,
     /// Members per call: 1 is a worker's lone request (lua/ratelimit.lua),
     /// more a batch (lua/batch.lua), as the filter sends them.
     pub members: usize,
@@ -37,7 +41,12 @@ pub struct Wire<'a> {
 /// One request's arguments as the filter builds them.
 fn request(w: &Wire, n: u64) -> Result<ScriptArgs, Failure> {
     let i = (n % w.distinct.max(1)).to_string();
-    let values: Vec<String> = w.values.iter().map(|v| v.replace("{i}", &i)).collect();
+    let c = ((n / w.members.max(1) as u64) % w.tenants.max(1)).to_string();
+    let values: Vec<String> = w
+        .values
+        .iter()
+        .map(|v| v.replace("{i}", &i).replace("{c}", &c))
+        .collect();
     let (plan, line) = select::plan(w.config, &values)?;
     if plan.checks.is_empty() && w.rule.is_none() {
         return Err(Failure::selection(
@@ -90,7 +99,8 @@ pub fn write_scripts(dir: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Writes `w.calls` calls to `out`; returns the bytes of their bodies.
+/// Writes `w.calls` calls to `out`; returns their bytes on the wire (a
+/// PUT's path and every body).
 pub fn write(w: &Wire, out: &Path) -> Result<u64, Failure> {
     let file = std::fs::File::create(out)
         .map_err(|e| Failure::selection(format!("{}: {e}", out.display())))?;
@@ -103,16 +113,17 @@ pub fn write(w: &Wire, out: &Path) -> Result<u64, Failure> {
             members.push(request(w, n)?);
             n += 1;
         }
-        let body = if members.len() == 1 {
+        let command = if members.len() == 1 {
             let (keys, argv) = members.remove(0);
-            RATELIMIT.call_body(false, &keys, &argv)
+            RATELIMIT.call(false, &keys, Args::Strings(&argv))
         } else {
-            let (keys, argv) = batch_args(members);
-            BATCH.call_body(false, &keys, &argv)
+            let packed = pack(&members).map_err(Failure::selection)?;
+            BATCH.call(false, &packed.keys, Args::Packed(&packed.body))
         };
-        bytes += body.len() as u64;
-        writeln!(file, "POST / {}", body.len())
-            .and_then(|_| file.write_all(&body))
+        bytes += command.wire_len() as u64;
+        let (method, path) = command.method_path();
+        writeln!(file, "{method} {path} {}", command.body.len())
+            .and_then(|_| file.write_all(&command.body))
             .map_err(|e| Failure::selection(format!("{}: {e}", out.display())))?;
     }
     file.flush()

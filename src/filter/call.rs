@@ -4,11 +4,12 @@
 
 use std::time::Duration;
 
+use crate::batch::Packed;
 use crate::config::RedisTarget;
 use crate::filter::stage::lease::Prefetch;
 use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
-use crate::scripts::Script;
-use crate::webdis::{parse_reply, Reply};
+use crate::scripts::{Args, Script};
+use crate::webdis::{parse_reply, Command, Reply};
 
 /// How long each attempt of a call may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,19 +45,55 @@ pub enum Answer {
 pub enum Transport {
     /// HTTP 200: the body is Redis' reply.
     Answered,
-    /// Webdis' own 503 says the command never reached Redis (e.g. the first
-    /// call on a pooled connection to a restarted Redis), so it can run
-    /// again without charging twice. Envoy's 503 (reset after sending)
-    /// carries no such promise and is a failure.
-    Refused,
+    /// The command surely never reached Redis, so it can run again without
+    /// charging twice: Webdis' own 503 (e.g. the first call on a pooled
+    /// connection to a restarted Redis), or Envoy's 503 for a call that
+    /// never left it (see [`never_left_envoy`]). Envoy's 503 for a reset
+    /// after sending carries no such promise and is a failure.
+    Refused(&'static str),
     Failed(Failure),
+}
+
+/// Envoy's reasons for a local 503 that precede any byte sent to an
+/// upstream: its local reply says "upstream connect error or
+/// disconnect/reset before headers. reset reason: <reason>" (reasons as
+/// Envoy's `Http::Utility::resetReasonToString` names them), or "no healthy
+/// upstream". A connection that was never made (refused, timed out) or a
+/// request that never got one (the cluster's pending-request limit) never
+/// ran a script. "connection termination" and the other resets are not
+/// here: the request may have been written, and run.
+const NEVER_SENT: [&str; 4] = [
+    "reset reason: local connection failure",
+    "reset reason: remote connection failure",
+    "reset reason: connection timeout",
+    "reset reason: overflow",
+];
+
+/// Whether Envoy's own answer to a callout says the call never left Envoy.
+pub fn never_left_envoy(reply: &CalloutReply) -> bool {
+    if reply.status != Some(503) || reply.from_webdis {
+        return false;
+    }
+    let Ok(text) = std::str::from_utf8(&reply.body) else {
+        return false;
+    };
+    text == "no healthy upstream"
+        || (text.starts_with("upstream connect error or disconnect/reset before headers. ")
+            && NEVER_SENT
+                .iter()
+                .any(|r| text.contains(&format!("{r},")) || text.ends_with(r)))
 }
 
 /// Classifies a callout's HTTP outcome, for script calls and lease fetches.
 pub fn transport(reply: &CalloutReply) -> Transport {
     match reply.status {
         Some(200) => Transport::Answered,
-        Some(503) if reply.from_webdis => Transport::Refused,
+        Some(503) if reply.from_webdis => {
+            Transport::Refused("webdis answered HTTP 503 until the timeout")
+        }
+        Some(503) if never_left_envoy(reply) => Transport::Refused(
+            "envoy could not reach webdis (no connection, no healthy host) until the timeout",
+        ),
         // Envoy answers a callout that ran out of time with its own 504.
         Some(504) if !reply.from_webdis => {
             Transport::Failed((ErrorKind::Timeout, "webdis answered HTTP 504".to_string()))
@@ -80,9 +117,17 @@ pub fn transport(reply: &CalloutReply) -> Transport {
 pub struct ScriptCall {
     script: &'static Script,
     keys: Vec<Vec<u8>>,
-    argv: Vec<Vec<u8>>,
+    argv: Argv,
     eval: bool,
     budget: Budget,
+}
+
+/// A call's ARGV: strings (one request's call), or a batch's one packed
+/// argument.
+#[derive(Debug, Clone)]
+enum Argv {
+    Strings(Vec<Vec<u8>>),
+    Packed(Vec<u8>),
 }
 
 impl ScriptCall {
@@ -94,7 +139,18 @@ impl ScriptCall {
         ScriptCall {
             script,
             keys,
-            argv,
+            argv: Argv::Strings(argv),
+            eval: false,
+            budget,
+        }
+    }
+
+    /// A call whose ARGV is one packed argument (a batch, lua/batch.lua).
+    pub fn packed(script: &'static Script, packed: Packed, budget: Budget) -> ScriptCall {
+        ScriptCall {
+            script,
+            keys: packed.keys,
+            argv: Argv::Packed(packed.body),
             eval: false,
             budget,
         }
@@ -107,17 +163,25 @@ impl ScriptCall {
         self
     }
 
-    /// The call's KEYS and ARGV, for a batch to carry instead.
+    /// The call's KEYS and ARGV, for a batch to carry instead (a packed
+    /// call's ARGV is its one argument).
     pub fn into_args(self) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
-        (self.keys, self.argv)
+        match self.argv {
+            Argv::Strings(argv) => (self.keys, argv),
+            Argv::Packed(body) => (self.keys, vec![body]),
+        }
     }
 
     pub fn budget(&self) -> Budget {
         self.budget
     }
 
-    fn body(&self) -> Vec<u8> {
-        self.script.call_body(self.eval, &self.keys, &self.argv)
+    fn body(&self) -> Command {
+        let argv = match &self.argv {
+            Argv::Strings(argv) => Args::Strings(argv),
+            Argv::Packed(body) => Args::Packed(body),
+        };
+        self.script.call(self.eval, &self.keys, argv)
     }
 
     fn timeout<H: Host>(&self, host: &H) -> Result<Duration, Failure> {
@@ -190,12 +254,7 @@ impl ScriptCall {
     ) -> Answer {
         match transport(reply) {
             Transport::Answered => {}
-            Transport::Refused => {
-                return Answer::Refused((
-                    ErrorKind::Http,
-                    "webdis answered HTTP 503 until the timeout".to_string(),
-                ))
-            }
+            Transport::Refused(why) => return Answer::Refused((ErrorKind::Http, why.to_string())),
             Transport::Failed(failure) => return Answer::Failed(failure),
         }
         let parsed = match parse_reply(&reply.body) {

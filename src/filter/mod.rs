@@ -23,6 +23,7 @@ use std::time::Duration;
 use crate::config::{ObjectStore, RedisTarget};
 use crate::request::RequestView;
 use crate::response::LocalReply;
+use crate::webdis::Command;
 
 pub use counter::{Counter, ErrorKind, Histogram};
 
@@ -63,12 +64,12 @@ pub fn millis(d: Duration) -> u64 {
 
 /// What the filter needs from the proxy for one request.
 pub trait Host: RequestView {
-    /// Sends one Webdis command body to the Redis cluster with this timeout;
+    /// Sends one Webdis request to the Redis cluster with this timeout;
     /// returns the callout token.
     fn dispatch_redis(
         &mut self,
         target: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         timeout: Duration,
     ) -> Result<u32, String>;
     /// A monotonic-enough clock for the request's Redis deadline.
@@ -78,7 +79,7 @@ pub trait Host: RequestView {
     fn dispatch_redis_detached(
         &mut self,
         target: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         timeout: Duration,
     ) -> Result<u32, String>;
     /// The buffered request body (`size` bytes).
@@ -111,7 +112,7 @@ pub trait Host: RequestView {
     fn dispatch_prefetch(
         &mut self,
         target: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         timeout: Duration,
         note: stage::lease::Prefetch,
     ) -> Result<(), String>;

@@ -17,6 +17,7 @@ use crate::filter::{CalloutReply, Counter, Histogram, Host};
 use crate::request::fake::FakeRequest;
 use crate::request::RequestView;
 use crate::response::LocalReply;
+use crate::webdis::Command;
 
 pub fn test_breaker() -> Rc<Breakers> {
     Rc::new(Breakers::new(1000, Duration::from_millis(1000)))
@@ -125,19 +126,31 @@ impl RequestView for FakeHost {
     }
 }
 
+/// A Webdis request as the tests read it: a POST's body, or a PUT's path
+/// (without its leading `/`) then `<` and its body.
+fn shown(command: &Command) -> String {
+    match &command.put {
+        None => String::from_utf8_lossy(&command.body).into_owned(),
+        Some(path) => format!(
+            "{}<{}",
+            path.trim_start_matches('/'),
+            String::from_utf8_lossy(&command.body)
+        ),
+    }
+}
+
 impl Host for FakeHost {
     fn dispatch_redis(
         &mut self,
         _: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         timeout: Duration,
     ) -> Result<u32, String> {
         self.timeouts.push(timeout);
         if self.dispatch_fails {
             return Err("no cluster".into());
         }
-        self.dispatched
-            .push(String::from_utf8_lossy(body).into_owned());
+        self.dispatched.push(shown(command));
         Ok(self.dispatched.len() as u32)
     }
     fn dispatch_object(
@@ -176,28 +189,26 @@ impl Host for FakeHost {
     fn dispatch_redis_detached(
         &mut self,
         _: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         _: Duration,
     ) -> Result<u32, String> {
         if self.detached_fails {
             return Err("root context gone".into());
         }
-        self.detached
-            .push(String::from_utf8_lossy(body).into_owned());
+        self.detached.push(shown(command));
         Ok(1000 + self.detached.len() as u32)
     }
     fn dispatch_prefetch(
         &mut self,
         _: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         _: Duration,
         note: Prefetch,
     ) -> Result<(), String> {
         if self.prefetch_fails {
             return Err("no tick".into());
         }
-        self.prefetched
-            .push((String::from_utf8_lossy(body).into_owned(), note));
+        self.prefetched.push((shown(command), note));
         Ok(())
     }
     fn request_body(&mut self, size: usize) -> Vec<u8> {

@@ -12,6 +12,7 @@ use crate::filter::stage::lease::Prefetch;
 use crate::filter::{Counter, ErrorKind, Histogram, Host};
 use crate::request::RequestView;
 use crate::response::LocalReply;
+use crate::webdis::Command;
 
 use super::abi;
 use super::metrics::UNDEFINED;
@@ -26,10 +27,14 @@ pub(super) struct ProxyHost<'a> {
     pub via_root: bool,
 }
 
-pub(super) fn callout_headers(target: &RedisTarget) -> Vec<(&str, &str)> {
+pub(super) fn callout_headers<'a>(
+    target: &'a RedisTarget,
+    command: &'a Command,
+) -> Vec<(&'a str, &'a str)> {
+    let (method, path) = command.method_path();
     let mut headers = vec![
-        (":method", "POST"),
-        (":path", "/"),
+        (":method", method),
+        (":path", path),
         (":authority", target.authority.as_str()),
         ("content-type", "text/plain"),
     ];
@@ -81,13 +86,13 @@ impl Host for ProxyHost<'_> {
     fn dispatch_redis(
         &mut self,
         target: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         timeout: Duration,
     ) -> Result<u32, String> {
         let token = hostcalls::dispatch_http_call(
             &target.cluster,
-            callout_headers(target),
-            Some(body),
+            callout_headers(target, command),
+            Some(&command.body),
             vec![],
             timeout,
         )
@@ -121,7 +126,7 @@ impl Host for ProxyHost<'_> {
     fn dispatch_redis_detached(
         &mut self,
         target: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         timeout: Duration,
     ) -> Result<u32, String> {
         // A stream that is going away must not own the call: issue it as the
@@ -131,7 +136,7 @@ impl Host for ProxyHost<'_> {
             return Err("not configured".to_string());
         };
         hostcalls::set_effective_context(root).map_err(|e| format!("{e:?}"))?;
-        let sent = self.dispatch_redis(target, body, timeout);
+        let sent = self.dispatch_redis(target, command, timeout);
         let _ = hostcalls::set_effective_context(self.context_id);
         sent
     }
@@ -139,7 +144,7 @@ impl Host for ProxyHost<'_> {
     fn dispatch_prefetch(
         &mut self,
         _target: &RedisTarget,
-        body: &[u8],
+        command: &Command,
         timeout: Duration,
         note: Prefetch,
     ) -> Result<(), String> {
@@ -153,7 +158,7 @@ impl Host for ProxyHost<'_> {
             .to_prefetch
             .try_borrow_mut()
             .map_err(|_| "prefetch queue busy".to_string())?
-            .push((body.to_vec(), timeout, note));
+            .push((command.clone(), timeout, note));
         Ok(())
     }
 

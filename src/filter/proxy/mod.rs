@@ -20,6 +20,7 @@ use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
 use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
 use crate::filter::timers::Timers;
 use crate::filter::{Action as FlowAction, CalloutReply};
+use crate::webdis::Command;
 
 mod abi;
 mod host;
@@ -70,7 +71,7 @@ pub(super) struct Shared {
     /// Background lease fetches the root sends on its next tick: a call's
     /// reply goes to the context that was running when it was sent, and
     /// only the root outlives the request that asked.
-    to_prefetch: RefCell<Vec<(Vec<u8>, Duration, Prefetch)>>,
+    to_prefetch: RefCell<Vec<(Command, Duration, Prefetch)>>,
     /// This worker's batches of decisions (None: batching is off). Its calls
     /// are the root's, so a client that leaves cancels none of them.
     batcher: RefCell<Option<Batcher<Stream>>>,
@@ -457,12 +458,12 @@ impl RootContext for Root {
             Ok(mut queued) => queued.drain(..).collect(),
             Err(_) => Vec::new(),
         };
-        for (body, timeout, note) in prefetches {
+        for (command, timeout, note) in prefetches {
             let target = &shared.config.redis;
             match hostcalls::dispatch_http_call(
                 &target.cluster,
-                callout_headers(target),
-                Some(&body),
+                callout_headers(target, &command),
+                Some(&command.body),
                 vec![],
                 timeout,
             ) {

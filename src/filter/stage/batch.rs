@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;
 
-use crate::batch::{batch_args, split_reply};
+use crate::batch::{pack, split_reply};
 use crate::breaker::Breakers;
 use crate::config::{Batch, RedisTarget};
 use crate::filter::call::{Answer, Budget, Failure, ScriptCall};
@@ -329,9 +329,12 @@ impl<W: Waiter> Batcher<W> {
         let size = members.len();
         let (waiters, args): (Vec<W>, Vec<ScriptArgs>) =
             members.into_iter().map(|(w, m)| (w, m.args)).unzip();
-        let call = ScriptCall::new(&BATCH, batch_args(args), Budget::Until(deadline));
-        match call.send(host, target) {
-            Ok(token) => {
+        let sent = pack(&args)
+            .map_err(|e| (ErrorKind::Reply, format!("cannot pack a batch: {e}")))
+            .map(|packed| ScriptCall::packed(&BATCH, packed, Budget::Until(deadline)))
+            .and_then(|call| call.send(host, target).map(|token| (token, call)));
+        match sent {
+            Ok((token, call)) => {
                 host.count(Counter::BatchCalls);
                 host.observe(Histogram::BatchSize, size as u64);
                 group.out += 1;

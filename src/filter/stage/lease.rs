@@ -188,7 +188,7 @@ pub fn on_prefetch_reply<H: Host>(host: &mut H, note: &Prefetch, reply: CalloutR
             .and_then(|r| parse_lease(&r).ok())
             .map(|(_, granted)| granted)
             .ok_or(ErrorKind::Reply),
-        Transport::Refused => Err(ErrorKind::Http),
+        Transport::Refused(_) => Err(ErrorKind::Http),
         Transport::Failed((kind, _)) => Err(kind),
     };
     match granted {

@@ -4,6 +4,7 @@
 use std::cell::Cell;
 
 use super::*;
+use crate::batch::pack;
 use crate::config::Batch;
 use crate::filter::stage::batch::{Batcher, Member, Verdict, Waiter};
 use crate::filter::Histogram;
@@ -271,9 +272,27 @@ fn stream(n: usize) -> Stream {
 fn member(key: &str, deadline_ms: u64) -> Member {
     Member {
         tag: "{t}".to_string(),
-        args: (vec![key.as_bytes().to_vec()], vec![b"1".to_vec()]),
+        // One token of a 5-token bucket, in lua/ratelimit.lua's layout.
+        args: (
+            vec![key.as_bytes().to_vec()],
+            ["1", "tb", "5", "1", "1000", "1", "1"]
+                .iter()
+                .map(|v| v.as_bytes().to_vec())
+                .collect(),
+        ),
         deadline: Duration::from_millis(deadline_ms),
     }
+}
+
+/// The batch call of `m` members of `key` as the fake host shows it: a PUT
+/// whose path names the key once, the packed members its body.
+fn batch_of(key: &str, m: usize) -> String {
+    let packed = pack(&vec![member(key, 300).args; m]).unwrap();
+    format!(
+        "EVALSHA/{}/1/{key}.raw<{}",
+        BATCH.sha1,
+        String::from_utf8_lossy(&packed.body)
+    )
 }
 
 fn batcher(max_requests: usize, max_in_flight: usize) -> (Batcher<Stream>, Rc<Breakers>) {
@@ -322,10 +341,8 @@ fn a_quiet_worker_sends_a_request_when_woken_and_queues_only_behind_its_calls() 
         [true]
     );
     assert_eq!(h.dispatched.len(), 1, "sent by the flush");
-    assert_eq!(
-        h.dispatched[0],
-        format!("EVALSHA/{}/1/k/1/1/1/1.raw", BATCH.sha1)
-    );
+    // A PUT: the keys in the path, the packed members as the body.
+    assert_eq!(h.dispatched[0], batch_of("k", 1));
     assert_eq!(h.timeouts, [Duration::from_millis(300)]);
     let wakes: Vec<bool> = (2..=4)
         .map(|n| b.join(stream(n), member("k", 300)))
@@ -341,7 +358,7 @@ fn a_quiet_worker_sends_a_request_when_woken_and_queues_only_behind_its_calls() 
     assert_eq!(ids(&verdicts), [1]);
     assert!(matches!(&verdicts[0].1, Verdict::Ran(Reply::Array(Some(v))) if v.len() == 5));
     assert_eq!(h.dispatched.len(), 2, "what queued left as one call");
-    assert!(h.dispatched[1].ends_with("/3/k/k/k/3/1/1/1/1/1/1/1/1/1.raw"));
+    assert_eq!(h.dispatched[1], batch_of("k", 3), "the key sent once");
     let verdicts = b.on_reply(&mut h, &target(), 2, &batch_admit(3));
     assert_eq!(ids(&verdicts), [2, 3, 4]);
     assert_eq!(count(&h, Counter::BatchCalls), 2);
@@ -381,7 +398,7 @@ fn calls_in_flight_are_bounded_and_batches_by_max_requests() {
     let verdicts = b.on_reply(&mut h, &target(), 1, &batch_admit(1));
     assert_eq!(ids(&verdicts), [1]);
     assert_eq!(h.dispatched.len(), 3);
-    assert!(h.dispatched[2].contains("/2/k/k/"), "at most 2 per call");
+    assert_eq!(h.dispatched[2], batch_of("k", 2), "at most 2 per call");
     b.on_reply(&mut h, &target(), 2, &batch_admit(1));
     b.on_reply(&mut h, &target(), 3, &batch_admit(2));
     let last = b.on_reply(&mut h, &target(), 4, &batch_admit(2));
@@ -404,8 +421,8 @@ fn groups_of_different_hash_tags_never_share_a_call() {
         vec![(stream(1), member("k", 300)), (stream(2), other)],
     );
     assert_eq!(h.dispatched.len(), 2);
-    assert!(h.dispatched.iter().any(|d| d.ends_with("/1/k/1/1/1/1.raw")));
-    assert!(h.dispatched.iter().any(|d| d.ends_with("/1/j/1/1/1/1.raw")));
+    assert!(h.dispatched.contains(&batch_of("k", 1)));
+    assert!(h.dispatched.contains(&batch_of("j", 1)));
 }
 
 #[test]
@@ -418,11 +435,7 @@ fn a_member_whose_client_left_is_dropped_before_its_batch_leaves() {
     b.join(stream(3), member("k", 300));
     leaving.1.set(true);
     b.on_reply(&mut h, &target(), 1, &batch_admit(1));
-    assert!(
-        h.dispatched[1].ends_with("/1/k/1/1/1/1.raw"),
-        "one member: {}",
-        h.dispatched[1]
-    );
+    assert_eq!(h.dispatched[1], batch_of("k", 1), "one member");
     let verdicts = b.on_reply(&mut h, &target(), 2, &batch_admit(1));
     assert_eq!(ids(&verdicts), [3]);
 }
@@ -442,7 +455,7 @@ fn queued_members_past_their_deadline_fail_as_timeouts_and_the_call_takes_the_ol
         &verdicts[1].1,
         Verdict::Failed((ErrorKind::Timeout, _))
     ));
-    assert!(h.dispatched[1].contains("/2/k/k/"));
+    assert_eq!(h.dispatched[1], batch_of("k", 2));
     assert_eq!(
         h.timeouts,
         [Duration::from_millis(300), Duration::from_millis(200)],

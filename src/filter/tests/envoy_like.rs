@@ -88,6 +88,53 @@ fn a_pause_that_outlives_the_deadline_is_a_timeout_without_another_call() {
     assert_eq!(h.sent.last().map(|r| r.status), Some(503));
 }
 
+/// Envoy's own 503 for a callout, with its local reply's text.
+fn envoy_503(text: &str) -> CalloutReply {
+    CalloutReply {
+        status: Some(503),
+        from_webdis: false,
+        body: text.as_bytes().to_vec(),
+    }
+}
+
+#[test]
+fn a_call_envoy_never_sent_is_sent_again_and_a_reset_after_sending_is_not() {
+    let before = "upstream connect error or disconnect/reset before headers. reset reason: ";
+    let never_sent = [
+        format!("{before}remote connection failure, transport failure reason: delayed connect error: Connection refused"),
+        format!("{before}connection timeout"),
+        format!("{before}overflow"),
+        "no healthy upstream".to_string(),
+    ];
+    for text in &never_sent {
+        let (mut f, mut h) = pausable();
+        f.on_callout_reply(&mut h, 1, envoy_503(text));
+        assert_eq!(h.wakes.len(), 1, "paused to send again: {text}");
+        h.clock_ms += 25;
+        f.on_wake(&mut h);
+        assert_eq!(h.dispatched.len(), 2, "{text}");
+        f.on_callout_reply(&mut h, 2, ok(ADMIT));
+        assert_eq!((h.resumed, h.sent.len()), (1, 0), "{text}");
+        assert_eq!(count(&h, Counter::RedisRetries), 1);
+    }
+    let maybe_ran = [
+        format!("{before}connection termination"),
+        format!("{before}remote reset"),
+        format!("{before}local reset"),
+        // Not Envoy's wording: the filter does not guess.
+        "remote connection failure".to_string(),
+        format!("{before}remote connection failures"),
+    ];
+    for text in &maybe_ran {
+        let (mut f, mut h) = pausable();
+        f.on_callout_reply(&mut h, 1, envoy_503(text));
+        assert!(h.wakes.is_empty(), "not sent again: {text}");
+        assert_eq!(h.dispatched.len(), 1, "{text}");
+        assert_eq!(h.sent.last().map(|r| r.status), Some(503), "deny: {text}");
+        assert_eq!(count(&h, Counter::RedisRetries), 0);
+    }
+}
+
 fn local_config() -> Rc<Config> {
     Rc::new(
         Config::parse(
