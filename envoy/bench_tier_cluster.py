@@ -87,7 +87,7 @@ class Cluster:
                 "redis-server", "--port", str(port), "--bind", B.HOST, "--save", "",
                 "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus),
-                "--user", f"redis-proxy on >{PASSWORD} ~* &* +@all",
+                "--user", "redis-proxy", "on", f">{PASSWORD}", "~*", "&*", "+@all",
                 "--daemonize", "no"], d / "out.log")
             if not B.wait_port(p, port):
                 raise B.BenchError(f"redis-server :{port} did not start")
