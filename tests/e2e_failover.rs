@@ -43,12 +43,13 @@ const WARM_UP: Duration = Duration::from_millis(2500);
 const SETTLED: Duration = Duration::from_secs(2);
 /// Bounds: the failover in the cluster; decisions back for every tenant
 /// after the kill; decisions back after the promotion (the proxy asks the
-/// survivors for the slot table again within a second of failing to reach
-/// the dead master, envoy/redis-cluster.yaml, and the filter's circuit
-/// breaker waits out its cool-down); the traffic.
+/// nodes for the slot table every second, envoy/redis-cluster.yaml, and
+/// each open breaker probes every 250 ms here; measured 0.8-0.9 s, issue
+/// 30's goal 1 s; bounded at 2.5 s so a loaded machine does not fail it);
+/// the traffic.
 const FAILOVER_LIMIT: Duration = Duration::from_secs(15);
 const RECOVERY_LIMIT: Duration = Duration::from_secs(15);
-const PROXY_LAG_LIMIT: Duration = Duration::from_secs(5);
+const PROXY_LAG_LIMIT: Duration = Duration::from_millis(2500);
 const TRAFFIC_LIMIT: Duration = Duration::from_secs(40);
 const MAX_REQUESTS: usize = 40_000;
 /// A write acknowledged this long before the kill has reached the replica:
@@ -59,6 +60,9 @@ const REPLICATION_WINDOW: Duration = Duration::from_secs(1);
 
 fn config() -> String {
     filter_config(1000)
+        // What README "Failover" recommends for Redis Cluster: a breaker that
+        // probes every 250 ms finds the promoted replica sooner.
+        .circuit_breaker(5, 250)
         .hash_tag(r#"[{"header":"x-tenant"}]"#)
         .limits(&format!(
             r#"[{{"name":"w","match":{{"pathPrefix":"/rl"}},"descriptor":[{{"header":"x-tenant"}}],
