@@ -658,7 +658,11 @@ fn only_envoy_is_reachable_from_outside_the_stacks_internal_network() {
     );
     let services = c["services"].as_object().unwrap();
     for (name, svc) in services {
-        let nets = strings(&svc["networks"]);
+        // A list of networks, or a map of them (a network's aliases).
+        let nets: Vec<String> = match svc["networks"].as_object() {
+            Some(map) => map.keys().cloned().collect(),
+            None => strings(&svc["networks"]),
+        };
         if name == "envoy" {
             assert_eq!(
                 nets,
@@ -683,6 +687,20 @@ fn only_envoy_is_reachable_from_outside_the_stacks_internal_network() {
             .collect::<Vec<_>>(),
         ["backend", "edge"]
     );
+}
+
+#[test]
+fn a_second_webdis_answers_to_the_webdis_name_with_the_same_command_and_files() {
+    let c = compose();
+    let (a, b) = (service(&c, "webdis"), service(&c, "webdis-b"));
+    assert_eq!(
+        b["networks"]["backend"]["aliases"],
+        serde_json::json!(["webdis"]),
+        "the cluster's one DNS name resolves both"
+    );
+    for field in ["image", "command", "volumes", "depends_on"] {
+        assert_eq!(a[field], b[field], "{field}");
+    }
 }
 
 /// The permission bits of `path`.

@@ -368,6 +368,38 @@ def stats():
     eq({k: s.get(k) for k in want}, want, "series")
 
 
+def webdis_hosts():
+    """The webdis cluster's hosts in Envoy's /clusters (ip:port)."""
+    status, _, body = request("GET", "/clusters", port=ADMIN)
+    eq(status, 200, "/clusters")
+    return sorted({line.split("::")[1] for line in body.decode().splitlines()
+                   if line.startswith("webdis::") and "::health_flags::" in line})
+
+
+def decided_by_redis(n=4):
+    """n requests of fresh users, each decided by Redis: 200 with the
+    per-user bucket's remaining count, not the failure mode's (allow)
+    answer. PUT, so that only per-user-burst applies (per-client-minute
+    counts GET and POST, and later steps need its budget)."""
+    users = ["replica-" + uuid.uuid4().hex[:8] for _ in range(n)]
+    got = [request("PUT", "/api/orders", {"x-user": u}) for u in users]
+    return all(s == 200 and h.get("x-ratelimit-remaining") == "4" for s, h, _ in got)
+
+
+@step("two Webdis behind the webdis cluster: with one killed, the other decides every request")
+def webdis_replicas():
+    wait_for("two webdis hosts in Envoy's /clusters", lambda: len(webdis_hosts()) == 2, 30)
+    check(decided_by_redis(), "requests decided with both Webdis up")
+    cid = the_container("webdis-b")["Id"]
+    docker("kill", "-s", "KILL", cid)
+    # Envoy ejects the dead host after 3 failed connects, and drops it from
+    # DNS within its refresh; until then a call meeting it is sent again.
+    wait_for("every request decided with webdis-b dead", decided_by_redis, 30)
+    compose("start", "webdis-b")
+    wait_for("both webdis hosts again", lambda: len(webdis_hosts()) == 2, 30)
+    check(decided_by_redis(), "requests decided with both Webdis up again")
+
+
 def durability(name, interrupt):
     """A keyed request, Redis interrupted, then its retry; a spent gRPC bucket."""
     key = "compose-" + name + "-" + uuid.uuid4().hex[:8]
@@ -440,7 +472,7 @@ def main():
     try:
         if up():
             for fn in (token_bucket, idempotent_replay, offload, grpc_limited, webdis_credentials, stats,
-                       restart_redis, kill_redis):
+                       webdis_replicas, restart_redis, kill_redis):
                 fn()
         else:
             print(compose("ps", check_rc=False).stdout)
