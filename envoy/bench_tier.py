@@ -318,6 +318,8 @@ def markdown(res):
         lines += bench_tier_cluster.markdown(res["cluster"]) + [""]
     if res.get("profile"):
         lines += bench_tier_profile.markdown({int(k): v for k, v in res["profile"].items()})
+    if res.get("single_profile"):
+        lines += [""] + bench_tier_profile.single_markdown(res["single_profile"])
     lines += ["", "Reading it: *saturation* is 32 connections with no pause; the paced runs (8 "
               "connections, each pausing between calls) aim at a share of its call rate but land "
               "where the pause allows, sometimes above it (fewer connections contend less for "
@@ -439,6 +441,9 @@ def main():
         files = {c["members"]: OUT / f"{c['id']}.calls" for c in todo
                  if c["id"].startswith("tb-") and c["members"] > 1}
         res["profile"] = bench_tier_profile.profile((OUT / "batch.lua").read_text(), files)
+        if any(c["id"] == "tb-1" for c in todo):
+            res["single_profile"] = bench_tier_profile.single_profile(
+                (OUT / "ratelimit.lua").read_text(), OUT / "tb-1.calls")
     res["wall_s"] = time.monotonic() - started
     (OUT / "results.json").write_text(json.dumps(res, indent=2))
     text = markdown(res)

@@ -17,6 +17,9 @@ step, per decision:
 
 A raw variant runs only the three commands a token bucket needs (HMGET,
 HSET, PEXPIRE) per member: the floor of the current state layout.
+
+The same for a lone request's lua/ratelimit.lua on the lone calls: its clock,
+its definitions of every kind's functions, and the one decision.
 """
 import re
 import time
@@ -37,10 +40,13 @@ def read_calls(path):
         method, target, n = data[pos:nl].decode().split()
         body = data[nl + 1:nl + 1 + int(n)]
         pos = nl + 1 + int(n)
-        if method != "PUT":
-            raise B.BenchError(f"{path}: a batch is a PUT, got {method}")
-        parts = target.lstrip("/").removesuffix(".raw").split("/")
-        calls.append([unquote_to_bytes(p) for p in parts] + [body])
+        if method == "PUT":
+            parts = target.lstrip("/").removesuffix(".raw").split("/")
+            calls.append([unquote_to_bytes(p) for p in parts] + [body])
+        else:
+            # A lone request: POST / with the whole command as the body.
+            parts = body.decode().removesuffix(".raw").split("/")
+            calls.append([unquote_to_bytes(p) for p in parts])
     return calls
 
 
@@ -79,6 +85,47 @@ def variants(batch_src):
         ("+ writes: the whole script", batch_src),
         ("raw: unpacked and checked + HMGET, HSET, PEXPIRE per member", pre + raw + "return 1\n"),
     ]
+
+
+def single_variants(src):
+    """lua/ratelimit.lua (a lone request's script) cut short: what its
+    clock, its definitions and its one decision each cost."""
+    head = src.split("local reply = decide(KEYS, ARGV)")[0]
+    clock = head[:head.index("local function")]
+    return [
+        ("empty script", "return 1\n"),
+        ("+ the clock (TIME)", clock + "\nreturn 1\n"),
+        ("+ every kind's definitions", head + "\nreturn 1\n"),
+        ("+ the decision and its writes: the whole script", src),
+    ]
+
+
+def single_profile(src, calls_file):
+    """[(step, µs per call)] for lone token-bucket requests, on a private
+    Redis, replaying the `redis-guard wire` file of lone calls."""
+    port = B.free_ports(1)[0]
+    p = B.spawn("redis-server (single profile)", [
+        "redis-server", "--port", str(port), "--bind", B.HOST, "--save", "", "--appendonly",
+        "no", "--daemonize", "no"], B.RUN / "tier-single-profile-redis.out")
+    if not B.wait_port(p, port):
+        raise B.BenchError("redis-server (single profile) did not start")
+    r = B.Redis(port)
+    try:
+        calls = read_calls(calls_file)
+        return [(name, per_call_us(r, v, calls)) for name, v in single_variants(src)]
+    finally:
+        r.close()
+        B.stop(p)
+
+
+def single_markdown(rows):
+    lines = ["### Where a lone request's Lua time goes", "",
+             "`lua/ratelimit.lua` cut short at each step, on the lone token-bucket calls "
+             f"`redis-guard wire` wrote, pipelined straight into Redis ({CALLS} calls, INFO "
+             "commandstats µs per call; no Webdis). Each row adds one step.", "",
+             "| step | µs per call |", "|---|---|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in rows]
+    return lines
 
 
 def profile(batch_src, calls_files):
