@@ -87,6 +87,17 @@ def variants(batch_src):
     ]
 
 
+def private_redis(name):
+    """A Redis of the profile's own, persistence off: (process, client)."""
+    port = B.free_ports(1)[0]
+    p = B.spawn(f"redis-server ({name})", [
+        "redis-server", "--port", str(port), "--bind", B.HOST, "--save", "", "--appendonly",
+        "no", "--daemonize", "no"], B.RUN / f"tier-{name}-redis.out")
+    if not B.wait_port(p, port):
+        raise B.BenchError(f"redis-server ({name}) did not start")
+    return p, B.Redis(port)
+
+
 def single_variants(src):
     """lua/ratelimit.lua (a lone request's script) cut short: what its
     clock, its definitions and its one decision each cost."""
@@ -103,13 +114,7 @@ def single_variants(src):
 def single_profile(src, calls_file):
     """[(step, µs per call)] for lone token-bucket requests, on a private
     Redis, replaying the `redis-guard wire` file of lone calls."""
-    port = B.free_ports(1)[0]
-    p = B.spawn("redis-server (single profile)", [
-        "redis-server", "--port", str(port), "--bind", B.HOST, "--save", "", "--appendonly",
-        "no", "--daemonize", "no"], B.RUN / "tier-single-profile-redis.out")
-    if not B.wait_port(p, port):
-        raise B.BenchError("redis-server (single profile) did not start")
-    r = B.Redis(port)
+    p, r = private_redis("single-profile")
     try:
         calls = read_calls(calls_file)
         return [(name, per_call_us(r, v, calls)) for name, v in single_variants(src)]
@@ -131,13 +136,7 @@ def single_markdown(rows):
 def profile(batch_src, calls_files):
     """{members: [(step, µs per call, µs per decision)]} on a private Redis,
     for each {members: path of a token-bucket `wire` file}."""
-    port = B.free_ports(1)[0]
-    p = B.spawn("redis-server (profile)", [
-        "redis-server", "--port", str(port), "--bind", B.HOST, "--save", "", "--appendonly",
-        "no", "--daemonize", "no"], B.RUN / "tier-profile-redis.out")
-    if not B.wait_port(p, port):
-        raise B.BenchError("redis-server (profile) did not start")
-    r = B.Redis(port)
+    p, r = private_redis("profile")
     out = {}
     try:
         for m, path in sorted(calls_files.items()):
