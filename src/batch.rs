@@ -103,7 +103,8 @@ fn pack_member(
     let expected = match flag {
         None => values,
         Some(b"0") => values.saturating_add(1),
-        Some(_) => values.saturating_add(4),
+        Some(b"1") => values.saturating_add(4),
+        Some(_) => return Err("an idempotency flag that is neither 0 nor 1".to_string()),
     };
     if argv.len() != expected || keys.len() != n.saturating_add(usize::from(keyed)) {
         return Err("KEYS and ARGV are not in lua/ratelimit.lua's layout".to_string());
@@ -279,6 +280,10 @@ mod tests {
             (
                 bytes(&["k", "i"]),
                 bytes(&["1", "tb", "5", "1", "1000", "1", "1", "1", "o"]),
+            ),
+            (
+                bytes(&["k"]),
+                bytes(&["1", "tb", "5", "1", "1000", "1", "1", "x", "o", "f", "9"]),
             ),
         ];
         for case in cases {
