@@ -48,6 +48,15 @@ fn with_second_webdis(yaml: String, first: u16, second: u16) -> String {
     )
 }
 
+/// Whether Envoy holds no open connection to the Webdis on `port` (its
+/// admin's /clusters: `webdis::127.0.0.1:<port>::cx_active::0`).
+fn connections_closed(e: &Envoy, port: u16) -> bool {
+    let url = format!("http://127.0.0.1:{}/clusters", e.admin_port);
+    let text = String::from_utf8_lossy(&get(&url, &[]).body).to_string();
+    let want = format!("webdis::127.0.0.1:{port}::cx_active::0");
+    text.lines().any(|l| l == want)
+}
+
 #[test]
 fn a_killed_webdis_fails_only_its_calls_in_flight_and_the_rest_are_decided_through_the_other() {
     let redis = Redis::start();
@@ -79,6 +88,20 @@ fn a_killed_webdis_fails_only_its_calls_in_flight_and_the_rest_are_decided_throu
             if n == KILL_AT {
                 if let Some(w) = killer.lock().unwrap().take() {
                     w.stop();
+                }
+                // Requests after the kill start once every Envoy has seen
+                // its connections to the dead Webdis close: a call written
+                // on a connection Envoy has not yet seen closed may have
+                // been sent, and is rightly not sent again.
+                for e in &envoys {
+                    let until = Instant::now() + Duration::from_secs(10);
+                    while !connections_closed(e, pa) {
+                        assert!(
+                            Instant::now() < until,
+                            "Envoy still holds connections to :{pa}"
+                        );
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
                 }
                 killed.store(true, Ordering::SeqCst);
             } else if n > KILL_AT {
