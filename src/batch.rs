@@ -28,7 +28,7 @@ struct Table<T> {
     items: Vec<T>,
 }
 
-impl<T: Clone + Eq + Hash> Table<T> {
+impl<T: Copy + Eq + Hash> Table<T> {
     fn new() -> Table<T> {
         Table {
             index: HashMap::new(),
@@ -36,13 +36,13 @@ impl<T: Clone + Eq + Hash> Table<T> {
         }
     }
 
-    fn of(&mut self, item: &T) -> Result<u16, String> {
-        if let Some(i) = self.index.get(item) {
+    fn of(&mut self, item: T) -> Result<u16, String> {
+        if let Some(i) = self.index.get(&item) {
             return Ok(*i);
         }
         let i = u16::try_from(self.items.len() + 1).map_err(|_| "more than 65535 distinct")?;
-        self.index.insert(item.clone(), i);
-        self.items.push(item.clone());
+        self.index.insert(item, i);
+        self.items.push(item);
         Ok(i)
     }
 }
@@ -82,9 +82,9 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) -> Result<(), String> {
 }
 
 /// One member's part of the body, from its lua/ratelimit.lua KEYS and ARGV.
-fn pack_member(
-    (keys, argv): &ScriptArgs,
-    key_table: &mut Table<Vec<u8>>,
+fn pack_member<'a>(
+    (keys, argv): &'a ScriptArgs,
+    key_table: &mut Table<&'a [u8]>,
     params: &mut Table<Params>,
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
@@ -125,8 +125,8 @@ fn pack_member(
             c,
             v[5] == b"1",
         );
-        put_u16(out, usize::from(params.of(&p)?))?;
-        put_u16(out, usize::from(key_table.of(key)?))?;
+        put_u16(out, usize::from(params.of(p)?))?;
+        put_u16(out, usize::from(key_table.of(key.as_slice())?))?;
         put_figure(out, figure(&v[4])?);
         if cc {
             put_bytes(out, &v[3])?;
@@ -135,7 +135,7 @@ fn pack_member(
     out.push(u8::from(keyed));
     if keyed {
         let (key, idem) = (&keys[n], &argv[values + 1..]);
-        put_u16(out, usize::from(key_table.of(key)?))?;
+        put_u16(out, usize::from(key_table.of(key.as_slice())?))?;
         put_bytes(out, &idem[0])?;
         put_bytes(out, &idem[1])?;
         put_figure(out, figure(&idem[2])?);
@@ -169,7 +169,7 @@ pub fn pack(members: &[ScriptArgs]) -> Result<Packed, String> {
     put_u16(&mut head, members.len())?;
     head.extend_from_slice(&body);
     Ok(Packed {
-        keys: keys.items,
+        keys: keys.items.into_iter().map(<[u8]>::to_vec).collect(),
         body: head,
     })
 }

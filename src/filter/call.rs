@@ -56,17 +56,17 @@ pub enum Transport {
 
 /// Envoy's reasons for a local 503 that precede any byte sent to an
 /// upstream: its local reply says "upstream connect error or
-/// disconnect/reset before headers. reset reason: <reason>" (reasons as
-/// Envoy's `Http::Utility::resetReasonToString` names them), or "no healthy
-/// upstream". A connection that was never made (refused, timed out) or a
-/// request that never got one (the cluster's pending-request limit) never
-/// ran a script. "connection termination" and the other resets are not
-/// here: the request may have been written, and run.
+/// disconnect/reset before headers. reset reason: <reason>[, transport
+/// failure reason: …]" (reasons as Envoy's `Http::Utility::resetReasonToString`
+/// names them), or "no healthy upstream". A connection that was never made
+/// (refused, timed out) or a request that never got one (the cluster's
+/// pending-request limit) never ran a script. "connection termination" and
+/// the other resets are not here: the request may have been written, and run.
 const NEVER_SENT: [&str; 4] = [
-    "reset reason: local connection failure",
-    "reset reason: remote connection failure",
-    "reset reason: connection timeout",
-    "reset reason: overflow",
+    "local connection failure",
+    "remote connection failure",
+    "connection timeout",
+    "overflow",
 ];
 
 /// Whether Envoy's own answer to a callout says the call never left Envoy.
@@ -77,11 +77,10 @@ pub fn never_left_envoy(reply: &CalloutReply) -> bool {
     let Ok(text) = std::str::from_utf8(&reply.body) else {
         return false;
     };
-    text == "no healthy upstream"
-        || (text.starts_with("upstream connect error or disconnect/reset before headers. ")
-            && NEVER_SENT
-                .iter()
-                .any(|r| text.contains(&format!("{r},")) || text.ends_with(r)))
+    let reason = text
+        .strip_prefix("upstream connect error or disconnect/reset before headers. reset reason: ")
+        .and_then(|rest| rest.split(',').next());
+    text == "no healthy upstream" || reason.is_some_and(|r| NEVER_SENT.contains(&r))
 }
 
 /// Classifies a callout's HTTP outcome, for script calls and lease fetches.
