@@ -40,28 +40,10 @@ fn slots_key(con: &mut redis::Connection, user_hint: &str) -> Option<String> {
     keys.into_iter().next()
 }
 
-fn slots_held(con: &mut redis::Connection) -> u64 {
-    match slots_key(con, "") {
-        Some(key) => redis::cmd("ZCARD").arg(key).query(con).unwrap(),
-        None => 0,
-    }
-}
-
 /// Waits (bounded) until Redis holds `n` slots; the release of a stream
 /// that ended is sent as it ends, but arrives a moment later.
 fn wait_for_slots(con: &mut redis::Connection, n: u64, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    loop {
-        let held = slots_held(con);
-        if held == n {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{held} slots held, waited for {n}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    support::probe::poll_eq("slots held", n, limit, || slots_held(con, "slots"));
 }
 
 /// Sends one GET for `path` on a connection of its own and leaves it open:
@@ -307,7 +289,7 @@ fn a_client_that_leaves_keeps_its_slot_while_the_upstream_may_still_work() {
         429,
         "the slot is held"
     );
-    assert_eq!(slots_held(&mut con), 1);
+    assert_eq!(slots_held(&mut con, "slots"), 1);
     assert_eq!(e.counter("redis_guard.concurrency.released"), 0);
 }
 

@@ -8,7 +8,7 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::*;
 
@@ -30,18 +30,11 @@ fn config() -> String {
         .build()
 }
 
-/// The one key of `name`'s limit, read from Redis.
-fn key_of(con: &mut redis::Connection, name: &str) -> Option<String> {
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("*:{name}:*"))
-        .query(con)
-        .unwrap();
-    assert!(keys.len() <= 1, "one key of {name}: {keys:?}");
-    keys.into_iter().next()
-}
-
-fn slots_held(con: &mut redis::Connection) -> u64 {
-    key_of(con, "inflight").map_or(0, |k| redis::cmd("ZCARD").arg(k).query(con).unwrap())
+/// The bucket's one key, read from Redis.
+fn bucket_key(con: &mut redis::Connection) -> String {
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*:bucket:*").query(con).unwrap();
+    assert_eq!(keys.len(), 1, "one key of the bucket: {keys:?}");
+    keys[0].clone()
 }
 
 #[test]
@@ -68,11 +61,12 @@ fn four_envoys_of_two_workers_admit_exactly_the_budget_and_never_more_at_once_th
     let mut con = stack.redis.conn();
 
     // Every slot comes back: each stream's release is sent as it ends.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while slots_held(&mut con) != 0 {
-        assert!(Instant::now() < deadline, "slots still held after the load");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    probe::poll_eq(
+        "slots held after the load",
+        0,
+        Duration::from_secs(10),
+        || slots_held(&mut con, "inflight"),
+    );
     // Then one request at a time, on every Envoy in turn: with no slot
     // taken, only the bucket can refuse, and it admits exactly what is left.
     let mut n = 0;
@@ -89,14 +83,14 @@ fn four_envoys_of_two_workers_admit_exactly_the_budget_and_never_more_at_once_th
     }
     assert_eq!(admitted, CAPACITY, "the whole budget, and not one more");
     assert_eq!(stack.upstream.executions_of("/f"), CAPACITY);
-    let bucket = key_of(&mut con, "bucket").expect("the bucket's key");
+    let bucket = bucket_key(&mut con);
     assert_eq!(read_bucket(&mut con, &bucket).unwrap().0 / PERIOD_MS, 0);
     let peak = stack.upstream.peak_in_flight("/f");
     assert!(
         (1..=MAX_IN_FLIGHT).contains(&peak),
         "at most {MAX_IN_FLIGHT} at once across the fleet, saw {peak}"
     );
-    assert_eq!(slots_held(&mut con), 0);
+    assert_eq!(slots_held(&mut con, "inflight"), 0);
     assert_eq!(stack.counter("redis_guard.redis.errors"), 0);
     for mode in ["allowed", "denied", "local"] {
         let name = format!("redis_guard.failure_mode.{mode}");

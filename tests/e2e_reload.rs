@@ -12,7 +12,7 @@ mod support;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::*;
 
@@ -156,11 +156,8 @@ fn ecds_reloads_every_two_seconds_under_load_leave_no_request_unanswered_and_not
                 std::thread::sleep(Duration::from_secs(2));
                 for ((e, d), b) in envoys.iter().zip(&dirs).zip(&base) {
                     replace_file(&d.0, &resource_for(&d.0, 2000 + k % 2));
-                    let until = Instant::now() + Duration::from_secs(10);
-                    while reloads(e) < b + k {
-                        assert!(Instant::now() < until, "reload {k} not taken");
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
+                    let what = format!("reload {k} taken, once");
+                    probe::poll_eq(&what, b + k, Duration::from_secs(10), || reloads(e));
                 }
             }
             done.store(true, Ordering::SeqCst);
@@ -217,28 +214,26 @@ fn ecds_reloads_every_two_seconds_under_load_leave_no_request_unanswered_and_not
     assert_eq!(CAPACITY - left, admitted);
     assert_eq!(upstream.executed(), admitted as u64 + 2);
     // Nothing held: every slot released, every record completed.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let held: u64 = keys(&mut con, "*:inflight:*")
-            .iter()
-            .map(|k| redis::cmd("ZCARD").arg(k).query::<u64>(&mut con).unwrap())
-            .sum();
-        let locked = keys(&mut con, "*:idem:*")
+    let locks_in_progress = |con: &mut redis::Connection| {
+        keys(con, "*:idem:*")
             .iter()
             .filter(|k| {
-                let s: Option<String> = redis::cmd("HGET").arg(k).arg("s").query(&mut con).unwrap();
+                let s: Option<String> = redis::cmd("HGET").arg(k).arg("s").query(con).unwrap();
                 s.as_deref() != Some("C")
             })
-            .count();
-        if held == 0 && locked == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{held} slots and {locked} locks still held after the load"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+            .count()
+    };
+    probe::poll_eq(
+        "slots and locks held after the load",
+        (0, 0),
+        Duration::from_secs(10),
+        || {
+            (
+                slots_held(&mut con, "inflight"),
+                locks_in_progress(&mut con),
+            )
+        },
+    );
     for (e, b) in envoys.iter().zip(&base) {
         assert_eq!(e.counter("redis_guard.redis.errors"), 0);
         assert_eq!(reloads(e), b + RELOADS);

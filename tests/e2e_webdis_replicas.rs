@@ -11,7 +11,7 @@ mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::*;
 
@@ -94,23 +94,17 @@ fn a_killed_webdis_fails_only_its_calls_in_flight_and_the_rest_are_decided_throu
                 // on a connection Envoy has not yet seen closed may have
                 // been sent, and is rightly not sent again.
                 for e in &envoys {
-                    let until = Instant::now() + Duration::from_secs(10);
-                    while !connections_closed(e, pa) {
-                        assert!(
-                            Instant::now() < until,
-                            "Envoy still holds connections to :{pa}"
-                        );
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
+                    let what = format!("Envoy's connections to :{pa} closed");
+                    probe::poll(&what, Duration::from_secs(10), || {
+                        connections_closed(e, pa).then_some(())
+                    });
                 }
                 killed.store(true, Ordering::SeqCst);
             } else if n > KILL_AT {
                 // Requests numbered after the kill start after it.
-                let until = Instant::now() + Duration::from_secs(10);
-                while !killed.load(Ordering::SeqCst) {
-                    assert!(Instant::now() < until, "the kill did not happen");
-                    std::thread::sleep(Duration::from_millis(1));
-                }
+                probe::poll("the kill", Duration::from_secs(10), || {
+                    killed.load(Ordering::SeqCst).then_some(())
+                });
             }
             let e = &envoys[i % 2];
             let status = http_with(agent, "GET", &e.url("/r"), &[("x-user", "u")], None).status;

@@ -126,17 +126,10 @@ fn eval(script: &str, keys: &[String], argv: &[String]) -> redis::Cmd {
 }
 
 /// KEYS and the packed argument of lua/batch.lua for `members`, packed by
-/// the filter's own code (`redis_guard::batch::pack`).
+/// the filter's own code.
 fn batch_args(members: &[Request]) -> (Vec<Vec<u8>>, Vec<u8>) {
-    let bytes =
-        |v: Vec<String>| -> Vec<Vec<u8>> { v.into_iter().map(String::into_bytes).collect() };
-    let args: Vec<_> = members
-        .iter()
-        .map(|m| (bytes(m.keys()), bytes(m.argv())))
-        .collect();
-    let packed =
-        redis_guard::batch::pack(&args).unwrap_or_else(|e| panic!("cannot pack {members:?}: {e}"));
-    (packed.keys, packed.body)
+    let members: Vec<_> = members.iter().map(|m| (m.keys(), m.argv())).collect();
+    support::script::packed(&members)
 }
 
 /// lua/batch.lua with hand-made KEYS and ARGV (the malformed-batch tests).

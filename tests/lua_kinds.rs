@@ -1251,11 +1251,6 @@ fn a_shadow_limit_of_a_new_kind_that_admits_is_charged() {
 // ---------------------------------------------------------------------------
 // Batches, concurrency, contract
 
-/// KEYS and the packed argument of lua/batch.lua for unkeyed members.
-fn batch_args(members: &[Vec<Limit>]) -> (Vec<Vec<u8>>, Vec<u8>) {
-    script::packed_batch(members)
-}
-
 #[test]
 fn a_batch_reads_and_writes_each_key_of_the_new_kinds_once_however_many_members_charge_it() {
     let redis = support::Redis::start();
@@ -1268,7 +1263,7 @@ fn a_batch_reads_and_writes_each_key_of_the_new_kinds_once_however_many_members_
         swc("o:{b}:swc", 100, HOUR),
     ];
     let members: Vec<Vec<Limit>> = (0..20).map(|_| limits.to_vec()).collect();
-    let (keys, argv) = batch_args(&members);
+    let (keys, argv) = script::packed_batch(&members);
     let _: () = redis::cmd("CONFIG")
         .arg("RESETSTAT")
         .query(&mut con)
@@ -1323,7 +1318,7 @@ fn a_batch_reads_and_writes_each_key_of_the_new_kinds_once_however_many_members_
 /// lua/batch.lua at `now` on the test clock (keys kept, see `kept`): each
 /// member's decision.
 fn batch_kept(con: &mut Connection, now: i64, members: &[Vec<Limit>]) -> Vec<Decision> {
-    let (keys, argv) = batch_args(members);
+    let (keys, argv) = script::packed_batch(members);
     let mut call = script::eval(&BATCH_KEPT);
     call.arg(keys.len()).arg(&keys).arg(&argv);
     let Value::Array(items) = kept(con, now, call) else {

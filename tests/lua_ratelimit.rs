@@ -941,19 +941,13 @@ fn a_batch_of_requests_sent_without_the_idempotency_flag_decides_each_as_unkeyed
     // both use is sent once.
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:wire:a";
-    let member: (Vec<Vec<u8>>, Vec<Vec<u8>>) = (
-        vec![key.as_bytes().to_vec()],
-        ["1", "tb", "10", "1", "3600000", "1", "1"]
-            .iter()
-            .map(|v| v.as_bytes().to_vec())
-            .collect(),
-    );
-    let packed = redis_guard::batch::pack(&[member.clone(), member]).unwrap();
-    assert_eq!(packed.keys, [key.as_bytes()]);
+    let member = vec![tb(key, 10, 1, 3_600_000)];
+    let (keys, packed) = script::packed_batch(&[member.clone(), member]);
+    assert_eq!(keys, [key.as_bytes()]);
     let reply: Value = script::eval(&redis_guard::scripts::BATCH)
         .arg(1)
         .arg(key)
-        .arg(&packed.body)
+        .arg(&packed)
         .query(&mut con)
         .unwrap();
     let ints: Vec<i64> = redis::from_redis_value(&reply).unwrap();

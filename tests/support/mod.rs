@@ -1218,6 +1218,18 @@ pub fn write_bucket(con: &mut redis::Connection, key: &str, credits: i64, t_ms: 
         .unwrap();
 }
 
+/// Concurrency slots held in Redis under limit `name`: every key of it, a
+/// ZCARD each (no key: none held).
+pub fn slots_held(con: &mut redis::Connection, name: &str) -> u64 {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("*:{name}:cc*"))
+        .query(con)
+        .unwrap();
+    keys.iter()
+        .map(|k| redis::cmd("ZCARD").arg(k).query::<u64>(con).unwrap())
+        .sum()
+}
+
 /// A token bucket's stored `(credits, t)`, or `None` if the key is absent.
 pub fn read_bucket(con: &mut redis::Connection, key: &str) -> Option<(i64, i64)> {
     let v: Vec<Option<i64>> = redis::cmd("HMGET")

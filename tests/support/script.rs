@@ -324,25 +324,28 @@ pub fn request_argv(limits: &[Limit], idem: Option<&Idem>) -> Vec<String> {
     argv
 }
 
-/// KEYS and the one packed argument of lua/batch.lua for unkeyed members,
-/// each a list of limits, packed by the filter's own code
-/// (`redis_guard::batch::pack`) from each member's ARGV as the filter builds
-/// it.
-pub fn packed_batch(members: &[Vec<Limit>]) -> (Vec<Vec<u8>>, Vec<u8>) {
-    let args: Vec<_> = members
-        .iter()
-        .map(|limits| {
-            let keys = limits.iter().map(|l| l.key.clone().into_bytes()).collect();
-            let argv = request_argv(limits, None)
-                .into_iter()
-                .map(String::into_bytes)
-                .collect();
-            (keys, argv)
-        })
-        .collect();
+/// KEYS and the one packed argument of lua/batch.lua for `members`, each a
+/// request's KEYS and ARGV as the filter builds them, packed by the
+/// filter's own code (`redis_guard::batch::pack`).
+pub fn packed(members: &[(Vec<String>, Vec<String>)]) -> (Vec<Vec<u8>>, Vec<u8>) {
+    let bytes =
+        |v: &[String]| -> Vec<Vec<u8>> { v.iter().map(|s| s.as_bytes().to_vec()).collect() };
+    let args: Vec<_> = members.iter().map(|(k, a)| (bytes(k), bytes(a))).collect();
     let packed =
         redis_guard::batch::pack(&args).unwrap_or_else(|e| panic!("cannot pack {members:?}: {e}"));
     (packed.keys, packed.body)
+}
+
+/// The same for unkeyed members, each a list of limits.
+pub fn packed_batch(members: &[Vec<Limit>]) -> (Vec<Vec<u8>>, Vec<u8>) {
+    let members: Vec<_> = members
+        .iter()
+        .map(|limits| {
+            let keys = limits.iter().map(|l| l.key.clone()).collect();
+            (keys, request_argv(limits, None))
+        })
+        .collect();
+    packed(&members)
 }
 
 /// One limit's verdict: four integers of the reply.
