@@ -9,7 +9,7 @@
 //!   cache answered), `leased` (admitted from this Envoy's leased tokens),
 //!   `failure_allowed` / `failure_denied` / `failure_local` (Redis could not
 //!   decide: the failure mode), `refused` (400 or 413 before any decision),
-//!   `replayed`, `conflict` (409), `mismatch` (422), `replay_failed` (a
+//!   `denied` (403, a deny rule), `replayed`, `conflict` (409), `mismatch` (422), `replay_failed` (a
 //!   completed key's response could not be served);
 //! * `limit`: the deciding limit: the first enforced one that rejected, or
 //!   the one with the fewest units left after an admission;

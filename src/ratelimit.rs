@@ -28,6 +28,8 @@ pub struct Plan {
     /// Limits left out because a value their descriptor reads was of the
     /// wrong type, with why.
     pub invalid: Vec<(usize, String)>,
+    /// Limits whose `unless` exempted the request.
+    pub exempt: Vec<usize>,
 }
 
 /// A request the filter refuses before asking Redis.
@@ -45,9 +47,14 @@ impl Plan {
     ) -> Result<Plan, BadRequest> {
         let mut checks = Vec::new();
         let mut invalid = Vec::new();
+        let mut exempt = Vec::new();
         let mut tag: Option<String> = None;
         for (i, limit) in config.limits.iter().enumerate() {
             if !limit.matcher.matches(line, view) {
+                continue;
+            }
+            if limit.unless.as_ref().is_some_and(|u| u.matches(line, view)) {
+                exempt.push(i);
                 continue;
             }
             let descriptor = match descriptor(&limit.descriptor, line, view) {
@@ -88,6 +95,7 @@ impl Plan {
             checks,
             tag,
             invalid,
+            exempt,
         })
     }
 

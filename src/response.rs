@@ -52,7 +52,7 @@ pub fn problem(status: u32, title: &str, detail: &str, extra: serde_json::Value)
     doc.to_string().into_bytes()
 }
 
-fn problem_reply(
+pub(crate) fn problem_reply(
     details: &'static str,
     status: u32,
     title: &str,

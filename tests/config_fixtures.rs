@@ -42,6 +42,31 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "invalid value: integer `-1`",
     ),
     ("limits_not_array.json", "limits", "expected a sequence"),
+    // Deny lists, exemptions and client networks.
+    ("deny_match_empty.json", "deny[0].match", "would refuse every request"),
+    (
+        "deny_network_overlap.json",
+        "deny[0].match.clientNetworks[1]",
+        "overlaps entry 0",
+    ),
+    (
+        "deny_network_host_bits.json",
+        "deny[0].match.clientNetworks[0]",
+        "has host bits set: write `198.51.100.0/24`",
+    ),
+    ("deny_name_duplicate.json", "deny[1].name", "duplicate deny rule name"),
+    ("unless_empty.json", "limits[0].unless", "would exempt every request"),
+    (
+        "unless_network_malformed.json",
+        "limits[0].unless.clientNetworks[1]",
+        "`office-lan` is not a network",
+    ),
+    ("match_one_of_empty.json", "limits[0].match.headers[0].oneOf", "at least one value"),
+    (
+        "match_one_of_and_exact.json",
+        "limits[0].match.headers[0]",
+        "set exactly one of",
+    ),
     (
         "shadow_not_bool.json",
         "limits[0].shadow",
@@ -489,12 +514,12 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "match_header_present_and_exact.json",
         "limits[0].match.headers[0]",
-        "exactly one of `present`, `exact`, `prefix` and `regex`",
+        "exactly one of `present`, `exact`, `prefix`, `regex` and `oneOf`",
     ),
     (
         "match_header_no_condition.json",
         "limits[0].match.headers[0]",
-        "exactly one of `present`, `exact`, `prefix` and `regex`",
+        "exactly one of `present`, `exact`, `prefix`, `regex` and `oneOf`",
     ),
     (
         "match_header_name_invalid.json",
@@ -540,7 +565,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "match_value_two_conditions.json",
         "limits[0].match.values[0]",
-        "set exactly one of `present`, `exact`, `prefix` and `regex`",
+        "set exactly one of `present`, `exact`, `prefix`, `regex` and `oneOf`",
     ),
     (
         "match_value_regex_invalid.json",

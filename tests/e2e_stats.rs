@@ -39,7 +39,7 @@ const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
 const KINDS: [&str; 6] = ["timeout", "dispatch", "http", "redis", "reply", "auth"];
 /// Every series without labels, by its name after `redis_guard_`.
-const PLAIN: [&str; 44] = [
+const PLAIN: [&str; 45] = [
     "redis_calls",
     "batch_calls",
     "batch_alone",
@@ -84,6 +84,7 @@ const PLAIN: [&str; 44] = [
     "usage_reserve_unread",
     "descriptor_invalid",
     "usage_lost",
+    "denied",
 ];
 
 const BATCH_SIZE: &str = "redis_guard_batch_size";
@@ -96,6 +97,14 @@ impl Expected {
     fn new() -> Expected {
         let mut m = BTreeMap::new();
         for limit in LIMITS {
+            // No `unless` here: nothing is exempt (e2e_access checks it).
+            m.insert(
+                (
+                    "redis_guard_ratelimit_exempt".to_string(),
+                    format!("limit=\"{limit}\""),
+                ),
+                0,
+            );
             for stat in VERDICTS {
                 m.insert(
                     (

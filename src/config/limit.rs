@@ -65,6 +65,10 @@ pub(super) struct RawLimit {
     /// Which requests the limit applies to.
     #[serde(default, rename = "match")]
     matcher: RawMatch,
+    /// Requests `match` covers that the limit still skips, without a Redis
+    /// call: trusted networks, health checkers, a claim (any `match` condition).
+    #[serde(default)]
+    unless: Option<RawMatch>,
     /// Parts whose values pick the bucket (one bucket per distinct value list).
     #[serde(default)]
     descriptor: Vec<RawPart>,
@@ -318,6 +322,8 @@ pub enum Cost {
 pub struct Limit {
     pub name: String,
     pub matcher: Matcher,
+    /// Exempt requests: the limit does not apply to them.
+    pub unless: Option<Matcher>,
     pub descriptor: Vec<Part>,
     pub algorithm: Algorithm,
     pub cost: Cost,
@@ -361,6 +367,20 @@ pub(super) fn compile_limit(
     }
     let algorithm = compile_algorithm(&raw, at)?;
     let matcher = compile_match(raw.matcher, &format!("{at}.match"))?;
+    let unless = match raw.unless {
+        None => None,
+        Some(u) => {
+            let field = format!("{at}.unless");
+            let unless = compile_match(u, &field)?;
+            if unless.is_empty() {
+                return Err(ConfigError::new(
+                    field,
+                    "has no condition: it would exempt every request (remove the limit instead)",
+                ));
+            }
+            Some(unless)
+        }
+    };
     let descriptor = compile_parts(raw.descriptor, &format!("{at}.descriptor"))?;
 
     // A sliding window and a concurrency limit store one member per unit:
@@ -500,6 +520,7 @@ pub(super) fn compile_limit(
         local_per_mille,
         name: raw.name,
         matcher,
+        unless,
         descriptor,
         algorithm,
         cost,

@@ -5,6 +5,7 @@ use serde::Deserialize;
 
 use super::parts::{compile_part, Part, RawPart};
 use super::{header_name, valid_header_name, ConfigError};
+use crate::networks::Networks;
 use crate::request::{RequestLine, RequestView};
 
 /// The largest compiled `regex` (bytes of its program): bounds what one
@@ -34,9 +35,14 @@ pub(super) struct RawMatch {
     /// a query parameter).
     #[serde(default)]
     values: Vec<RawValueMatch>,
+    /// The client's address is in one of these networks (`192.0.2.0/24`,
+    /// `2001:db8::/32`, a single address); an IPv4-mapped IPv6 client counts
+    /// as IPv4. Entries must not overlap, nor set host bits.
+    #[serde(default)]
+    client_networks: Vec<String>,
 }
 
-/// A header and one of `present`, `exact`, `prefix` and `regex`.
+/// A header and one of `present`, `exact`, `prefix`, `regex` and `oneOf`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "HeaderMatch")]
@@ -51,9 +57,12 @@ struct RawHeaderMatch {
     /// Matched against the whole value, as bytes, in linear time.
     #[serde(default)]
     regex: Option<String>,
+    /// Equal to one of these values.
+    #[serde(default)]
+    one_of: Option<Vec<String>>,
 }
 
-/// A descriptor part and one of `present`, `exact`, `prefix` and `regex`.
+/// A descriptor part and one of `present`, `exact`, `prefix`, `regex` and `oneOf`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "ValueMatch")]
@@ -68,12 +77,21 @@ struct RawValueMatch {
     /// Matched against the whole value, as bytes, in linear time.
     #[serde(default)]
     regex: Option<String>,
+    /// Equal to one of these values.
+    #[serde(default)]
+    one_of: Option<Vec<String>>,
 }
 
 /// The condition fields both kinds of match carry. (Written out in each:
 /// serde cannot deny unknown fields across a `flatten`, and the config is
 /// strict.)
-type RawCondition = (Option<bool>, Option<String>, Option<String>, Option<String>);
+type RawCondition = (
+    Option<bool>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<Vec<String>>,
+);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PathMatch {
@@ -88,6 +106,7 @@ pub enum Condition {
     Exact(String),
     Prefix(String),
     Regex(Pattern),
+    OneOf(std::collections::BTreeSet<Vec<u8>>),
 }
 
 /// A compiled `regex`, anchored at both ends.
@@ -109,6 +128,7 @@ impl Condition {
             Condition::Exact(v) => value == Some(v.as_bytes()),
             Condition::Prefix(p) => value.is_some_and(|v| v.starts_with(p.as_bytes())),
             Condition::Regex(r) => value.is_some_and(|v| r.0.is_match(v)),
+            Condition::OneOf(set) => value.is_some_and(|v| set.contains(v)),
         }
     }
 }
@@ -122,11 +142,22 @@ pub struct Matcher {
     pub host: Option<String>,
     pub headers: Vec<(String, Condition)>,
     pub values: Vec<(Part, Condition)>,
+    pub networks: Option<Networks>,
 }
 
 // Evaluated beside the conditions it reads, so that `request` (the request as
 // the core sees it) knows nothing of configuration.
 impl Matcher {
+    /// Whether it holds for every request (no condition at all).
+    pub fn is_empty(&self) -> bool {
+        self.path == PathMatch::Any
+            && self.methods.is_empty()
+            && self.host.is_none()
+            && self.headers.is_empty()
+            && self.values.is_empty()
+            && self.networks.is_none()
+    }
+
     pub fn matches(&self, line: &RequestLine, view: &dyn RequestView) -> bool {
         match &self.path {
             PathMatch::Any => {}
@@ -146,6 +177,11 @@ impl Matcher {
         }
         if let Some(host) = &self.host {
             if *host != line.host {
+                return false;
+            }
+        }
+        if let Some(networks) = &self.networks {
+            if !view.client_address().is_some_and(|a| networks.contains(&a)) {
                 return false;
             }
         }
@@ -204,31 +240,48 @@ pub(super) fn compile_match(raw: RawMatch, at: &str) -> Result<Matcher, ConfigEr
     for (i, h) in raw.headers.into_iter().enumerate() {
         let hat = format!("{at}.headers[{i}]");
         let name = header_name(&h.name, &format!("{hat}.name"))?;
-        let condition = (h.present, h.exact, h.prefix, h.regex);
+        let condition = (h.present, h.exact, h.prefix, h.regex, h.one_of);
         headers.push((name, compile_condition(condition, &hat)?));
     }
     let mut values = Vec::with_capacity(raw.values.len());
     for (i, v) in raw.values.into_iter().enumerate() {
         let vat = format!("{at}.values[{i}]");
         let part = compile_part(v.part, &format!("{vat}.part"))?;
-        let condition = (v.present, v.exact, v.prefix, v.regex);
+        let condition = (v.present, v.exact, v.prefix, v.regex, v.one_of);
         values.push((part, compile_condition(condition, &vat)?));
     }
+    let networks = if raw.client_networks.is_empty() {
+        None
+    } else {
+        Some(Networks::parse(&raw.client_networks).map_err(|bad| {
+            ConfigError::new(format!("{at}.clientNetworks[{}]", bad.index), bad.reason)
+        })?)
+    };
     Ok(Matcher {
         path,
         methods,
         host,
         headers,
         values,
+        networks,
     })
 }
 
 fn compile_condition(raw: RawCondition, at: &str) -> Result<Condition, ConfigError> {
     Ok(match raw {
-        (Some(p), None, None, None) => Condition::Present(p),
-        (None, Some(v), None, None) => Condition::Exact(v),
-        (None, None, Some(p), None) => Condition::Prefix(p),
-        (None, None, None, Some(r)) => {
+        (Some(p), None, None, None, None) => Condition::Present(p),
+        (None, Some(v), None, None, None) => Condition::Exact(v),
+        (None, None, Some(p), None, None) => Condition::Prefix(p),
+        (None, None, None, None, Some(list)) => {
+            if list.is_empty() {
+                return Err(ConfigError::new(
+                    format!("{at}.oneOf"),
+                    "must name at least one value (an empty list matches nothing)",
+                ));
+            }
+            Condition::OneOf(list.into_iter().map(String::into_bytes).collect())
+        }
+        (None, None, None, Some(r), None) => {
             let build = |pattern: &str| {
                 regex::bytes::RegexBuilder::new(pattern)
                     .unicode(false)
@@ -252,7 +305,7 @@ fn compile_condition(raw: RawCondition, at: &str) -> Result<Condition, ConfigErr
         _ => {
             return Err(ConfigError::new(
                 at,
-                "set exactly one of `present`, `exact`, `prefix` and `regex`",
+                "set exactly one of `present`, `exact`, `prefix`, `regex` and `oneOf`",
             ))
         }
     })
@@ -345,6 +398,40 @@ mod tests {
             .recv_timeout(std::time::Duration::from_secs(30))
             .expect("the match did not finish: the engine backtracks");
         assert!(!matched);
+    }
+
+    #[test]
+    fn client_networks_and_one_of_lists_match_their_members_only() {
+        let m = matcher(
+            r#"{"clientNetworks":["10.0.0.0/8","2001:db8::/32"],
+                "headers":[{"name":"x-api-key","oneOf":["k1","k2"]}]}"#,
+        )
+        .unwrap();
+        let r = |addr: &str, key: &[u8]| {
+            FakeRequest::new("GET", "/")
+                .addr(addr)
+                .with("x-api-key", key)
+        };
+        assert!(holds(&m, &r("10.9.9.9:1000", b"k2")));
+        assert!(holds(&m, &r("[2001:db8::5]:1000", b"k1")));
+        assert!(
+            !holds(&m, &r("192.0.2.1:1000", b"k1")),
+            "outside the networks"
+        );
+        assert!(!holds(&m, &r("10.9.9.9:1000", b"k3")), "not in the list");
+        assert!(
+            !holds(&m, &r("pipe:/run/envoy.sock", b"k1")),
+            "not an address"
+        );
+        let err = matcher(r#"{"clientNetworks":["10.0.0.0/8","10.2.0.0/16"]}"#).unwrap_err();
+        assert_eq!(err.field, "match.clientNetworks[1]");
+        assert!(err.reason.contains("overlaps"), "{err:?}");
+        let err = matcher(r#"{"clientNetworks":["10.0.0.0/33"]}"#).unwrap_err();
+        assert_eq!(err.field, "match.clientNetworks[0]");
+        let err = matcher(r#"{"values":[{"part":"method","oneOf":[]}]}"#).unwrap_err();
+        assert_eq!(err.field, "match.values[0].oneOf");
+        assert!(matcher("{}").unwrap().is_empty());
+        assert!(!m.is_empty());
     }
 
     #[test]

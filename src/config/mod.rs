@@ -7,6 +7,7 @@
 //! against the object store); each feature's types and checks are in its file.
 
 mod access_log;
+mod deny;
 mod idempotency;
 mod limit;
 mod matcher;
@@ -24,6 +25,7 @@ use serde::Deserialize;
 use crate::request::{RequestLine, RequestView};
 
 pub use access_log::{AccessLog, KeyInLog};
+pub use deny::DenyRule;
 pub use idempotency::{
     Idempotency, DEFAULT_IDEMPOTENCY_HEADER, DEFAULT_LOCK_TTL_MS, DEFAULT_MAX_REQUEST_BODY,
     DEFAULT_MAX_STORED_BODY, DEFAULT_RECORD_TTL_MS, MAX_OFFLOADED_BODY,
@@ -45,6 +47,7 @@ pub use redis::{
 pub use usage::{Usage, DEFAULT_USAGE_BODY, MAX_USAGE_BODY, MAX_USAGE_UNITS};
 
 use access_log::{compile_access_log, RawAccessLog};
+use deny::{compile_deny, RawDenyRule};
 use idempotency::{compile_idempotency, RawIdempotency};
 use limit::{compile_limit, RawLimit};
 use object_store::{compile_object_store, RawObjectStore};
@@ -112,6 +115,10 @@ struct RawConfig {
     /// Rate-limit header families on responses (default both).
     #[serde(default)]
     rate_limit_headers: Option<Vec<HeaderSet>>,
+    /// Requests refused `403` before any limit or Redis call (client
+    /// networks, keys, claims): the first rule that matches refuses.
+    #[serde(default)]
+    deny: Vec<RawDenyRule>,
     /// Rate limits; every matching limit is checked in one Redis call.
     #[serde(default)]
     limits: Vec<RawLimit>,
@@ -168,6 +175,7 @@ pub struct Config {
     pub needs: crate::request::Needs,
     pub headers_ietf: bool,
     pub headers_x: bool,
+    pub deny: Vec<DenyRule>,
     pub limits: Vec<Limit>,
     pub idempotency: Vec<Idempotency>,
     pub object_store: Option<ObjectStore>,
@@ -258,6 +266,9 @@ const LIST_FIELDS: &[&str] = &[
     "reserveFrom",
     "path",
     "values",
+    "deny",
+    "clientNetworks",
+    "oneOf",
 ];
 
 fn only_listed_arrays(v: &serde_json::Value, at: &str, list_ok: bool) -> Result<(), ConfigError> {
@@ -381,6 +392,7 @@ fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Confi
         limits.push(limit);
     }
 
+    let deny = compile_deny(raw.deny)?;
     let mut idempotency: Vec<Idempotency> = Vec::with_capacity(raw.idempotency.len());
     for (i, raw_rule) in raw.idempotency.into_iter().enumerate() {
         let at = format!("idempotency[{i}]");
@@ -440,11 +452,12 @@ fn compile(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Confi
     Ok(Config {
         redis,
         key_prefix,
-        needs: needs(&hash_tag, &limits, &idempotency),
+        needs: needs(&hash_tag, &limits, &idempotency, &deny),
         static_tag: static_hash_tag(&hash_tag),
         hash_tag,
         headers_ietf,
         headers_x,
+        deny,
         limits,
         idempotency,
         object_store,
@@ -458,10 +471,13 @@ fn needs(
     hash_tag: &[Part],
     limits: &[Limit],
     idempotency: &[Idempotency],
+    deny: &[DenyRule],
 ) -> crate::request::Needs {
     let matchers = limits
         .iter()
         .map(|l| &l.matcher)
+        .chain(limits.iter().filter_map(|l| l.unless.as_ref()))
+        .chain(deny.iter().map(|d| &d.matcher))
         .chain(idempotency.iter().map(|r| &r.matcher));
     let parts: Vec<&Part> = hash_tag
         .iter()

@@ -11,6 +11,10 @@ pub enum Counter {
     Rejected(usize),
     /// A shadow limit that would have rejected.
     ShadowRejected(usize),
+    /// A request the limit's `unless` exempted (no Redis call for it).
+    Exempt(usize),
+    /// A request the deny list answered 403, before any Redis call.
+    Denied,
     RedisCalls,
     /// EVALSHA found no script and the filter fell back to EVAL.
     ScriptReloads,
@@ -192,13 +196,14 @@ pub const CALLOUT_LATENCY_US: &str = "redis_guard.redis.callout_latency_us";
 impl Counter {
     /// Every counter event a configuration with `limits` limits can raise.
     pub fn all(limits: usize) -> Vec<Counter> {
-        let mut all = Vec::with_capacity(4 * limits + 44);
+        let mut all = Vec::with_capacity(5 * limits + 45);
         for i in 0..limits {
             all.extend([
                 Counter::Checked(i),
                 Counter::Allowed(i),
                 Counter::Rejected(i),
                 Counter::ShadowRejected(i),
+                Counter::Exempt(i),
             ]);
         }
         all.extend(ErrorKind::ALL.map(Counter::RedisError));
@@ -246,6 +251,7 @@ impl Counter {
             Counter::UsageReserveUnread,
             Counter::UsageLost,
             Counter::PartInvalid,
+            Counter::Denied,
         ]);
         all
     }
@@ -270,6 +276,7 @@ impl Counter {
             Counter::Allowed(i) => vec![per_limit(i, "allowed")],
             Counter::Rejected(i) => vec![per_limit(i, "rejected")],
             Counter::ShadowRejected(i) => vec![per_limit(i, "shadow_rejected")],
+            Counter::Exempt(i) => vec![per_limit(i, "exempt")],
             // The total and the kind: the total is their sum.
             Counter::RedisError(kind) => vec![
                 count("redis_guard.redis.errors".to_string()),
@@ -322,6 +329,7 @@ impl Counter {
             Counter::UsageReserveUnread => fixed("usage.reserve_unread"),
             Counter::PartInvalid => fixed("descriptor.invalid"),
             Counter::UsageLost => fixed("usage.lost"),
+            Counter::Denied => fixed("denied"),
         }
     }
 }
@@ -341,10 +349,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 50
-        // fixed stats (the gauge included) and four per limit.
-        assert_eq!(names(0).len(), 50);
-        assert_eq!(names(2).len(), 50 + 8);
+        // The stat list as the README and tests/e2e_stats.rs know it: 51
+        // fixed stats (the gauge included) and five per limit.
+        assert_eq!(names(0).len(), 51);
+        assert_eq!(names(2).len(), 51 + 10);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

@@ -19,6 +19,7 @@ use crate::filter::stage::access_log::AccessLogStage;
 use crate::filter::stage::batch::Verdict as BatchVerdict;
 use crate::filter::stage::concurrency::Concurrency;
 use crate::filter::stage::decision::{Decision, Step};
+use crate::filter::stage::deny;
 use crate::filter::stage::fallback::{self, Undecided};
 use crate::filter::stage::idempotency::intake::{Intake, Ready};
 use crate::filter::stage::idempotency::record::Record;
@@ -103,6 +104,10 @@ impl Flow {
     pub fn on_request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         let config = Rc::clone(&self.config);
         let line = RequestLine::read_needed(host, config.needs);
+        if let Err(reply) = deny::on_request(host, &config, &line) {
+            self.log.verdict("denied");
+            return answer_locally(host, &reply);
+        }
         if let Err(reply) = self.limits.on_request(host, &config, &line) {
             self.log.verdict("refused");
             return answer_locally(host, &reply);

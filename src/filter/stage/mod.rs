@@ -7,6 +7,7 @@ pub mod access_log;
 pub mod batch;
 pub mod concurrency;
 pub mod decision;
+pub mod deny;
 pub mod fallback;
 pub mod idempotency;
 pub mod lease;

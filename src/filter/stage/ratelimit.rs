@@ -33,6 +33,9 @@ impl RateLimit {
         for check in &self.plan.checks {
             host.count(Counter::Checked(check.limit));
         }
+        for limit in &self.plan.exempt {
+            host.count(Counter::Exempt(*limit));
+        }
         Ok(())
     }
 
