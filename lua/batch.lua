@@ -7,10 +7,11 @@ KEYS     every key the batch uses, each once. The filter batches only
 ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
          figure an 8-byte double, exact below 2^53; u16 counts and indexes,
          1-based; a string is a u16 length then its bytes):
-  u8   version, 1 (any other is refused)
+  u8   version, 2 (any other is refused)
   u16  P, then P parameter sets, each a limit's as lua/ratelimit.lua takes
        it: u8 kind (1 tb, 2 sw, 3 gcra, 4 fw, 5 swc, 6 cc), figures a, b, c
-       (c is 0 for cc: its slot id is the member's), u8 enforce (1 or 0)
+       (c is 0 for cc: its slot id is the member's), figure enforce (1,
+       0, or a blocking limit's block in ms: lua/ratelimit.lua's value)
   u16  M, then per member, in the order to decide them:
        u16 N limits, each: u16 parameter set, u16 key (into KEYS), figure
            cost, and for a cc limit the request's slot id (string)
@@ -64,17 +65,17 @@ local ko, nk, ao, na = {}, {}, {}, {}
 -- not hold together. Run under pcall: struct raises on a short string.
 local function read()
   local version, np, pos = unpack('>BH', packed)
-  if version ~= 1 then
-    return 'packed batch version ' .. version .. ', this script reads 1'
+  if version ~= 2 then
+    return 'packed batch version ' .. version .. ', this script reads 2'
   end
   local params = {}
   for i = 1, np do
     local kind, a, b, c, enforce
-    kind, a, b, c, enforce, pos = unpack('>BdddB', packed, pos)
+    kind, a, b, c, enforce, pos = unpack('>Bdddd', packed, pos)
     if kinds[kind] == nil then
       return 'unknown algorithm'
     end
-    params[i] = { kinds[kind], a, b, c, enforce == 1 and '1' or '0' }
+    params[i] = { kinds[kind], a, b, c, enforce }
   end
   m, pos = unpack('>H', packed, pos)
   if m < 1 then

@@ -18,6 +18,17 @@ Kinds    "tb" token_bucket.lua, "sw" sliding_window.lua, "gcra" gcra.lua,
          the script calls once before it returns.
 ]]
 
+-- The key of a blocking limit's block: its state key with `:bl:` for `:rl:`
+-- (src/keys.rs block_key(); the prefix holds no brace, so the first `:rl:{`
+-- is the one after it).
+local function block_key(key)
+  local s, e = string.find(key, ':rl:{', 1, true)
+  if s == nil then
+    return key .. ':bl'
+  end
+  return string.sub(key, 1, s - 1) .. ':bl:{' .. string.sub(key, e + 1)
+end
+
 -- The kinds malformed() lets through.
 local known_kinds = { tb = true, sw = true, gcra = true, fw = true, swc = true,
                       cc = true }
@@ -74,6 +85,10 @@ local function malformed(keys, ko, nk, argv, ao, na)
           or (tonumber(argv[base + j]) == nil and not (alg == 'cc' and j == 3)) then
         return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs numbers'
       end
+    end
+    local e = tonumber(argv[base + 5])
+    if e == nil or not (e == 0 or e == 1 or (alg ~= 'cc' and whole(e, 1000, 2^42))) then
+      return 'ERR redis-guard ratelimit: limit ' .. i .. ' has a bad enforce value'
     end
     if alg == 'cc' and cc_slot_bad(argv[base + 3]) then
       return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs a slot id'
@@ -151,9 +166,22 @@ local function decide_checked(keys, ko, argv, ao, na)
     local b = tonumber(argv[base + 2])
     local c = argv[base + 3]
     local cost = tonumber(argv[base + 4])
-    local enforce = argv[base + 5] == '1'
+    local e = tonumber(argv[base + 5])
+    local enforce = e ~= 0
     local r
-    if alg == 'tb' then
+    -- A blocking limit's key stays refused while its block key lives, whatever
+    -- its state would say; the block key shares the state key's hash tag.
+    local block, bkey = e > 1 and e or nil, nil
+    if block then
+      bkey = block_key(keys[ko + i])
+      local left = redis.call('PTTL', bkey)
+      if left > 0 then
+        r = { allowed = 0, remaining = 0, retry = left, reset = left, blocked = true }
+      end
+    end
+    if r then
+      -- blocked: no state read
+    elseif alg == 'tb' then
       r = tb_check(keys[ko + i], a, b, tonumber(c), cost)
     elseif alg == 'sw' then
       r = sw_check(keys[ko + i], a, b, cost)
@@ -167,10 +195,23 @@ local function decide_checked(keys, ko, argv, ao, na)
       r = cc_check(keys[ko + i], a, b, c, cost)
     end
     r.alg = alg
+    r.block, r.bkey = block, bkey
     if enforce and r.allowed == 0 then
       admit = 0
     end
     results[i] = r
+  end
+
+  -- A blocking limit that rejected starts its block now: the key is refused
+  -- for the whole block, so Retry-After says when the block ends.
+  if admit == 0 then
+    for i = 1, n do
+      local r = results[i]
+      if r.block and r.allowed == 0 and not r.blocked then
+        redis.call('SET', r.bkey, '1', 'PX', r.block)
+        r.retry, r.reset = r.block, r.block
+      end
+    end
   end
 
   if admit == 1 and idem then

@@ -22,7 +22,12 @@ ARGV per limit i, six values starting at 2 + (i-1)*6:
   cost       units this request spends (1 <= cost <= capacity, burst or
              limit; a larger cost is a rejection that writes nothing, see
              each kind's file)
-  enforce    "1": a rejection rejects the request; "0": shadow, reported only
+  enforce    "1": a rejection rejects the request; "0": shadow, reported only;
+             a whole number of ms from 1000 to 2^42 (not for cc): as "1",
+             and a rejection by this limit blocks its key for that long: a
+             key `:bl:` in place of the state key's `:rl:` (same hash tag),
+             SET with that PX; while it lives the limit rejects the key with
+             retry_ms = reset_ms = its PTTL, without reading its state
   gcra, fw, swc and cc take whole numbers within the bounds their files' headers
   give (the filter's config validation keeps them there); numbers that
   would corrupt a key are an error reply, and nothing is written.

@@ -48,8 +48,9 @@ impl<T: Copy + Eq + Hash> Table<T> {
 }
 
 /// A limit's parameters: kind code, its three numbers (a concurrency
-/// limit's third is its request's slot id, carried per member) and enforce.
-type Params = (u8, u64, u64, u64, bool);
+/// limit's third is its request's slot id, carried per member) and enforce
+/// (0, 1 or a block in ms, as lua/ratelimit.lua takes it).
+type Params = (u8, u64, u64, u64, u64);
 
 fn figure(raw: &[u8]) -> Result<u64, String> {
     std::str::from_utf8(raw)
@@ -123,7 +124,7 @@ fn pack_member<'a>(
             figure(&v[1])?,
             figure(&v[2])?,
             c,
-            v[5] == b"1",
+            figure(&v[5])?,
         );
         put_u16(out, usize::from(params.of(p)?))?;
         put_u16(out, usize::from(key_table.of(key.as_slice())?))?;
@@ -156,7 +157,7 @@ pub fn pack(members: &[ScriptArgs]) -> Result<Packed, String> {
     for member in members {
         pack_member(member, &mut keys, &mut params, &mut body)?;
     }
-    let mut head = Vec::with_capacity(8 + params.items.len() * 26);
+    let mut head = Vec::with_capacity(8 + params.items.len() * 33);
     head.push(PACKED_VERSION);
     put_u16(&mut head, params.items.len())?;
     for (kind, a, b, c, enforce) in &params.items {
@@ -164,7 +165,7 @@ pub fn pack(members: &[ScriptArgs]) -> Result<Packed, String> {
         put_figure(&mut head, *a);
         put_figure(&mut head, *b);
         put_figure(&mut head, *c);
-        head.push(u8::from(*enforce));
+        put_figure(&mut head, *enforce);
     }
     put_u16(&mut head, members.len())?;
     head.extend_from_slice(&body);
@@ -177,7 +178,7 @@ pub fn pack(members: &[ScriptArgs]) -> Result<Packed, String> {
 /// The packed layout's version, its first byte: lua/batch.lua refuses any
 /// other (a filter and a script of different releases never mix silently;
 /// each release's script has its own SHA-1 anyway).
-pub const PACKED_VERSION: u8 = 1;
+pub const PACKED_VERSION: u8 = 2;
 
 /// Splits lua/batch.lua's flat reply into each member's own reply, in the
 /// form lua/ratelimit.lua gives it; `m` members were sent.
@@ -242,11 +243,9 @@ mod tests {
         assert_eq!(p.keys, bytes(&["k1", "c", "idem"]));
         let mut want = vec![PACKED_VERSION, 0, 2];
         want.push(1);
-        want.extend([f(5.0), f(1.0), f(1000.0)].concat());
-        want.push(1);
+        want.extend([f(5.0), f(1.0), f(1000.0), f(1.0)].concat());
         want.push(6);
-        want.extend([f(3.0), f(60000.0), f(0.0)].concat());
-        want.push(0);
+        want.extend([f(3.0), f(60000.0), f(0.0), f(0.0)].concat());
         want.extend([0, 2]);
         // a: one limit, parameters 1 on key 1, cost 1, no key.
         want.extend([0, 1, 0, 1, 0, 1]);

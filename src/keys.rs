@@ -79,8 +79,28 @@ pub fn rate_limit_key(prefix: &str, tag: &str, key_infix: &str, descriptor: &[u8
     key
 }
 
+/// The block key of a blocking limit's state key: `:bl:` in place of its
+/// `:rl:`, so it shares the state's hash tag (lua/decide.lua block_key()
+/// derives it the same way; the prefix holds no brace, so the first `:rl:{`
+/// is the one after it).
+pub fn block_key(state_key: &[u8]) -> Vec<u8> {
+    let at = state_key.windows(5).position(|w| w == b":rl:{");
+    match at {
+        Some(i) => [&state_key[..i], b":bl:{", &state_key[i + 5..]].concat(),
+        None => [state_key, b":bl"].concat(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_block_key_shares_its_state_keys_hash_tag() {
+        let key = rate_limit_key("rg", "abc", ":login:fw.5.900000:", b"\x03ann:rl:{x}");
+        let block = block_key(&key);
+        assert!(block.starts_with(b"rg:bl:{abc}:login:fw.5.900000:"));
+        assert!(block.ends_with(b"ann:rl:{x}"), "only the first `:rl:{{`");
+    }
+
     use super::*;
 
     #[test]

@@ -27,5 +27,6 @@ pub mod request;
 pub mod response;
 pub mod scripts;
 pub mod sigv4;
+pub mod statuses;
 pub mod usage;
 pub mod webdis;

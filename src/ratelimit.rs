@@ -155,7 +155,7 @@ impl Plan {
             argv.push(b.to_string().into_bytes());
             argv.push(c);
             argv.push(check.cost.to_string().into_bytes());
-            argv.push(enforce_flag(limit.shadow));
+            argv.push(enforce_value(limit.shadow, limit.block_ms));
         }
         if let Some(idem) = idem {
             keys.push(idem.key.clone());
@@ -208,12 +208,13 @@ pub fn kind_args(algorithm: &Algorithm) -> (&'static str, u64, u64, u64) {
     }
 }
 
-/// A limit's enforce flag: a shadow limit is reported, never enforced.
-fn enforce_flag(shadow: bool) -> Vec<u8> {
-    if shadow {
-        b"0".to_vec()
-    } else {
-        b"1".to_vec()
+/// A limit's enforce value: a shadow limit is reported, never enforced
+/// ("0"); a blocking one says its block in ms; any other is "1".
+fn enforce_value(shadow: bool, block_ms: Option<u64>) -> Vec<u8> {
+    match (shadow, block_ms) {
+        (true, _) => b"0".to_vec(),
+        (false, Some(ms)) => ms.to_string().into_bytes(),
+        (false, None) => b"1".to_vec(),
     }
 }
 

@@ -266,6 +266,9 @@ struct Def {
     /// tb, gcra: period (ms); sw, fw, swc: 0; cc: 0 (the slot id is the
     /// member's own: see `Case::requests`).
     c: i64,
+    /// A blocking limit's block (an hour), 0 for none (never for cc): its
+    /// enforced rejections block the key in both namespaces alike.
+    block: i64,
 }
 
 impl Def {
@@ -299,6 +302,15 @@ struct Case {
 }
 
 fn def_strategy() -> impl Strategy<Value = Def> {
+    (kind_strategy(), prop::bool::weighted(0.3)).prop_map(|(mut d, blocking)| {
+        if blocking && d.alg != "cc" {
+            d.block = HOUR;
+        }
+        d
+    })
+}
+
+fn kind_strategy() -> impl Strategy<Value = Def> {
     // Hour-scale periods and windows (see the module comment); refill 1..=3
     // tokens per period, and every period is a multiple of 6, so the retry
     // and reset divisions come out exact.
@@ -307,37 +319,43 @@ fn def_strategy() -> impl Strategy<Value = Def> {
             alg: "tb",
             a,
             b,
-            c
+            c,
+            block: 0
         }),
         (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
             alg: "sw",
             a,
             b,
-            c: 0
+            c: 0,
+            block: 0
         }),
         (1..=6i64, 1..=3i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b, c)| Def {
             alg: "gcra",
             a,
             b,
-            c
+            c,
+            block: 0
         }),
         (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
             alg: "fw",
             a,
             b,
-            c: 0
+            c: 0,
+            block: 0
         }),
         (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
             alg: "swc",
             a,
             b,
-            c: 0
+            c: 0,
+            block: 0
         }),
         (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
             alg: "cc",
             a,
             b,
-            c: 0
+            c: 0,
+            block: 0
         }),
     ]
 }
@@ -408,6 +426,7 @@ impl Case {
                             },
                             cost: u.cost.min(d.a),
                             enforce: u.enforce,
+                            block: d.block,
                         }
                     })
                     .collect(),
@@ -430,6 +449,8 @@ struct Seen {
     verdicts: [Cell<u32>; 5],
     shadow_rejections_admitted: Cell<u32>,
     time_dependent_compared: Cell<u32>,
+    /// Rejections by a blocking limit (its block started or running).
+    blocked: Cell<u32>,
     /// Per kind: (limits that admitted, limits that rejected).
     by_kind: RefCell<BTreeMap<&'static str, (u32, u32)>>,
     /// Cases not compared because an hour edge fell between the runs.
@@ -508,7 +529,14 @@ fn compare_replies(
                     let exact = d.alg == "cc"
                         || (!d.windowed() && (!touched[u.def] || (d.alg == "sw" && charged)));
                     let bound = if d.windowed() { span } else { elapsed };
-                    if exact {
+                    if d.block > 0 && u.enforce && va[0] == 0 {
+                        // Blocked: retry and reset are the block's PTTL,
+                        // started by this or an earlier member (an hour).
+                        bump(&seen.blocked);
+                        for v in [va[2], va[3], vb[2], vb[3]] {
+                            prop_assert!(v > HOUR - span - 1 && v <= HOUR, "block {}: {}", v, what);
+                        }
+                    } else if exact {
                         prop_assert_eq!(va[2], vb[2], "retry_ms: {}", what);
                         prop_assert_eq!(va[3], vb[3], "reset_ms: {}", what);
                     } else {
@@ -564,6 +592,16 @@ fn compare_state(
     let mut expected_b = BTreeSet::new();
     for (i, d) in case.defs.iter().enumerate() {
         let (ka, kb) = (Case::def_key(na, i), Case::def_key(nb, i));
+        if d.block > 0 {
+            // The same rejections blocked the key in both (`:bl` appended:
+            // these keys have no `:rl:{`).
+            let (ba, bb) = (format!("{ka}:bl"), format!("{kb}:bl"));
+            prop_assert_eq!(key_exists(con, &ba), key_exists(con, &bb), "{} exists", ba);
+            if key_exists(con, &ba) {
+                expected_a.insert(ba);
+                expected_b.insert(bb);
+            }
+        }
         prop_assert_eq!(key_exists(con, &ka), key_exists(con, &kb), "{} exists", ka);
         if key_exists(con, &ka) {
             expected_a.insert(ka.clone());
@@ -720,6 +758,7 @@ fn a_batch_decides_exactly_as_the_same_members_sent_one_by_one_in_order() {
         );
         assert!(seen.shadow_rejections_admitted.get() > 0);
         assert!(seen.time_dependent_compared.get() > 0);
+        assert!(seen.blocked.get() > 0, "no blocking limit rejected");
         // Every kind both admitted and rejected somewhere.
         let by_kind = seen.by_kind.borrow();
         for kind in ["tb", "sw", "gcra", "fw", "swc", "cc"] {
@@ -1097,10 +1136,11 @@ fn set_u16(body: &mut [u8], at: usize, v: u16) {
 }
 
 // Offsets in a batch of token-bucket members sharing one parameter set
-// (lua/batch.lua's layout): version 1, P 2, the set 26, M 2, then per member
-// its limit count 2, set 2, key 2, cost 8 and flag 1.
-const M_AT: usize = 29;
-const MEMBER_AT: usize = 31;
+// (lua/batch.lua's layout): version 1, P 2, the set 33 (kind, four
+// figures), M 2, then per member its limit count 2, set 2, key 2, cost 8 and
+// flag 1.
+const M_AT: usize = 36;
+const MEMBER_AT: usize = 38;
 const MEMBER_LEN: usize = 15;
 
 /// Runs each malformed batch under its own namespace and returns, for every
@@ -1154,7 +1194,11 @@ fn malformed_failures(cases: Vec<(&str, Raw)>) -> Vec<String> {
 fn a_malformed_packed_batch_gives_an_error_reply_and_writes_nothing() {
     let one = || vec![valid_member("NS", "v")];
     let cases = vec![
-        ("version 2", edited(&one(), |b| b[0] = 2)),
+        ("version 1", edited(&one(), |b| b[0] = 1)),
+        (
+            "an enforce value of 2",
+            edited(&one(), |b| b[28..36].copy_from_slice(&2f64.to_be_bytes())),
+        ),
         ("member count 0", edited(&one(), |b| set_u16(b, M_AT, 0))),
         (
             "member count 2, one member sent",

@@ -270,7 +270,12 @@ fn run(command: Command) -> Result<output::Report, Failure> {
             }
             let mut redis = store::connect(&limit.selection.redis)?;
             let deleted = redis.delete(&target.key)?;
-            Ok(output::reset(&target, deleted))
+            // A blocking limit's block goes too: a reset makes the key whole.
+            let unblocked = match target.limit.block_ms {
+                Some(_) => redis.delete(&redis_guard::keys::block_key(&target.key))?,
+                None => false,
+            };
+            Ok(output::reset(&target, deleted, unblocked))
         }
         Command::Wire {
             config,

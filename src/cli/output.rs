@@ -297,6 +297,8 @@ pub fn inspection(target: &LimitTarget, cost: u64, s: &Inspection) -> Report {
     let key = printable(&target.key);
     let verdict = if s.allowed {
         format!("a request of cost {cost} would be admitted")
+    } else if let Some(ms) = s.blocked_ms {
+        format!("blocked: every request is rejected (429) for {ms} ms more")
     } else {
         format!("a request of cost {cost} would be rejected (429)")
     };
@@ -330,15 +332,21 @@ pub fn inspection(target: &LimitTarget, cost: u64, s: &Inspection) -> Report {
             "retryMs": s.retry_ms,
             "resetMs": s.reset_ms,
             "redisTimeMs": s.redis_time_ms,
+            "blockedMs": s.blocked_ms,
             "state": raw_json(&s.raw),
         }),
     }
 }
 
 /// `reset`.
-pub fn reset(target: &LimitTarget, deleted: bool) -> Report {
+pub fn reset(target: &LimitTarget, deleted: bool, unblocked: bool) -> Report {
     let key = printable(&target.key);
-    let mut text = if deleted {
+    let mut text = if unblocked {
+        format!(
+            "reset `{}`: lifted its block and deleted {key}; its whole budget is back\n",
+            target.limit.name
+        )
+    } else if deleted {
         format!(
             "reset `{}`: deleted {key}; its whole budget is back\n",
             target.limit.name
@@ -352,7 +360,7 @@ pub fn reset(target: &LimitTarget, deleted: bool) -> Report {
     text.push_str("note: an Envoy that cached a rejection of this key answers 429 until that rejection's Retry-After (at most 1 s); tokens already leased to an Envoy stay its own until their lease ends\n");
     Report {
         text,
-        json: json!({"limit": target.limit.name, "key": key, "deleted": deleted}),
+        json: json!({"limit": target.limit.name, "key": key, "deleted": deleted, "unblocked": unblocked}),
     }
 }
 

@@ -24,6 +24,8 @@ pub struct Inspection {
     pub reset_ms: i64,
     pub redis_time_ms: i64,
     pub raw: Raw,
+    /// A blocking limit's block: ms left, if the key is blocked.
+    pub blocked_ms: Option<i64>,
 }
 
 /// A key's type, TTL and contents as Redis holds them.
@@ -130,7 +132,30 @@ impl Store {
                 ))),
             }
         };
+        // The block is checked before the state, as the filter's script does.
+        let blocked_ms = match target.limit.block_ms {
+            None => None,
+            Some(_) => {
+                let ms: i64 = redis::cmd("PTTL")
+                    .arg(redis_guard::keys::block_key(&target.key))
+                    .query(self.conn.as_mut())
+                    .map_err(failed)?;
+                (ms > 0).then_some(ms)
+            }
+        };
+        if let Some(ms) = blocked_ms {
+            return Ok(Inspection {
+                allowed: false,
+                remaining: 0,
+                retry_ms: ms,
+                reset_ms: ms,
+                redis_time_ms: num(4)?,
+                raw: self.raw(&target.key)?,
+                blocked_ms,
+            });
+        }
         Ok(Inspection {
+            blocked_ms,
             allowed: num(0)? == 1,
             remaining: num(1)?,
             retry_ms: num(2)?,

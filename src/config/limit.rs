@@ -6,6 +6,7 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::block::{compile_block, RawBlock};
 use super::matcher::{compile_match, Matcher, RawMatch};
 use super::parts::{compile_parts, Part, RawPart};
 use super::usage::{compile_usage, RawUsage, Usage};
@@ -110,6 +111,9 @@ pub(super) struct RawLimit {
     /// fixed window and sliding-window counter).
     #[serde(default)]
     usage: Option<RawUsage>,
+    /// Once the limit rejects a key, refuse the key for a while.
+    #[serde(default)]
+    block: Option<RawBlock>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -338,6 +342,8 @@ pub struct Limit {
     pub lease: Option<Lease>,
     /// Charged by the response's usage, settled after it.
     pub usage: Option<Usage>,
+    /// A rejection blocks the key for this many ms.
+    pub block_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -513,8 +519,19 @@ pub(super) fn compile_limit(
         Some(u) => Cost::Fixed(u.reserve),
         None => cost,
     };
+    let block_ms = match raw.block {
+        None => None,
+        Some(b) => Some(compile_block(
+            b,
+            &format!("{at}.block"),
+            &algorithm,
+            raw.shadow,
+            lease.is_some(),
+        )?),
+    };
     let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
     Ok(Limit {
+        block_ms,
         usage,
         lease,
         local_per_mille,

@@ -7,6 +7,7 @@
 //! against the object store); each feature's types and checks are in its file.
 
 mod access_log;
+mod block;
 mod deny;
 mod idempotency;
 mod limit;
@@ -267,6 +268,7 @@ const LIST_FIELDS: &[&str] = &[
     "path",
     "values",
     "deny",
+    "countStatuses",
     "clientNetworks",
     "oneOf",
 ];

@@ -5,6 +5,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::{header_name, ConfigError};
+use crate::statuses::StatusSet;
 use crate::usage::Term;
 
 /// Most bytes of a JSON body, or of one event of a stream, read for the usage.
@@ -30,6 +31,13 @@ pub(super) struct RawUsage {
     /// of a `text/event-stream` body: the cost is their weighted sum.
     #[serde(default)]
     json: Vec<RawTerm>,
+    /// Count only responses with these statuses (HTTP classes `4xx`,
+    /// codes `401`, gRPC names `UNAUTHENTICATED`): a request takes `reserve`
+    /// at admission and gets it back when its response's status is not
+    /// listed (a login limit that counts failed attempts only). Instead of
+    /// `header` and `json`. A response that never arrives counts.
+    #[serde(default)]
+    count_statuses: Vec<String>,
     /// Units a request must find left, taken at admission (default 1).
     #[serde(default)]
     #[schemars(range(min = 1))]
@@ -68,6 +76,9 @@ struct RawTerm {
 pub struct Usage {
     pub header: Option<String>,
     pub terms: Vec<Term>,
+    /// Response-counted: the request costs `reserve` if its response's
+    /// status is in the set, nothing otherwise.
+    pub counted: Option<StatusSet>,
     pub reserve: u64,
     /// Terms read from the request body for its reservation.
     pub reserve_from: Vec<Term>,
@@ -84,10 +95,23 @@ pub(super) fn compile_usage(raw: RawUsage, at: &str, quota: u64) -> Result<Usage
         Some(h) => Some(header_name(&h, &format!("{at}.header"))?),
         None => None,
     };
-    if header.is_none() && raw.json.is_empty() {
+    let counted = if raw.count_statuses.is_empty() {
+        None
+    } else {
+        if header.is_some() || !raw.json.is_empty() {
+            return Err(ConfigError::new(
+                format!("{at}.countStatuses"),
+                "decides the cost by the response's status: remove `header` and `json`",
+            ));
+        }
+        let set = StatusSet::parse(&raw.count_statuses)
+            .map_err(|(i, why)| ConfigError::new(format!("{at}.countStatuses[{i}]"), why))?;
+        Some(set)
+    };
+    if header.is_none() && raw.json.is_empty() && counted.is_none() {
         return Err(ConfigError::new(
             at,
-            "set `header`, `json` or both: where the response states its cost",
+            "set `header`, `json` or both (where the response states its cost), or `countStatuses`",
         ));
     }
     let terms = compile_terms(raw.json, &format!("{at}.json"))?;
@@ -115,6 +139,7 @@ pub(super) fn compile_usage(raw: RawUsage, at: &str, quota: u64) -> Result<Usage
     Ok(Usage {
         header,
         terms,
+        counted,
         reserve,
         reserve_from,
         fallback: raw.fallback,

@@ -169,6 +169,8 @@ pub struct Limit {
     pub c: String,
     pub cost: i64,
     pub enforce: bool,
+    /// A blocking limit's block (ms); 0 for none.
+    pub block: i64,
 }
 
 /// Token bucket: `capacity` tokens, `refill` tokens every `period_ms`.
@@ -181,6 +183,7 @@ pub fn tb(key: &str, capacity: i64, refill: i64, period_ms: i64) -> Limit {
         c: period_ms.to_string(),
         cost: 1,
         enforce: true,
+        block: 0,
     }
 }
 
@@ -194,6 +197,7 @@ pub fn sw(key: &str, limit: i64, window_ms: i64) -> Limit {
         c: "0".to_string(),
         cost: 1,
         enforce: true,
+        block: 0,
     }
 }
 
@@ -207,6 +211,7 @@ pub fn gcra(key: &str, burst: i64, rate: i64, period_ms: i64) -> Limit {
         c: period_ms.to_string(),
         cost: 1,
         enforce: true,
+        block: 0,
     }
 }
 
@@ -220,6 +225,7 @@ pub fn fw(key: &str, limit: i64, window_ms: i64) -> Limit {
         c: "0".to_string(),
         cost: 1,
         enforce: true,
+        block: 0,
     }
 }
 
@@ -233,6 +239,7 @@ pub fn swc(key: &str, limit: i64, window_ms: i64) -> Limit {
         c: "0".to_string(),
         cost: 1,
         enforce: true,
+        block: 0,
     }
 }
 
@@ -247,12 +254,19 @@ pub fn cc(key: &str, max: i64, lease_ms: i64, slot: &str) -> Limit {
         c: slot.to_string(),
         cost: 1,
         enforce: true,
+        block: 0,
     }
 }
 
 impl Limit {
     pub fn cost(mut self, cost: i64) -> Limit {
         self.cost = cost;
+        self
+    }
+
+    /// A rejection blocks the key for `ms` (the enforce value says it).
+    pub fn block(mut self, ms: i64) -> Limit {
+        self.block = ms;
         self
     }
 
@@ -310,7 +324,11 @@ pub fn request_argv(limits: &[Limit], idem: Option<&Idem>) -> Vec<String> {
             l.b.to_string(),
             l.c.clone(),
             l.cost.to_string(),
-            if l.enforce { "1" } else { "0" }.to_string(),
+            match (l.enforce, l.block) {
+                (false, _) => "0".to_string(),
+                (true, 0) => "1".to_string(),
+                (true, ms) => ms.to_string(),
+            },
         ]);
     }
     if let Some(i) = idem {

@@ -34,8 +34,13 @@ struct Owed {
     reserved: u64,
     /// Its terms' place in `UsageStage::terms`.
     terms: std::ops::Range<usize>,
-    /// Its header's value, once the response's headers are read.
+    /// Its header's value, once the response's headers are read (for a
+    /// response-counted limit: what its status says it costs).
     header: Option<u64>,
+    /// A response-counted limit's cost by the HTTP status of a gRPC
+    /// response whose `grpc-status` is still to come: it stands if the
+    /// response completes without one.
+    provisional: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -181,6 +186,7 @@ impl UsageStage {
                 reserved: check.cost,
                 terms: start..self.terms.len(),
                 header: None,
+                provisional: None,
             });
         }
         self.tag = plan.tag.clone().unwrap_or_default();
@@ -192,6 +198,11 @@ impl UsageStage {
         }
         for owed in &mut self.owed {
             let rule = config.limits[owed.limit].usage.as_ref();
+            if let Some(set) = rule.and_then(|u| u.counted.as_ref()) {
+                let (cost, provisional) = counted_cost(host, set, owed.reserved);
+                (owed.header, owed.provisional) = (cost, provisional);
+                continue;
+            }
             owed.header = rule
                 .and_then(|u| u.header.as_deref())
                 .and_then(|name| host.response_header(name))
@@ -265,6 +276,19 @@ impl UsageStage {
                 continue;
             }
             let rule = config.limits[owed.limit].usage.as_ref();
+            if let Some(set) = rule.and_then(|u| u.counted.as_ref()) {
+                owed.header = host
+                    .response_trailer("grpc-status")
+                    .and_then(|v| crate::grpc::parse_status(&v))
+                    .map(|code| {
+                        if set.counts_grpc(code) {
+                            owed.reserved
+                        } else {
+                            0
+                        }
+                    });
+                continue;
+            }
             owed.header = rule
                 .and_then(|u| u.header.as_deref())
                 .and_then(|name| host.response_trailer(name))
@@ -295,10 +319,13 @@ impl UsageStage {
             };
             // A header states the cost at once; a body only once it is all
             // there (a stream cut short may hold part of its usage).
-            let stated = owed.header.or_else(|| {
-                let values = values.as_ref()?;
-                weighted(&self.terms[owed.terms.clone()], &values[owed.terms.clone()]).ok()
-            });
+            let stated = owed
+                .header
+                .or(owed.provisional.filter(|_| self.complete))
+                .or_else(|| {
+                    let values = values.as_ref()?;
+                    weighted(&self.terms[owed.terms.clone()], &values[owed.terms.clone()]).ok()
+                });
             let cost = match stated {
                 Some(cost) => cost.min(crate::config::MAX_USAGE_UNITS),
                 None => {
@@ -334,6 +361,36 @@ impl UsageStage {
             log::warn!("redis-guard: cannot settle usage-based costs: {why}");
             host.count_n(Counter::UsageLost, settlements);
         }
+    }
+}
+
+/// What a response-counted limit's response costs, from its headers: its
+/// reserve if the status counts, else nothing. A gRPC response is judged by
+/// its `grpc-status` (in these headers when it is trailers-only; otherwise
+/// the trailers decide, and the HTTP status is the provisional answer for a
+/// response that ends without one), anything else by its HTTP status.
+fn counted_cost<H: Host>(
+    host: &mut H,
+    set: &crate::statuses::StatusSet,
+    reserved: u64,
+) -> (Option<u64>, Option<u64>) {
+    let cost = |counts: bool| if counts { reserved } else { 0 };
+    let http = host
+        .response_header(":status")
+        .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
+        .map(|status| cost(set.counts_http(status)));
+    let grpc = host
+        .response_header("content-type")
+        .is_some_and(|ct| crate::grpc::is_grpc(&ct));
+    if !grpc {
+        return (http, None);
+    }
+    match host
+        .response_header("grpc-status")
+        .and_then(|v| crate::grpc::parse_status(&v))
+    {
+        Some(code) => (Some(cost(set.counts_grpc(code))), None),
+        None => (None, http),
     }
 }
 

@@ -5,6 +5,7 @@
 mod access_log;
 mod batch;
 mod concurrency;
+mod counted;
 mod envoy_like;
 mod grpc;
 mod idempotency;

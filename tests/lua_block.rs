@@ -1,0 +1,127 @@
+//! Blocking limits in lua/ratelimit.lua and lua/batch.lua against a real
+//! redis-server: a rejection by a limit whose enforce value is a block (ms)
+//! starts a block key beside its state (same hash tag, TTL the block); while
+//! it lives the key is refused with Retry-After at the block's end, whatever
+//! the state says, and nothing else is written.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use redis::Connection;
+use redis_guard::scripts::{BATCH, RATELIMIT};
+use support::script::{self, fw, tb, Limit, HOUR};
+use support::{key_exists, key_pttl, Redis};
+
+/// A state key as the filter builds it (tag `t`), and its block key.
+fn keys(name: &str) -> (String, String) {
+    let state = redis_guard::keys::rate_limit_key("rg", "t", &format!(":{name}:fw.2.x:"), b"ann");
+    let block = redis_guard::keys::block_key(&state);
+    (
+        String::from_utf8(state).unwrap(),
+        String::from_utf8(block).unwrap(),
+    )
+}
+
+fn decide(con: &mut Connection, limits: &[Limit]) -> script::Decision {
+    script::request(con, limits, None).decision()
+}
+
+#[test]
+fn a_rejection_blocks_the_key_until_the_block_ends_whatever_the_state_says() {
+    let (_redis, mut con) = Redis::start_with_conn();
+    let (state, block) = keys("login");
+    let limit = fw(&state, 2, HOUR).block(5_000);
+    assert!(decide(&mut con, &[limit.clone()]).admitted);
+    assert!(decide(&mut con, &[limit.clone()]).admitted);
+    assert!(!key_exists(&mut con, &block), "no block before a rejection");
+    // The third is rejected: its retry is the block, not the window's end.
+    let d = decide(&mut con, &[limit.clone()]);
+    assert!(!d.admitted);
+    assert_eq!((d.limits[0].retry_ms, d.limits[0].reset_ms), (5_000, 5_000));
+    let ttl = key_pttl(&mut con, &block);
+    assert!(ttl > 4_000 && ttl <= 5_000, "{ttl}");
+    // The state gone (the window over, a reset): still blocked, the retry
+    // the block's time left, and the state is not read or written.
+    redis::cmd("DEL").arg(&state).query::<()>(&mut con).unwrap();
+    let d = decide(&mut con, &[limit.clone()]);
+    assert!(!d.admitted);
+    assert!(
+        d.limits[0].retry_ms > 0 && d.limits[0].retry_ms <= ttl,
+        "{d:?}"
+    );
+    assert_eq!(d.limits[0].remaining, 0);
+    assert!(!key_exists(&mut con, &state));
+    // The block lifted (its end, or `redis-guard reset`): counted afresh.
+    redis::cmd("DEL").arg(&block).query::<()>(&mut con).unwrap();
+    assert!(decide(&mut con, &[limit]).admitted);
+}
+
+#[test]
+fn only_an_enforced_limit_that_itself_rejected_starts_a_block() {
+    let (_redis, mut con) = Redis::start_with_conn();
+    let (a, a_block) = keys("a");
+    let (b, b_block) = keys("b");
+    // `b` rejects; `a` (blocking, would admit) is not blocked by it.
+    let d = decide(
+        &mut con,
+        &[fw(&a, 5, HOUR).block(9_000), tb(&b, 1, 1, HOUR).cost(1)],
+    );
+    assert!(d.admitted);
+    let d = decide(
+        &mut con,
+        &[fw(&a, 5, HOUR).block(9_000), tb(&b, 1, 1, HOUR)],
+    );
+    assert!(!d.admitted);
+    assert!(!key_exists(&mut con, &a_block));
+    assert!(!key_exists(&mut con, &b_block));
+    // A shadow limit never blocks (its enforce value is 0, not a block).
+    let (s, s_block) = keys("s");
+    for _ in 0..3 {
+        decide(&mut con, &[fw(&s, 1, HOUR).block(9_000).shadow()]);
+    }
+    assert!(!key_exists(&mut con, &s_block));
+}
+
+#[test]
+fn a_batch_blocks_exactly_as_its_members_one_by_one() {
+    let (_redis, mut con) = Redis::start_with_conn();
+    let (state, block) = keys("login");
+    let limit = fw(&state, 1, HOUR).block(7_000);
+    let (k, body) = script::packed_batch(&vec![vec![limit.clone()]; 3]);
+    let v: redis::Value = script::eval(&BATCH)
+        .arg(k.len())
+        .arg(&k)
+        .arg(body)
+        .query(&mut con)
+        .unwrap();
+    let flat: Vec<i64> = redis::from_redis_value(&v).unwrap();
+    // Member 1 admitted; member 2 rejected and starts the block (retry
+    // 7000); member 3 finds the block (its PTTL: 7000 at the batch's instant).
+    assert_eq!(flat.len(), 19, "{flat:?}");
+    assert_eq!(flat[..7], [3, 5, 1, 1, 0, 0, flat[6]]);
+    assert_eq!(flat[7..13], [5, 0, 0, 0, 7_000, 7_000]);
+    assert_eq!(flat[13..17], [5, 0, 0, 0]);
+    assert!(flat[17] > 6_000 && flat[17] <= 7_000, "{flat:?}");
+    assert_eq!(flat[17], flat[18]);
+    assert!(key_exists(&mut con, &block));
+}
+
+#[test]
+fn a_bad_enforce_value_is_an_error_that_writes_nothing() {
+    let (_redis, mut con) = Redis::start_with_conn();
+    for bad in ["2", "999", "x", "1.5", "4398046511105"] {
+        let argv = ["1", "fw", "2", "60000", "0", "1", bad];
+        let err = script::eval_raw(&mut con, &RATELIMIT, &["rg:rl:{t}:k"], &argv).unwrap_err();
+        assert!(
+            err.to_string().contains("bad enforce value"),
+            "{bad}: {err}"
+        );
+    }
+    // A concurrency limit cannot block.
+    let argv = ["1", "cc", "2", "60000", "s1", "1", "5000"];
+    let err = script::eval_raw(&mut con, &RATELIMIT, &["rg:rl:{t}:c"], &argv).unwrap_err();
+    assert!(err.to_string().contains("bad enforce value"), "{err}");
+    let n: i64 = redis::cmd("DBSIZE").query(&mut con).unwrap();
+    assert_eq!(n, 0);
+}
