@@ -42,6 +42,28 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "invalid value: integer `-1`",
     ),
     ("limits_not_array.json", "limits", "expected a sequence"),
+    // Blocking and response-counted limits.
+    (
+        "block_on_concurrency.json",
+        "limits[0].block",
+        "a concurrency limit is full only while requests run",
+    ),
+    ("block_on_shadow.json", "limits[0].block", "a shadow limit never rejects"),
+    (
+        "block_duration_too_short.json",
+        "limits[0].block.durationMs",
+        "between 1000",
+    ),
+    (
+        "usage_count_status_unknown.json",
+        "limits[0].usage.countStatuses[1]",
+        "`6xx` is neither",
+    ),
+    (
+        "usage_count_status_with_header.json",
+        "limits[0].usage.countStatuses",
+        "remove `header` and `json`",
+    ),
     // Deny lists, exemptions and client networks.
     ("deny_match_empty.json", "deny[0].match", "would refuse every request"),
     (

@@ -32,11 +32,11 @@ fn a_rejection_blocks_the_key_until_the_block_ends_whatever_the_state_says() {
     let (_redis, mut con) = Redis::start_with_conn();
     let (state, block) = keys("login");
     let limit = fw(&state, 2, HOUR).block(5_000);
-    assert!(decide(&mut con, &[limit.clone()]).admitted);
-    assert!(decide(&mut con, &[limit.clone()]).admitted);
+    assert!(decide(&mut con, std::slice::from_ref(&limit)).admitted);
+    assert!(decide(&mut con, std::slice::from_ref(&limit)).admitted);
     assert!(!key_exists(&mut con, &block), "no block before a rejection");
     // The third is rejected: its retry is the block, not the window's end.
-    let d = decide(&mut con, &[limit.clone()]);
+    let d = decide(&mut con, std::slice::from_ref(&limit));
     assert!(!d.admitted);
     assert_eq!((d.limits[0].retry_ms, d.limits[0].reset_ms), (5_000, 5_000));
     let ttl = key_pttl(&mut con, &block);
@@ -44,7 +44,7 @@ fn a_rejection_blocks_the_key_until_the_block_ends_whatever_the_state_says() {
     // The state gone (the window over, a reset): still blocked, the retry
     // the block's time left, and the state is not read or written.
     redis::cmd("DEL").arg(&state).query::<()>(&mut con).unwrap();
-    let d = decide(&mut con, &[limit.clone()]);
+    let d = decide(&mut con, std::slice::from_ref(&limit));
     assert!(!d.admitted);
     assert!(
         d.limits[0].retry_ms > 0 && d.limits[0].retry_ms <= ttl,
