@@ -9,7 +9,8 @@ ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
          1-based; a string is a u16 length then its bytes):
   u8   version, 2 (any other is refused)
   u16  P, then P parameter sets, each a limit's as lua/ratelimit.lua takes
-       it: u8 kind (1 tb, 2 sw, 3 gcra, 4 fw, 5 swc, 6 cc), figures a, b, c
+       it: u8 kind (1 tb, 2 sw, 3 gcra, 4 fw, 5 swc, 6 cc; plus 128 for a limit
+       that takes overrides, its algorithm suffixed `+o`), figures a, b, c
        (c is 0 for cc: its slot id is the member's), figure enforce (1,
        0, or a blocking limit's block in ms: lua/ratelimit.lua's value)
   u16  M, then per member, in the order to decide them:
@@ -72,10 +73,14 @@ local function read()
   for i = 1, np do
     local kind, a, b, c, enforce
     kind, a, b, c, enforce, pos = unpack('>Bdddd', packed, pos)
+    local suffix = ''
+    if kind > 128 then
+      kind, suffix = kind - 128, '+o'
+    end
     if kinds[kind] == nil then
       return 'unknown algorithm'
     end
-    params[i] = { kinds[kind], a, b, c, enforce }
+    params[i] = { kinds[kind] .. suffix, a, b, c, enforce }
   end
   m, pos = unpack('>H', packed, pos)
   if m < 1 then

@@ -32,11 +32,70 @@ end
 -- The kinds malformed() lets through.
 local known_kinds = { tb = true, sw = true, gcra = true, fw = true, swc = true,
                       cc = true }
+-- The kinds that take overrides: their state means the same under another
+-- capacity or limit (GCRA's is in units of its rate; cc's are slots).
+local overridable = { tb = true, sw = true, fw = true, swc = true }
+
+-- A limit's kind, and whether it takes overrides (its algorithm suffixed
+-- `+o`), or nil for an algorithm that is neither.
+local function kind_of(alg)
+  if known_kinds[alg] then
+    return alg, false
+  end
+  if type(alg) == 'string' and string.sub(alg, -2) == '+o' then
+    local kind = string.sub(alg, 1, -3)
+    if overridable[kind] then
+      return kind, true
+    end
+  end
+  return nil, false
+end
+
+-- The override key of a state key `<prefix>:rl:{<tag>}:<name>:<signature>:
+-- <descriptor>`: `<prefix>:ov:{<tag>}:<name>:<descriptor>` (src/keys.rs
+-- override_key()). Without the signature, so an override outlives a change
+-- of the limit's configured numbers; the same hash tag, so the same slot.
+-- Names and signatures hold no `:`.
+local function override_key(key)
+  local s, e = string.find(key, ':rl:{', 1, true)
+  if s == nil then return nil end
+  local t = string.find(key, '}:', e + 1, true)
+  if t == nil then return nil end
+  local n = string.find(key, ':', t + 2, true)
+  if n == nil then return nil end
+  local g = string.find(key, ':', n + 1, true)
+  if g == nil then return nil end
+  return string.sub(key, 1, s - 1) .. ':ov:{' .. string.sub(key, e + 1, n)
+      .. string.sub(key, g + 1)
+end
 
 -- A whole number lo <= x <= hi (tonumber() also takes fractions, "nan" and
 -- "inf").
 local function whole(x, lo, hi)
   return x == math.floor(x) and x >= lo and x <= hi
+end
+
+-- An override's figures for a limit of kind `kind` (a token bucket's period
+-- `c`), or nil when `text` is not one within the kind's bounds: "tb
+-- <capacity> <refill>", "fw <limit>", "swc <limit>", "sw <limit>" (decimal,
+-- as `redis-guard override set` writes them).
+local function override_figures(text, kind, c)
+  if kind == 'tb' then
+    local x, y = string.match(text, '^tb (%d+) (%d+)$')
+    x, y = tonumber(x), tonumber(y)
+    local p = tonumber(c)
+    if x and y and whole(x, 1, 2^50) and whole(y, 1, 2^50)
+        and x * p < 2^53 and y * p < 2^53 then
+      return x, y
+    end
+    return nil
+  end
+  local k, x = string.match(text, '^(%l+) (%d+)$')
+  x = tonumber(x)
+  if k == kind and x and whole(x, 1, kind == 'sw' and 1000000 or 2^50) then
+    return x
+  end
+  return nil
 end
 
 -- Why a GCRA, fixed-window or sliding-window-counter limit's numbers would
@@ -75,8 +134,8 @@ local function malformed(keys, ko, nk, argv, ao, na)
   end
   for i = 1, n do
     local base = ao + 2 + (i - 1) * 6
-    local alg = base - ao <= na and argv[base] or nil
-    if not known_kinds[alg] then
+    local alg = kind_of(base - ao <= na and argv[base] or nil)
+    if alg == nil then
       return 'ERR redis-guard ratelimit: unknown algorithm'
     end
     for j = 1, 4 do
@@ -161,7 +220,7 @@ local function decide_checked(keys, ko, argv, ao, na)
   local admit = 1
   for i = 1, n do
     local base = ao + 2 + (i - 1) * 6
-    local alg = argv[base]
+    local alg, ov = kind_of(argv[base])
     local a = tonumber(argv[base + 1])
     local b = tonumber(argv[base + 2])
     local c = argv[base + 3]
@@ -177,6 +236,26 @@ local function decide_checked(keys, ko, argv, ao, na)
       local left = redis.call('PTTL', bkey)
       if left > 0 then
         r = { allowed = 0, remaining = 0, retry = left, reset = left, blocked = true }
+      end
+    end
+    -- An override for this key, read in the same call: its figures replace
+    -- the configured capacity (and refill) or limit; one that does not
+    -- parse within the kind's bounds is ignored and reported (4).
+    local used = 0
+    if ov and not r then
+      local okey = override_key(keys[ko + i])
+      -- pcall: a key of another type written by hand is an ignored
+      -- override, never an error that fails the request.
+      local text = okey and redis.pcall('GET', okey)
+      if type(text) == 'table' then
+        used = 4
+      elseif text then
+        local x, y = override_figures(text, alg, c)
+        if x then
+          a, b, used = x, y or b, 2
+        else
+          used = 4
+        end
       end
     end
     if r then
@@ -195,6 +274,7 @@ local function decide_checked(keys, ko, argv, ao, na)
       r = cc_check(keys[ko + i], a, b, c, cost)
     end
     r.alg = alg
+    r.used = used
     r.block, r.bkey = block, bkey
     if enforce and r.allowed == 0 then
       admit = 0
@@ -232,7 +312,7 @@ local function decide_checked(keys, ko, argv, ao, na)
     elseif r.allowed == 1 then
       report_uncharged(r)
     end
-    out[#out + 1] = r.allowed
+    out[#out + 1] = r.allowed + r.used
     out[#out + 1] = wire(r.remaining)
     out[#out + 1] = wire(r.retry)
     out[#out + 1] = wire(r.reset)

@@ -113,14 +113,19 @@ fn pack_member<'a>(
     put_u16(out, n)?;
     for (i, key) in keys.iter().take(n).enumerate() {
         let v = &argv[1 + 6 * i..7 + 6 * i];
+        // `+o`: the limit takes overrides (the kind's code plus 128).
+        let (alg, overridable) = match v[0].strip_suffix(b"+o") {
+            Some(alg) => (alg, 128),
+            None => (v[0].as_slice(), 0),
+        };
         let kind = KINDS
             .iter()
-            .position(|k| *k == v[0].as_slice())
+            .position(|k| *k == alg)
             .ok_or("unknown limit kind")?;
         let cc = KINDS[kind] == b"cc";
         let c = if cc { 0 } else { figure(&v[3])? };
         let p = (
-            kind as u8 + 1,
+            kind as u8 + 1 + overridable,
             figure(&v[1])?,
             figure(&v[2])?,
             c,

@@ -169,6 +169,7 @@ mod tests {
             remaining: 0,
             retry_ms: 0,
             reset_ms: 0,
+            overridden: crate::ratelimit::OverrideUse::None,
         }
     }
 

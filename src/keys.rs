@@ -91,8 +91,46 @@ pub fn block_key(state_key: &[u8]) -> Vec<u8> {
     }
 }
 
+/// The override key of a limit's state key `<prefix>:rl:{<tag>}:<name>:
+/// <signature>:<descriptor>`: `<prefix>:ov:{<tag>}:<name>:<descriptor>`,
+/// without the signature, so an override outlives a change of the limit's
+/// configured numbers (lua/decide.lua override_key() derives it the same
+/// way). `None` for a key not in that layout.
+pub fn override_key(state_key: &[u8]) -> Option<Vec<u8>> {
+    let find = |from: usize, pat: &[u8]| {
+        state_key
+            .get(from..)?
+            .windows(pat.len())
+            .position(|w| w == pat)
+            .map(|i| i + from)
+    };
+    let s = find(0, b":rl:{")?;
+    let t = find(s + 5, b"}:")?;
+    let n = find(t + 2, b":")?;
+    let g = find(n + 1, b":")?;
+    Some(
+        [
+            &state_key[..s],
+            b":ov:{",
+            &state_key[s + 5..=n],
+            &state_key[g + 1..],
+        ]
+        .concat(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_override_key_drops_the_signature_and_keeps_the_hash_tag() {
+        let key = rate_limit_key("rg", "abc", ":per-key:tb.5.1.1000:", b"k:1");
+        assert_eq!(
+            override_key(&key).unwrap(),
+            b"rg:ov:{abc}:per-key:k:1".to_vec()
+        );
+        assert_eq!(override_key(b"no-layout"), None);
+    }
+
     #[test]
     fn a_block_key_shares_its_state_keys_hash_tag() {
         let key = rate_limit_key("rg", "abc", ":login:fw.5.900000:", b"\x03ann:rl:{x}");

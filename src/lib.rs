@@ -22,6 +22,7 @@ pub mod local;
 pub mod networks;
 pub mod offload;
 pub mod overlimit;
+pub mod overrides;
 pub mod ratelimit;
 pub mod request;
 pub mod response;

@@ -145,6 +145,12 @@ impl Plan {
         for check in &self.checks {
             let limit = &config.limits[check.limit];
             let (alg, a, b, c) = kind_args(&limit.algorithm);
+            // `+o`: the script looks up an override for the key.
+            let alg = if limit.overrides {
+                [alg, "+o"].concat()
+            } else {
+                alg.to_string()
+            };
             // A concurrency limit's third value is the request's slot id.
             let c = match limit.algorithm {
                 Algorithm::Concurrency { .. } => slot.unwrap_or("").as_bytes().to_vec(),
@@ -341,6 +347,20 @@ pub struct LimitResult {
     pub remaining: u64,
     pub retry_ms: u64,
     pub reset_ms: u64,
+    /// Whether an override stored in Redis decided it.
+    pub overridden: OverrideUse,
+}
+
+/// What became of a limit's override in its decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OverrideUse {
+    /// None stored (or the limit takes none): the configured numbers.
+    #[default]
+    None,
+    /// Its numbers replaced the configured ones.
+    Applied,
+    /// One is stored but does not parse within the kind's bounds: ignored.
+    Invalid,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -374,12 +394,25 @@ pub fn parse_outcome(reply: &Reply, n: usize) -> Result<Outcome, String> {
         1 => Ok(true),
         _ => Err(format!("expected 0 or 1, got {v}")),
     };
+    // A limit's first value: allowed (0/1), plus 2 when an override decided
+    // it, 4 when a stored override was ignored (lua/ratelimit.lua).
+    let allowed = |v: i64| {
+        let used = match v & !1 {
+            0 => OverrideUse::None,
+            2 => OverrideUse::Applied,
+            4 => OverrideUse::Invalid,
+            _ => return Err(format!("expected a verdict from 0 to 5, got {v}")),
+        };
+        Ok((v & 1 == 1 && v >= 0, used))
+    };
     let nonneg = |v: i64| u64::try_from(v).map_err(|_| format!("expected a count, got {v}"));
     let admitted = flag(ints[0])?;
     let mut results = Vec::with_capacity(n);
     for chunk in ints[1..].chunks_exact(4) {
+        let (allowed, overridden) = allowed(chunk[0])?;
         results.push(LimitResult {
-            allowed: flag(chunk[0])?,
+            allowed,
+            overridden,
             remaining: nonneg(chunk[1])?,
             retry_ms: nonneg(chunk[2])?,
             reset_ms: nonneg(chunk[3])?,
@@ -663,7 +696,8 @@ mod tests {
                 allowed: false,
                 remaining: 0,
                 retry_ms: 1500,
-                reset_ms: 1500
+                reset_ms: 1500,
+                overridden: OverrideUse::None,
             }
         );
         assert!(parse_outcome(&reply, 1).is_err());

@@ -10,7 +10,7 @@ use serde_json::json;
 
 use crate::config::Config;
 use crate::grpc;
-use crate::ratelimit::{Outcome, Plan};
+use crate::ratelimit::{Outcome, OverrideUse, Plan};
 
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -284,7 +284,9 @@ fn headline(config: &Config, plan: &Plan, outcome: &Outcome) -> Option<usize> {
         .checks
         .iter()
         .enumerate()
-        .filter(|(_, c)| !config.limits[c.limit].shadow)
+        .filter(|(i, c)| {
+            !config.limits[c.limit].shadow && outcome.results[*i].overridden != OverrideUse::Applied
+        })
         .map(|(i, _)| i);
     if outcome.admitted {
         enforced.min_by_key(|&i| {
@@ -310,7 +312,9 @@ pub fn rate_limit_headers(
         let mut state = Vec::new();
         for (check, result) in plan.checks.iter().zip(&outcome.results) {
             let limit = &config.limits[check.limit];
-            if limit.shadow {
+            // An override's quota is Redis' alone: the configured one would
+            // be wrong, so the limit is left out rather than misstated.
+            if limit.shadow || result.overridden == OverrideUse::Applied {
                 continue;
             }
             // A concurrency limit has no window: its quota is requests in
@@ -549,6 +553,7 @@ mod tests {
             remaining,
             retry_ms,
             reset_ms,
+            overridden: crate::ratelimit::OverrideUse::None,
         }
     }
 

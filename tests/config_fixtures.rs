@@ -42,6 +42,22 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "invalid value: integer `-1`",
     ),
     ("limits_not_array.json", "limits", "expected a sequence"),
+    // Per-value overrides.
+    (
+        "overrides_on_gcra.json",
+        "limits[0].overrides.redis",
+        "GCRA limit's state is kept in units of its rate",
+    ),
+    (
+        "overrides_with_lease.json",
+        "limits[0].overrides.redis",
+        "cannot go with `lease`",
+    ),
+    (
+        "overrides_with_usage.json",
+        "limits[0].overrides.redis",
+        "cannot go with `usage`",
+    ),
     // Blocking and response-counted limits.
     (
         "block_on_concurrency.json",

@@ -97,14 +97,17 @@ impl Expected {
     fn new() -> Expected {
         let mut m = BTreeMap::new();
         for limit in LIMITS {
-            // No `unless` here: nothing is exempt (e2e_access checks it).
-            m.insert(
-                (
-                    "redis_guard_ratelimit_exempt".to_string(),
-                    format!("limit=\"{limit}\""),
-                ),
-                0,
-            );
+            // No `unless` or overrides here (e2e_exempt_deny and
+            // e2e_overrides count them).
+            for stat in ["exempt", "override_applied", "override_invalid"] {
+                m.insert(
+                    (
+                        format!("redis_guard_ratelimit_{stat}"),
+                        format!("limit=\"{limit}\""),
+                    ),
+                    0,
+                );
+            }
             for stat in VERDICTS {
                 m.insert(
                     (

@@ -3,6 +3,7 @@
 //! - `check CONFIG.json`: the filter's own parser over a configuration,
 //!   for users' CI before they deploy.
 //! - `inspect` / `reset`: one limit's state for given descriptor values.
+//! - `override set|show|list|unset`: per-value overrides of a limit.
 //! - `idempotency show|forget`: one idempotency record.
 //!
 //! It reaches Redis directly over RESP (the `redis` crate, Redis Cluster
@@ -12,6 +13,7 @@
 //! build never enables.
 
 mod output;
+mod overrides;
 mod select;
 mod store;
 mod wire;
@@ -79,6 +81,11 @@ enum Command {
         /// Confirms the reset (without it nothing is deleted).
         #[arg(long)]
         yes: bool,
+    },
+    /// Set, show, list or unset per-value overrides of a limit (e.g. one customer's quota).
+    Override {
+        #[command(subcommand)]
+        command: overrides::OverrideCommand,
     },
     /// Show or forget one idempotency record.
     Idempotency {
@@ -304,6 +311,7 @@ fn run(command: Command) -> Result<output::Report, Failure> {
             let bytes = wire::write(&w, &out)?;
             Ok(output::wire(calls, members, bytes))
         }
+        Command::Override { command } => overrides::run(command),
         Command::Idempotency { command } => {
             let (args, force, forget) = match command {
                 IdemCommand::Show(args) => (args, false, false),

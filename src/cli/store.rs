@@ -102,6 +102,11 @@ fn failed(e: redis::RedisError) -> Failure {
 }
 
 impl Store {
+    /// One command on the key it names (a cluster routes it by that key).
+    pub fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> Result<T, Failure> {
+        cmd.query(self.conn.as_mut()).map_err(failed)
+    }
+
     pub fn inspect(&mut self, target: &LimitTarget, cost: u64) -> Result<Inspection, Failure> {
         let (alg, a, b, c) = kind_args(&target.limit.algorithm);
         // A concurrency limit's third value is a slot id: any valid one

@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::block::{compile_block, RawBlock};
 use super::matcher::{compile_match, Matcher, RawMatch};
+use super::overrides::{compile_overrides, RawOverrides};
 use super::parts::{compile_parts, Part, RawPart};
 use super::usage::{compile_usage, RawUsage, Usage};
 use super::{header_name, valid_name, ConfigError, FailureMode};
@@ -114,6 +115,9 @@ pub(super) struct RawLimit {
     /// Once the limit rejects a key, refuse the key for a while.
     #[serde(default)]
     block: Option<RawBlock>,
+    /// Per-value numbers stored in Redis replace the configured ones.
+    #[serde(default)]
+    overrides: Option<RawOverrides>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -344,6 +348,8 @@ pub struct Limit {
     pub usage: Option<Usage>,
     /// A rejection blocks the key for this many ms.
     pub block_ms: Option<u64>,
+    /// The script looks up an override for the key in Redis.
+    pub overrides: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -529,8 +535,19 @@ pub(super) fn compile_limit(
             lease.is_some(),
         )?),
     };
+    let overrides = match raw.overrides {
+        None => false,
+        Some(o) => compile_overrides(
+            o,
+            &format!("{at}.overrides"),
+            &algorithm,
+            lease.is_some(),
+            usage.is_some(),
+        )?,
+    };
     let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
     Ok(Limit {
+        overrides,
         block_ms,
         usage,
         lease,

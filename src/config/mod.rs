@@ -13,6 +13,7 @@ mod idempotency;
 mod limit;
 mod matcher;
 mod object_store;
+mod overrides;
 mod parts;
 mod redis;
 mod usage;

@@ -13,6 +13,11 @@ pub enum Counter {
     ShadowRejected(usize),
     /// A request the limit's `unless` exempted (no Redis call for it).
     Exempt(usize),
+    /// A decision made with the override stored in Redis for its key.
+    OverrideApplied(usize),
+    /// A stored override that does not parse: ignored, the configured
+    /// limit applied.
+    OverrideInvalid(usize),
     /// A request the deny list answered 403, before any Redis call.
     Denied,
     RedisCalls,
@@ -196,7 +201,7 @@ pub const CALLOUT_LATENCY_US: &str = "redis_guard.redis.callout_latency_us";
 impl Counter {
     /// Every counter event a configuration with `limits` limits can raise.
     pub fn all(limits: usize) -> Vec<Counter> {
-        let mut all = Vec::with_capacity(5 * limits + 45);
+        let mut all = Vec::with_capacity(7 * limits + 45);
         for i in 0..limits {
             all.extend([
                 Counter::Checked(i),
@@ -204,6 +209,8 @@ impl Counter {
                 Counter::Rejected(i),
                 Counter::ShadowRejected(i),
                 Counter::Exempt(i),
+                Counter::OverrideApplied(i),
+                Counter::OverrideInvalid(i),
             ]);
         }
         all.extend(ErrorKind::ALL.map(Counter::RedisError));
@@ -277,6 +284,8 @@ impl Counter {
             Counter::Rejected(i) => vec![per_limit(i, "rejected")],
             Counter::ShadowRejected(i) => vec![per_limit(i, "shadow_rejected")],
             Counter::Exempt(i) => vec![per_limit(i, "exempt")],
+            Counter::OverrideApplied(i) => vec![per_limit(i, "override_applied")],
+            Counter::OverrideInvalid(i) => vec![per_limit(i, "override_invalid")],
             // The total and the kind: the total is their sum.
             Counter::RedisError(kind) => vec![
                 count("redis_guard.redis.errors".to_string()),
@@ -350,9 +359,9 @@ mod tests {
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
         // The stat list as the README and tests/e2e_stats.rs know it: 51
-        // fixed stats (the gauge included) and five per limit.
+        // fixed stats (the gauge included) and seven per limit.
         assert_eq!(names(0).len(), 51);
-        assert_eq!(names(2).len(), 51 + 10);
+        assert_eq!(names(2).len(), 51 + 14);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

@@ -26,6 +26,7 @@ pub fn cached<H: Host>(host: &mut H, config: &Config, plan: &Plan) -> Option<Loc
                 remaining,
                 retry_ms,
                 reset_ms: retry_ms,
+                overridden: crate::ratelimit::OverrideUse::None,
             });
             rejecting.checks.push(check.clone());
         }

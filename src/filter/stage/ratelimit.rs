@@ -3,7 +3,7 @@
 
 use crate::config::{Config, FailureMode};
 use crate::filter::{Counter, Host};
-use crate::ratelimit::{IdemArgs, Outcome, Plan, ScriptArgs};
+use crate::ratelimit::{IdemArgs, Outcome, OverrideUse, Plan, ScriptArgs};
 use crate::request::RequestLine;
 use crate::response::{bad_request, rate_limit_headers, too_many_requests, LocalReply};
 
@@ -87,6 +87,17 @@ impl RateLimit {
                 }
                 (_, true) => host.count(Counter::Allowed(check.limit)),
                 (false, false) => host.count(Counter::Rejected(check.limit)),
+            }
+            match result.overridden {
+                OverrideUse::None => {}
+                OverrideUse::Applied => host.count(Counter::OverrideApplied(check.limit)),
+                OverrideUse::Invalid => {
+                    log::warn!(
+                        "redis-guard: the override stored for a key of `{}` is not valid (see `redis-guard override show`): the configured limit applied",
+                        limit.name
+                    );
+                    host.count(Counter::OverrideInvalid(check.limit));
+                }
             }
         }
         if !outcome.admitted {

@@ -1,0 +1,53 @@
+//! Per-value overrides: a limit that takes them reads, in the same script
+//! call, an override stored in Redis for the request's key (`redis-guard
+//! override set`), whose numbers replace the configured ones.
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::limit::Algorithm;
+use super::ConfigError;
+
+/// Where a limit's overrides come from.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "Overrides")]
+pub(super) struct RawOverrides {
+    /// Look up an override for the request's descriptor values in Redis
+    /// (one key per value, beside the limit's state, same hash tag), in the
+    /// same call that decides the request: a token bucket's capacity and
+    /// refill, a window's limit. Set with `redis-guard override set`.
+    redis: bool,
+}
+
+/// Whether the limit looks up overrides, checked against what it is.
+pub(super) fn compile_overrides(
+    raw: RawOverrides,
+    at: &str,
+    algorithm: &Algorithm,
+    leased: bool,
+    usage: bool,
+) -> Result<bool, ConfigError> {
+    if !raw.redis {
+        return Ok(false);
+    }
+    let why = match algorithm {
+        Algorithm::Gcra { .. } => Some(
+            "a GCRA limit's state is kept in units of its rate, which an override would change: use a token bucket",
+        ),
+        Algorithm::Concurrency { .. } => {
+            Some("a concurrency limit takes no overrides (its state is the slots in flight)")
+        }
+        _ if leased => Some(
+            "cannot go with `lease`: leased tokens are spent without Redis, where the override lives",
+        ),
+        _ if usage => Some(
+            "cannot go with `usage`: the settlement after the response uses the configured numbers",
+        ),
+        _ => None,
+    };
+    match why {
+        Some(why) => Err(ConfigError::new(format!("{at}.redis"), why)),
+        None => Ok(true),
+    }
+}

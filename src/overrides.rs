@@ -1,0 +1,205 @@
+//! Per-value overrides without the host: the text stored at a limit's
+//! override key (src/keys.rs `override_key`), as `redis-guard override set`
+//! writes it and lua/decide.lua reads it, with the same bounds.
+//!
+//! `tb <capacity> <refill>` for a token bucket (its period stays the
+//! configured one, so its stored level keeps its meaning), `<kind> <limit>`
+//! for a fixed window (`fw`), a sliding-window counter (`swc`) or a sliding
+//! window (`sw`); decimal, one space apart.
+
+use crate::config::Algorithm;
+
+/// Largest figure of a counting kind (and of a bucket's capacity or refill).
+const MAX_FIGURE: u64 = 1 << 50;
+/// Largest sliding-window limit (one sorted-set member per unit).
+const MAX_LOG: u64 = 1_000_000;
+/// A bucket's capacity and refill times its period stay below this (doubles).
+const EXACT: u64 = 1 << 53;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Override {
+    TokenBucket {
+        capacity: u64,
+        refill: u64,
+    },
+    /// A window kind's limit.
+    Limit(u64),
+}
+
+impl Override {
+    /// The figures for `algorithm`, checked as the script checks them.
+    pub fn new(
+        algorithm: &Algorithm,
+        capacity: Option<u64>,
+        refill: Option<u64>,
+        limit: Option<u64>,
+    ) -> Result<Override, String> {
+        let o = match (algorithm, capacity, refill, limit) {
+            (Algorithm::TokenBucket { .. }, Some(capacity), Some(refill), None) => {
+                Override::TokenBucket { capacity, refill }
+            }
+            (Algorithm::TokenBucket { .. }, _, _, _) => {
+                return Err("a token bucket's override is a capacity and a refill".to_string())
+            }
+            (
+                Algorithm::FixedWindow { .. }
+                | Algorithm::SlidingWindowCounter { .. }
+                | Algorithm::SlidingWindow { .. },
+                None,
+                None,
+                Some(limit),
+            ) => Override::Limit(limit),
+            (
+                Algorithm::FixedWindow { .. }
+                | Algorithm::SlidingWindowCounter { .. }
+                | Algorithm::SlidingWindow { .. },
+                _,
+                _,
+                _,
+            ) => return Err("a window's override is a limit".to_string()),
+            _ => return Err("this kind of limit takes no overrides".to_string()),
+        };
+        o.check(algorithm)?;
+        Ok(o)
+    }
+
+    fn check(&self, algorithm: &Algorithm) -> Result<(), String> {
+        let ok = match (*self, algorithm) {
+            (
+                Override::TokenBucket { capacity, refill },
+                Algorithm::TokenBucket { period_ms, .. },
+            ) => {
+                let exact = |n: u64| n.checked_mul(*period_ms).is_some_and(|p| p < EXACT);
+                (1..=MAX_FIGURE).contains(&capacity)
+                    && (1..=MAX_FIGURE).contains(&refill)
+                    && exact(capacity)
+                    && exact(refill)
+            }
+            (Override::Limit(n), Algorithm::SlidingWindow { .. }) => (1..=MAX_LOG).contains(&n),
+            (
+                Override::Limit(n),
+                Algorithm::FixedWindow { .. } | Algorithm::SlidingWindowCounter { .. },
+            ) => (1..=MAX_FIGURE).contains(&n),
+            _ => false,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "out of bounds: from 1 to 2^50 (a sliding window's limit at most {MAX_LOG}; a bucket's capacity and refill times its period below 2^53)"
+            ))
+        }
+    }
+
+    /// The stored text.
+    pub fn text(&self, algorithm: &Algorithm) -> String {
+        match *self {
+            Override::TokenBucket { capacity, refill } => format!("tb {capacity} {refill}"),
+            Override::Limit(n) => format!("{} {n}", kind(algorithm)),
+        }
+    }
+
+    /// Reads a stored text as the script would, for a limit of `algorithm`:
+    /// `Err` says why the script ignores it.
+    pub fn parse(text: &[u8], algorithm: &Algorithm) -> Result<Override, String> {
+        let text = std::str::from_utf8(text).map_err(|_| "not text".to_string())?;
+        let mut words = text.split(' ');
+        let k = words.next().unwrap_or_default();
+        if k != kind(algorithm) {
+            return Err(format!(
+                "`{text}` is not an override for a `{}` limit",
+                kind(algorithm)
+            ));
+        }
+        let figures: Vec<u64> = words
+            .map(|w| {
+                if w.is_empty() || !w.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                w.parse().ok()
+            })
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
+                format!("`{text}`: figures are whole decimal numbers, one space apart")
+            })?;
+        let o = match (algorithm, figures.as_slice()) {
+            (Algorithm::TokenBucket { .. }, [capacity, refill]) => Override::TokenBucket {
+                capacity: *capacity,
+                refill: *refill,
+            },
+            (Algorithm::TokenBucket { .. }, _) => {
+                return Err(format!("`{text}`: tb takes a capacity and a refill"))
+            }
+            (_, [n]) => Override::Limit(*n),
+            _ => return Err(format!("`{text}`: a window takes one limit")),
+        };
+        o.check(algorithm)?;
+        Ok(o)
+    }
+}
+
+/// The kind's name in an override (lua/ratelimit.lua's algorithm code).
+fn kind(algorithm: &Algorithm) -> &'static str {
+    crate::ratelimit::kind_args(algorithm).0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TB: Algorithm = Algorithm::TokenBucket {
+        capacity: 100,
+        refill: 100,
+        period_ms: 60_000,
+    };
+    const FW: Algorithm = Algorithm::FixedWindow {
+        limit: 100,
+        window_ms: 60_000,
+    };
+
+    #[test]
+    fn an_override_round_trips_through_its_stored_text() {
+        let o = Override::new(&TB, Some(10_000), Some(10_000), None).unwrap();
+        assert_eq!(o.text(&TB), "tb 10000 10000");
+        assert_eq!(Override::parse(b"tb 10000 10000", &TB), Ok(o));
+        let w = Override::new(&FW, None, None, Some(5000)).unwrap();
+        assert_eq!(w.text(&FW), "fw 5000");
+        assert_eq!(Override::parse(b"fw 5000", &FW), Ok(w));
+    }
+
+    #[test]
+    fn what_the_script_ignores_is_refused_here_too() {
+        for bad in [
+            &b"tb -5 1"[..],
+            b"tb 1125899906842625 1",
+            b"tb 5",
+            b"tb 0 1",
+            b"fw 5",
+            b"tb 5 5 5",
+            b"hello",
+            b"",
+            b"tb 5.5 1",
+            b"TB 5 5",
+            b"fw 5 ",
+            b"tb  5 5",
+            b"tb 5 5\xff",
+            // capacity * period reaches 2^53.
+            b"tb 150119987580 1",
+        ] {
+            assert!(
+                Override::parse(bad, &TB).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert!(Override::new(&TB, Some(5), None, None).is_err());
+        assert!(Override::new(&FW, None, None, Some(1 << 51)).is_err());
+        assert!(Override::new(&FW, Some(1), Some(1), None).is_err());
+        let gcra = Algorithm::Gcra {
+            rate: 1,
+            period_ms: 1,
+            burst: 1,
+        };
+        assert!(Override::new(&gcra, None, None, Some(5)).is_err());
+    }
+}

@@ -1,0 +1,150 @@
+//! Per-customer quotas without a config per customer, through two real
+//! Envoys: a limit that takes overrides reads the one `redis-guard override
+//! set` stored for the request's key in the same call that decides it, so
+//! the next request on every Envoy is decided under it, exactly; `unset`
+//! restores the configured limit; garbage written by hand is ignored with a
+//! stat. Built with the `cli` feature (its binary is driven here).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::process::Command;
+
+use support::*;
+
+/// Free tier: 5 per hour per API key (the period far above the test's run,
+/// so nothing refills while it runs).
+fn config() -> String {
+    filter_config(1000)
+        .limits(
+            r#"[{"name": "per-key", "match": {"pathPrefix": "/api/"},
+                 "descriptor": [{"header": "x-api-key"}],
+                 "tokenBucket": {"capacity": 5, "refill": 5, "periodMs": 3600000},
+                 "overrides": {"redis": true}}]"#,
+        )
+        .build()
+}
+
+/// `redis-guard override ...` against the stack's Redis; its JSON output.
+fn cli(stack: &Stack, config: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let redis = stack.redis.admin_url();
+    let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
+        .env_clear()
+        .args(["--json", "override"])
+        .args(args)
+        .args(["--config", config.to_str().unwrap(), "--limit", "per-key"])
+        .args(["--value", "x-api-key=acme", "--redis", &redis])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Requests for `key`, alternating Envoys, until the first 429 (bounded):
+/// how many were admitted.
+fn admitted_until_limited(stack: &Stack, key: &str, most: usize) -> usize {
+    let agent = agent();
+    for i in 0..most {
+        let e = &stack.envoys[i % 2];
+        let r = http_with(&agent, "GET", &e.url("/api/x"), &[("x-api-key", key)], None);
+        match r.status {
+            200 => {}
+            429 => return i,
+            other => panic!("request {i}: {other}"),
+        }
+    }
+    most
+}
+
+#[test]
+fn an_override_set_with_the_cli_decides_the_next_request_on_every_envoy() {
+    let stack = Stack::start(&config(), 2);
+    let dir = Scratch::new("overrides");
+    let config_path = dir.0.join("filter.json");
+    std::fs::write(&config_path, config()).unwrap();
+    let agent = agent();
+    let get = |i: usize, key: &str| {
+        let e = &stack.envoys[i % 2];
+        http_with(&agent, "GET", &e.url("/api/x"), &[("x-api-key", key)], None).status
+    };
+
+    // acme spends 3 of the free 5; then its tier: 20 an hour.
+    for i in 0..3 {
+        assert_eq!(get(i, "acme"), 200);
+    }
+    let set = cli(
+        &stack,
+        &config_path,
+        &["set", "--capacity", "20", "--refill", "20"],
+    );
+    assert_eq!(set["override"]["capacity"], 20);
+    let shown = cli(&stack, &config_path, &["show"]);
+    assert_eq!(shown["valid"], true);
+    // The bucket keeps its level (2 tokens) and now holds up to 20: only
+    // what was left is there at once, exactly, on both Envoys.
+    assert_eq!(admitted_until_limited(&stack, "acme", 30), 2);
+    assert_eq!(
+        stack.counter("redis_guard.ratelimit.per-key.override_applied"),
+        3
+    );
+    // Another key is not affected: its configured 5.
+    assert_eq!(admitted_until_limited(&stack, "globex", 30), 5);
+
+    // Unset: the configured numbers decide again.
+    cli(&stack, &config_path, &["unset"]);
+    assert_eq!(
+        cli(&stack, &config_path, &["show"])["override"],
+        serde_json::Value::Null
+    );
+    let applied = stack.counter("redis_guard.ratelimit.per-key.override_applied");
+    assert_eq!(get(0, "acme"), 429);
+    assert_eq!(
+        stack.counter("redis_guard.ratelimit.per-key.override_applied"),
+        applied
+    );
+
+    // A fresh key with an override gets its whole quota: set before any
+    // request, 20 admitted, exactly, over both Envoys.
+    let redis = stack.redis.admin_url();
+    let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
+        .env_clear()
+        .args(["override", "set", "--config", config_path.to_str().unwrap()])
+        .args([
+            "--limit",
+            "per-key",
+            "--value",
+            "x-api-key=initech",
+            "--redis",
+            &redis,
+        ])
+        .args(["--capacity", "20", "--refill", "20"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(admitted_until_limited(&stack, "initech", 40), 20);
+
+    // Garbage written by hand at acme's override key: ignored, counted, the
+    // configured limit applies (acme's bucket is empty: 429, never a 5xx).
+    let key: String = {
+        let shown = cli(&stack, &config_path, &["show"]);
+        shown["key"].as_str().unwrap().to_string()
+    };
+    let mut con = stack.redis.conn();
+    redis::cmd("SET")
+        .arg(&key)
+        .arg("tb lots")
+        .query::<()>(&mut con)
+        .unwrap();
+    let shown = cli(&stack, &config_path, &["show"]);
+    assert_eq!(shown["valid"], false);
+    assert_eq!(get(1, "acme"), 429);
+    assert_eq!(
+        stack.counter("redis_guard.ratelimit.per-key.override_invalid"),
+        1
+    );
+}
