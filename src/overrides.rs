@@ -91,12 +91,58 @@ impl Override {
         }
     }
 
+    /// The limit's algorithm with these numbers (what its headers state).
+    pub fn apply(&self, algorithm: &Algorithm) -> Algorithm {
+        match (*self, *algorithm) {
+            (
+                Override::TokenBucket { capacity, refill },
+                Algorithm::TokenBucket { period_ms, .. },
+            ) => Algorithm::TokenBucket {
+                capacity,
+                refill,
+                period_ms,
+            },
+            (Override::Limit(limit), Algorithm::FixedWindow { window_ms, .. }) => {
+                Algorithm::FixedWindow { limit, window_ms }
+            }
+            (Override::Limit(limit), Algorithm::SlidingWindowCounter { window_ms, .. }) => {
+                Algorithm::SlidingWindowCounter { limit, window_ms }
+            }
+            (Override::Limit(limit), Algorithm::SlidingWindow { window_ms, .. }) => {
+                Algorithm::SlidingWindow { limit, window_ms }
+            }
+            (_, other) => other,
+        }
+    }
+
     /// The stored text.
     pub fn text(&self, algorithm: &Algorithm) -> String {
         match *self {
             Override::TokenBucket { capacity, refill } => format!("tb {capacity} {refill}"),
             Override::Limit(n) => format!("{} {n}", kind(algorithm)),
         }
+    }
+
+    /// An override a request carries: a whole number (a bucket's capacity
+    /// and refill alike, a window's limit) or an override's text.
+    pub fn carried(value: &[u8], algorithm: &Algorithm) -> Result<Override, String> {
+        let digits = !value.is_empty() && value.len() <= 20 && value.iter().all(u8::is_ascii_digit);
+        if !digits {
+            return Override::parse(value, algorithm);
+        }
+        let n: u64 = std::str::from_utf8(value)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| "a number past 64 bits".to_string())?;
+        let o = match algorithm {
+            Algorithm::TokenBucket { .. } => Override::TokenBucket {
+                capacity: n,
+                refill: n,
+            },
+            _ => Override::Limit(n),
+        };
+        o.check(algorithm)?;
+        Ok(o)
     }
 
     /// Reads a stored text as the script would, for a limit of `algorithm`:
@@ -165,6 +211,58 @@ mod tests {
         let w = Override::new(&FW, None, None, Some(5000)).unwrap();
         assert_eq!(w.text(&FW), "fw 5000");
         assert_eq!(Override::parse(b"fw 5000", &FW), Ok(w));
+    }
+
+    #[test]
+    fn a_carried_override_sets_the_numbers_the_call_sends_or_is_reported() {
+        use crate::config::Config;
+        use crate::ratelimit::Plan;
+        use crate::request::{fake::FakeRequest, RequestLine};
+        let cfg = Config::parse(
+            br#"{"redis": {"cluster": "w"}, "limits": [{"name": "api",
+                "descriptor": [{"header": "x-key"}],
+                "tokenBucket": {"capacity": 100, "refill": 10, "periodMs": 60000},
+                "overrides": {"redis": true, "request": {"header": "x-quota"}}}]}"#,
+        )
+        .unwrap();
+        let argv = |quota: Option<&[u8]>| {
+            let mut r = FakeRequest::new("GET", "/").with("x-key", b"acme");
+            if let Some(q) = quota {
+                r = r.with("x-quota", q);
+            }
+            let plan = Plan::build(&cfg, &RequestLine::read(&r), &r).unwrap();
+            let (_, argv) = plan.script_args(&cfg, None, None);
+            let text: Vec<String> = argv[1..4]
+                .iter()
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .collect();
+            (text, plan.bad_overrides.len())
+        };
+        // The configured numbers, with Redis' lookup asked for (`+o`).
+        assert_eq!(
+            argv(None),
+            (vec!["tb+o".into(), "100".into(), "10".into()], 0)
+        );
+        assert_eq!(
+            argv(Some(b"5000")),
+            (vec!["tb+o".into(), "5000".into(), "5000".into()], 0)
+        );
+        assert_eq!(
+            argv(Some(b"tb 50 5")),
+            (vec!["tb+o".into(), "50".into(), "5".into()], 0)
+        );
+        for bad in [
+            &b"-1"[..],
+            b"0",
+            b"99999999999999999999999",
+            b"fw 5",
+            b"lots",
+        ] {
+            assert_eq!(
+                argv(Some(bad)),
+                (vec!["tb+o".into(), "100".into(), "10".into()], 1)
+            );
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use crate::config::{descriptor, Algorithm, Config, Cost, FailureMode, Read};
 use crate::keys;
 use crate::offload::ObjectRef;
+use crate::overrides::Override;
 use crate::request::{RequestLine, RequestView};
 use crate::webdis::Reply;
 
@@ -14,6 +15,9 @@ pub struct Check {
     pub limit: usize,
     pub key: Vec<u8>,
     pub cost: u64,
+    /// The limit's numbers as this request's override says (one stored in
+    /// Redis replaces them again in the script).
+    pub carried: Option<Override>,
 }
 
 /// A script call's KEYS and ARGV.
@@ -30,6 +34,9 @@ pub struct Plan {
     pub invalid: Vec<(usize, String)>,
     /// Limits whose `unless` exempted the request.
     pub exempt: Vec<usize>,
+    /// Limits whose override the request carried but that does not parse
+    /// (the configured numbers apply), with why.
+    pub bad_overrides: Vec<(usize, String)>,
 }
 
 /// A request the filter refuses before asking Redis.
@@ -48,6 +55,7 @@ impl Plan {
         let mut checks = Vec::new();
         let mut invalid = Vec::new();
         let mut exempt = Vec::new();
+        let mut bad_overrides = Vec::new();
         let mut tag: Option<String> = None;
         for (i, limit) in config.limits.iter().enumerate() {
             if !limit.matcher.matches(line, view) {
@@ -84,11 +92,20 @@ impl Plan {
                     },
                 },
             };
+            let carried = match &limit.overrides.request {
+                None => None,
+                Some(part) => part.value(line, view).and_then(|v| {
+                    Override::carried(&v, &limit.algorithm)
+                        .map_err(|why| bad_overrides.push((i, why)))
+                        .ok()
+                }),
+            };
             let tag = tag.get_or_insert_with(|| config.hash_tag_for(line, view));
             checks.push(Check {
                 limit: i,
                 key: keys::rate_limit_key(&config.key_prefix, tag, &limit.key_infix, &descriptor),
                 cost,
+                carried,
             });
         }
         Ok(Plan {
@@ -96,6 +113,7 @@ impl Plan {
             tag,
             invalid,
             exempt,
+            bad_overrides,
         })
     }
 
@@ -145,8 +163,13 @@ impl Plan {
         for check in &self.checks {
             let limit = &config.limits[check.limit];
             let (alg, a, b, c) = kind_args(&limit.algorithm);
+            let (a, b) = match check.carried {
+                Some(Override::TokenBucket { capacity, refill }) => (capacity, refill),
+                Some(Override::Limit(n)) => (n, b),
+                None => (a, b),
+            };
             // `+o`: the script looks up an override for the key.
-            let alg = if limit.overrides {
+            let alg = if limit.overrides.redis {
                 [alg, "+o"].concat()
             } else {
                 alg.to_string()

@@ -317,14 +317,18 @@ pub fn rate_limit_headers(
             if limit.shadow || result.overridden == OverrideUse::Applied {
                 continue;
             }
+            // The numbers the request was decided under: its own override's.
+            let algorithm = check
+                .carried
+                .map_or(limit.algorithm, |o| o.apply(&limit.algorithm));
             // A concurrency limit has no window: its quota is requests in
             // flight, back when they end, not with time.
-            match limit.algorithm.window_ms() {
-                0 => policy.push(format!("\"{}\";q={}", limit.name, limit.algorithm.quota())),
+            match algorithm.window_ms() {
+                0 => policy.push(format!("\"{}\";q={}", limit.name, algorithm.quota())),
                 window => policy.push(format!(
                     "\"{}\";q={};w={}",
                     limit.name,
-                    limit.algorithm.quota(),
+                    algorithm.quota(),
                     seconds_up(window)
                 )),
             }
@@ -342,12 +346,14 @@ pub fn rate_limit_headers(
     }
     if config.headers_x {
         if let Some(i) = headline(config, plan, outcome) {
-            let limit = &config.limits[plan.checks[i].limit];
+            let check = &plan.checks[i];
+            let limit = &config.limits[check.limit];
+            let quota = check
+                .carried
+                .map_or(limit.algorithm, |o| o.apply(&limit.algorithm))
+                .quota();
             let r = &outcome.results[i];
-            headers.push((
-                "x-ratelimit-limit".to_string(),
-                limit.algorithm.quota().to_string(),
-            ));
+            headers.push(("x-ratelimit-limit".to_string(), quota.to_string()));
             headers.push(("x-ratelimit-remaining".to_string(), r.remaining.to_string()));
             headers.push((
                 "x-ratelimit-reset".to_string(),
@@ -536,6 +542,7 @@ mod tests {
                 limit: i,
                 key: vec![],
                 cost: 1,
+                carried: None,
             })
             .collect();
         (

@@ -58,6 +58,11 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "limits[0].overrides.redis",
         "cannot go with `usage`",
     ),
+    (
+        "overrides_without_source.json",
+        "limits[0].overrides",
+        "set `redis`, `request` or both",
+    ),
     // Blocking and response-counted limits.
     (
         "block_on_concurrency.json",

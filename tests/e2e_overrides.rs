@@ -21,7 +21,7 @@ fn config() -> String {
             r#"[{"name": "per-key", "match": {"pathPrefix": "/api/"},
                  "descriptor": [{"header": "x-api-key"}],
                  "tokenBucket": {"capacity": 5, "refill": 5, "periodMs": 3600000},
-                 "overrides": {"redis": true}}]"#,
+                 "overrides": {"redis": true, "request": {"header": "x-quota"}}}]"#,
         )
         .build()
 }
@@ -48,10 +48,20 @@ fn cli(stack: &Stack, config: &std::path::Path, args: &[&str]) -> serde_json::Va
 /// Requests for `key`, alternating Envoys, until the first 429 (bounded):
 /// how many were admitted.
 fn admitted_until_limited(stack: &Stack, key: &str, most: usize) -> usize {
+    admitted_carrying(stack, key, None, most)
+}
+
+/// The same, each request carrying `quota` in x-quota (as a trusted filter
+/// in front would set it from a claim).
+fn admitted_carrying(stack: &Stack, key: &str, quota: Option<&str>, most: usize) -> usize {
     let agent = agent();
     for i in 0..most {
         let e = &stack.envoys[i % 2];
-        let r = http_with(&agent, "GET", &e.url("/api/x"), &[("x-api-key", key)], None);
+        let mut headers = vec![("x-api-key", key)];
+        if let Some(q) = quota {
+            headers.push(("x-quota", q));
+        }
+        let r = http_with(&agent, "GET", &e.url("/api/x"), &headers, None);
         match r.status {
             200 => {}
             429 => return i,
@@ -146,5 +156,41 @@ fn an_override_set_with_the_cli_decides_the_next_request_on_every_envoy() {
     assert_eq!(
         stack.counter("redis_guard.ratelimit.per-key.override_invalid"),
         1
+    );
+}
+
+#[test]
+fn an_override_the_request_carries_applies_and_one_in_redis_wins_over_it() {
+    let stack = Stack::start(&config(), 2);
+    let dir = Scratch::new("overrides");
+    let config_path = dir.0.join("filter.json");
+    std::fs::write(&config_path, config()).unwrap();
+    // hooli's token says 8: eight at once, exactly, on both Envoys; the
+    // limit headers state the carried quota.
+    let agent = agent();
+    let r = http_with(
+        &agent,
+        "GET",
+        &stack.envoy().url("/api/x"),
+        &[("x-api-key", "hooli"), ("x-quota", "8")],
+        None,
+    );
+    assert_eq!(r.header("x-ratelimit-limit"), Some("8"));
+    assert_eq!(admitted_carrying(&stack, "hooli", Some("8"), 20), 7);
+    // acme carries 8 too, but its operator set 12 in Redis: Redis wins (an
+    // operator's change applies at once; a token's claim lives until it
+    // expires).
+    cli(
+        &stack,
+        &config_path,
+        &["set", "--capacity", "12", "--refill", "12"],
+    );
+    assert_eq!(admitted_carrying(&stack, "acme", Some("8"), 30), 12);
+    // A carried value that is no quota: ignored, counted, the configured 5.
+    let invalid = stack.counter("redis_guard.ratelimit.per-key.override_invalid");
+    assert_eq!(admitted_carrying(&stack, "umbrella", Some("-3"), 20), 5);
+    assert_eq!(
+        stack.counter("redis_guard.ratelimit.per-key.override_invalid"),
+        invalid + 6
     );
 }

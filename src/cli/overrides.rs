@@ -61,7 +61,7 @@ fn target<'a>(
     args: &LimitArgs,
 ) -> Result<(LimitTarget<'a>, Vec<u8>), Failure> {
     let target = select::limit(config, &args.limit, &args.selection.values)?;
-    if !target.limit.overrides {
+    if !target.limit.overrides.redis {
         return Err(Failure::selection(format!(
             "limit `{}` takes no overrides: add \"overrides\": {{\"redis\": true}} to it",
             target.limit.name

@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::block::{compile_block, RawBlock};
 use super::matcher::{compile_match, Matcher, RawMatch};
-use super::overrides::{compile_overrides, RawOverrides};
+use super::overrides::{compile_overrides, Overrides, RawOverrides};
 use super::parts::{compile_parts, Part, RawPart};
 use super::usage::{compile_usage, RawUsage, Usage};
 use super::{header_name, valid_name, ConfigError, FailureMode};
@@ -348,8 +348,8 @@ pub struct Limit {
     pub usage: Option<Usage>,
     /// A rejection blocks the key for this many ms.
     pub block_ms: Option<u64>,
-    /// The script looks up an override for the key in Redis.
-    pub overrides: bool,
+    /// Where per-value overrides come from (Redis, the request).
+    pub overrides: Overrides,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -536,7 +536,7 @@ pub(super) fn compile_limit(
         )?),
     };
     let overrides = match raw.overrides {
-        None => false,
+        None => Overrides::default(),
         Some(o) => compile_overrides(
             o,
             &format!("{at}.overrides"),

@@ -42,6 +42,7 @@ pub use object_store::{
     ObjectStore, DEFAULT_OBJECT_KEY_PREFIX, DEFAULT_OBJECT_TIMEOUT_MS, ENV_ACCESS_KEY_ID,
     ENV_SECRET_ACCESS_KEY, ENV_SESSION_TOKEN,
 };
+pub use overrides::Overrides;
 pub use parts::{descriptor, Part, Read};
 pub use redis::{
     Batch, RedisTarget, DEFAULT_BREAKER_COOL_DOWN_MS, DEFAULT_BREAKER_FAILURES, DEFAULT_TIMEOUT_MS,
@@ -485,6 +486,7 @@ fn needs(
     let parts: Vec<&Part> = hash_tag
         .iter()
         .chain(limits.iter().flat_map(|l| l.descriptor.iter()))
+        .chain(limits.iter().filter_map(|l| l.overrides.request.as_ref()))
         .chain(idempotency.iter().flat_map(|r| r.tenant.iter()))
         .chain(
             matchers

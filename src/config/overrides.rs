@@ -6,6 +6,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::limit::Algorithm;
+use super::parts::{compile_part, Part, RawPart};
 use super::ConfigError;
 
 /// Where a limit's overrides come from.
@@ -17,19 +18,41 @@ pub(super) struct RawOverrides {
     /// (one key per value, beside the limit's state, same hash tag), in the
     /// same call that decides the request: a token bucket's capacity and
     /// refill, a window's limit. Set with `redis-guard override set`.
+    #[serde(default)]
     redis: bool,
+    /// A part whose value overrides the limit for this request (a claim, a
+    /// metadata value a trusted ext_authz wrote, a header a trusted filter
+    /// sets): a whole number (a bucket's capacity and refill, a window's
+    /// limit) or an override's text (`tb 10000 10000`). One stored in Redis
+    /// wins over it.
+    #[serde(default)]
+    request: Option<RawPart>,
 }
 
-/// Whether the limit looks up overrides, checked against what it is.
+/// A limit's overrides: looked up in Redis, carried by the request, or both.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Overrides {
+    pub redis: bool,
+    pub request: Option<Part>,
+}
+
+/// Where the limit's overrides come from, checked against what it is.
 pub(super) fn compile_overrides(
     raw: RawOverrides,
     at: &str,
     algorithm: &Algorithm,
     leased: bool,
     usage: bool,
-) -> Result<bool, ConfigError> {
-    if !raw.redis {
-        return Ok(false);
+) -> Result<Overrides, ConfigError> {
+    let request = match raw.request {
+        Some(p) => Some(compile_part(p, &format!("{at}.request"))?),
+        None => None,
+    };
+    if !raw.redis && request.is_none() {
+        return Err(ConfigError::new(
+            at,
+            "set `redis`, `request` or both: where the overrides come from",
+        ));
     }
     let why = match algorithm {
         Algorithm::Gcra { .. } => Some(
@@ -46,8 +69,12 @@ pub(super) fn compile_overrides(
         ),
         _ => None,
     };
+    let field = if raw.redis { "redis" } else { "request" };
     match why {
-        Some(why) => Err(ConfigError::new(format!("{at}.redis"), why)),
-        None => Ok(true),
+        Some(why) => Err(ConfigError::new(format!("{at}.{field}"), why)),
+        None => Ok(Overrides {
+            redis: raw.redis,
+            request,
+        }),
     }
 }

@@ -36,6 +36,13 @@ impl RateLimit {
         for limit in &self.plan.exempt {
             host.count(Counter::Exempt(*limit));
         }
+        for (limit, why) in &self.plan.bad_overrides {
+            log::warn!(
+                "redis-guard: the override the request carries for `{}` is not valid ({why}): the configured limit applies",
+                config.limits[*limit].name
+            );
+            host.count(Counter::OverrideInvalid(*limit));
+        }
         Ok(())
     }
 
@@ -89,6 +96,9 @@ impl RateLimit {
                 (false, false) => host.count(Counter::Rejected(check.limit)),
             }
             match result.overridden {
+                OverrideUse::None if check.carried.is_some() => {
+                    host.count(Counter::OverrideApplied(check.limit))
+                }
                 OverrideUse::None => {}
                 OverrideUse::Applied => host.count(Counter::OverrideApplied(check.limit)),
                 OverrideUse::Invalid => {
