@@ -77,6 +77,21 @@ impl FilterConfig {
         self.field("objectStore", json)
     }
 
+    /// Every field of a recipe in envoy/recipes/ (the README's *Recipes*
+    /// quote them): the configuration a user merges beside `redis`.
+    pub fn recipe(self, name: &str) -> FilterConfig {
+        let path = super::root()
+            .join("envoy/recipes")
+            .join(format!("{name}.json"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let fields = doc.as_object().unwrap().clone();
+        fields.into_iter().fold(self, |cfg, (name, value)| {
+            cfg.field(&name, &value.to_string())
+        })
+    }
+
     /// Any other top-level field, written after the ones before it. The
     /// value must be JSON on its own, so a typo fails here, naming the field,
     /// rather than as a refused configuration in Envoy's log.

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 pub mod cluster;
 pub mod config;
 pub mod fixed_seed;
+pub mod identity;
 pub mod probe;
 pub mod s3;
 pub mod script;

@@ -1,0 +1,232 @@
+//! The README's *Recipes*, each the file in envoy/recipes/ it quotes, through
+//! real Envoys, Redis and Webdis: payment throttling with declines counted
+//! and blocked, partner webhooks per mTLS identity counting only the
+//! receiver's failures, and a public API's free and paid tiers by JWT claim
+//! with overrides (stored ones set by the CLI, carried ones in a claim). The
+//! login recipe has its own file (e2e_login). Built with the `cli` feature
+//! (its binary sets an override).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::process::Command;
+
+use support::identity::{Issuer, Pki};
+use support::*;
+
+#[test]
+fn every_recipe_parses_and_the_readme_quotes_each_verbatim() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    for name in ["login", "payments", "webhooks", "tiers"] {
+        let config = filter_config(1000).recipe(name).build();
+        redis_guard::config::Config::parse(config.as_bytes())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let text =
+            std::fs::read_to_string(root().join(format!("envoy/recipes/{name}.json"))).unwrap();
+        assert!(
+            readme.contains(text.trim_end()),
+            "README's Recipes must quote envoy/recipes/{name}.json as it is"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Payment throttling
+
+/// A payment for `customer` with idempotency key `key`; the upstream's
+/// answer is `status` (402: declined).
+fn pay(agent: &ureq::Agent, envoy: &Envoy, customer: &str, key: &str, status: &str) -> Resp {
+    let headers = [
+        ("x-customer-id", customer),
+        ("idempotency-key", key),
+        ("x-upstream-status", status),
+    ];
+    http_with(
+        agent,
+        "POST",
+        &envoy.url("/v1/payments"),
+        &headers,
+        Some(b"{\"amount\":100}"),
+    )
+}
+
+#[test]
+fn declined_payments_block_the_customer_and_a_retried_payment_runs_once() {
+    let stack = Stack::start(&filter_config(1000).recipe("payments").build(), 2);
+    let agent = agent();
+    // Three declines (card testing) across both Envoys: each ran.
+    for i in 0..3 {
+        let r = pay(
+            &agent,
+            &stack.envoys[i % 2],
+            "mallory",
+            &format!("k{i}"),
+            "402",
+        );
+        assert_eq!(r.status, 402);
+    }
+    // The fourth is refused and starts the block: even a good card waits.
+    for (i, status) in ["402", "200"].iter().enumerate() {
+        let r = pay(
+            &agent,
+            &stack.envoys[i % 2],
+            "mallory",
+            &format!("k{}", 3 + i),
+            status,
+        );
+        assert_eq!(r.status, 429);
+        let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+        assert!(retry > 3500 && retry <= 3600, "Retry-After {retry}");
+    }
+    assert_eq!(stack.upstream.executions_of("/v1/payments"), 3);
+
+    // An honest customer's retry of one payment is a replay, not a second
+    // charge; successes never count as declines.
+    let first = pay(&agent, stack.envoy(), "alice", "order-1", "200");
+    assert_eq!(first.status, 200);
+    let retry = pay(&agent, &stack.envoys[1], "alice", "order-1", "200");
+    assert_eq!((retry.status, retry.body), (200, first.body));
+    for i in 0..5 {
+        assert_eq!(
+            pay(&agent, stack.envoy(), "alice", &format!("o{i}"), "200").status,
+            200
+        );
+    }
+    assert_eq!(stack.upstream.executions_of("/v1/payments"), 3 + 1 + 5);
+    // A payment without a key is refused before it runs.
+    let headers = [("x-customer-id", "alice")];
+    let r = http_with(
+        &agent,
+        "POST",
+        &stack.envoy().url("/v1/payments"),
+        &headers,
+        Some(b"{}"),
+    );
+    assert_eq!(r.status, 400);
+}
+
+// ---------------------------------------------------------------------------
+// Partner webhooks per mTLS identity
+
+#[test]
+fn a_partners_webhooks_are_throttled_only_while_the_receiver_fails_them() {
+    let pki = Pki::new();
+    pki.client("acme", "spiffe://partners.example/acme");
+    pki.client("globex", "spiffe://partners.example/globex");
+    let cfg = filter_config(1000).recipe("webhooks").build();
+    let stack = Stack::start_edited(&cfg, 1, |y| pki.listener(y));
+    let port = stack.envoy().port;
+    let failing = [("x-upstream-status", "503")];
+    // Our receiver fails acme's deliveries: five failures, then acme's
+    // retries are refused before they reach it.
+    let codes: Vec<u16> = (0..7)
+        .map(|_| pki.get_with(port, "/webhooks/orders", Some("acme"), &failing))
+        .collect();
+    assert_eq!(codes, [503, 503, 503, 503, 503, 429, 429]);
+    // globex's deliveries succeed: never counted as failures.
+    for _ in 0..20 {
+        assert_eq!(
+            pki.get_with(port, "/webhooks/orders", Some("globex"), &[]),
+            200
+        );
+    }
+    assert_eq!(stack.upstream.executions_of("/webhooks/orders"), 5 + 20);
+}
+
+// ---------------------------------------------------------------------------
+// A public API's free and paid tiers
+
+/// The JWT part of the tiers recipe, for the CLI: a metadata path after its
+/// namespace.
+fn set_override(stack: &Stack, config: &std::path::Path, sub: &str, capacity: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
+        .env_clear()
+        .args(["override", "set", "--config", config.to_str().unwrap()])
+        .args([
+            "--limit",
+            "free-tier",
+            "--value",
+            &format!("payload.sub={sub}"),
+        ])
+        .args(["--redis", &stack.redis.admin_url()])
+        .args(["--capacity", capacity, "--refill", capacity])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// Requests with `token`, alternating Envoys, until the first 429
+/// (bounded): how many were admitted.
+fn admitted(stack: &Stack, token: &str, most: usize) -> usize {
+    let agent = agent();
+    let auth = format!("Bearer {token}");
+    for i in 0..most {
+        let r = http_with(
+            &agent,
+            "GET",
+            &stack.envoys[i % 2].url("/v1/things"),
+            &[("authorization", &auth)],
+            None,
+        );
+        match r.status {
+            200 => {}
+            429 => return i,
+            other => panic!("request {i}: {other}"),
+        }
+    }
+    most
+}
+
+#[test]
+fn free_and_paid_tiers_follow_the_plan_claim_and_overrides_follow_the_customer() {
+    let issuer = Issuer::new();
+    let cfg = filter_config(1000).recipe("tiers").build();
+    let stack = Stack::start_edited(&cfg, 2, |y| issuer.trusted_by(y));
+    let dir = Scratch::new("tiers");
+    let config_path = dir.0.join("filter.json");
+    std::fs::write(&config_path, &cfg).unwrap();
+    let token = |claims: serde_json::Value| issuer.token(claims);
+
+    // Free (no plan claim): 100 an hour per subject, exactly, over both.
+    assert_eq!(
+        admitted(&stack, &token(serde_json::json!({"sub": "sam"})), 150),
+        100
+    );
+    // A free customer with a stored override: its own 200, from the first
+    // request on, on both Envoys.
+    set_override(&stack, &config_path, "ann", "200");
+    assert_eq!(
+        admitted(&stack, &token(serde_json::json!({"sub": "ann"})), 250),
+        200
+    );
+    // Paid, with a quota in its token: that quota.
+    let pat = token(serde_json::json!({"sub": "pat", "plan": "pro", "quota": 7}));
+    assert_eq!(admitted(&stack, &pat, 20), 7);
+    // Paid without one: the paid tier, stated in the headers.
+    let paula = token(serde_json::json!({"sub": "paula", "plan": "enterprise"}));
+    let r = get(
+        &stack.envoy().url("/v1/things"),
+        &[("authorization", &format!("Bearer {paula}"))],
+    );
+    assert_eq!(
+        (r.status, r.header("x-ratelimit-limit")),
+        (200, Some("10000"))
+    );
+    // A revoked token is refused before any limit.
+    let revoked = token(serde_json::json!({"sub": "eve", "jti": "revoked-1"}));
+    let r = get(
+        &stack.envoy().url("/v1/things"),
+        &[("authorization", &format!("Bearer {revoked}"))],
+    );
+    assert_eq!(r.status, 403);
+    assert_eq!(
+        stack.counter("redis_guard.ratelimit.free-tier.override_applied"),
+        201,
+        "every decision of ann's, her 429 included"
+    );
+}
