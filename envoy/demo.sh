@@ -176,6 +176,23 @@ for i in 1 2 3 4; do show "GET /v1/me (token for demo-user) #$i" -H "authorizati
 show "GET /v1/me (another subject's token)" \
   -H "authorization: Bearer $(python3 envoy/demo_jwt.py sign "$STACK/jwt.secret" '{"sub":"other-user"}')" "$URL/v1/me"
 show "GET /v1/me (a forged token)" -H "authorization: Bearer ${TOKEN%?????}AAAAA" "$URL/v1/me"
+echo "limit failed-logins (envoy/recipes/login.json): wrong passwords (the upstream's 401) per account,"
+echo "  5 per 15 minutes, each reserved as it is tried; the first rejection blocks the account for"
+echo "  15 minutes, right password or not (here the upstream stands in: x-upstream-status 401 is a wrong one):"
+for i in 1 2 3 4 5 6; do
+  show "POST /login (x-login-user: eve, wrong) #$i" -X POST -H 'x-login-user: eve' -H 'x-upstream-status: 401' "$URL/login"
+done
+show "POST /login (x-login-user: eve, right)" -X POST -H 'x-login-user: eve' "$URL/login"
+echo "  right passwords are never counted:"
+for i in 1 2 3 4 5 6 7; do show "POST /login (x-login-user: dave) #$i" -X POST -H 'x-login-user: dave' "$URL/login"; done
+echo "limit per-key-quota: 3 an hour per x-api-key, unless Redis holds the customer's own quota:"
+for i in 1 2 3 4; do show "GET /quota/items (x-api-key: globex) #$i" -H 'x-api-key: globex' "$URL/quota/items"; done
+echo "  initech's quota set with the CLI (every Envoy's next decision reads it, in the same call):"
+( set -a; . "$STACK/objectstore.env"; . "$STACK/webdis.env"; . "$STACK/redis.env"; set +a
+  target/release/redis-guard override set --config envoy/filter.json --limit per-key-quota \
+    --value x-api-key=initech --capacity 10 --refill 10 \
+    --redis "redis://admin:$REDIS_ADMIN_PASSWORD@127.0.0.1:$REDIS_PORT" ) | sed 's/^/  /'
+for i in 1 2 3 4 5; do show "GET /quota/items (x-api-key: initech) #$i" -H 'x-api-key: initech' "$URL/quota/items"; done
 echo "shadow limit search-trial (2 per 10 s) never rejects, it counts:"
 for i in 1 2 3; do show "GET /api/search #$i" -H "x-user: carol$i" "$URL/api/search"; done
 echo "idempotency rule payments: POST /api/payments with an Idempotency-Key runs once"

@@ -81,14 +81,22 @@ fn example_configs() -> Vec<(String, Vec<u8>)> {
     let readme = fs::read_to_string(root().join("README.md")).unwrap();
     for (i, block) in readme.split("```json\n").skip(1).enumerate() {
         let body = &block[..block.find("```").unwrap()];
-        // Config examples are the JSON blocks with a `redis` section; others
-        // show replies and records.
-        if body.contains("\"redis\"") && body.trim_start().starts_with('{') {
+        // Config examples are the JSON blocks with a top-level `redis`
+        // section; others show replies, records and recipes (below).
+        let top_level_redis = serde_json::from_str::<Value>(body)
+            .is_ok_and(|v| v.get("redis").is_some());
+        if top_level_redis {
             out.push((
                 format!("README.md json block {i}"),
                 body.as_bytes().to_vec(),
             ));
         }
+    }
+    // The recipes, merged beside a `redis` section as the README says.
+    for p in json_files(&root().join("envoy/recipes")) {
+        let mut doc: Value = serde_json::from_slice(&fs::read(&p).unwrap()).unwrap();
+        doc["redis"] = serde_json::json!({"cluster": "webdis"});
+        out.push((p.display().to_string(), serde_json::to_vec(&doc).unwrap()));
     }
     let istio = root().join("envoy/istio/wasmplugin.yaml");
     let text = fs::read_to_string(&istio).unwrap();
