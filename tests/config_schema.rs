@@ -83,8 +83,8 @@ fn example_configs() -> Vec<(String, Vec<u8>)> {
         let body = &block[..block.find("```").unwrap()];
         // Config examples are the JSON blocks with a top-level `redis`
         // section; others show replies, records and recipes (below).
-        let top_level_redis = serde_json::from_str::<Value>(body)
-            .is_ok_and(|v| v.get("redis").is_some());
+        let top_level_redis =
+            serde_json::from_str::<Value>(body).is_ok_and(|v| v.get("redis").is_some());
         if top_level_redis {
             out.push((
                 format!("README.md json block {i}"),
