@@ -132,3 +132,34 @@ fn exempt_clients_skip_the_limit_without_a_redis_call_and_denied_ones_never_reac
     assert_eq!(stack.upstream.executed(), executed + 1);
     assert_eq!(scripts_run(&stack.redis), calls + 1);
 }
+
+#[test]
+fn ipv6_client_networks_exempt_and_deny_as_ipv4_ones_do() {
+    // Behind one trusted proxy, the address it appended is the client's
+    // (how IPv6 clients reach these tests over loopback).
+    let stack = Stack::start_edited(&config(), 1, behind_one_proxy);
+    let url = stack.envoy().url("/api/x");
+    let from = |client: &str, key: &str| {
+        get(&url, &[("x-forwarded-for", client), ("x-api-key", key)]).status
+    };
+    // Denied: 2001:db8:bad::/48, however the address is written.
+    for client in [
+        "2001:db8:bad::1",
+        "2001:db8:bad:ffff::9",
+        "2001:DB8:BAD:0:0:0:0:2",
+    ] {
+        assert_eq!(from(client, "k1"), 403, "{client}");
+    }
+    // Another network's clients share k1's three.
+    let codes: Vec<u16> = (0..4).map(|_| from("2001:db8:bee::1", "k1")).collect();
+    assert_eq!(codes, [200, 200, 200, 429]);
+    let calls = scripts_run(&stack.redis);
+    // ::1 is exempt from `per-key` (its own /128): `per-plan` still decides.
+    for _ in 0..3 {
+        assert_eq!(from("::1", "k1"), 200);
+    }
+    assert_eq!(scripts_run(&stack.redis), calls + 3);
+    assert_eq!(stack.counter("redis_guard.ratelimit.per-key.exempt"), 3);
+    assert_eq!(stack.counter("redis_guard.denied"), 3);
+    assert_eq!(stack.upstream.executed(), 3 + 3);
+}

@@ -268,15 +268,6 @@ fn a_limit_applies_by_claim_value_exactly_or_by_a_whole_value_regex() {
     assert_eq!(stack.upstream.executed(), 2 + 3 + 3 + 2 + 9);
 }
 
-/// envoy.yaml with Envoy trusting one proxy hop of `x-forwarded-for`: the
-/// client address it reports is the one that proxy saw (how a deployment
-/// behind a load balancer gives the filter the real client).
-fn behind_one_proxy(yaml: String) -> String {
-    let shipped = "          xff_num_trusted_hops: 0\n";
-    assert_eq!(yaml.matches(shipped).count(), 1);
-    yaml.replace(shipped, "          xff_num_trusted_hops: 1\n")
-}
-
 #[test]
 fn addresses_in_one_ipv6_prefix_share_a_budget_and_other_prefixes_have_their_own() {
     let cfg = filter_config(1000)
@@ -316,6 +307,36 @@ fn addresses_in_one_ipv6_prefix_share_a_budget_and_other_prefixes_have_their_own
         "{keys:?}"
     );
     assert_eq!(stack.upstream.executed(), 6);
+}
+
+#[test]
+fn a_claim_in_a_limits_unless_exempts_its_holder_without_a_redis_call() {
+    let issuer = Issuer::new();
+    let cfg = filter_config(1000)
+        .limits(&format!(
+            r#"[{{"name":"per-sub","match":{{"pathPrefix":"/jwt/"}},"descriptor":[{sub}],
+                  "unless":{{"values":[{{"part":{plan},"oneOf":["enterprise","internal"]}}]}},
+                  "fixedWindow":{{"limit":1,"windowMs":{LONG_WINDOW_MS}}}}}]"#,
+            sub = claim("sub", "string"),
+            plan = claim("plan", "string"),
+        ))
+        .build();
+    let stack = Stack::start_edited(&cfg, 1, |y| issuer.trusted_by(y));
+    let url = stack.envoy().url("/jwt/x");
+    let token = |claims| bearer(&issuer.token(claims));
+    let free = token(serde_json::json!({"sub": "ann", "plan": "free"}));
+    let codes: Vec<u16> = (0..2)
+        .map(|_| get(&url, &[("authorization", &free)]).status)
+        .collect();
+    assert_eq!(codes, [200, 429]);
+    let calls = stack.counter("redis_guard.redis.calls");
+    // The same subject with an enterprise token: exempt, no call at all.
+    let enterprise = token(serde_json::json!({"sub": "ann", "plan": "enterprise"}));
+    for _ in 0..5 {
+        assert_eq!(get(&url, &[("authorization", &enterprise)]).status, 200);
+    }
+    assert_eq!(stack.counter("redis_guard.redis.calls"), calls);
+    assert_eq!(stack.counter("redis_guard.ratelimit.per-sub.exempt"), 5);
 }
 
 // ---------------------------------------------------------------------------

@@ -910,6 +910,16 @@ pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// envoy.yaml with Envoy trusting one proxy hop of `x-forwarded-for`: the
+/// client address it reports is the one that proxy saw (how a deployment
+/// behind a load balancer gives the filter the real client; the tests send
+/// any address, IPv6 included, over loopback).
+pub fn behind_one_proxy(yaml: String) -> String {
+    let shipped = "          xff_num_trusted_hops: 0\n";
+    assert_eq!(yaml.matches(shipped).count(), 1);
+    yaml.replace(shipped, "          xff_num_trusted_hops: 1\n")
+}
+
 /// Redis + Webdis + upstream + `n` Envoys sharing them.
 pub struct Stack {
     pub envoys: Vec<Envoy>,
