@@ -18,16 +18,6 @@ Kinds    "tb" token_bucket.lua, "sw" sliding_window.lua, "gcra" gcra.lua,
          the script calls once before it returns.
 ]]
 
--- The key of a blocking limit's block: its state key with `:bl:` for `:rl:`
--- (src/keys.rs block_key(); the prefix holds no brace, so the first `:rl:{`
--- is the one after it).
-local function block_key(key)
-  local s, e = string.find(key, ':rl:{', 1, true)
-  if s == nil then
-    return key .. ':bl'
-  end
-  return string.sub(key, 1, s - 1) .. ':bl:{' .. string.sub(key, e + 1)
-end
 
 -- The kinds malformed() lets through.
 local known_kinds = { tb = true, sw = true, gcra = true, fw = true, swc = true,
@@ -51,23 +41,6 @@ local function kind_of(alg)
   return nil, false
 end
 
--- The override key of a state key `<prefix>:rl:{<tag>}:<name>:<signature>:
--- <descriptor>`: `<prefix>:ov:{<tag>}:<name>:<descriptor>` (src/keys.rs
--- override_key()). Without the signature, so an override outlives a change
--- of the limit's configured numbers; the same hash tag, so the same slot.
--- Names and signatures hold no `:`.
-local function override_key(key)
-  local s, e = string.find(key, ':rl:{', 1, true)
-  if s == nil then return nil end
-  local t = string.find(key, '}:', e + 1, true)
-  if t == nil then return nil end
-  local n = string.find(key, ':', t + 2, true)
-  if n == nil then return nil end
-  local g = string.find(key, ':', n + 1, true)
-  if g == nil then return nil end
-  return string.sub(key, 1, s - 1) .. ':ov:{' .. string.sub(key, e + 1, n)
-      .. string.sub(key, g + 1)
-end
 
 -- A whole number lo <= x <= hi (tonumber() also takes fractions, "nan" and
 -- "inf").
@@ -146,7 +119,8 @@ local function malformed(keys, ko, nk, argv, ao, na)
       end
     end
     local e = tonumber(argv[base + 5])
-    if e == nil or not (e == 0 or e == 1 or (alg ~= 'cc' and whole(e, 1000, 2^42))) then
+    if e == nil or not (e == 0 or e == 1
+        or (alg ~= 'cc' and (whole(e, 1000, 2^42) or whole(-e, 1000, 2^42)))) then
       return 'ERR redis-guard ratelimit: limit ' .. i .. ' has a bad enforce value'
     end
     if alg == 'cc' and cc_slot_bad(argv[base + 3]) then
@@ -228,21 +202,13 @@ local function decide_checked(keys, ko, argv, ao, na)
     local e = tonumber(argv[base + 5])
     local enforce = e ~= 0
     local r
-    -- A blocking limit's key stays refused while its block key lives, whatever
-    -- its state would say; the block key shares the state key's hash tag.
-    local block, bkey = e > 1 and e or nil, nil
-    if block then
-      bkey = block_key(keys[ko + i])
-      local left = redis.call('PTTL', bkey)
-      if left > 0 then
-        r = { allowed = 0, remaining = 0, retry = left, reset = left, blocked = true }
-      end
-    end
     -- An override for this key, read in the same call: its figures replace
     -- the configured capacity (and refill) or limit; one that does not
-    -- parse within the kind's bounds is ignored and reported (4).
+    -- parse within the kind's bounds, or leaves no room for this request's
+    -- cost, is ignored and reported (4). Read before the block, so a
+    -- blocked key's verdict says whether an override decides the key.
     local used = 0
-    if ov and not r then
+    if ov then
       local okey = override_key(keys[ko + i])
       -- pcall: a key of another type written by hand is an ignored
       -- override, never an error that fails the request.
@@ -251,11 +217,25 @@ local function decide_checked(keys, ko, argv, ao, na)
         used = 4
       elseif text then
         local x, y = override_figures(text, alg, c)
-        if x then
+        if x and x >= cost then
           a, b, used = x, y or b, 2
         else
           used = 4
         end
+      end
+    end
+    -- A blocking limit's key stays refused while its block key lives, whatever
+    -- its state would say. e > 1: a rejection by this limit starts the
+    -- block; e < 0 (a usage-based limit, whose state holds the reserves of
+    -- requests still running): only its settlement does, once the counted
+    -- usage leaves it exhausted (lua/settle.lua).
+    local block, bkey = nil, nil
+    if e > 1 or e < 0 then
+      block = math.abs(e)
+      bkey = block_key(keys[ko + i])
+      local left = redis.call('PTTL', bkey)
+      if left > 0 then
+        r = { allowed = 0, remaining = 0, retry = left, reset = left, blocked = true }
       end
     end
     if r then
@@ -275,7 +255,7 @@ local function decide_checked(keys, ko, argv, ao, na)
     end
     r.alg = alg
     r.used = used
-    r.block, r.bkey = block, bkey
+    r.block, r.bkey, r.starts = block, bkey, e > 1
     if enforce and r.allowed == 0 then
       admit = 0
     end
@@ -287,7 +267,7 @@ local function decide_checked(keys, ko, argv, ao, na)
   if admit == 0 then
     for i = 1, n do
       local r = results[i]
-      if r.block and r.allowed == 0 and not r.blocked then
+      if r.starts and r.allowed == 0 and not r.blocked then
         redis.call('SET', r.bkey, '1', 'PX', r.block)
         r.retry, r.reset = r.block, r.block
       end

@@ -25,9 +25,18 @@ ARGV per limit i, six values starting at 2 + (i-1)*6:
   enforce    "1": a rejection rejects the request; "0": shadow, reported only;
              a whole number of ms from 1000 to 2^42 (not for cc): as "1",
              and a rejection by this limit blocks its key for that long: a
-             key `:bl:` in place of the state key's `:rl:` (same hash tag),
-             SET with that PX; while it lives the limit rejects the key with
-             retry_ms = reset_ms = its PTTL, without reading its state
+             key `:bl:` in place of the state key's `:rl:` (same hash tag,
+             lua/keys.lua), SET with that PX; while it lives the limit
+             rejects the key with retry_ms = reset_ms = its PTTL, without
+             reading its state. Its negative (a usage-based limit): the
+             block is honoured the same way, but only lua/settle.lua starts
+             it (a rejection may be due to reserves of running requests)
+  algorithm  may carry `+o` (tb, sw, fw, swc): the limit takes overrides;
+             the script reads the key's override (lua/keys.lua
+             override_key) and, when it parses within the kind's bounds and
+             leaves room for the cost, decides with its figures: the
+             verdict's `allowed` then adds 2 (4 when one is stored but
+             ignored)
   gcra, fw, swc and cc take whole numbers within the bounds their files' headers
   give (the filter's config validation keeps them there); numbers that
   would corrupt a key are an error reply, and nothing is written.

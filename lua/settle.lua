@@ -5,7 +5,7 @@ or refund it.
 KEYS[i]  the state key of limit i (as in lua/ratelimit.lua); a key may come
          more than once (the settlements of several requests in one call, as
          an Envoy worker sends them): they apply in order
-ARGV per limit i, six values starting at 1 + (i-1)*6:
+ARGV per limit i, seven values starting at 1 + (i-1)*7:
   algorithm  "tb", "gcra", "fw" or "swc" (the sliding-window log keeps a
              member per unit, and a concurrency limit counts requests, not
              units: neither settles)
@@ -16,6 +16,10 @@ ARGV per limit i, six values starting at 1 + (i-1)*6:
   age        ms since the decision's call left (the proxy's clock): the
              decision ran at most that long ago. A window kind refunds only
              when the reserve was surely taken in the window current now
+  block      0, or a blocking limit's block (ms, 1000 to 2^42): when the
+             usage counted (delta >= 0) and leaves less than one unit, the
+             key's block starts (lua/keys.lua block_key, SET PX), as a
+             rejection starts it for other limits (lua/ratelimit.lua)
 Returns  one integer per limit: the units left after settling (wire()d);
          negative is debt.
 
@@ -51,8 +55,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- @@ALGORITHMS@@
 
 local n = #KEYS
-if #ARGV ~= 6 * n then
-  return redis.error_reply('ERR redis-guard settle: six values per key')
+if #ARGV ~= 7 * n then
+  return redis.error_reply('ERR redis-guard settle: seven values per key')
 end
 
 local function whole(x, lo, hi)
@@ -62,11 +66,13 @@ end
 -- Every limit is checked before any is written (Redis keeps what a script
 -- wrote before an error).
 for i = 1, n do
-  local base = 1 + (i - 1) * 6
+  local base = 1 + (i - 1) * 7
   local alg = ARGV[base]
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  local block = tonumber(ARGV[base + 6])
   -- The bounds config validation keeps each kind within (src/config/limit.rs).
   local ok = whole(tonumber(ARGV[base + 4]), -(2^50 - 1), 2^50 - 1)
+      and (block == 0 or whole(block, 1000, 2^42))
       and whole(tonumber(ARGV[base + 5]), 0, 2^53 - 1)
       and whole(a, 1, 2^53 - 1) and whole(b, 1, 2^53 - 1) and whole(c, 0, 2^53 - 1)
   if alg == 'tb' then
@@ -112,7 +118,7 @@ end
 
 local out = {}
 for i = 1, n do
-  local base = 1 + (i - 1) * 6
+  local base = 1 + (i - 1) * 7
   local key, alg = KEYS[i], ARGV[base]
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local delta = tonumber(ARGV[base + 4])
@@ -146,6 +152,10 @@ for i = 1, n do
     r.reset = math.max(1, swc_restored_in(r.cur + r.cost, r.prev, r))
     swc_charge(r)
     left = a - swc_weight(r.prev, b, r.e) - r.cur - r.cost
+  end
+  local block = tonumber(ARGV[base + 6])
+  if block > 0 and delta >= 0 and left < 1 then
+    redis.call('SET', block_key(key), '1', 'PX', block)
   end
   out[i] = wire(left)
 end

@@ -49,8 +49,9 @@ impl<T: Copy + Eq + Hash> Table<T> {
 
 /// A limit's parameters: kind code, its three numbers (a concurrency
 /// limit's third is its request's slot id, carried per member) and enforce
-/// (0, 1 or a block in ms, as lua/ratelimit.lua takes it).
-type Params = (u8, u64, u64, u64, u64);
+/// (0, 1 or a block in ms, negative for a usage-based limit, as
+/// lua/ratelimit.lua takes it).
+type Params = (u8, u64, u64, u64, i64);
 
 fn figure(raw: &[u8]) -> Result<u64, String> {
     std::str::from_utf8(raw)
@@ -63,6 +64,14 @@ fn figure(raw: &[u8]) -> Result<u64, String> {
                 String::from_utf8_lossy(raw)
             )
         })
+}
+
+/// A figure that may be negative (an enforce value).
+fn signed_figure(raw: &[u8]) -> Result<i64, String> {
+    match raw.strip_prefix(b"-") {
+        Some(rest) => figure(rest).map(|n| -(n as i64)),
+        None => figure(raw).map(|n| n as i64),
+    }
 }
 
 fn put_u16(out: &mut Vec<u8>, n: usize) -> Result<(), String> {
@@ -129,7 +138,7 @@ fn pack_member<'a>(
             figure(&v[1])?,
             figure(&v[2])?,
             c,
-            figure(&v[5])?,
+            signed_figure(&v[5])?,
         );
         put_u16(out, usize::from(params.of(p)?))?;
         put_u16(out, usize::from(key_table.of(key.as_slice())?))?;
@@ -170,7 +179,8 @@ pub fn pack(members: &[ScriptArgs]) -> Result<Packed, String> {
         put_figure(&mut head, *a);
         put_figure(&mut head, *b);
         put_figure(&mut head, *c);
-        put_figure(&mut head, *enforce);
+        // |enforce| <= 2^42: the double is exact.
+        head.extend_from_slice(&(*enforce as f64).to_be_bytes());
     }
     put_u16(&mut head, members.len())?;
     head.extend_from_slice(&body);

@@ -42,6 +42,21 @@ pub const INTERNAL: u32 = 13;
 pub const UNAVAILABLE: u32 = 14;
 pub const DATA_LOSS: u32 = 15;
 
+/// The status a gRPC client reports for a response that carries no
+/// `grpc-status`, from its HTTP status (gRPC's "HTTP to gRPC status code
+/// mapping": 400 INTERNAL, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404
+/// UNIMPLEMENTED, 429/502/503/504 UNAVAILABLE, anything else UNKNOWN).
+pub fn code_from_http(status: u32) -> u32 {
+    match status {
+        400 => INTERNAL,
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        429 | 502 | 503 | 504 => UNAVAILABLE,
+        _ => 2,
+    }
+}
+
 /// The code of a status name (`"NOT_FOUND"` is 5).
 pub fn code_of(name: &str) -> Option<u32> {
     CODES.iter().position(|c| *c == name).map(|i| i as u32)

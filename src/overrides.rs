@@ -115,6 +115,21 @@ impl Override {
         }
     }
 
+    /// The override, if a request of `cost` can ever fit it (else it would
+    /// reject every such request with a Retry-After that never comes true).
+    pub fn fits(self, cost: u64) -> Result<Override, String> {
+        let quota = match self {
+            Override::TokenBucket { capacity, .. } => capacity,
+            Override::Limit(n) => n,
+        };
+        if quota < cost {
+            return Err(format!(
+                "{quota} leaves no room for a request of cost {cost}"
+            ));
+        }
+        Ok(self)
+    }
+
     /// The stored text.
     pub fn text(&self, algorithm: &Algorithm) -> String {
         match *self {

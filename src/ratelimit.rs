@@ -96,6 +96,7 @@ impl Plan {
                 None => None,
                 Some(part) => part.value(line, view).and_then(|v| {
                     Override::carried(&v, &limit.algorithm)
+                        .and_then(|o| o.fits(cost))
                         .map_err(|why| bad_overrides.push((i, why)))
                         .ok()
                 }),
@@ -184,7 +185,7 @@ impl Plan {
             argv.push(b.to_string().into_bytes());
             argv.push(c);
             argv.push(check.cost.to_string().into_bytes());
-            argv.push(enforce_value(limit.shadow, limit.block_ms));
+            argv.push(enforce_value(limit));
         }
         if let Some(idem) = idem {
             keys.push(idem.key.clone());
@@ -238,10 +239,13 @@ pub fn kind_args(algorithm: &Algorithm) -> (&'static str, u64, u64, u64) {
 }
 
 /// A limit's enforce value: a shadow limit is reported, never enforced
-/// ("0"); a blocking one says its block in ms; any other is "1".
-fn enforce_value(shadow: bool, block_ms: Option<u64>) -> Vec<u8> {
-    match (shadow, block_ms) {
+/// ("0"); a blocking one says its block in ms, negated for a usage-based
+/// limit (its settlement starts the block, not a rejection: its state holds
+/// the reserves of requests still running); any other is "1".
+fn enforce_value(limit: &crate::config::Limit) -> Vec<u8> {
+    match (limit.shadow, limit.block_ms) {
         (true, _) => b"0".to_vec(),
+        (false, Some(ms)) if limit.usage.is_some() => format!("-{ms}").into_bytes(),
         (false, Some(ms)) => ms.to_string().into_bytes(),
         (false, None) => b"1".to_vec(),
     }

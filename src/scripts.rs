@@ -78,7 +78,7 @@ fn compose(main: &str, parts: &[&str]) -> String {
 /// What a decision runs, in the order it is joined in after the clock: the
 /// reply helper, every limit kind, the idempotency record and the driver.
 /// RATELIMIT and BATCH share them, so a batch decides as single calls do.
-const DECISION_PARTS: [&str; 10] = [
+const DECISION_PARTS: [&str; 11] = [
     include_str!("../lua/wire.lua"),
     include_str!("../lua/token_bucket.lua"),
     include_str!("../lua/sliding_window.lua"),
@@ -88,6 +88,7 @@ const DECISION_PARTS: [&str; 10] = [
     include_str!("../lua/concurrency_slots.lua"),
     include_str!("../lua/concurrency.lua"),
     include_str!("../lua/idempotency.lua"),
+    include_str!("../lua/keys.lua"),
     include_str!("../lua/decide.lua"),
 ];
 
@@ -146,6 +147,7 @@ pub static SETTLE: LazyLock<Script> = LazyLock::new(|| {
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/fixed_window.lua"),
             include_str!("../lua/sliding_window_counter.lua"),
+            include_str!("../lua/keys.lua"),
         ],
     ))
 });

@@ -71,9 +71,14 @@ fn a_password_burst_reaches_the_upstream_five_times_then_the_account_is_blocked(
     assert_eq!(stack.upstream.executions_of("/login"), 50 + reached as u64);
     eprintln!("{reached} of 100 wrong passwords reached the upstream");
 
-    // Blocked, even with the right password, even once the bucket is full
-    // again (its state deleted, as a refill would leave it): Retry-After is
-    // the block's end, not the refill's.
+    // The bucket held five and no failure gives its unit back: exactly five.
+    assert_eq!(reached, 5);
+
+    // The failures' settlements found the account exhausted and blocked it
+    // (a rejection at admission starts no block: the bucket may hold running
+    // requests' reserves). Blocked, even with the right password, even once
+    // the bucket is full again (its state deleted, as a refill would leave
+    // it): Retry-After is the block's end, not the refill's.
     let mut con = stack.redis.conn();
     let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
         .arg("rg:rl:*failed-logins-per-account*")
@@ -84,6 +89,15 @@ fn a_password_burst_reaches_the_upstream_five_times_then_the_account_is_blocked(
         .find(|k| k.ends_with(b"ann"))
         .unwrap_or_else(|| panic!("no bucket for ann among {keys:?}"))
         .clone();
+    let block = redis_guard::keys::block_key(&bucket);
+    poll(
+        "the block, started by a settlement",
+        Duration::from_secs(5),
+        || {
+            let exists: bool = redis::cmd("EXISTS").arg(&block).query(&mut con).unwrap();
+            exists.then_some(())
+        },
+    );
     redis::cmd("DEL")
         .arg(&bucket)
         .query::<()>(&mut con)
@@ -94,10 +108,38 @@ fn a_password_burst_reaches_the_upstream_five_times_then_the_account_is_blocked(
         let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
         assert!(retry > 800 && retry <= 900, "Retry-After {retry}");
     }
-    let block = redis_guard::keys::block_key(&bucket);
     let ttl: i64 = redis::cmd("PTTL").arg(&block).query(&mut con).unwrap();
     assert!(ttl > 800_000 && ttl <= 900_000, "block PTTL {ttl}");
     assert_eq!(stack.upstream.executions_of("/login"), 50 + reached as u64);
+
+    // Right passwords sent all at once may outrun the five units their
+    // reserves hold while they run (a 429 for the sixth), but they never
+    // block the account: only counted failures start a block.
+    let jobs: Vec<usize> = (0..12).collect();
+    let rushed = run_jobs(
+        &jobs,
+        12,
+        Duration::from_secs(60),
+        support::agent,
+        |a, i, _| login(a, &stack.envoys[i % 2], "frank", true).status,
+    );
+    assert!(rushed.iter().all(|s| *s == 200 || *s == 429), "{rushed:?}");
+    assert!(
+        rushed.iter().filter(|s| **s == 200).count() >= 5,
+        "{rushed:?}"
+    );
+    let frank: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg("rg:bl:*frank")
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        frank.is_empty(),
+        "right passwords blocked the account: {frank:?}"
+    );
+    // Their reserves come back as their settlements land.
+    poll("frank logs in", Duration::from_secs(5), || {
+        (login(&agent, stack.envoy(), "frank", true).status == 200).then_some(())
+    });
 
     // Another account is unaffected (the network limit counted only the
     // failures that reached the upstream, far below its fifty).

@@ -13,6 +13,7 @@ mod support;
 use std::process::Command;
 
 use support::identity::{Issuer, Pki};
+use support::probe::poll;
 use support::*;
 
 #[test]
@@ -66,7 +67,17 @@ fn declined_payments_block_the_customer_and_a_retried_payment_runs_once() {
         );
         assert_eq!(r.status, 402);
     }
-    // The fourth is refused and starts the block: even a good card waits.
+    // The third decline's settlement found the window exhausted and started
+    // the block (the settlement runs after the stream: wait for it). The
+    // fourth attempt is refused, and even a good card waits.
+    let mut con = stack.redis.conn();
+    poll("mallory's block", std::time::Duration::from_secs(5), || {
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("rg:bl:*declines-per-customer*mallory")
+            .query(&mut con)
+            .unwrap();
+        (keys.len() == 1).then_some(())
+    });
     for (i, status) in ["402", "200"].iter().enumerate() {
         let r = pay(
             &agent,

@@ -9,7 +9,7 @@
 mod support;
 
 use redis::Connection;
-use redis_guard::scripts::{BATCH, RATELIMIT};
+use redis_guard::scripts::{BATCH, RATELIMIT, SETTLE};
 use support::script::{self, fw, tb, Limit, HOUR};
 use support::{key_exists, key_pttl, Redis};
 
@@ -110,7 +110,16 @@ fn a_batch_blocks_exactly_as_its_members_one_by_one() {
 #[test]
 fn a_bad_enforce_value_is_an_error_that_writes_nothing() {
     let (_redis, mut con) = Redis::start_with_conn();
-    for bad in ["2", "999", "x", "1.5", "4398046511105"] {
+    for bad in [
+        "2",
+        "999",
+        "x",
+        "1.5",
+        "4398046511105",
+        "-1",
+        "-999",
+        "-4398046511105",
+    ] {
         let argv = ["1", "fw", "2", "60000", "0", "1", bad];
         let err = script::eval_raw(&mut con, &RATELIMIT, &["rg:rl:{t}:k"], &argv).unwrap_err();
         assert!(
@@ -124,4 +133,61 @@ fn a_bad_enforce_value_is_an_error_that_writes_nothing() {
     assert!(err.to_string().contains("bad enforce value"), "{err}");
     let n: i64 = redis::cmd("DBSIZE").query(&mut con).unwrap();
     assert_eq!(n, 0);
+}
+
+#[test]
+fn a_usage_based_limit_honours_a_block_but_only_its_settlement_starts_one() {
+    let (_redis, mut con) = Redis::start_with_conn();
+    let (state, block) = keys("login");
+    // Enforce value -9000: reserves of running requests fill the window,
+    // and the rejection they cause starts no block.
+    let limit = fw(&state, 2, HOUR).block(-9_000);
+    assert!(decide(&mut con, std::slice::from_ref(&limit)).admitted);
+    assert!(decide(&mut con, std::slice::from_ref(&limit)).admitted);
+    let d = decide(&mut con, std::slice::from_ref(&limit));
+    assert!(!d.admitted);
+    assert!(
+        !key_exists(&mut con, &block),
+        "a rejection started the block"
+    );
+    // The settlements: one request's response did not count (refund), the
+    // other's did (nothing moves, the block's ms carried): the window is
+    // exhausted only after the second, which starts the block.
+    let settle = |con: &mut Connection, delta: &str, block_ms: &str| {
+        let argv = ["fw", "2", &HOUR.to_string(), "0", delta, "0", block_ms].map(String::from);
+        let v = script::eval_raw(
+            con,
+            &SETTLE,
+            &[&state],
+            &argv.each_ref().map(String::as_str),
+        )
+        .unwrap();
+        redis::from_redis_value::<Vec<i64>>(&v).unwrap()[0]
+    };
+    assert_eq!(settle(&mut con, "-1", "0"), 1);
+    assert!(!key_exists(&mut con, &block));
+    assert!(decide(&mut con, std::slice::from_ref(&limit)).admitted);
+    assert_eq!(
+        settle(&mut con, "0", "9000"),
+        0,
+        "exhausted by counted usage"
+    );
+    let ttl = key_pttl(&mut con, &block);
+    assert!(ttl > 8_000 && ttl <= 9_000, "{ttl}");
+    // Now the block is honoured, its time left as the retry.
+    let d = decide(&mut con, std::slice::from_ref(&limit));
+    assert!(!d.admitted && d.limits[0].retry_ms > 8_000, "{d:?}");
+    // A settlement that leaves room starts none.
+    let (other, other_block) = keys("other");
+    let l2 = fw(&other, 5, HOUR).block(-9_000);
+    assert!(decide(&mut con, std::slice::from_ref(&l2)).admitted);
+    let argv = ["fw", "5", &HOUR.to_string(), "0", "0", "0", "9000"].map(String::from);
+    script::eval_raw(
+        &mut con,
+        &SETTLE,
+        &[&other],
+        &argv.each_ref().map(String::as_str),
+    )
+    .unwrap();
+    assert!(!key_exists(&mut con, &other_block));
 }

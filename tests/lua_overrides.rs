@@ -130,6 +130,14 @@ fn a_malformed_override_is_ignored_and_reported_never_an_error() {
             "`{text}`: ignored (1 + 4), configured 3: {d:?}"
         );
     }
+    // An override too small for the request's cost: ignored, not a
+    // rejection forever with a Retry-After that never comes true.
+    let (state, over) = keys("api", "tiny");
+    set(&mut con, &over, "tb 1 1");
+    let argv = ["1", "tb+o", "3", "1", &HOUR.to_string(), "2", "1"];
+    let v = script::eval_raw(&mut con, &RATELIMIT, &[&state], &argv).unwrap();
+    let d: Vec<i64> = redis::from_redis_value(&v).unwrap();
+    assert_eq!(d[..3], [1, 5, 1], "cost 2 under the configured 3: {d:?}");
     // A key of another type, written by hand.
     let (state, over) = keys("api", "hash");
     redis::cmd("HSET")

@@ -52,7 +52,8 @@ fn settle_aged(con: &mut Connection, now: i64, items: &[(&Limit, i64, i64)]) -> 
             .arg(l.b)
             .arg(&l.c)
             .arg(*delta)
-            .arg(*age);
+            .arg(*age)
+            .arg(0);
     }
     let v: Value = cmd.query(con).unwrap_or_else(|e| panic!("settle: {e}"));
     let Value::Array(items) = v else {
@@ -240,8 +241,9 @@ fn a_kind_that_cannot_settle_or_a_bad_number_is_an_error_and_writes_nothing() {
         script::set_clock(&mut con, T0);
         let mut cmd = eval(&SETTLE_AT);
         cmd.arg(2).arg(&a.key).arg("s:{k}:other");
-        cmd.arg(&["tb", "100", "10", "1000", "5", "0"][..])
+        cmd.arg(&["tb", "100", "10", "1000", "5", "0", "0"][..])
             .arg(&second[..])
+            .arg(0)
             .arg(0);
         let err = cmd.query::<Value>(&mut con).unwrap_err().to_string();
         assert!(err.contains("redis-guard settle"), "{what}: {err}");

@@ -93,7 +93,13 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
             let config = select::load(&limit.selection.config)?;
             let (target, key) = target(&config, &limit)?;
             let algorithm = &target.limit.algorithm;
+            // The largest cost a request of the limit may have must fit.
+            let most = match &target.limit.cost {
+                redis_guard::config::Cost::Fixed(c) => *c,
+                redis_guard::config::Cost::Header { max, .. } => *max,
+            };
             let o = Override::new(algorithm, figures.capacity, figures.refill, figures.quota)
+                .and_then(|o| o.fits(most))
                 .map_err(|why| {
                     Failure::selection(format!("limit `{}`: {why}", target.limit.name))
                 })?;

@@ -169,7 +169,8 @@ pub struct Limit {
     pub c: String,
     pub cost: i64,
     pub enforce: bool,
-    /// A blocking limit's block (ms); 0 for none.
+    /// A blocking limit's block (ms); 0 for none; negative: a usage-based
+    /// limit's (honoured, started only by its settlement).
     pub block: i64,
 }
 

@@ -26,7 +26,13 @@ pub fn cached<H: Host>(host: &mut H, config: &Config, plan: &Plan) -> Option<Loc
                 remaining,
                 retry_ms,
                 reset_ms: retry_ms,
-                overridden: crate::ratelimit::OverrideUse::None,
+                // The cache keeps no quota: a limit an override may decide
+                // is left out of the headers rather than misstated.
+                overridden: if config.limits[check.limit].overrides.redis {
+                    crate::ratelimit::OverrideUse::Applied
+                } else {
+                    crate::ratelimit::OverrideUse::None
+                },
             });
             rejecting.checks.push(check.clone());
         }

@@ -18,10 +18,10 @@ use crate::response::Completion;
 use crate::scripts::SETTLE;
 use crate::usage::{reservation, weighted, EventStream, JsonBody, Term};
 
-/// A settlement as the worker sends it: six values per key.
+/// A settlement as the worker sends it: seven values per key.
 pub const SETTLE_CALL: Kind = Kind {
     script: &SETTLE,
-    per_key: 6,
+    per_key: 7,
     what: "the settlement of usage-based costs",
     lost: Some(Counter::UsageLost),
 };
@@ -339,9 +339,13 @@ impl UsageStage {
             };
             let delta = i128::from(cost) - i128::from(owed.reserved);
             let units = u64::try_from(delta.unsigned_abs()).unwrap_or(u64::MAX);
+            // A blocking limit's usage that counted (nothing back) may leave
+            // it exhausted: the settlement checks, and starts the block.
+            let block = limit.block_ms.filter(|_| delta >= 0).unwrap_or(0);
             match delta.signum() {
                 1 => host.count_n(Counter::UsageCharged, units),
                 -1 => host.count_n(Counter::UsageRefunded, units),
+                _ if block > 0 => {}
                 _ => continue,
             }
             let (alg, a, b, c) = kind_args(&limit.algorithm);
@@ -352,6 +356,7 @@ impl UsageStage {
             argv.push(c.to_string().into_bytes());
             argv.push(delta.to_string().into_bytes());
             argv.push(age.to_string().into_bytes());
+            argv.push(block.to_string().into_bytes());
         }
         if keys.is_empty() {
             return;
@@ -375,16 +380,20 @@ fn counted_cost<H: Host>(
     reserved: u64,
 ) -> (Option<u64>, Option<u64>) {
     let cost = |counts: bool| if counts { reserved } else { 0 };
-    let http = host
+    let status = host
         .response_header(":status")
-        .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
-        .map(|status| cost(set.counts_http(status)));
+        .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
+    let http = status.map(|s| cost(set.counts_http(s)));
     let grpc = host
         .response_header("content-type")
         .is_some_and(|ct| crate::grpc::is_grpc(&ct));
     if !grpc {
         return (http, None);
     }
+    // Without a grpc-status, the client sees the status its HTTP one maps
+    // to: either may be what the limit counts.
+    let http =
+        status.map(|s| cost(set.counts_http(s) || set.counts_grpc(crate::grpc::code_from_http(s))));
     match host
         .response_header("grpc-status")
         .and_then(|v| crate::grpc::parse_status(&v))

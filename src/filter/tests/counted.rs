@@ -92,6 +92,41 @@ fn a_grpc_response_is_judged_by_its_grpc_status_wherever_it_comes() {
 }
 
 #[test]
+fn a_blocking_counted_limit_lets_its_settlement_start_the_block() {
+    let cfg = Config::parse(
+        br#"{"redis":{"batch":{"enabled":false},"cluster":"webdis"},"limits":[
+        {"name":"failed-logins","match":{"pathPrefix":"/login"},"descriptor":[{"header":"x-user"}],
+         "fixedWindow":{"limit":5,"windowMs":900000},
+         "usage":{"countStatuses":["401"]},"block":{"durationMs":60000}}]}"#,
+    )
+    .unwrap();
+    let run = |status: &str| {
+        let mut f = Flow::new(Rc::new(cfg.clone()), test_breaker());
+        let mut h = FakeHost::get("/login").with("x-user", b"ann");
+        f.on_request_headers(&mut h, true);
+        // A rejection at admission never starts this block (the bucket may
+        // hold running requests' reserves): the enforce value is negated.
+        assert!(
+            h.dispatched[0].contains("/fw/5/900000/0/1/%2D60000"),
+            "{}",
+            h.dispatched[0]
+        );
+        f.on_callout_reply(&mut h, 1, ok(ADMIT));
+        h.respond(&[(":status", status), ("content-length", "0")]);
+        f.on_response_headers(&mut h, true);
+        f.on_stream_end(&mut h);
+        h.slot_releases
+            .first()
+            .map(|s| (s.2[4].clone(), s.2[6].clone()))
+    };
+    // A counted failure sends its settlement (nothing moves) with the block:
+    // the script starts it if the limit is now exhausted.
+    assert_eq!(run("401"), Some(("0".into(), "60000".into())));
+    // A refund never starts one.
+    assert_eq!(run("200"), Some(("-1".into(), "0".into())));
+}
+
+#[test]
 fn count_statuses_is_alone_and_every_entry_names_a_status() {
     let err = |usage: &str| {
         Config::parse(

@@ -70,8 +70,8 @@ fn a_json_response_is_charged_its_stated_usage_less_the_reserve() {
         (
             1,
             // Kind, numbers, the difference, the decision's age (the fake
-            // clock did not move).
-            vec!["tb", "1000", "10", "1000", "122", "0"]
+            // clock did not move), no block.
+            vec!["tb", "1000", "10", "1000", "122", "0", "0"]
                 .into_iter()
                 .map(String::from)
                 .collect()
