@@ -8,10 +8,6 @@
 
 mod support;
 
-use std::net::{Ipv4Addr, SocketAddrV4};
-use std::time::Duration;
-
-use socket2::{Domain, Socket, Type};
 use support::*;
 
 /// A window no run crosses the edge of (2^40 ms, epoch-aligned).
@@ -35,41 +31,6 @@ fn config() -> String {
                   "fixedWindow": {{"limit": 1000, "windowMs": {LONG_WINDOW_MS}}}}}]"#
         ))
         .build()
-}
-
-/// A GET of `path` from `source` (a loopback address): status and body.
-fn get_from(source: &str, port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
-    let source: Ipv4Addr = source.parse().unwrap();
-    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-    socket
-        .bind(&SocketAddrV4::new(source, 0).into())
-        .unwrap_or_else(|e| panic!("bind {source}: {e}"));
-    socket
-        .connect_timeout(
-            &SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into(),
-            Duration::from_secs(5),
-        )
-        .unwrap();
-    raw_get_on(socket.into(), path, headers)
-}
-
-/// Script calls Redis ran (EVALSHA and EVAL).
-fn scripts_run(redis: &Redis) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut redis.conn())
-        .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_eval"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
 }
 
 #[test]

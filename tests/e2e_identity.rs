@@ -7,10 +7,6 @@
 
 mod support;
 
-use std::net::{Ipv4Addr, SocketAddrV4};
-use std::time::Duration;
-
-use socket2::{Domain, Socket, Type};
 use support::identity::{Issuer, Pki};
 use support::*;
 
@@ -51,37 +47,22 @@ fn a_query_parameter_budget_is_per_decoded_first_value_and_absent_means_unlimite
     assert_eq!(stack.upstream.executed(), 2 + 3 + 5);
 }
 
-/// A GET of `path` from `source` (a loopback address), its status.
-fn get_from(source: Ipv4Addr, port: u16, path: &str) -> u16 {
-    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-    socket
-        .bind(&SocketAddrV4::new(source, 0).into())
-        .unwrap_or_else(|e| panic!("bind {source}: {e}"));
-    socket
-        .connect_timeout(
-            &SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into(),
-            Duration::from_secs(5),
-        )
-        .unwrap();
-    raw_get_on(socket.into(), path, &[]).0
-}
-
 #[test]
 fn addresses_in_one_ipv4_prefix_share_a_budget_and_other_prefixes_have_their_own() {
     let stack = Stack::start(&config(), 1);
     let port = stack.envoy().port;
-    let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+    let status_from = |source: &str| get_from(source, port, "/n/x", &[]).0;
     // 127.0.0.2 and 127.0.0.3 are one /24: three between them.
-    assert_eq!(get_from(ip("127.0.0.2"), port, "/n/x"), 200);
-    assert_eq!(get_from(ip("127.0.0.2"), port, "/n/x"), 200);
-    assert_eq!(get_from(ip("127.0.0.3"), port, "/n/x"), 200);
-    assert_eq!(get_from(ip("127.0.0.3"), port, "/n/x"), 429);
-    assert_eq!(get_from(ip("127.0.0.2"), port, "/n/x"), 429);
+    assert_eq!(status_from("127.0.0.2"), 200);
+    assert_eq!(status_from("127.0.0.2"), 200);
+    assert_eq!(status_from("127.0.0.3"), 200);
+    assert_eq!(status_from("127.0.0.3"), 429);
+    assert_eq!(status_from("127.0.0.2"), 429);
     // 127.0.1.2 is another /24, with its own three.
     for _ in 0..3 {
-        assert_eq!(get_from(ip("127.0.1.2"), port, "/n/x"), 200);
+        assert_eq!(status_from("127.0.1.2"), 200);
     }
-    assert_eq!(get_from(ip("127.0.1.2"), port, "/n/x"), 429);
+    assert_eq!(status_from("127.0.1.2"), 429);
     assert_eq!(stack.upstream.executed(), 6);
 }
 

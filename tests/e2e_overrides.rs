@@ -54,21 +54,11 @@ fn admitted_until_limited(stack: &Stack, key: &str, most: usize) -> usize {
 /// The same, each request carrying `quota` in x-quota (as a trusted filter
 /// in front would set it from a claim).
 fn admitted_carrying(stack: &Stack, key: &str, quota: Option<&str>, most: usize) -> usize {
-    let agent = agent();
-    for i in 0..most {
-        let e = &stack.envoys[i % 2];
-        let mut headers = vec![("x-api-key", key)];
-        if let Some(q) = quota {
-            headers.push(("x-quota", q));
-        }
-        let r = http_with(&agent, "GET", &e.url("/api/x"), &headers, None);
-        match r.status {
-            200 => {}
-            429 => return i,
-            other => panic!("request {i}: {other}"),
-        }
+    let mut headers = vec![("x-api-key", key)];
+    if let Some(q) = quota {
+        headers.push(("x-quota", q));
     }
-    most
+    admitted_until_429(&stack.envoys, "/api/x", &headers, most)
 }
 
 #[test]

@@ -174,23 +174,13 @@ fn set_override(stack: &Stack, config: &std::path::Path, sub: &str, capacity: &s
 /// Requests with `token`, alternating Envoys, until the first 429
 /// (bounded): how many were admitted.
 fn admitted(stack: &Stack, token: &str, most: usize) -> usize {
-    let agent = agent();
     let auth = format!("Bearer {token}");
-    for i in 0..most {
-        let r = http_with(
-            &agent,
-            "GET",
-            &stack.envoys[i % 2].url("/v1/things"),
-            &[("authorization", &auth)],
-            None,
-        );
-        match r.status {
-            200 => {}
-            429 => return i,
-            other => panic!("request {i}: {other}"),
-        }
-    }
-    most
+    admitted_until_429(
+        &stack.envoys,
+        "/v1/things",
+        &[("authorization", &auth)],
+        most,
+    )
 }
 
 #[test]

@@ -120,21 +120,6 @@ fn config(mode: &str) -> String {
         .build()
 }
 
-/// How many script calls reached Redis.
-fn scripts_run(redis: &Redis) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut redis.conn())
-        .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_eval"))
-        .map(|l| {
-            let calls = l.split("calls=").nth(1).unwrap().split(',').next().unwrap();
-            calls.parse::<u64>().unwrap()
-        })
-        .sum()
-}
-
 #[test]
 fn decisions_cross_a_verified_tls_hop_to_webdis() {
     let pki = Pki::new();

@@ -9,7 +9,7 @@
 mod support;
 
 use redis::Connection;
-use redis_guard::scripts::{BATCH, RATELIMIT, SETTLE};
+use redis_guard::scripts::{RATELIMIT, SETTLE};
 use support::script::{self, fw, tb, Limit, HOUR};
 use support::{key_exists, key_pttl, Redis};
 
@@ -88,14 +88,10 @@ fn a_batch_blocks_exactly_as_its_members_one_by_one() {
     let (_redis, mut con) = Redis::start_with_conn();
     let (state, block) = keys("login");
     let limit = fw(&state, 1, HOUR).block(7_000);
-    let (k, body) = script::packed_batch(&vec![vec![limit.clone()]; 3]);
-    let v: redis::Value = script::eval(&BATCH)
-        .arg(k.len())
-        .arg(&k)
-        .arg(body)
-        .query(&mut con)
-        .unwrap();
-    let flat: Vec<i64> = redis::from_redis_value(&v).unwrap();
+    let flat = script::batch_flat(
+        &mut con,
+        script::packed_batch(&vec![vec![limit.clone()]; 3]),
+    );
     // Member 1 admitted; member 2 rejected and starts the block (retry
     // 7000); member 3 finds the block (its PTTL: 7000 at the batch's instant).
     assert_eq!(flat.len(), 19, "{flat:?}");

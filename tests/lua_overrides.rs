@@ -9,7 +9,7 @@
 mod support;
 
 use redis::Connection;
-use redis_guard::scripts::{BATCH, RATELIMIT};
+use redis_guard::scripts::RATELIMIT;
 use support::script;
 use support::Redis;
 
@@ -177,14 +177,7 @@ fn a_batch_reads_each_members_override_as_its_own_call_would() {
     let members: Vec<_> = (0..12)
         .map(|j| member(if j % 2 == 0 { &a } else { &b }))
         .collect();
-    let (k, body) = script::packed(&members);
-    let v: redis::Value = script::eval(&BATCH)
-        .arg(k.len())
-        .arg(&k)
-        .arg(body)
-        .query(&mut con)
-        .unwrap();
-    let flat: Vec<i64> = redis::from_redis_value(&v).unwrap();
+    let flat = script::batch_flat(&mut con, script::packed(&members));
     // Per member: its length 5, then [admitted, allowed+flags, ...].
     let verdicts: Vec<(i64, i64)> = flat[1..].chunks(6).map(|m| (m[1], m[2])).collect();
     let acme: Vec<_> = verdicts.iter().step_by(2).copied().collect();

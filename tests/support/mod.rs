@@ -910,6 +910,60 @@ pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// How many script calls (EVALSHA and EVAL) Redis ran (INFO commandstats).
+pub fn scripts_run(redis: &Redis) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut redis.conn())
+        .unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_eval"))
+        .map(|l| {
+            let calls = l.split("calls=").nth(1).unwrap().split(',').next().unwrap();
+            calls.parse::<u64>().unwrap()
+        })
+        .sum()
+}
+
+/// A GET of `path` from `source` (a loopback address: Linux routes all of
+/// 127.0.0.0/8 to lo) to Envoy's `port`: status and body.
+pub fn get_from(source: &str, port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<u8>) {
+    use socket2::{Domain, Socket, Type};
+    use std::net::{Ipv4Addr, SocketAddrV4};
+    let source: Ipv4Addr = source.parse().unwrap();
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    socket
+        .bind(&SocketAddrV4::new(source, 0).into())
+        .unwrap_or_else(|e| panic!("bind {source}: {e}"));
+    socket
+        .connect_timeout(
+            &SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into(),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+    raw_get_on(socket.into(), path, headers)
+}
+
+/// GETs of `path` with `headers`, alternating `envoys`, until the first 429
+/// (at most `most`): how many were admitted. Any other status fails.
+pub fn admitted_until_429(
+    envoys: &[Envoy],
+    path: &str,
+    headers: &[(&str, &str)],
+    most: usize,
+) -> usize {
+    let agent = agent();
+    for i in 0..most {
+        let e = &envoys[i % envoys.len()];
+        match http_with(&agent, "GET", &e.url(path), headers, None).status {
+            200 => {}
+            429 => return i,
+            other => panic!("request {i}: {other}"),
+        }
+    }
+    most
+}
+
 /// envoy.yaml with Envoy trusting one proxy hop of `x-forwarded-for`: the
 /// client address it reports is the one that proxy saw (how a deployment
 /// behind a load balancer gives the filter the real client; the tests send

@@ -367,6 +367,17 @@ pub fn packed_batch(members: &[Vec<Limit>]) -> (Vec<Vec<u8>>, Vec<u8>) {
     packed(&members)
 }
 
+/// lua/batch.lua run (EVAL) on a packed batch: its flat reply as integers.
+pub fn batch_flat(con: &mut Connection, (keys, body): (Vec<Vec<u8>>, Vec<u8>)) -> Vec<i64> {
+    let v: Value = eval(&BATCH)
+        .arg(keys.len())
+        .arg(&keys)
+        .arg(body)
+        .query(con)
+        .unwrap_or_else(|e| panic!("batch EVAL failed: {e}"));
+    redis::from_redis_value(&v).unwrap()
+}
+
 /// One limit's verdict: four integers of the reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Verdict {
