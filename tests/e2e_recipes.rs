@@ -92,6 +92,54 @@ fn declined_payments_block_the_customer_and_a_retried_payment_runs_once() {
     }
     assert_eq!(stack.upstream.executions_of("/v1/payments"), 3);
 
+    // The operator's view: `inspect` shows the block, `reset` lifts it (and
+    // the declines counted), and the customer pays again.
+    let dir = Scratch::new("payments");
+    let config_path = dir.0.join("filter.json");
+    std::fs::write(&config_path, filter_config(1000).recipe("payments").build()).unwrap();
+    let cli = |args: &[&str]| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
+            .env_clear()
+            .arg("--json")
+            .args(args)
+            .args(["--config", config_path.to_str().unwrap()])
+            .args([
+                "--limit",
+                "declines-per-customer",
+                "--value",
+                "x-customer-id=mallory",
+            ])
+            .args(["--redis", &stack.redis.admin_url()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let seen = cli(&["inspect"]);
+    assert_eq!(seen["allowed"], false);
+    let blocked = seen["blockedMs"].as_i64().unwrap();
+    assert!(blocked > 3_500_000 && blocked <= 3_600_000, "{seen}");
+    let reset = cli(&["reset", "--yes"]);
+    assert_eq!(
+        (&reset["deleted"], &reset["unblocked"]),
+        (&true.into(), &true.into())
+    );
+    assert_eq!(cli(&["inspect"])["blockedMs"], serde_json::Value::Null);
+    // (An Envoy's over-limit cache may answer for Redis up to a second.)
+    poll(
+        "mallory pays again",
+        std::time::Duration::from_secs(5),
+        || {
+            let r = pay(&agent, stack.envoy(), "mallory", "k-after-reset", "200");
+            (r.status == 200).then_some(())
+        },
+    );
+    assert_eq!(stack.upstream.executions_of("/v1/payments"), 4);
+
     // An honest customer's retry of one payment is a replay, not a second
     // charge; successes never count as declines.
     let first = pay(&agent, stack.envoy(), "alice", "order-1", "200");
@@ -104,7 +152,7 @@ fn declined_payments_block_the_customer_and_a_retried_payment_runs_once() {
             200
         );
     }
-    assert_eq!(stack.upstream.executions_of("/v1/payments"), 3 + 1 + 5);
+    assert_eq!(stack.upstream.executions_of("/v1/payments"), 4 + 1 + 5);
     // A payment without a key is refused before it runs.
     let headers = [("x-customer-id", "alice")];
     let r = http_with(
