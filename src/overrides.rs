@@ -134,7 +134,7 @@ impl Override {
     pub fn text(&self, algorithm: &Algorithm) -> String {
         match *self {
             Override::TokenBucket { capacity, refill } => format!("tb {capacity} {refill}"),
-            Override::Limit(n) => format!("{} {n}", kind(algorithm)),
+            Override::Limit(n) => format!("{} {n}", algorithm.code()),
         }
     }
 
@@ -166,10 +166,10 @@ impl Override {
         let text = std::str::from_utf8(text).map_err(|_| "not text".to_string())?;
         let mut words = text.split(' ');
         let k = words.next().unwrap_or_default();
-        if k != kind(algorithm) {
+        if k != algorithm.code() {
             return Err(format!(
                 "`{text}` is not an override for a `{}` limit",
-                kind(algorithm)
+                algorithm.code()
             ));
         }
         let figures: Vec<u64> = words
@@ -199,11 +199,6 @@ impl Override {
     }
 }
 
-/// The kind's name in an override (lua/ratelimit.lua's algorithm code).
-fn kind(algorithm: &Algorithm) -> &'static str {
-    crate::ratelimit::kind_args(algorithm).0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,58 +221,6 @@ mod tests {
         let w = Override::new(&FW, None, None, Some(5000)).unwrap();
         assert_eq!(w.text(&FW), "fw 5000");
         assert_eq!(Override::parse(b"fw 5000", &FW), Ok(w));
-    }
-
-    #[test]
-    fn a_carried_override_sets_the_numbers_the_call_sends_or_is_reported() {
-        use crate::config::Config;
-        use crate::ratelimit::Plan;
-        use crate::request::{fake::FakeRequest, RequestLine};
-        let cfg = Config::parse(
-            br#"{"redis": {"cluster": "w"}, "limits": [{"name": "api",
-                "descriptor": [{"header": "x-key"}],
-                "tokenBucket": {"capacity": 100, "refill": 10, "periodMs": 60000},
-                "overrides": {"redis": true, "request": {"header": "x-quota"}}}]}"#,
-        )
-        .unwrap();
-        let argv = |quota: Option<&[u8]>| {
-            let mut r = FakeRequest::new("GET", "/").with("x-key", b"acme");
-            if let Some(q) = quota {
-                r = r.with("x-quota", q);
-            }
-            let plan = Plan::build(&cfg, &RequestLine::read(&r), &r).unwrap();
-            let (_, argv) = plan.script_args(&cfg, None, None);
-            let text: Vec<String> = argv[1..4]
-                .iter()
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .collect();
-            (text, plan.bad_overrides.len())
-        };
-        // The configured numbers, with Redis' lookup asked for (`+o`).
-        assert_eq!(
-            argv(None),
-            (vec!["tb+o".into(), "100".into(), "10".into()], 0)
-        );
-        assert_eq!(
-            argv(Some(b"5000")),
-            (vec!["tb+o".into(), "5000".into(), "5000".into()], 0)
-        );
-        assert_eq!(
-            argv(Some(b"tb 50 5")),
-            (vec!["tb+o".into(), "50".into(), "5".into()], 0)
-        );
-        for bad in [
-            &b"-1"[..],
-            b"0",
-            b"99999999999999999999999",
-            b"fw 5",
-            b"lots",
-        ] {
-            assert_eq!(
-                argv(Some(bad)),
-                (vec!["tb+o".into(), "100".into(), "10".into()], 1)
-            );
-        }
     }
 
     #[test]

@@ -170,17 +170,16 @@ impl Plan {
                 None => (a, b),
             };
             // `+o`: the script looks up an override for the key.
-            let alg = if limit.overrides.redis {
-                [alg, "+o"].concat()
-            } else {
-                alg.to_string()
-            };
+            let mut alg = alg.as_bytes().to_vec();
+            if limit.overrides.redis {
+                alg.extend_from_slice(b"+o");
+            }
             // A concurrency limit's third value is the request's slot id.
             let c = match limit.algorithm {
                 Algorithm::Concurrency { .. } => slot.unwrap_or("").as_bytes().to_vec(),
                 _ => c.to_string().into_bytes(),
             };
-            argv.push(alg.as_bytes().to_vec());
+            argv.push(alg);
             argv.push(a.to_string().into_bytes());
             argv.push(b.to_string().into_bytes());
             argv.push(c);
@@ -220,22 +219,23 @@ impl Plan {
 /// lua/ratelimit.lua; lua/settle.lua takes the same). A concurrency limit's
 /// third value is its request's slot id instead (0 here).
 pub fn kind_args(algorithm: &Algorithm) -> (&'static str, u64, u64, u64) {
-    match *algorithm {
+    let (a, b, c) = match *algorithm {
         Algorithm::TokenBucket {
             capacity,
             refill,
             period_ms,
-        } => ("tb", capacity, refill, period_ms),
-        Algorithm::SlidingWindow { limit, window_ms } => ("sw", limit, window_ms, 0),
+        } => (capacity, refill, period_ms),
         Algorithm::Gcra {
             rate,
             period_ms,
             burst,
-        } => ("gcra", burst, rate, period_ms),
-        Algorithm::FixedWindow { limit, window_ms } => ("fw", limit, window_ms, 0),
-        Algorithm::SlidingWindowCounter { limit, window_ms } => ("swc", limit, window_ms, 0),
-        Algorithm::Concurrency { max, lease_ms } => ("cc", max, lease_ms, 0),
-    }
+        } => (burst, rate, period_ms),
+        Algorithm::SlidingWindow { limit, window_ms }
+        | Algorithm::FixedWindow { limit, window_ms }
+        | Algorithm::SlidingWindowCounter { limit, window_ms } => (limit, window_ms, 0),
+        Algorithm::Concurrency { max, lease_ms } => (max, lease_ms, 0),
+    };
+    (algorithm.code(), a, b, c)
 }
 
 /// A limit's enforce value: a shadow limit is reported, never enforced

@@ -288,6 +288,19 @@ impl Algorithm {
         }
     }
 
+    /// The kind's code in the scripts' arguments (lua/ratelimit.lua) and in
+    /// a stored override's text.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket { .. } => "tb",
+            Algorithm::SlidingWindow { .. } => "sw",
+            Algorithm::Gcra { .. } => "gcra",
+            Algorithm::FixedWindow { .. } => "fw",
+            Algorithm::SlidingWindowCounter { .. } => "swc",
+            Algorithm::Concurrency { .. } => "cc",
+        }
+    }
+
     /// The key segment naming the algorithm and every parameter that shapes
     /// its stored state, so a changed limit starts from a fresh key instead of
     /// reading a state written under other parameters.

@@ -10,6 +10,7 @@ mod envoy_like;
 mod grpc;
 mod idempotency;
 mod offload;
+mod overrides;
 mod ratelimit;
 mod usage;
 
