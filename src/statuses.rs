@@ -4,11 +4,45 @@
 
 use crate::grpc;
 
+/// HTTP statuses by class (`4xx`) and exact code (`401`): what an
+/// idempotency rule stores, what a response-counted limit counts.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct StatusSet {
-    /// HTTP classes: 4 for `4xx`.
+pub struct HttpStatuses {
+    /// 4 for `4xx`.
     classes: Vec<u32>,
     exact: Vec<u32>,
+}
+
+impl HttpStatuses {
+    /// Adds `entry` if it is a class (`2xx` to `5xx`) or a status from 200
+    /// to 599; false (nothing added) otherwise.
+    pub fn add(&mut self, entry: &str) -> bool {
+        let b = entry.as_bytes();
+        if b.len() == 3 && b"2345".contains(&b[0]) && &b[1..] == b"xx" {
+            self.classes.push(u32::from(b[0] - b'0'));
+            return true;
+        }
+        let code = (b.len() == 3 && b.iter().all(u8::is_ascii_digit))
+            .then(|| entry.parse::<u32>().ok())
+            .flatten()
+            .filter(|c| (200..600).contains(c));
+        match code {
+            Some(code) => {
+                self.exact.push(code);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn contains(&self, status: u32) -> bool {
+        self.exact.contains(&status) || self.classes.contains(&(status / 100))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StatusSet {
+    http: HttpStatuses,
     grpc: Vec<u32>,
 }
 
@@ -19,16 +53,10 @@ impl StatusSet {
     pub fn parse(list: &[String]) -> Result<StatusSet, (usize, String)> {
         let mut set = StatusSet::default();
         for (i, entry) in list.iter().enumerate() {
-            let b = entry.as_bytes();
-            if b.len() == 3 && b"2345".contains(&b[0]) && &b[1..] == b"xx" {
-                set.classes.push(u32::from(b[0] - b'0'));
-            } else if let Some(code) = (b.len() == 3 && b.iter().all(u8::is_ascii_digit))
-                .then(|| entry.parse::<u32>().ok())
-                .flatten()
-                .filter(|c| (200..600).contains(c))
-            {
-                set.exact.push(code);
-            } else if let Some(code) = grpc::code_of(entry) {
+            if set.http.add(entry) {
+                continue;
+            }
+            if let Some(code) = grpc::code_of(entry) {
                 set.grpc.push(code);
             } else {
                 return Err((
@@ -47,7 +75,7 @@ impl StatusSet {
 
     /// Whether an HTTP response with `status` counts.
     pub fn counts_http(&self, status: u32) -> bool {
-        self.exact.contains(&status) || self.classes.contains(&(status / 100))
+        self.http.contains(status)
     }
 
     /// Whether a gRPC response ending with `code` counts.

@@ -7,6 +7,7 @@ use serde::Deserialize;
 use super::matcher::{compile_match, Matcher, RawMatch};
 use super::parts::{compile_parts, Part, RawPart};
 use super::{header_name, valid_name, ConfigError, FailureMode};
+use crate::statuses::HttpStatuses;
 
 pub const DEFAULT_IDEMPOTENCY_HEADER: &str = "idempotency-key";
 pub const DEFAULT_LOCK_TTL_MS: u64 = 30_000;
@@ -120,8 +121,7 @@ pub struct Idempotency {
     pub lock_ttl_ms: u64,
     pub record_ttl_ms: u64,
     /// Status classes (2 for 2xx…) and exact statuses whose responses are stored.
-    pub store_classes: Vec<u32>,
-    pub store_exact: Vec<u32>,
+    pub store: HttpStatuses,
     /// Lower-case response headers stored and replayed.
     pub store_headers: Vec<String>,
     /// gRPC status codes whose responses are stored.
@@ -137,7 +137,7 @@ pub struct Idempotency {
 
 impl Idempotency {
     pub fn stores(&self, status: u32) -> bool {
-        self.store_exact.contains(&status) || self.store_classes.contains(&(status / 100))
+        self.store.contains(status)
     }
 
     pub fn stores_grpc(&self, code: u32) -> bool {
@@ -201,8 +201,7 @@ pub(super) fn compile_idempotency(
             "must be between 1000 and 2592000000 (30 days)",
         ));
     }
-    let mut store_classes = Vec::new();
-    let mut store_exact = Vec::new();
+    let mut store = HttpStatuses::default();
     for (i, st) in raw
         .store_statuses
         .unwrap_or_else(|| vec!["2xx".to_string()])
@@ -210,16 +209,7 @@ pub(super) fn compile_idempotency(
         .enumerate()
     {
         let field = format!("{at}.storeStatuses[{i}]");
-        let b = st.as_bytes();
-        if b.len() == 3 && (b"2345".contains(&b[0])) && &b[1..] == b"xx" {
-            store_classes.push(u32::from(b[0] - b'0'));
-        } else if let Some(code) = (b.len() == 3 && b.iter().all(u8::is_ascii_digit))
-            .then(|| st.parse::<u32>().ok())
-            .flatten()
-            .filter(|c| (200..600).contains(c))
-        {
-            store_exact.push(code);
-        } else {
+        if !store.add(st) {
             return Err(ConfigError::new(
                 field,
                 format!(
@@ -320,8 +310,7 @@ pub(super) fn compile_idempotency(
         tenant,
         lock_ttl_ms,
         record_ttl_ms,
-        store_classes,
-        store_exact,
+        store,
         store_headers,
         grpc_store,
         max_request_body: usize::try_from(max_request_body).unwrap_or(usize::MAX),
