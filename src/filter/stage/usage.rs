@@ -196,11 +196,12 @@ impl UsageStage {
         if self.owed.is_empty() {
             return;
         }
+        let mut status: Option<ResponseStatus> = None;
         for owed in &mut self.owed {
             let rule = config.limits[owed.limit].usage.as_ref();
             if let Some(set) = rule.and_then(|u| u.counted.as_ref()) {
-                let (cost, provisional) = counted_cost(host, set, owed.reserved);
-                (owed.header, owed.provisional) = (cost, provisional);
+                let status = status.get_or_insert_with(|| ResponseStatus::read(host));
+                (owed.header, owed.provisional) = status.cost(set, owed.reserved);
                 continue;
             }
             owed.header = rule
@@ -369,37 +370,54 @@ impl UsageStage {
     }
 }
 
-/// What a response-counted limit's response costs, from its headers: its
-/// reserve if the status counts, else nothing. A gRPC response is judged by
-/// its `grpc-status` (in these headers when it is trailers-only; otherwise
-/// the trailers decide, and the HTTP status is the provisional answer for a
-/// response that ends without one), anything else by its HTTP status.
-fn counted_cost<H: Host>(
-    host: &mut H,
-    set: &crate::statuses::StatusSet,
-    reserved: u64,
-) -> (Option<u64>, Option<u64>) {
-    let cost = |counts: bool| if counts { reserved } else { 0 };
-    let status = host
-        .response_header(":status")
-        .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
-    let http = status.map(|s| cost(set.counts_http(s)));
-    let grpc = host
-        .response_header("content-type")
-        .is_some_and(|ct| crate::grpc::is_grpc(&ct));
-    if !grpc {
-        return (http, None);
+/// A response's status as response-counted limits judge it, read once for
+/// all of them: its HTTP status, and for a gRPC response its `grpc-status`
+/// when these headers carry it (trailers-only); otherwise the trailers
+/// decide, and the HTTP status is the provisional answer for a response
+/// that ends without one.
+struct ResponseStatus {
+    http: Option<u32>,
+    grpc: bool,
+    grpc_status: Option<u32>,
+}
+
+impl ResponseStatus {
+    fn read<H: Host>(host: &mut H) -> ResponseStatus {
+        let http = host
+            .response_header(":status")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
+        let grpc = host
+            .response_header("content-type")
+            .is_some_and(|ct| crate::grpc::is_grpc(&ct));
+        let grpc_status = if grpc {
+            host.response_header("grpc-status")
+                .and_then(|v| crate::grpc::parse_status(&v))
+        } else {
+            None
+        };
+        ResponseStatus {
+            http,
+            grpc,
+            grpc_status,
+        }
     }
-    // Without a grpc-status, the client sees the status its HTTP one maps
-    // to: either may be what the limit counts.
-    let http =
-        status.map(|s| cost(set.counts_http(s) || set.counts_grpc(crate::grpc::code_from_http(s))));
-    match host
-        .response_header("grpc-status")
-        .and_then(|v| crate::grpc::parse_status(&v))
-    {
-        Some(code) => (Some(cost(set.counts_grpc(code))), None),
-        None => (None, http),
+
+    /// What a limit counting `set` is charged (its reserve, or nothing),
+    /// and the provisional charge of a gRPC response still to end.
+    fn cost(&self, set: &crate::statuses::StatusSet, reserved: u64) -> (Option<u64>, Option<u64>) {
+        let cost = |counts: bool| if counts { reserved } else { 0 };
+        if !self.grpc {
+            return (self.http.map(|s| cost(set.counts_http(s))), None);
+        }
+        if let Some(code) = self.grpc_status {
+            return (Some(cost(set.counts_grpc(code))), None);
+        }
+        // Without a grpc-status, the client sees the status its HTTP one
+        // maps to: either may be what the limit counts.
+        let http = self
+            .http
+            .map(|s| cost(set.counts_http(s) || set.counts_grpc(crate::grpc::code_from_http(s))));
+        (None, http)
     }
 }
 
