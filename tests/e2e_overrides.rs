@@ -9,8 +9,6 @@
 
 mod support;
 
-use std::process::Command;
-
 use support::*;
 
 /// Free tier: 5 per hour per API key (the period far above the test's run,
@@ -26,23 +24,11 @@ fn config() -> String {
         .build()
 }
 
-/// `redis-guard override ...` against the stack's Redis; its JSON output.
+/// `redis-guard override ...` for acme's key against the stack's Redis.
 fn cli(stack: &Stack, config: &std::path::Path, args: &[&str]) -> serde_json::Value {
-    let redis = stack.redis.admin_url();
-    let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
-        .env_clear()
-        .args(["--json", "override"])
-        .args(args)
-        .args(["--config", config.to_str().unwrap(), "--limit", "per-key"])
-        .args(["--value", "x-api-key=acme", "--redis", &redis])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let which = ["--limit", "per-key", "--value", "x-api-key=acme"];
+    let args = [&["override"], args, &which[..]].concat();
+    cli_json(env!("CARGO_BIN_EXE_redis-guard"), stack, config, &args)
 }
 
 /// Requests for `key`, alternating Envoys, until the first 429 (bounded):
@@ -110,22 +96,24 @@ fn an_override_set_with_the_cli_decides_the_next_request_on_every_envoy() {
 
     // A fresh key with an override gets its whole quota: set before any
     // request, 20 admitted, exactly, over both Envoys.
-    let redis = stack.redis.admin_url();
-    let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
-        .env_clear()
-        .args(["override", "set", "--config", config_path.to_str().unwrap()])
-        .args([
-            "--limit",
-            "per-key",
-            "--value",
-            "x-api-key=initech",
-            "--redis",
-            &redis,
-        ])
-        .args(["--capacity", "20", "--refill", "20"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let set_initech = [
+        "override",
+        "set",
+        "--limit",
+        "per-key",
+        "--value",
+        "x-api-key=initech",
+        "--capacity",
+        "20",
+        "--refill",
+        "20",
+    ];
+    cli_json(
+        env!("CARGO_BIN_EXE_redis-guard"),
+        &stack,
+        &config_path,
+        &set_initech,
+    );
     assert_eq!(admitted_until_limited(&stack, "initech", 40), 20);
 
     // Garbage written by hand at acme's override key: ignored, counted, the

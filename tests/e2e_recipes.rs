@@ -10,8 +10,6 @@
 
 mod support;
 
-use std::process::Command;
-
 use support::identity::{Issuer, Pki};
 use support::probe::poll;
 use support::*;
@@ -97,27 +95,20 @@ fn declined_payments_block_the_customer_and_a_retried_payment_runs_once() {
     let dir = Scratch::new("payments");
     let config_path = dir.0.join("filter.json");
     std::fs::write(&config_path, filter_config(1000).recipe("payments").build()).unwrap();
-    let cli = |args: &[&str]| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
-            .env_clear()
-            .arg("--json")
-            .args(args)
-            .args(["--config", config_path.to_str().unwrap()])
-            .args([
-                "--limit",
-                "declines-per-customer",
-                "--value",
-                "x-customer-id=mallory",
-            ])
-            .args(["--redis", &stack.redis.admin_url()])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+    let cli = |args: &[&str]| {
+        let which = [
+            "--limit",
+            "declines-per-customer",
+            "--value",
+            "x-customer-id=mallory",
+        ];
+        let args = [args, &which[..]].concat();
+        cli_json(
+            env!("CARGO_BIN_EXE_redis-guard"),
+            &stack,
+            &config_path,
+            &args,
+        )
     };
     let seen = cli(&["inspect"]);
     assert_eq!(seen["allowed"], false);
@@ -199,24 +190,20 @@ fn a_partners_webhooks_are_throttled_only_while_the_receiver_fails_them() {
 /// The JWT part of the tiers recipe, for the CLI: a metadata path after its
 /// namespace.
 fn set_override(stack: &Stack, config: &std::path::Path, sub: &str, capacity: &str) {
-    let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
-        .env_clear()
-        .args(["override", "set", "--config", config.to_str().unwrap()])
-        .args([
-            "--limit",
-            "free-tier",
-            "--value",
-            &format!("payload.sub={sub}"),
-        ])
-        .args(["--redis", &stack.redis.admin_url()])
-        .args(["--capacity", capacity, "--refill", capacity])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let value = format!("payload.sub={sub}");
+    let args = [
+        "override",
+        "set",
+        "--limit",
+        "free-tier",
+        "--value",
+        &value,
+        "--capacity",
+        capacity,
+        "--refill",
+        capacity,
+    ];
+    cli_json(env!("CARGO_BIN_EXE_redis-guard"), stack, config, &args);
 }
 
 /// Requests with `token`, alternating Envoys, until the first 429

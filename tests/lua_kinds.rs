@@ -24,7 +24,7 @@ use support::script::{
     BATCH_AT, HOUR, MINUTE, RATELIMIT_AT, SECOND, T0,
 };
 use support::{
-    assert_expires_in, key_exists as exists, key_pttl, pexpiretime, redis_now_ms as now_ms,
+    assert_expires_in, key_exists as exists, key_pttl, pexpiretime, redis_now_ms as now_ms, set_key,
 };
 
 use std::cell::{Cell, RefCell};
@@ -77,14 +77,6 @@ fn kept(con: &mut Connection, now: i64, call: redis::Cmd) -> Value {
 
 fn get(con: &mut Connection, key: &str) -> Option<String> {
     redis::cmd("GET").arg(key).query(con).unwrap()
-}
-
-fn set(con: &mut Connection, key: &str, value: &str) {
-    redis::cmd("SET")
-        .arg(key)
-        .arg(value)
-        .query::<()>(con)
-        .unwrap();
 }
 
 /// A sliding-window counter's `(w, c, p)`.
@@ -443,11 +435,11 @@ fn fixed_window_never_reads_an_old_windows_count_as_the_current_one() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let w = fw("t:{k}:fw:old", 3, MINUTE);
     let idx = T0 / MINUTE;
-    set(&mut con, &w.key, &format!("{}:3", idx - 1));
+    set_key(&mut con, &w.key, &format!("{}:3", idx - 1));
     assert_eq!(one(&mut con, T0, &w), admits(2, MINUTE));
     assert_eq!(get(&mut con, &w.key), Some(format!("{idx}:1")));
     // Nor one from windows further back.
-    set(&mut con, &w.key, &format!("{}:3", idx - 7));
+    set_key(&mut con, &w.key, &format!("{}:3", idx - 7));
     assert_eq!(one(&mut con, T0, &w), admits(2, MINUTE));
 }
 

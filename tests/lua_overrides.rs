@@ -11,7 +11,7 @@ mod support;
 use redis::Connection;
 use redis_guard::scripts::RATELIMIT;
 use support::script;
-use support::Redis;
+use support::{set_key, Redis};
 
 const HOUR: u64 = 3_600_000;
 
@@ -47,14 +47,6 @@ fn decide(con: &mut Connection, key: &str, alg: &str, a: u64, b: u64, c: u64) ->
     redis::from_redis_value(&v).unwrap()
 }
 
-fn set(con: &mut Connection, key: &str, value: &str) {
-    redis::cmd("SET")
-        .arg(key)
-        .arg(value)
-        .query::<()>(con)
-        .unwrap();
-}
-
 #[test]
 fn a_stored_override_replaces_the_configured_numbers_in_the_same_call() {
     let (_redis, mut con) = Redis::start_with_conn();
@@ -65,7 +57,7 @@ fn a_stored_override_replaces_the_configured_numbers_in_the_same_call() {
     }
     // acme's tier: 10. The bucket keeps its level (one token left stays
     // one token: the stored state is credits, which a capacity only caps).
-    set(&mut con, &over, "tb 10 10");
+    set_key(&mut con, &over, "tb 10 10");
     let d = decide(&mut con, &state, "tb+o", 3, 1, HOUR);
     assert_eq!(d[..3], [1, 3, 0], "applied (1 + 2), 0 left: {d:?}");
     let d = decide(&mut con, &state, "tb+o", 3, 1, HOUR);
@@ -78,7 +70,7 @@ fn a_stored_override_replaces_the_configured_numbers_in_the_same_call() {
     let d = decide(&mut con, &state, "tb+o", 3, 1, HOUR);
     assert_eq!(d[..2], [0, 0], "{d:?}");
     // A limit that does not take overrides never reads one.
-    set(&mut con, &over, "tb 10 10");
+    set_key(&mut con, &over, "tb 10 10");
     let (plain, _) = keys("api", "acme");
     let d = decide(&mut con, &plain, "tb", 3, 1, HOUR);
     assert_eq!(d[..2], [0, 0], "{d:?}");
@@ -88,14 +80,14 @@ fn a_stored_override_replaces_the_configured_numbers_in_the_same_call() {
 fn a_fresh_key_under_an_override_gets_the_overrides_whole_quota() {
     let (_redis, mut con) = Redis::start_with_conn();
     let (state, over) = keys("api", "big");
-    set(&mut con, &over, "tb 5 5");
+    set_key(&mut con, &over, "tb 5 5");
     let admitted = (0..8)
         .filter(|_| decide(&mut con, &state, "tb+o", 3, 1, HOUR)[0] == 1)
         .count();
     assert_eq!(admitted, 5);
     // Window kinds: the limit is replaced.
     let (fw_state, fw_over) = keys("win", "big");
-    set(&mut con, &fw_over, "fw 4");
+    set_key(&mut con, &fw_over, "fw 4");
     let admitted = (0..8)
         .filter(|_| decide(&mut con, &fw_state, "fw+o", 2, 1 << 40, 0)[0] == 1)
         .count();
@@ -122,7 +114,7 @@ fn a_malformed_override_is_ignored_and_reported_never_an_error() {
     ];
     for (i, text) in bad.iter().enumerate() {
         let (state, over) = keys("api", &format!("c{i}"));
-        set(&mut con, &over, text);
+        set_key(&mut con, &over, text);
         let d = decide(&mut con, &state, "tb+o", 3, 1, HOUR);
         assert_eq!(
             d[..3],
@@ -133,7 +125,7 @@ fn a_malformed_override_is_ignored_and_reported_never_an_error() {
     // An override too small for the request's cost: ignored, not a
     // rejection forever with a Retry-After that never comes true.
     let (state, over) = keys("api", "tiny");
-    set(&mut con, &over, "tb 1 1");
+    set_key(&mut con, &over, "tb 1 1");
     let argv = ["1", "tb+o", "3", "1", &HOUR.to_string(), "2", "1"];
     let v = script::eval_raw(&mut con, &RATELIMIT, &[&state], &argv).unwrap();
     let d: Vec<i64> = redis::from_redis_value(&v).unwrap();
@@ -165,7 +157,7 @@ fn a_batch_reads_each_members_override_as_its_own_call_would() {
     let (_redis, mut con) = Redis::start_with_conn();
     let (a, a_over) = keys("api", "acme");
     let (b, _) = keys("api", "free");
-    set(&mut con, &a_over, "tb 5 5");
+    set_key(&mut con, &a_over, "tb 5 5");
     let member = |key: &str| {
         (
             vec![key.to_string()],

@@ -910,6 +910,28 @@ pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Runs the `redis-guard` CLI with `--json` on `config` against the
+/// stack's Redis (as its admin) and returns its JSON; the command must
+/// succeed. `bin` is the test's `env!("CARGO_BIN_EXE_redis-guard")`, known
+/// only to the tests built with the `cli` feature.
+pub fn cli_json(bin: &str, stack: &Stack, config: &Path, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(bin)
+        .env_clear()
+        .arg("--json")
+        .args(args)
+        .args(["--config", config.to_str().unwrap()])
+        .args(["--redis", &stack.redis.admin_url()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "redis-guard {}: {stdout}",
+        args.join(" ")
+    );
+    serde_json::from_str(&stdout).unwrap()
+}
+
 /// How many script calls (EVALSHA and EVAL) Redis ran (INFO commandstats).
 pub fn scripts_run(redis: &Redis) -> u64 {
     let info: String = redis::cmd("INFO")
@@ -1204,6 +1226,15 @@ pub fn zset_scores(con: &mut redis::Connection, key: &str) -> Vec<(String, i64)>
 pub fn redis_now_ms(con: &mut redis::Connection) -> i64 {
     let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
     s * 1000 + us / 1000
+}
+
+/// SET of a string, with no TTL (the test writes state by hand).
+pub fn set_key(con: &mut redis::Connection, key: &str, value: &str) {
+    redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .query::<()>(con)
+        .unwrap();
 }
 
 pub fn key_exists(con: &mut redis::Connection, key: &str) -> bool {
