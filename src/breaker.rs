@@ -10,7 +10,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::time::Duration;
 
-use crate::keys::cluster_slot;
+use crate::keys::{cluster_slot, key_slot};
 
 #[derive(Debug)]
 pub struct Breaker {
@@ -131,7 +131,18 @@ impl Breakers {
     /// The breaker of `tag`'s slot group; without a tag, group 0 (a request
     /// that needs no Redis key has no call to make anyway).
     pub fn for_tag(&self, tag: Option<&str>) -> Rc<Breaker> {
-        let i = tag.map_or(0, Breakers::group);
+        self.at(tag.map_or(0, Breakers::group))
+    }
+
+    /// The breaker of the group of `key`'s slot: a call's first key, which
+    /// `redis_proxy` routes it by. Every key of a call shares one hash tag,
+    /// whichever stage built it (limits, an idempotency rule's tenant), so
+    /// this is the group of the master that runs the call.
+    pub fn for_key(&self, key: Option<&[u8]>) -> Rc<Breaker> {
+        self.at(key.map_or(0, |k| usize::from(key_slot(k) / SLOTS_PER_GROUP)))
+    }
+
+    fn at(&self, i: usize) -> Rc<Breaker> {
         match self.groups.get(i) {
             Some(b) => Rc::clone(b),
             None => Rc::new(Breaker::new(1, Duration::ZERO)),
@@ -205,5 +216,18 @@ mod tests {
         );
         assert_eq!(b.tripped(), 1);
         assert!(Rc::ptr_eq(&b.for_tag(None), &b.for_tag(Some(""))));
+    }
+
+    #[test]
+    fn a_key_meets_the_breaker_of_its_hash_tag() {
+        let b = Breakers::new(1, MS(1000));
+        for key in [&b"rg:rl:{foo}:w:x"[..], b"rg:idem:{foo}:k", b"{foo}"] {
+            assert!(Rc::ptr_eq(&b.for_key(Some(key)), &b.for_tag(Some("foo"))));
+        }
+        assert!(!Rc::ptr_eq(
+            &b.for_key(Some(b"rg:rl:{bar}:w")),
+            &b.for_tag(Some("foo"))
+        ));
+        assert!(Rc::ptr_eq(&b.for_key(None), &b.for_tag(None)));
     }
 }

@@ -176,9 +176,22 @@ pub fn cluster_slot(tag: &[u8]) -> u16 {
     CRC16.checksum(tag) & 0x3fff
 }
 
+/// The Redis Cluster slot of a whole key, by Redis' own rule: the text
+/// between its first `{` and the first `}` after it when that is not empty,
+/// else the whole key. It is the slot `redis_proxy` routes a script call by
+/// (its first key), so a call's breaker is the master's that runs it.
+pub fn key_slot(key: &[u8]) -> u16 {
+    let tag = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = key.get(open + 1..)?;
+        let close = rest.iter().position(|&b| b == b'}')?;
+        rest.get(..close).filter(|t| !t.is_empty())
+    });
+    cluster_slot(tag.unwrap_or(key))
+}
+
 #[cfg(test)]
 mod slot_tests {
-    use super::cluster_slot;
+    use super::{cluster_slot, key_slot};
 
     #[test]
     fn slots_are_the_ones_redis_cluster_computes() {
@@ -187,5 +200,17 @@ mod slot_tests {
         assert_eq!(cluster_slot(b"bar"), 5061);
         assert_eq!(cluster_slot(b"user1000"), 3443);
         assert_eq!(cluster_slot(b""), 0);
+    }
+
+    #[test]
+    fn a_key_hashes_by_its_first_non_empty_tag_as_redis_does() {
+        // The examples of Redis' cluster specification (hash tags).
+        assert_eq!(key_slot(b"{user1000}.following"), cluster_slot(b"user1000"));
+        assert_eq!(key_slot(b"foo{}{bar}"), cluster_slot(b"foo{}{bar}"));
+        assert_eq!(key_slot(b"foo{{bar}}zap"), cluster_slot(b"{bar"));
+        assert_eq!(key_slot(b"foo{bar}{zap}"), cluster_slot(b"bar"));
+        assert_eq!(key_slot(b"rg:rl:{ab12}:w:x"), cluster_slot(b"ab12"));
+        assert_eq!(key_slot(b"no-tag{"), cluster_slot(b"no-tag{"));
+        assert_eq!(key_slot(b""), 0);
     }
 }

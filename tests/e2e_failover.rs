@@ -43,13 +43,12 @@ const WARM_UP: Duration = Duration::from_millis(2500);
 const SETTLED: Duration = Duration::from_secs(2);
 /// Bounds: the failover in the cluster; decisions back for every tenant
 /// after the kill; decisions back after the promotion (the proxy asks the
-/// nodes for the slot table every second, envoy/redis-cluster.yaml, and
-/// each open breaker probes every 250 ms here; measured 0.8-0.9 s, issue
-/// 30's goal 1 s; bounded at 2.5 s so a loaded machine does not fail it);
-/// the traffic.
+/// nodes for the slot table every 250 ms, envoy/redis-cluster.yaml, and
+/// each open breaker probes every 250 ms here; measured 0.23-0.44 s: issue
+/// 30's goal, 1 s, is the bound); the traffic.
 const FAILOVER_LIMIT: Duration = Duration::from_secs(15);
 const RECOVERY_LIMIT: Duration = Duration::from_secs(15);
-const PROXY_LAG_LIMIT: Duration = Duration::from_millis(2500);
+const PROXY_LAG_LIMIT: Duration = Duration::from_millis(1000);
 const TRAFFIC_LIMIT: Duration = Duration::from_secs(40);
 const MAX_REQUESTS: usize = 40_000;
 /// A write acknowledged this long before the kill has reached the replica:
@@ -369,6 +368,23 @@ fn a_master_killed_under_traffic_fails_over_and_the_figures_stay_within_bounds()
     eprintln!("why undecided: {reasons:?}");
     // Every 503 is the filter's failure mode, counted as such.
     assert_eq!((lost.len() + others.len()) as u64, denied);
+    // The surviving masters' tenants are served through the failover: at
+    // most 1% of their requests in the window fail (issue 30's bound; the
+    // breaker is per slot group of each call's own keys, keyed requests'
+    // included, so none of them is short-circuited).
+    let others_in_window = count(&log, |r| {
+        !victims(r) && r.sent >= kill_at && r.sent <= kill_at + recovered
+    });
+    eprintln!(
+        "the other tenants: {} of {others_in_window} requests in the failover window failed",
+        others.len()
+    );
+    assert!(others_in_window > 0, "no traffic on the surviving masters");
+    assert!(
+        others.len() * 100 <= others_in_window,
+        "{} of the surviving masters' {others_in_window} requests failed: over 1%",
+        others.len()
+    );
     // The dead master's slots went unserved at least until the others had
     // flagged it (NODE_TIMEOUT_MS), and everything was back within the bound.
     assert!(

@@ -175,6 +175,11 @@ impl ScriptCall {
         self.budget
     }
 
+    /// The key Redis Cluster (and `redis_proxy`) routes the call by.
+    pub fn first_key(&self) -> Option<&[u8]> {
+        self.keys.first().map(Vec::as_slice)
+    }
+
     fn body(&self) -> Command {
         let argv = match &self.argv {
             Argv::Strings(argv) => Args::Strings(argv),

@@ -237,10 +237,9 @@ impl Flow {
         // fetch is one per Envoy already.
         let batchable =
             config.redis.batch.is_some() && self.intake.keyed().is_none() && !self.lease.fetching();
-        let group = self.limits.tag();
-        let tag = group.filter(|_| batchable);
+        let tag = self.limits.tag().filter(|_| batchable);
         self.slots.asking();
-        let step = self.decision.start(host, &config.redis, call, (group, tag));
+        let step = self.decision.start(host, &config.redis, call, tag);
         self.on_step(host, step, false)
     }
 

@@ -100,18 +100,18 @@ impl Decision {
         Budget::Until(host.now() + target.timeout)
     }
 
-    /// Sends the call, unless the breaker of `group`'s slots (the request's
-    /// hash tag) is open. With `tag`, the call joins the worker's batch of
-    /// that hash tag instead; a probe of an open breaker goes alone, so that
-    /// one request tests Redis.
+    /// Sends the call, unless the breaker of its slot group (the slot of its
+    /// first key, which every key of it shares) is open. With `tag`, the
+    /// call joins the worker's batch of that hash tag instead; a probe of an
+    /// open breaker goes alone, so that one request tests Redis.
     pub fn start<H: Host>(
         &mut self,
         host: &mut H,
         target: &RedisTarget,
         call: ScriptCall,
-        (group, tag): (Option<&str>, Option<&str>),
+        tag: Option<&str>,
     ) -> Step {
-        self.breaker = self.breakers.for_tag(group);
+        self.breaker = self.breakers.for_key(call.first_key());
         let now = host.now();
         let tripped = self.breaker.tripped();
         if !self.breaker.allow(now) {

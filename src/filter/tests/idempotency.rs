@@ -566,3 +566,58 @@ fn a_webdis_503_retry_keeps_the_same_owner() {
     assert_eq!(h.resumed, 1);
     assert!(h.counters.contains(&Counter::IdemAcquired));
 }
+
+#[test]
+fn a_keyed_request_meets_the_breaker_of_its_own_tenants_slot_group() {
+    // No limit applies to /pay: the call's keys are the idempotency
+    // record's, under the tenant's hash tag. Its failures must open that
+    // tenant's group only (they once opened group 0, every tenant's keyed
+    // requests' breaker: a dead master stopped the others' payments).
+    let json = IDEM_CONFIG
+        .replace("FAILURE", "deny")
+        .replace(
+            r#""idempotency":"#,
+            r#""hashTag":[{"header":"x-tenant"}],"idempotency":"#,
+        )
+        .replace(
+            r#""name":"pay","#,
+            r#""name":"pay","tenant":[{"header":"x-tenant"}],"#,
+        );
+    let cfg = Rc::new(Config::parse(json.as_bytes()).unwrap());
+    let group = |t: &str| Breakers::group(&crate::keys::hash_tag_of([t]));
+    let a = "t1";
+    let b = ["t2", "t3", "t4", "t5", "t6"]
+        .into_iter()
+        .find(|t| group(t) != group(a) && group(t) != 0)
+        .unwrap();
+    let breakers = Rc::new(Breakers::new(2, Duration::from_millis(100)));
+    let keyed =
+        |tenant: &str, key: &[u8]| FakeHost::post("/pay", key).with("x-tenant", tenant.as_bytes());
+    let mut h = keyed(a, b"k1");
+    for token in 1..=2 {
+        let mut f = Flow::new(cfg.clone(), breakers.clone());
+        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+        f.on_callout_reply(&mut h, token, no_answer());
+    }
+    assert_eq!(count(&h, Counter::CircuitOpened), 1);
+    let calls = h.dispatched.len();
+    let mut f = Flow::new(cfg.clone(), breakers.clone());
+    f.on_request_headers(&mut h, true);
+    assert_eq!(h.dispatched.len(), calls, "a's group is open: no call");
+    assert_eq!(count(&h, Counter::CircuitShortCircuited), 1);
+    let mut h = keyed(b, b"k2");
+    let mut f = Flow::new(cfg, breakers.clone());
+    assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
+    assert_eq!(
+        h.dispatched.len(),
+        1,
+        "b's group is closed: b's payment calls"
+    );
+    assert_eq!(breakers.tripped(), 1);
+    assert!(!breakers
+        .for_tag(Some(&crate::keys::hash_tag_of([b])))
+        .tripped());
+    assert!(breakers
+        .for_tag(Some(&crate::keys::hash_tag_of([a])))
+        .tripped());
+}
