@@ -2,24 +2,31 @@
 the order given, each exactly as its own call to lua/ratelimit.lua would have
 been decided at that point (group commit).
 
-KEYS     every key the batch uses, each once. The filter batches only
-         requests of one Redis Cluster hash tag, so the call runs on one slot.
+KEYS     one key: the batch's first (its key table's first entry). The
+         filter batches only requests of one Redis Cluster hash tag, so every
+         key of the batch lives in this key's slot: Redis Cluster checks the
+         declared key, Envoy's redis_proxy routes the call by it, and the
+         others (carried in ARGV, unencoded and front-coded, where KEYS would
+         repeat them whole and Webdis' path percent-encodes them) are in the
+         same slot, as the block and override keys lua/keys.lua derives are.
 ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
          figure an 8-byte double, exact below 2^53; u16 counts and indexes,
          1-based; a string is a u16 length then its bytes):
-  u8   version, 2 (any other is refused)
+  u8   version, 3 (any other is refused)
   u16  P, then P parameter sets, each a limit's as lua/ratelimit.lua takes
        it: u8 kind (1 tb, 2 sw, 3 gcra, 4 fw, 5 swc, 6 cc; plus 128 for a limit
        that takes overrides, its algorithm suffixed `+o`), figures a, b, c
        (c is 0 for cc: its slot id is the member's), figure enforce (1,
        0, or a blocking limit's block in ms: lua/ratelimit.lua's value)
   u16  M, then per member, in the order to decide them:
-       u16 N limits, each: u16 parameter set, u16 key (into KEYS), figure
+       u16 N limits, each: u16 parameter set, u16 key (into the key table), figure
            cost, and for a cc limit the request's slot id (string)
        u8  1 if the member carries an idempotency key, then: u16 its key,
            owner token (string), request fingerprint (string), figure lock
            TTL (ms); else 0
-  nothing after the last member.
+  u16  the key table's length, then per key: u16 how many leading bytes
+       it shares with the key before it, then the rest (string)
+  nothing after the last key.
   Each member is unpacked into the values lua/ratelimit.lua's ARGV would
   hold, and decided by the same code (lua/decide.lua).
 
@@ -58,6 +65,9 @@ local packed = ARGV[1]
 if #ARGV ~= 1 or type(packed) ~= 'string' or #packed < 5 then
   return bad('ARGV must be one packed batch')
 end
+if #KEYS ~= 1 then
+  return bad('KEYS must be the batch\'s first key alone')
+end
 local unpack = struct.unpack
 local m
 local K, A = {}, {}
@@ -66,8 +76,8 @@ local ko, nk, ao, na = {}, {}, {}, {}
 -- not hold together. Run under pcall: struct raises on a short string.
 local function read()
   local version, np, pos = unpack('>BH', packed)
-  if version ~= 2 then
-    return 'packed batch version ' .. version .. ', this script reads 2'
+  if version ~= 3 then
+    return 'packed batch version ' .. version .. ', this script reads 3'
   end
   local params = {}
   for i = 1, np do
@@ -92,7 +102,7 @@ local function read()
   -- Redis keeps what a script wrote before it returned an error, so a
   -- malformed member found late would leave the members before it charged
   -- (and locked) for a batch the filter sees fail.
-  local keys = #KEYS
+  local refs = {}
   for j = 1, m do
     local n
     n, pos = unpack('>H', packed, pos)
@@ -102,14 +112,15 @@ local function read()
       local p, k, cost
       p, k, cost, pos = unpack('>HHd', packed, pos)
       local set = params[p]
-      if set == nil or k < 1 or k > keys then
+      if set == nil or k < 1 then
         return 'member ' .. j .. ' names a parameter set or key it does not carry'
       end
       local c = set[4]
       if set[1] == 'cc' then
         c, pos = unpack('>Hc0', packed, pos)
       end
-      K[#K + 1] = KEYS[k]
+      K[#K + 1] = k
+      refs[#K] = j
       A[#A + 1] = set[1]
       A[#A + 1] = set[2]
       A[#A + 1] = set[3]
@@ -122,10 +133,11 @@ local function read()
     if keyed == 1 then
       local k, owner, fp, ttl
       k, owner, fp, ttl, pos = unpack('>HHc0Hc0d', packed, pos)
-      if k < 1 or k > keys then
+      if k < 1 then
         return 'member ' .. j .. ' names a key it does not carry'
       end
-      K[#K + 1] = KEYS[k]
+      K[#K + 1] = k
+      refs[#K] = j
       A[#A + 1] = '1'
       A[#A + 1] = owner
       A[#A + 1] = fp
@@ -135,8 +147,30 @@ local function read()
     end
     nk[j], na[j] = #K - ko[j], #A - ao[j]
   end
+  local nkeys
+  nkeys, pos = unpack('>H', packed, pos)
+  local keys, prev = {}, ''
+  for i = 1, nkeys do
+    local shared, rest
+    shared, rest, pos = unpack('>HHc0', packed, pos)
+    if shared > #prev then
+      return 'key ' .. i .. ' shares more than the key before it holds'
+    end
+    prev = string.sub(prev, 1, shared) .. rest
+    keys[i] = prev
+  end
   if pos ~= #packed + 1 then
-    return 'bytes after the last member'
+    return 'bytes after the last key'
+  end
+  if keys[1] ~= KEYS[1] then
+    return 'KEYS[1] is not the key table\'s first key'
+  end
+  for i = 1, #K do
+    local key = keys[K[i]]
+    if key == nil then
+      return 'member ' .. refs[i] .. ' names a key it does not carry'
+    end
+    K[i] = key
   end
   return nil
 end

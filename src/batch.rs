@@ -14,8 +14,10 @@ const KINDS: [&[u8]; 6] = [b"tb", b"sw", b"gcra", b"fw", b"swc", b"cc"];
 /// exact up to 2^53 (the config keeps every figure below it).
 const MAX_FIGURE: u64 = 1 << 53;
 
-/// One batch as lua/batch.lua takes it: KEYS, each key once, and the one
-/// packed argument that holds every member.
+/// One batch as lua/batch.lua takes it: KEYS, the batch's first key alone
+/// (what Redis Cluster checks and `redis_proxy` routes the call by: every
+/// key of a batch shares its hash tag, so its slot), and the one packed
+/// argument that holds every member and every key, each once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Packed {
     pub keys: Vec<Vec<u8>>,
@@ -184,16 +186,40 @@ pub fn pack(members: &[ScriptArgs]) -> Result<Packed, String> {
     }
     put_u16(&mut head, members.len())?;
     head.extend_from_slice(&body);
+    put_keys(&mut head, &keys.items)?;
+    let first = keys.items.first().ok_or("a batch without a key")?;
     Ok(Packed {
-        keys: keys.items.into_iter().map(<[u8]>::to_vec).collect(),
+        keys: vec![first.to_vec()],
         body: head,
     })
+}
+
+/// The key table after the last member: each key front-coded against the
+/// one before it (a batch's keys share their prefix, hash tag and limit
+/// name: mostly only the descriptor differs), as raw bytes. In the body,
+/// unlike a `KEYS` entry in the request's path, a key needs no
+/// percent-encoding, and only its new part travels.
+fn put_keys(out: &mut Vec<u8>, keys: &[&[u8]]) -> Result<(), String> {
+    put_u16(out, keys.len())?;
+    let mut prev: &[u8] = &[];
+    for key in keys {
+        let shared = prev
+            .iter()
+            .zip(key.iter())
+            .take(usize::from(u16::MAX))
+            .take_while(|(a, b)| a == b)
+            .count();
+        put_u16(out, shared)?;
+        put_bytes(out, &key[shared..])?;
+        prev = key;
+    }
+    Ok(())
 }
 
 /// The packed layout's version, its first byte: lua/batch.lua refuses any
 /// other (a filter and a script of different releases never mix silently;
 /// each release's script has its own SHA-1 anyway).
-pub const PACKED_VERSION: u8 = 2;
+pub const PACKED_VERSION: u8 = 3;
 
 /// Splits lua/batch.lua's flat reply into each member's own reply, in the
 /// form lua/ratelimit.lua gives it; `m` members were sent.
@@ -255,7 +281,7 @@ mod tests {
             ]),
         );
         let p = pack(&[a, b]).unwrap();
-        assert_eq!(p.keys, bytes(&["k1", "c", "idem"]));
+        assert_eq!(p.keys, bytes(&["k1"]), "the first key routes the call");
         let mut want = vec![PACKED_VERSION, 0, 2];
         want.push(1);
         want.extend([f(5.0), f(1.0), f(1000.0), f(1.0)].concat());
@@ -274,7 +300,35 @@ mod tests {
         want.extend([0, 2, b's', b'1']);
         want.extend([1, 0, 3, 0, 3, b'o', b'w', b'n', 0, 2, b'f', b'p']);
         want.extend(f(9000.0));
+        // The keys, front-coded: "k1", then "c" and "idem" (no prefix shared).
+        want.extend([0, 3, 0, 0, 0, 2, b'k', b'1', 0, 0, 0, 1, b'c']);
+        want.extend([0, 0, 0, 4, b'i', b'd', b'e', b'm']);
         assert_eq!(p.body, want);
+    }
+
+    #[test]
+    fn keys_that_share_a_prefix_send_only_what_is_new() {
+        let member = |key: &str| {
+            (
+                bytes(&[key]),
+                bytes(&["1", "tb", "5", "1", "1000", "1", "1"]),
+            )
+        };
+        let p = pack(&[
+            member("rg:rl:{t}:a:5:alice"),
+            member("rg:rl:{t}:a:3:bob"),
+            member("rg:rl:{t}:a:5:alina"),
+        ])
+        .unwrap();
+        let mut tail = vec![0, 3];
+        tail.extend([0, 0, 0, 19]);
+        tail.extend(b"rg:rl:{t}:a:5:alice");
+        tail.extend([0, 12, 0, 5]);
+        tail.extend(b"3:bob");
+        tail.extend([0, 12, 0, 7]);
+        tail.extend(b"5:alina");
+        assert!(p.body.ends_with(&tail), "{:?}", p.body);
+        assert_eq!(p.keys, bytes(&["rg:rl:{t}:a:5:alice"]));
     }
 
     #[test]

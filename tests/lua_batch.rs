@@ -1142,6 +1142,8 @@ fn set_u16(body: &mut [u8], at: usize, v: u16) {
 const M_AT: usize = 36;
 const MEMBER_AT: usize = 38;
 const MEMBER_LEN: usize = 15;
+/// One member's batch: its key table after it.
+const KEYS_AT: usize = MEMBER_AT + MEMBER_LEN;
 
 /// Runs each malformed batch under its own namespace and returns, for every
 /// case that broke the contract, what went wrong: the reply must be an error
@@ -1153,16 +1155,19 @@ fn malformed_failures(cases: Vec<(&str, Raw)>) -> Vec<String> {
     let mut con = redis.conn();
     let mut failures = Vec::new();
     for (i, (what, Raw { keys, argv })) in cases.into_iter().enumerate() {
-        let ns = format!("e{i}");
-        let keys: Vec<Vec<u8>> = keys
-            .into_iter()
-            .map(|k| {
-                String::from_utf8(k)
-                    .unwrap()
-                    .replace("NS", &ns)
-                    .into_bytes()
-            })
-            .collect();
+        // Two letters, as "NS" is: the packed key table carries the keys
+        // too, each after its length, which must stay right.
+        assert!(i < 26, "one letter per case");
+        let ns = format!("n{}", char::from(b'a' + i as u8));
+        let in_ns = |b: Vec<u8>| -> Vec<u8> {
+            let mut out = b;
+            while let Some(at) = out.windows(2).position(|w| w == b"NS") {
+                out[at..at + 2].copy_from_slice(ns.as_bytes());
+            }
+            out
+        };
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(in_ns).collect();
+        let argv: Vec<Vec<u8>> = argv.into_iter().map(in_ns).collect();
         match batch_raw(&mut con, &keys, &argv) {
             Ok(v) => failures.push(format!("{what}: answered {v:?}, not an error")),
             // The crate splits `ERR <detail>` into the code and the detail.
@@ -1211,9 +1216,27 @@ fn a_malformed_packed_batch_gives_an_error_reply_and_writes_nothing() {
         ),
         ("key 0", edited(&one(), |b| set_u16(b, MEMBER_AT + 4, 0))),
         (
-            "a key beyond KEYS",
+            "a key beyond the key table",
             edited(&one(), |b| set_u16(b, MEMBER_AT + 4, 2)),
         ),
+        (
+            "a key table of two keys, one sent",
+            edited(&one(), |b| set_u16(b, KEYS_AT, 2)),
+        ),
+        (
+            "a first key sharing bytes with no key before it",
+            edited(&one(), |b| set_u16(b, KEYS_AT + 2, 1)),
+        ),
+        ("KEYS[1] not the key table's first key", {
+            let mut raw = edited(&one(), |_| {});
+            raw.keys = vec![b"NS:other".to_vec()];
+            raw
+        }),
+        ("two KEYS", {
+            let mut raw = edited(&one(), |_| {});
+            raw.keys.push(b"NS:w".to_vec());
+            raw
+        }),
         (
             "an idempotency flag of 7",
             edited(&one(), |b| b[MEMBER_AT + MEMBER_LEN - 1] = 7),
@@ -1224,10 +1247,7 @@ fn a_malformed_packed_batch_gives_an_error_reply_and_writes_nothing() {
                 b.pop();
             }),
         ),
-        (
-            "a byte after the last member",
-            edited(&one(), |b| b.push(0)),
-        ),
+        ("a byte after the last key", edited(&one(), |b| b.push(0))),
         ("two ARGV", {
             let mut raw = edited(&one(), |_| {});
             raw.argv.push(b"x".to_vec());
@@ -1262,7 +1282,7 @@ fn a_malformed_member_after_a_valid_one_gives_an_error_reply_and_writes_nothing(
     };
     let cases = vec![
         (
-            "second member's key beyond KEYS",
+            "second member's key beyond the key table",
             edited(&two(), |b| set_u16(b, second + 4, 9)),
         ),
         (
@@ -1278,7 +1298,7 @@ fn a_malformed_member_after_a_valid_one_gives_an_error_reply_and_writes_nothing(
             edited(&two(), |b| b.truncate(second + 3)),
         ),
         (
-            "a keyed member, then bytes after the last member (the lock outlives the error)",
+            "a keyed member, then bytes after the last key (the lock outlives the error)",
             edited(&keyed_first(), |b| b.push(0)),
         ),
     ];
