@@ -9,6 +9,10 @@ KEYS     one key: the batch's first (its key table's first entry). The
          others (carried in ARGV, unencoded and front-coded, where KEYS would
          repeat them whole and Webdis' path percent-encodes them) are in the
          same slot, as the block and override keys lua/keys.lua derives are.
+Nonce    a call may put "~" and hex digits before ARGV[1]: it is taken out
+         first (the ARGV below are what is left) and given back first in a
+         table reply (README, When things fail: a reply the filter can tell
+         is its own).
 ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
          figure an 8-byte double, exact below 2^53; u16 counts and indexes,
          1-based; a string is a u16 length then its bytes):
@@ -53,6 +57,23 @@ one instant, as calls arriving together would be.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+-- The call's nonce, if it carries one: "~" and hex digits first in ARGV (no
+-- other first ARGV of this script starts with "~"). The reply gives it back
+-- first, so the filter can tell its own reply from another connection's
+-- that Webdis wrote to its socket (README, When things fail).
+local nonce = ARGV[1]
+if type(nonce) == 'string' and string.byte(nonce, 1) == 126 then
+  table.remove(ARGV, 1)
+else
+  nonce = nil
+end
+local function echo(reply)
+  if nonce and type(reply) == 'table' and reply.err == nil then
+    table.insert(reply, 1, nonce)
+  end
+  return reply
+end
 
 -- @@ALGORITHMS@@
 
@@ -195,4 +216,4 @@ for j = 1, m do
   for i = 1, #reply do out[#out + 1] = reply[i] end
 end
 flush_all()
-return out
+return echo(out)

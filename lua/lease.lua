@@ -4,6 +4,10 @@ tokens to spend on its own.
 
 KEYS[1]  the bucket's hash (the same key and state as lua/ratelimit.lua's
          token bucket, so leased and strict requests share one budget)
+Nonce    a call may put "~" and hex digits before ARGV[1]: it is taken out
+         first (the ARGV below are what is left) and given back first in a
+         table reply (README, When things fail: a reply the filter can tell
+         is its own).
 ARGV[1]  capacity (tokens)
 ARGV[2]  refill (tokens per period)
 ARGV[3]  period (ms)
@@ -39,6 +43,23 @@ Clock: Redis TIME, read once.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+-- The call's nonce, if it carries one: "~" and hex digits first in ARGV (no
+-- other first ARGV of this script starts with "~"). The reply gives it back
+-- first, so the filter can tell its own reply from another connection's
+-- that Webdis wrote to its socket (README, When things fail).
+local nonce = ARGV[1]
+if type(nonce) == 'string' and string.byte(nonce, 1) == 126 then
+  table.remove(ARGV, 1)
+else
+  nonce = nil
+end
+local function echo(reply)
+  if nonce and type(reply) == 'table' and reply.err == nil then
+    table.insert(reply, 1, nonce)
+  end
+  return reply
+end
+
 -- @@ALGORITHMS@@
 
 -- Whole numbers up to 2^53 only: Redis' tonumber() also takes "nan", "inf",
@@ -63,7 +84,7 @@ end
 
 local r = tb_check(KEYS[1], capacity, refill, period, cost)
 if r.allowed == 0 then
-  return { 0, 0, wire(r.remaining), wire(r.retry), wire(r.reset), 0 }
+  return echo({ 0, 0, wire(r.remaining), wire(r.retry), wire(r.reset), 0 })
 end
 local spare = math.floor((r.credits - r.need) / period)
 local granted = math.min(lease, spare)
@@ -71,5 +92,5 @@ r.need = r.need + granted * period
 tb_charge(r)
 tb_flush()
 local left = r.credits - r.need
-return { 1, 1, wire(math.floor(left / period)), 0,
-         wire(math.ceil((r.full - left) / refill)), wire(granted) }
+return echo({ 1, 1, wire(math.floor(left / period)), 0,
+              wire(math.ceil((r.full - left) / refill)), wire(granted) })

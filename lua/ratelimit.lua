@@ -5,6 +5,10 @@ KEYS[i]    state key of limit i, for i = 1..N
 KEYS[N+1]  the idempotency record, when ARGV[2+6N] is "1"
            The filter gives every key of one call the same Redis Cluster hash
            tag, so the whole call runs on one slot.
+Nonce    a call may put "~" and hex digits before ARGV[1]: it is taken out
+         first (the ARGV below are what is left) and given back first in a
+         table reply (README, When things fail: a reply the filter can tell
+         is its own).
 ARGV[1]  N, the number of limits
 ARGV per limit i, six values starting at 2 + (i-1)*6:
   algorithm  "tb"   token bucket (one hash)
@@ -88,8 +92,25 @@ the time after which its state is indistinguishable from a fresh key.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+-- The call's nonce, if it carries one: "~" and hex digits first in ARGV (no
+-- other first ARGV of this script starts with "~"). The reply gives it back
+-- first, so the filter can tell its own reply from another connection's
+-- that Webdis wrote to its socket (README, When things fail).
+local nonce = ARGV[1]
+if type(nonce) == 'string' and string.byte(nonce, 1) == 126 then
+  table.remove(ARGV, 1)
+else
+  nonce = nil
+end
+local function echo(reply)
+  if nonce and type(reply) == 'table' and reply.err == nil then
+    table.insert(reply, 1, nonce)
+  end
+  return reply
+end
+
 -- @@ALGORITHMS@@
 
 local reply = decide(KEYS, ARGV)
 flush_all()
-return reply
+return echo(reply)

@@ -68,6 +68,59 @@ impl Command {
     }
 }
 
+/// `cmd` with `~<nonce>` put first in its script's ARGV, if it is an
+/// `EVALSHA` of one of `echoing` (the SHA-1s of the scripts that give the
+/// nonce back first in their reply; README, *When things fail*, says why).
+/// Any other command is left alone (`None`).
+pub fn with_nonce(cmd: &Command, nonce: &str, echoing: &[&str]) -> Option<Command> {
+    let encoded = match &cmd.put {
+        Some(path) => path.strip_prefix('/')?,
+        None => std::str::from_utf8(&cmd.body).ok()?,
+    };
+    let encoded = encoded.strip_suffix(".raw")?;
+    let mut parts: Vec<&str> = encoded.split('/').collect();
+    if parts.first() != Some(&"EVALSHA") || !echoing.contains(parts.get(1)?) {
+        return None;
+    }
+    let nkeys: usize = parts.get(2)?.parse().ok()?;
+    let at = nkeys.checked_add(3).filter(|at| *at <= parts.len())?;
+    // `~` is not alphanumeric: percent-encoded, as every argument byte is.
+    let arg = format!("%7E{nonce}");
+    parts.insert(at, &arg);
+    let joined = parts.join("/");
+    Some(match &cmd.put {
+        Some(_) => Command {
+            put: Some(format!("/{joined}.raw")),
+            body: cmd.body.clone(),
+        },
+        None => Command {
+            put: None,
+            body: format!("{joined}.raw").into_bytes(),
+        },
+    })
+}
+
+/// A reply to a call sent [`with_nonce`], with the nonce its script put
+/// first taken out again: the reply the script would have given without
+/// it. An error reply passes as it is (a script's error, or Redis' own
+/// before the script ran, carries no nonce). Anything else without this
+/// nonce first is not this call's reply (Webdis wrote another connection's
+/// late reply to this one's socket: README, *When things fail*): `None`.
+pub fn strip_nonce(body: &[u8], nonce: &str) -> Option<Vec<u8>> {
+    if body.first() == Some(&b'-') {
+        return Some(body.to_vec());
+    }
+    let rest = body.strip_prefix(b"*")?;
+    let eol = rest.windows(2).position(|w| w == b"\r\n")?;
+    let n: usize = std::str::from_utf8(&rest[..eol]).ok()?.parse().ok()?;
+    let rest = &rest[eol + 2..];
+    let first = format!("${}\r\n~{nonce}\r\n", nonce.len() + 1);
+    let rest = rest.strip_prefix(first.as_bytes())?;
+    let mut out = format!("*{}\r\n", n.checked_sub(1)?).into_bytes();
+    out.extend_from_slice(rest);
+    Some(out)
+}
+
 /// The POST body that runs `command args…` through Webdis, asking for RESP.
 pub fn command_body(command: &str, args: &[&[u8]]) -> Vec<u8> {
     let mut body =
@@ -292,5 +345,51 @@ mod tests {
     fn refuses_deep_nesting() {
         let deep = b"*1\r\n".repeat(20);
         assert_eq!(parse_reply(&deep), Err(ReplyError::TooDeep));
+    }
+
+    #[test]
+    fn a_nonce_goes_first_in_the_argv_of_an_echoing_script_only() {
+        let keys = [b"k:{t}".to_vec()];
+        let argv = [b"1".to_vec(), b"tb".to_vec()];
+        let post = Command::post("EVALSHA", &[b"ab", b"1", &keys[0], &argv[0], &argv[1]]);
+        let with = with_nonce(&post, "00ff", &["ab"]).unwrap();
+        assert_eq!(with.body, b"EVALSHA/ab/1/k%3A%7Bt%7D/%7E00ff/1/tb.raw");
+        let put = Command::put("EVALSHA", &[b"ab", b"1", &keys[0]], b"\x00/x".to_vec());
+        let with = with_nonce(&put, "00ff", &["ab"]).unwrap();
+        assert_eq!(
+            with.put.as_deref(),
+            Some("/EVALSHA/ab/1/k%3A%7Bt%7D/%7E00ff.raw")
+        );
+        assert_eq!(
+            with.body, b"\x00/x",
+            "the packed body stays the last argument"
+        );
+        assert_eq!(with_nonce(&post, "00ff", &["cd"]), None, "another script");
+        let eval = Command::post("EVAL", &[b"return 1", b"0"]);
+        assert_eq!(with_nonce(&eval, "00ff", &["ab"]), None);
+        let short = Command::post("EVALSHA", &[b"ab", b"3", b"k"]);
+        assert_eq!(
+            with_nonce(&short, "00ff", &["ab"]),
+            None,
+            "fewer keys than it says"
+        );
+    }
+
+    #[test]
+    fn only_a_reply_with_this_calls_nonce_first_is_its_own() {
+        let ours = b"*3\r\n$5\r\n~00ff\r\n:1\r\n:7\r\n";
+        assert_eq!(strip_nonce(ours, "00ff").unwrap(), b"*2\r\n:1\r\n:7\r\n");
+        assert_eq!(strip_nonce(ours, "00fe"), None, "another call's");
+        assert_eq!(strip_nonce(b"*2\r\n:1\r\n:7\r\n", "00ff"), None, "no nonce");
+        assert_eq!(strip_nonce(b":1\r\n", "00ff"), None, "not an array");
+        assert_eq!(strip_nonce(b"*0\r\n", "00ff"), None);
+        let err = b"-NOSCRIPT No matching script\r\n";
+        assert_eq!(
+            strip_nonce(err, "00ff").unwrap(),
+            err.to_vec(),
+            "errors pass"
+        );
+        let only = b"*1\r\n$5\r\n~00ff\r\n";
+        assert_eq!(strip_nonce(only, "00ff").unwrap(), b"*0\r\n");
     }
 }

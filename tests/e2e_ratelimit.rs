@@ -621,3 +621,79 @@ fn a_limit_keyed_on_the_grpc_service_and_method_counts_each_method_apart_and_ski
     );
     assert_eq!(stack.upstream.executed(), 2 + 2 + 3);
 }
+
+#[test]
+fn every_decision_call_carries_a_nonce_that_its_reply_gives_back() {
+    // README, When things fail: Webdis 0.1.9 may write a late reply to a
+    // socket a new connection has since been given. The filter puts a nonce
+    // first in ARGV of every decision (single, batch, lease) and takes a
+    // reply as its own only if the script gave that nonce back first; the
+    // requests below are decided exactly, so every reply passed that check.
+    let stack = Stack::start(
+        &config(
+            2000,
+            "deny",
+            r#"[{"name":"u","descriptor":[{"header":"x-user"}],
+                "tokenBucket":{"capacity":3,"refill":1,"periodMs":3600000}}]"#,
+        ),
+        1,
+    );
+    let mut con = stack.redis.conn();
+    for (k, v) in [
+        ("slowlog-log-slower-than", "0"),
+        ("slowlog-max-len", "10000"),
+    ] {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(k)
+            .arg(v)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let url = stack.envoys[0].url("/");
+    let statuses: Vec<u16> = (0..5)
+        .map(|_| get(&url, &[("x-user", "nonce")]).status)
+        .collect();
+    assert_eq!(statuses, [200, 200, 200, 429, 429], "decided exactly");
+    let log: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(10000)
+        .query(&mut con)
+        .unwrap();
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        other => format!("{other:?}"),
+    };
+    let mut nonces = Vec::new();
+    for entry in &log {
+        let redis::Value::Array(fields) = entry else {
+            continue;
+        };
+        let Some(redis::Value::Array(args)) = fields.get(3) else {
+            continue;
+        };
+        let args: Vec<String> = args.iter().map(text).collect();
+        if args.first().map(String::as_str) != Some("EVALSHA") {
+            continue;
+        }
+        let nkeys: usize = args[2].parse().unwrap();
+        let first_argv = &args[3 + nkeys];
+        assert!(
+            first_argv.len() == 17
+                && first_argv.starts_with('~')
+                && first_argv[1..].bytes().all(|b| b.is_ascii_hexdigit()),
+            "a decision without its nonce: {args:?}"
+        );
+        nonces.push(first_argv.clone());
+    }
+    // The first request's call, and the ones the over-limit cache did not
+    // answer: at least one call each for the three admitted requests.
+    assert!(nonces.len() >= 3, "{nonces:?}");
+    let distinct: std::collections::BTreeSet<_> = nonces.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        nonces.len(),
+        "a nonce used twice: {nonces:?}"
+    );
+}

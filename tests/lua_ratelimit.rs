@@ -978,3 +978,88 @@ fn a_large_sliding_window_cost_is_one_atomic_charge() {
     let n: i64 = redis::cmd("ZCARD").arg(key).query(&mut con).unwrap();
     assert_eq!(n, 1000);
 }
+
+/// EVAL of `script` with raw KEYS and ARGV.
+fn eval_bytes(
+    con: &mut Connection,
+    script: &redis_guard::scripts::Script,
+    keys: &[Vec<u8>],
+    argv: &[Vec<u8>],
+) -> redis::RedisResult<Value> {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(&script.source).arg(keys.len());
+    for k in keys {
+        cmd.arg(k.as_slice());
+    }
+    for a in argv {
+        cmd.arg(a.as_slice());
+    }
+    cmd.query(con)
+}
+
+#[test]
+fn a_call_that_carries_a_nonce_gets_it_back_first_and_is_decided_as_without_it() {
+    // The filter's proxy puts "~<nonce>" first in ARGV of every call of
+    // these three scripts and takes a reply as the call's own only if it
+    // starts with it (README, When things fail: Webdis may write another
+    // connection's late reply to this one's socket).
+    use redis_guard::scripts::{BATCH, LEASE};
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    let b = |s: &str| s.as_bytes().to_vec();
+    let nonce = b("~00c0ffee00c0ffee");
+    let with = |argv: &[Vec<u8>]| [vec![nonce.clone()], argv.to_vec()].concat();
+    let bare = |v: Value| match v {
+        Value::Array(mut items) => {
+            assert_eq!(
+                items.remove(0),
+                Value::BulkString(nonce.clone()),
+                "the nonce first"
+            );
+            Value::Array(items)
+        }
+        other => panic!("not an array: {other:?}"),
+    };
+    let one = [b("1"), b("tb"), b("5"), b("1"), b("60000"), b("1"), b("1")];
+    for (i, (script, argv)) in [
+        (&*RATELIMIT, one.to_vec()),
+        (&*LEASE, vec![b("5"), b("1"), b("60000"), b("1"), b("2")]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // Two fresh buckets: one call with the nonce, one without.
+        let (k1, k2) = (
+            vec![b(&format!("a{i}:{{t}}"))],
+            vec![b(&format!("b{i}:{{t}}"))],
+        );
+        let echoed = eval_bytes(&mut con, script, &k1, &with(&argv)).unwrap();
+        let plain = eval_bytes(&mut con, script, &k2, &argv).unwrap();
+        assert_eq!(bare(echoed), plain, "{}", script.sha1);
+        assert!(
+            bucket(&mut con, &format!("a{i}:{{t}}")).is_some(),
+            "the call with the nonce charged its bucket"
+        );
+    }
+    let member = |key: &str| {
+        (
+            vec![key.to_string()],
+            one.iter()
+                .map(|a| String::from_utf8(a.clone()).unwrap())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (k1, body1) = script::packed(&[member("c:{t}"), member("c:{t}")]);
+    let (k2, body2) = script::packed(&[member("d:{t}"), member("d:{t}")]);
+    let echoed = eval_bytes(&mut con, &BATCH, &k1, &with(&[body1])).unwrap();
+    let plain = eval_bytes(&mut con, &BATCH, &k2, &[body2]).unwrap();
+    assert_eq!(bare(echoed), plain, "a batch");
+    // An error reply carries no nonce: the filter takes it as it is.
+    let err = eval_bytes(
+        &mut con,
+        &RATELIMIT,
+        &[b("e:{t}")],
+        &with(&[b("1"), b("xx")]),
+    );
+    assert!(err.is_err(), "{err:?}");
+}

@@ -89,6 +89,11 @@ impl Host for ProxyHost<'_> {
         command: &Command,
         timeout: Duration,
     ) -> Result<u32, String> {
+        // The scripts whose replies decide requests carry a nonce their
+        // reply gives back (README, When things fail: Webdis may write
+        // another connection's late reply to this one).
+        let (with, nonce) = self.shared.map_or((None, None), |s| s.with_nonce(command));
+        let command = with.as_ref().unwrap_or(command);
         let token = hostcalls::dispatch_http_call(
             &target.cluster,
             callout_headers(target, command),
@@ -98,7 +103,7 @@ impl Host for ProxyHost<'_> {
         )
         .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
         if let Some(shared) = self.shared {
-            shared.note_sent(token, host_now());
+            shared.note_sent(token, host_now(), nonce);
         }
         self.route_reply(token);
         Ok(token)

@@ -20,6 +20,7 @@ use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
 use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
 use crate::filter::timers::Timers;
 use crate::filter::{Action as FlowAction, CalloutReply};
+use crate::scripts::{BATCH, LEASE, RATELIMIT};
 use crate::webdis::Command;
 
 mod abi;
@@ -64,8 +65,9 @@ pub(super) struct Shared {
     wakeable: RefCell<HashMap<u32, FlowRef>>,
     /// Calls the root sent for a stream (on tick): token -> (stream, flow).
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
-    /// When each call in flight was sent, for the latency histogram.
-    sent_at: RefCell<HashMap<u32, Duration>>,
+    /// When each call in flight was sent, for the latency histogram, and
+    /// the nonce its reply must give back, if it was sent with one.
+    sent_at: RefCell<HashMap<u32, (Duration, Option<String>)>>,
     /// Background lease fetches in flight (sent as the root): token -> note.
     prefetches: RefCell<HashMap<u32, Prefetch>>,
     /// Background lease fetches the root sends on its next tick: a call's
@@ -123,11 +125,11 @@ impl Shared {
         Ok(())
     }
 
-    fn note_sent(&self, token: u32, now: Duration) {
+    fn note_sent(&self, token: u32, now: Duration, nonce: Option<String>) {
         if let Ok(mut sent) = self.sent_at.try_borrow_mut() {
             if sent.len() >= SENT_AT_SWEEP {
                 // No call outlives the longest timeout the config allows.
-                sent.retain(|_, at| now.saturating_sub(*at) < Duration::from_secs(120));
+                sent.retain(|_, (at, _)| now.saturating_sub(*at) < Duration::from_secs(120));
                 // Still full (many live calls, or resets faster than the
                 // sweep ages them out): start over and lose a few samples,
                 // rather than scan the table on every call.
@@ -135,17 +137,38 @@ impl Shared {
                     sent.clear();
                 }
             }
-            sent.insert(token, now);
+            sent.insert(token, (now, nonce));
         }
     }
 
-    fn note_reply(&self, token: u32) {
-        let at = take(&self.sent_at, token);
-        if let Some(at) = at {
-            let us = u64::try_from(host_now().saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
-            if self.metrics.callout_latency_us != UNDEFINED {
-                let _ = hostcalls::record_metric(self.metrics.callout_latency_us, us);
-            }
+    /// Records the call's latency; returns the nonce its reply must carry.
+    fn note_reply(&self, token: u32) -> Option<String> {
+        let (at, nonce) = take(&self.sent_at, token)?;
+        let us = u64::try_from(host_now().saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
+        if self.metrics.callout_latency_us != UNDEFINED {
+            let _ = hostcalls::record_metric(self.metrics.callout_latency_us, us);
+        }
+        nonce
+    }
+
+    /// `command` with a fresh nonce first in its ARGV if its script gives
+    /// one back (the scripts whose replies decide requests: README, When
+    /// things fail), and that nonce; `None`s for any other command. The
+    /// nonce is unique per worker (a counter) and distinct between workers
+    /// and Envoys (this VM's random seed).
+    fn with_nonce(&self, command: &Command) -> (Option<Command>, Option<String>) {
+        use std::hash::BuildHasher;
+        let n = self.token_counter.get().wrapping_add(1);
+        self.token_counter.set(n);
+        let nonce = format!("{:016x}", self.token_seed.hash_one((n, "nonce")));
+        let echoing = [
+            RATELIMIT.sha1.as_str(),
+            BATCH.sha1.as_str(),
+            LEASE.sha1.as_str(),
+        ];
+        match crate::webdis::with_nonce(command, &nonce, &echoing) {
+            Some(with) => (Some(with), Some(nonce)),
+            None => (None, None),
         }
     }
 }
@@ -220,8 +243,8 @@ impl Root {
         shared: &Shared,
         root_id: u32,
         token: u32,
-        num_headers: usize,
-        body_size: usize,
+        (num_headers, body_size): (usize, usize),
+        nonce: Option<&str>,
     ) -> bool {
         let owned = shared
             .batcher
@@ -230,7 +253,7 @@ impl Root {
         if !owned {
             return false;
         }
-        let reply = callout_reply(num_headers, body_size, usize::MAX);
+        let reply = callout_reply(num_headers, body_size, usize::MAX, nonce);
         Root::with_batcher(shared, root_id, |b, host, target| {
             b.on_reply(host, target, token, &reply)
         });
@@ -295,14 +318,21 @@ impl Context for Root {
         let Some(shared) = self.shared.clone() else {
             return;
         };
-        shared.note_reply(token_id);
-        if Root::on_batch_reply(&shared, self.context_id, token_id, num_headers, body_size) {
+        let nonce = shared.note_reply(token_id);
+        let nonce = nonce.as_deref();
+        if Root::on_batch_reply(
+            &shared,
+            self.context_id,
+            token_id,
+            (num_headers, body_size),
+            nonce,
+        ) {
             return;
         }
         if shared.deferred.try_borrow().is_ok_and(|r| r.owns(token_id)) {
             // Nobody waits on these: the answer matters only for a NOSCRIPT
             // (sent again as EVAL), a refusal (sent again) and the log.
-            let reply = callout_reply(num_headers, body_size, usize::MAX);
+            let reply = callout_reply(num_headers, body_size, usize::MAX, nonce);
             let mut host = Root::host_for(&shared, self.context_id, Weak::new());
             host.via_root = false;
             if let Ok(mut deferred) = shared.deferred.try_borrow_mut() {
@@ -321,7 +351,7 @@ impl Context for Root {
                 routed.remove(&token_id);
             }
             // A lease reply: read whole.
-            let reply = callout_reply(num_headers, body_size, usize::MAX);
+            let reply = callout_reply(num_headers, body_size, usize::MAX, nonce);
             let mut host = Root::host_for(&shared, self.context_id, Weak::new());
             on_prefetch_reply(&mut host, &note, reply);
             return;
@@ -331,7 +361,7 @@ impl Context for Root {
             return;
         };
         Root::as_stream(&shared, context_id, &weak, |flow, host| {
-            let reply = callout_reply(num_headers, body_size, flow.reply_limit(token_id));
+            let reply = callout_reply(num_headers, body_size, flow.reply_limit(token_id), nonce);
             flow.on_callout_reply(host, token_id, reply);
         });
     }
@@ -460,6 +490,8 @@ impl RootContext for Root {
         };
         for (command, timeout, note) in prefetches {
             let target = &shared.config.redis;
+            let (with, nonce) = shared.with_nonce(&command);
+            let command = with.unwrap_or(command);
             match hostcalls::dispatch_http_call(
                 &target.cluster,
                 callout_headers(target, &command),
@@ -468,7 +500,7 @@ impl RootContext for Root {
                 timeout,
             ) {
                 Ok(token) => {
-                    shared.note_sent(token, now);
+                    shared.note_sent(token, now, nonce);
                     if let Ok(mut inflight) = shared.prefetches.try_borrow_mut() {
                         inflight.insert(token, note);
                     }
@@ -568,7 +600,12 @@ impl Http {
 }
 
 /// Reads the current callout's answer (headers may be absent on failure).
-fn callout_reply(num_headers: usize, body_size: usize, max_body: usize) -> CalloutReply {
+fn callout_reply(
+    num_headers: usize,
+    body_size: usize,
+    max_body: usize,
+    nonce: Option<&str>,
+) -> CalloutReply {
     // A failed call (reset, timeout) arrives with no headers, and reading
     // a missing map makes the SDK panic: do not read what is not there.
     if num_headers == 0 {
@@ -600,6 +637,29 @@ fn callout_reply(num_headers: usize, body_size: usize, max_body: usize) -> Callo
             .flatten()
             .unwrap_or_default()
     };
+    // A call sent with a nonce: Webdis' answer must give it back first. One
+    // that does not is another connection's late reply written to this
+    // socket (README, When things fail); this call's own reply is lost, and
+    // the call may have run: it is answered as a call that got no answer.
+    let body = match nonce {
+        Some(nonce) if status == Some(200) && from_webdis => {
+            match crate::webdis::strip_nonce(&body, nonce) {
+                Some(own) => own,
+                None => {
+                    log::warn!(
+                        "redis-guard: Webdis answered with a reply that is not this call's \
+                         (another connection's, written to this one): taken as no answer"
+                    );
+                    return CalloutReply {
+                        status: None,
+                        from_webdis: false,
+                        body: Vec::new(),
+                    };
+                }
+            }
+        }
+        _ => body,
+    };
     CalloutReply {
         status,
         from_webdis,
@@ -622,11 +682,14 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        if let Some(shared) = self.shared.as_deref() {
-            shared.note_reply(token_id);
-        }
+        let nonce = self.shared.as_deref().and_then(|s| s.note_reply(token_id));
         self.with_flow((), |flow, host| {
-            let reply = callout_reply(num_headers, body_size, flow.reply_limit(token_id));
+            let reply = callout_reply(
+                num_headers,
+                body_size,
+                flow.reply_limit(token_id),
+                nonce.as_deref(),
+            );
             flow.on_callout_reply(host, token_id, reply)
         });
     }
