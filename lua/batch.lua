@@ -44,7 +44,7 @@ rejected member writes nothing, so a batch admits exactly what the same
 calls sent one by one in this order would. A malformed member makes the
 whole batch an error: the filter built it, so it is a bug, not a verdict.
 
-Composition: src/scripts.rs joins lua/wire.lua, lua/token_bucket.lua, lua/sliding_window.lua,
+Composition: src/scripts.rs joins lua/nonce.lua, lua/wire.lua, lua/token_bucket.lua, lua/sliding_window.lua,
 lua/gcra.lua, lua/fixed_window.lua, lua/sliding_window_counter.lua,
 lua/concurrency.lua, lua/idempotency.lua and lua/decide.lua (the one-request driver) at the
 marker. The kinds that keep a per-run cache write each charged key once, in
@@ -57,23 +57,6 @@ one instant, as calls arriving together would be.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-
--- The call's nonce, if it carries one: "~" and hex digits first in ARGV (no
--- other first ARGV of this script starts with "~"). The reply gives it back
--- first, so the filter can tell its own reply from another connection's
--- that Webdis wrote to its socket (README, When things fail).
-local nonce = ARGV[1]
-if type(nonce) == 'string' and string.byte(nonce, 1) == 126 then
-  table.remove(ARGV, 1)
-else
-  nonce = nil
-end
-local function echo(reply)
-  if nonce and type(reply) == 'table' and reply.err == nil then
-    table.insert(reply, 1, nonce)
-  end
-  return reply
-end
 
 -- @@ALGORITHMS@@
 

@@ -35,30 +35,13 @@ what is left when its lease ends. The price is under-admission: tokens an
 Envoy holds but does not spend are lost to the others, at most `lease` per
 Envoy and key at a time.
 
-Composition: src/scripts.rs joins lua/wire.lua and lua/token_bucket.lua at the marker
+Composition: src/scripts.rs joins lua/nonce.lua, lua/wire.lua and lua/token_bucket.lua at the marker
 below.
 Clock: Redis TIME, read once.
 ]]
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-
--- The call's nonce, if it carries one: "~" and hex digits first in ARGV (no
--- other first ARGV of this script starts with "~"). The reply gives it back
--- first, so the filter can tell its own reply from another connection's
--- that Webdis wrote to its socket (README, When things fail).
-local nonce = ARGV[1]
-if type(nonce) == 'string' and string.byte(nonce, 1) == 126 then
-  table.remove(ARGV, 1)
-else
-  nonce = nil
-end
-local function echo(reply)
-  if nonce and type(reply) == 'table' and reply.err == nil then
-    table.insert(reply, 1, nonce)
-  end
-  return reply
-end
 
 -- @@ALGORITHMS@@
 

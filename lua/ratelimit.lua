@@ -77,7 +77,7 @@ All-or-nothing: nothing is written unless every enforced limit admits the
 request, so a rejected request costs nothing. Then every limit that admits it
 is charged (a shadow limit that would reject is reported, not charged).
 
-Composition: src/scripts.rs sends this preamble, lua/wire.lua, lua/token_bucket.lua,
+Composition: src/scripts.rs sends this preamble, lua/nonce.lua, lua/wire.lua, lua/token_bucket.lua,
 lua/sliding_window.lua, lua/gcra.lua, lua/fixed_window.lua,
 lua/sliding_window_counter.lua, lua/concurrency.lua, lua/idempotency.lua and the driver in
 lua/decide.lua as one script (one SHA-1), so one EVALSHA decides every limit
@@ -91,23 +91,6 @@ the time after which its state is indistinguishable from a fresh key.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-
--- The call's nonce, if it carries one: "~" and hex digits first in ARGV (no
--- other first ARGV of this script starts with "~"). The reply gives it back
--- first, so the filter can tell its own reply from another connection's
--- that Webdis wrote to its socket (README, When things fail).
-local nonce = ARGV[1]
-if type(nonce) == 'string' and string.byte(nonce, 1) == 126 then
-  table.remove(ARGV, 1)
-else
-  nonce = nil
-end
-local function echo(reply)
-  if nonce and type(reply) == 'table' and reply.err == nil then
-    table.insert(reply, 1, nonce)
-  end
-  return reply
-end
 
 -- @@ALGORITHMS@@
 

@@ -76,9 +76,11 @@ fn compose(main: &str, parts: &[&str]) -> String {
 }
 
 /// What a decision runs, in the order it is joined in after the clock: the
-/// reply helper, every limit kind, the idempotency record and the driver.
+/// call's nonce (lua/nonce.lua), the reply helper, every limit kind, the
+/// idempotency record and the driver.
 /// RATELIMIT and BATCH share them, so a batch decides as single calls do.
-const DECISION_PARTS: [&str; 11] = [
+const DECISION_PARTS: [&str; 12] = [
+    include_str!("../lua/nonce.lua"),
     include_str!("../lua/wire.lua"),
     include_str!("../lua/token_bucket.lua"),
     include_str!("../lua/sliding_window.lua"),
@@ -113,6 +115,7 @@ pub static LEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/lease.lua"),
         &[
+            include_str!("../lua/nonce.lua"),
             include_str!("../lua/wire.lua"),
             include_str!("../lua/token_bucket.lua"),
         ],

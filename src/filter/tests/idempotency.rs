@@ -594,16 +594,7 @@ fn a_keyed_request_meets_the_breaker_of_its_own_tenants_slot_group() {
     let keyed =
         |tenant: &str, key: &[u8]| FakeHost::post("/pay", key).with("x-tenant", tenant.as_bytes());
     let mut h = keyed(a, b"k1");
-    for token in 1..=2 {
-        let mut f = Flow::new(cfg.clone(), breakers.clone());
-        assert_eq!(f.on_request_headers(&mut h, true), Action::Pause);
-        f.on_callout_reply(&mut h, token, no_answer());
-    }
-    assert_eq!(count(&h, Counter::CircuitOpened), 1);
-    let calls = h.dispatched.len();
-    let mut f = Flow::new(cfg.clone(), breakers.clone());
-    f.on_request_headers(&mut h, true);
-    assert_eq!(h.dispatched.len(), calls, "a's group is open: no call");
+    trip_breaker(&cfg, &breakers, &mut h, 2);
     assert_eq!(count(&h, Counter::CircuitShortCircuited), 1);
     let mut h = keyed(b, b"k2");
     let mut f = Flow::new(cfg, breakers.clone());

@@ -197,3 +197,24 @@ pub(super) fn release_lands(f: &mut Flow, h: &mut FakeHost, key: &[u8]) {
     assert_eq!(h.response_resumed, 1);
     assert!(h.sent.is_empty());
 }
+
+/// Fails `failures` calls of `h`'s request, so that its slot group's breaker
+/// (of that many failures) opens, then checks the next such request is
+/// short-circuited: it makes no call.
+pub(super) fn trip_breaker(
+    cfg: &Rc<Config>,
+    breakers: &Rc<Breakers>,
+    h: &mut FakeHost,
+    failures: u32,
+) {
+    for token in 1..=failures {
+        let mut f = Flow::new(cfg.clone(), breakers.clone());
+        f.on_request_headers(h, true);
+        f.on_callout_reply(h, token, no_answer());
+    }
+    assert_eq!(count(h, Counter::CircuitOpened), 1);
+    let calls = h.dispatched.len();
+    let mut f = Flow::new(cfg.clone(), breakers.clone());
+    f.on_request_headers(h, true);
+    assert_eq!(h.dispatched.len(), calls, "its group is open: no call");
+}
