@@ -34,13 +34,17 @@ pub const CODES: [&str; 17] = [
 ];
 
 pub const OK: u32 = 0;
+pub const UNKNOWN: u32 = 2;
 pub const INVALID_ARGUMENT: u32 = 3;
+pub const PERMISSION_DENIED: u32 = 7;
 pub const RESOURCE_EXHAUSTED: u32 = 8;
 pub const FAILED_PRECONDITION: u32 = 9;
 pub const ABORTED: u32 = 10;
+pub const UNIMPLEMENTED: u32 = 12;
 pub const INTERNAL: u32 = 13;
 pub const UNAVAILABLE: u32 = 14;
 pub const DATA_LOSS: u32 = 15;
+pub const UNAUTHENTICATED: u32 = 16;
 
 /// The status a gRPC client reports for a response that carries no
 /// `grpc-status`, from its HTTP status (gRPC's "HTTP to gRPC status code
@@ -49,11 +53,11 @@ pub const DATA_LOSS: u32 = 15;
 pub fn code_from_http(status: u32) -> u32 {
     match status {
         400 => INTERNAL,
-        401 => 16,
-        403 => 7,
-        404 => 12,
+        401 => UNAUTHENTICATED,
+        403 => PERMISSION_DENIED,
+        404 => UNIMPLEMENTED,
         429 | 502 | 503 | 504 => UNAVAILABLE,
-        _ => 2,
+        _ => UNKNOWN,
     }
 }
 

@@ -68,57 +68,95 @@ impl Command {
     }
 }
 
-/// `cmd` with `~<nonce>` put first in its script's ARGV, if it is an
-/// `EVALSHA` of one of `echoing` (the SHA-1s of the scripts that give the
-/// nonce back first in their reply; README, *When things fail*, says why).
-/// Any other command is left alone (`None`).
-pub fn with_nonce(cmd: &Command, nonce: &str, echoing: &[&str]) -> Option<Command> {
-    let encoded = match &cmd.put {
-        Some(path) => path.strip_prefix('/')?,
-        None => std::str::from_utf8(&cmd.body).ok()?,
+/// Where `cmd`'s script ARGV starts (a byte offset into its PUT path, or
+/// its POST body), if it is an `EVALSHA` of one of `echoing`: the SHA-1s of
+/// the scripts that give a nonce put there back first in their reply
+/// (README, *When things fail*, says why). `None` for any other command.
+/// Reads the command in place: nothing is allocated for the commands that
+/// carry no nonce.
+pub fn nonce_at(cmd: &Command, echoing: &[&str]) -> Option<usize> {
+    let text: &[u8] = match &cmd.put {
+        Some(path) => path.as_bytes(),
+        None => &cmd.body,
     };
-    let encoded = encoded.strip_suffix(".raw")?;
-    let mut parts: Vec<&str> = encoded.split('/').collect();
-    if parts.first() != Some(&"EVALSHA") || !echoing.contains(parts.get(1)?) {
+    let skip = usize::from(cmd.put.is_some());
+    let encoded = text.get(skip..)?.strip_suffix(b".raw")?;
+    let mut parts = encoded.split(|b| *b == b'/');
+    if parts.next()? != b"EVALSHA" {
         return None;
     }
-    let nkeys: usize = parts.get(2)?.parse().ok()?;
-    let at = nkeys.checked_add(3).filter(|at| *at <= parts.len())?;
+    let sha = parts.next()?;
+    if !echoing.iter().any(|e| e.as_bytes() == sha) {
+        return None;
+    }
+    let nkeys: usize = std::str::from_utf8(parts.next()?).ok()?.parse().ok()?;
+    // Segments are percent-encoded: every `/` separates two. The ARGV start
+    // at the slash after the last key, or at the end when there is none.
+    let mut slashes = encoded
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| **b == b'/')
+        .map(|(i, _)| i);
+    // The slash before the last key (or before `nkeys` when there is no
+    // key) must be there: a command with fewer keys than it says is left.
+    slashes.nth(nkeys.checked_add(1)?)?;
+    Some(skip + slashes.next().unwrap_or(encoded.len()))
+}
+
+/// `cmd` with the argument `~<nonce>` inserted at `at` ([`nonce_at`]).
+pub fn insert_nonce(cmd: &Command, at: usize, nonce: &str) -> Command {
     // `~` is not alphanumeric: percent-encoded, as every argument byte is.
-    let arg = format!("%7E{nonce}");
-    parts.insert(at, &arg);
-    let joined = parts.join("/");
-    Some(match &cmd.put {
-        Some(_) => Command {
-            put: Some(format!("/{joined}.raw")),
+    let splice = |text: &[u8]| -> Vec<u8> {
+        let at = at.min(text.len());
+        let mut out = Vec::with_capacity(text.len() + 4 + nonce.len());
+        out.extend_from_slice(&text[..at]);
+        out.extend_from_slice(b"/%7E");
+        out.extend_from_slice(nonce.as_bytes());
+        out.extend_from_slice(&text[at..]);
+        out
+    };
+    match &cmd.put {
+        Some(path) => Command {
+            put: Some(String::from_utf8_lossy(&splice(path.as_bytes())).into_owned()),
             body: cmd.body.clone(),
         },
         None => Command {
             put: None,
-            body: format!("{joined}.raw").into_bytes(),
+            body: splice(&cmd.body),
         },
-    })
+    }
 }
 
-/// A reply to a call sent [`with_nonce`], with the nonce its script put
-/// first taken out again: the reply the script would have given without
-/// it. An error reply passes as it is (a script's error, or Redis' own
+/// Takes the nonce out of a reply to a call sent with it ([`insert_nonce`])
+/// where its script put it, first: in place, leaving the reply the script
+/// would have given without it; true if it was there. An error reply stays
+/// as it is and counts as the call's (a script's error, or Redis' own
 /// before the script ran, carries no nonce). Anything else without this
 /// nonce first is not this call's reply (Webdis wrote another connection's
-/// late reply to this one's socket: README, *When things fail*): `None`.
-pub fn strip_nonce(body: &[u8], nonce: &str) -> Option<Vec<u8>> {
+/// late reply to this one's socket: README, *When things fail*): false.
+pub fn strip_nonce(body: &mut Vec<u8>, nonce: &str) -> bool {
     if body.first() == Some(&b'-') {
-        return Some(body.to_vec());
+        return true;
     }
-    let rest = body.strip_prefix(b"*")?;
-    let eol = rest.windows(2).position(|w| w == b"\r\n")?;
-    let n: usize = std::str::from_utf8(&rest[..eol]).ok()?.parse().ok()?;
-    let rest = &rest[eol + 2..];
+    let Some(rest) = body.strip_prefix(b"*") else {
+        return false;
+    };
+    let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
+        return false;
+    };
+    let n = std::str::from_utf8(&rest[..eol])
+        .ok()
+        .and_then(|t| t.parse::<usize>().ok());
+    let Some(n) = n.and_then(|n| n.checked_sub(1)) else {
+        return false;
+    };
     let first = format!("${}\r\n~{nonce}\r\n", nonce.len() + 1);
-    let rest = rest.strip_prefix(first.as_bytes())?;
-    let mut out = format!("*{}\r\n", n.checked_sub(1)?).into_bytes();
-    out.extend_from_slice(rest);
-    Some(out)
+    let start = 1 + eol + 2;
+    if !body[start..].starts_with(first.as_bytes()) {
+        return false;
+    }
+    body.splice(..start + first.len(), format!("*{n}\r\n").into_bytes());
+    true
 }
 
 /// The POST body that runs `command args…` through Webdis, asking for RESP.
@@ -351,45 +389,48 @@ mod tests {
     fn a_nonce_goes_first_in_the_argv_of_an_echoing_script_only() {
         let keys = [b"k:{t}".to_vec()];
         let argv = [b"1".to_vec(), b"tb".to_vec()];
+        let with = |cmd: &Command| insert_nonce(cmd, nonce_at(cmd, &["ab"]).unwrap(), "00ff");
         let post = Command::post("EVALSHA", &[b"ab", b"1", &keys[0], &argv[0], &argv[1]]);
-        let with = with_nonce(&post, "00ff", &["ab"]).unwrap();
-        assert_eq!(with.body, b"EVALSHA/ab/1/k%3A%7Bt%7D/%7E00ff/1/tb.raw");
-        let put = Command::put("EVALSHA", &[b"ab", b"1", &keys[0]], b"\x00/x".to_vec());
-        let with = with_nonce(&put, "00ff", &["ab"]).unwrap();
         assert_eq!(
-            with.put.as_deref(),
+            with(&post).body,
+            b"EVALSHA/ab/1/k%3A%7Bt%7D/%7E00ff/1/tb.raw"
+        );
+        let two = Command::post("EVALSHA", &[b"ab", b"2", b"k1", b"k2", b"x"]);
+        assert_eq!(with(&two).body, b"EVALSHA/ab/2/k1/k2/%7E00ff/x.raw");
+        let put = Command::put("EVALSHA", &[b"ab", b"1", &keys[0]], b"\x00/x".to_vec());
+        let put = with(&put);
+        assert_eq!(
+            put.put.as_deref(),
             Some("/EVALSHA/ab/1/k%3A%7Bt%7D/%7E00ff.raw")
         );
         assert_eq!(
-            with.body, b"\x00/x",
+            put.body, b"\x00/x",
             "the packed body stays the last argument"
         );
-        assert_eq!(with_nonce(&post, "00ff", &["cd"]), None, "another script");
+        assert_eq!(nonce_at(&post, &["cd"]), None, "another script");
         let eval = Command::post("EVAL", &[b"return 1", b"0"]);
-        assert_eq!(with_nonce(&eval, "00ff", &["ab"]), None);
+        assert_eq!(nonce_at(&eval, &["ab"]), None);
         let short = Command::post("EVALSHA", &[b"ab", b"3", b"k"]);
-        assert_eq!(
-            with_nonce(&short, "00ff", &["ab"]),
-            None,
-            "fewer keys than it says"
-        );
+        assert_eq!(nonce_at(&short, &["ab"]), None, "fewer keys than it says");
     }
 
     #[test]
     fn only_a_reply_with_this_calls_nonce_first_is_its_own() {
+        let strip = |b: &[u8], nonce: &str| {
+            let mut body = b.to_vec();
+            strip_nonce(&mut body, nonce).then_some(body)
+        };
         let ours = b"*3\r\n$5\r\n~00ff\r\n:1\r\n:7\r\n";
-        assert_eq!(strip_nonce(ours, "00ff").unwrap(), b"*2\r\n:1\r\n:7\r\n");
-        assert_eq!(strip_nonce(ours, "00fe"), None, "another call's");
-        assert_eq!(strip_nonce(b"*2\r\n:1\r\n:7\r\n", "00ff"), None, "no nonce");
-        assert_eq!(strip_nonce(b":1\r\n", "00ff"), None, "not an array");
-        assert_eq!(strip_nonce(b"*0\r\n", "00ff"), None);
+        assert_eq!(strip(ours, "00ff").unwrap(), b"*2\r\n:1\r\n:7\r\n");
+        assert_eq!(strip(ours, "00fe"), None, "another call's");
+        assert_eq!(strip(b"*2\r\n:1\r\n:7\r\n", "00ff"), None, "no nonce");
+        assert_eq!(strip(b":1\r\n", "00ff"), None, "not an array");
+        assert_eq!(strip(b"*0\r\n", "00ff"), None);
         let err = b"-NOSCRIPT No matching script\r\n";
-        assert_eq!(
-            strip_nonce(err, "00ff").unwrap(),
-            err.to_vec(),
-            "errors pass"
-        );
+        assert_eq!(strip(err, "00ff").unwrap(), err.to_vec(), "errors pass");
         let only = b"*1\r\n$5\r\n~00ff\r\n";
-        assert_eq!(strip_nonce(only, "00ff").unwrap(), b"*0\r\n");
+        assert_eq!(strip(only, "00ff").unwrap(), b"*0\r\n");
+        let many = b"*12\r\n$5\r\n~00ff\r\n";
+        assert_eq!(strip(many, "00ff").unwrap(), b"*11\r\n");
     }
 }

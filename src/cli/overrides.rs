@@ -129,11 +129,13 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
             let config = select::load(&limit.selection.config)?;
             let (target, key) = target(&config, &limit)?;
             let mut redis = store::connect(&limit.selection.redis)?;
-            let stored: Option<Vec<u8>> =
-                redis.query(redis::cmd("GET").arg(&key)).or_else(|_| {
-                    // Another type at the key: the script ignores it too.
-                    Ok::<_, Failure>(Some(b"(not a string)".to_vec()))
-                })?;
+            // Another type at the key: the script ignores it too. Any error
+            // (Redis gone, a command refused) is reported as such.
+            let kind: String = redis.query(redis::cmd("TYPE").arg(&key))?;
+            let stored: Option<Vec<u8>> = match kind.as_str() {
+                "string" | "none" => redis.query(redis::cmd("GET").arg(&key))?,
+                _ => Some(b"(not a string)".to_vec()),
+            };
             let pttl: i64 = redis.query(redis::cmd("PTTL").arg(&key))?;
             Ok(show(&target, &key, stored.as_deref(), pttl))
         }

@@ -103,7 +103,9 @@ impl Host for ProxyHost<'_> {
         )
         .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
         if let Some(shared) = self.shared {
-            shared.note_sent(token, host_now(), nonce);
+            let now = host_now();
+            shared.note_sent(token, now);
+            shared.note_nonce(token, now, now + timeout + super::NONCE_GRACE, nonce);
         }
         self.route_reply(token);
         Ok(token)

@@ -65,9 +65,12 @@ pub(super) struct Shared {
     wakeable: RefCell<HashMap<u32, FlowRef>>,
     /// Calls the root sent for a stream (on tick): token -> (stream, flow).
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
-    /// When each call in flight was sent, for the latency histogram, and
-    /// the nonce its reply must give back, if it was sent with one.
-    sent_at: RefCell<HashMap<u32, (Duration, Option<String>)>>,
+    /// When each call in flight was sent, for the latency histogram.
+    sent_at: RefCell<HashMap<u32, Duration>>,
+    /// The nonce each call in flight that carries one must find first in
+    /// its reply, with the call's deadline: kept whatever the latency table
+    /// drops, and only until a reply can no longer come.
+    nonces: RefCell<HashMap<u32, (Duration, String)>>,
     /// Background lease fetches in flight (sent as the root): token -> note.
     prefetches: RefCell<HashMap<u32, Prefetch>>,
     /// Background lease fetches the root sends on its next tick: a call's
@@ -110,6 +113,10 @@ impl Waiter for Stream {
 /// stream that ends first cancels its call, and no reply removes the entry.
 const SENT_AT_SWEEP: usize = 4096;
 
+/// How long past its timeout a call's nonce is kept: Envoy answers a call
+/// that timed out at its timeout, give or take its timers' coarseness.
+const NONCE_GRACE: Duration = Duration::from_secs(1);
+
 impl Shared {
     /// Turns the root's tick on, unless it is on; `me` is the context
     /// running now (the period is the root's to set).
@@ -125,11 +132,11 @@ impl Shared {
         Ok(())
     }
 
-    fn note_sent(&self, token: u32, now: Duration, nonce: Option<String>) {
+    fn note_sent(&self, token: u32, now: Duration) {
         if let Ok(mut sent) = self.sent_at.try_borrow_mut() {
             if sent.len() >= SENT_AT_SWEEP {
                 // No call outlives the longest timeout the config allows.
-                sent.retain(|_, (at, _)| now.saturating_sub(*at) < Duration::from_secs(120));
+                sent.retain(|_, at| now.saturating_sub(*at) < Duration::from_secs(120));
                 // Still full (many live calls, or resets faster than the
                 // sweep ages them out): start over and lose a few samples,
                 // rather than scan the table on every call.
@@ -137,18 +144,19 @@ impl Shared {
                     sent.clear();
                 }
             }
-            sent.insert(token, (now, nonce));
+            sent.insert(token, now);
         }
     }
 
     /// Records the call's latency; returns the nonce its reply must carry.
     fn note_reply(&self, token: u32) -> Option<String> {
-        let (at, nonce) = take(&self.sent_at, token)?;
-        let us = u64::try_from(host_now().saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
-        if self.metrics.callout_latency_us != UNDEFINED {
-            let _ = hostcalls::record_metric(self.metrics.callout_latency_us, us);
+        if let Some(at) = take(&self.sent_at, token) {
+            let us = u64::try_from(host_now().saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
+            if self.metrics.callout_latency_us != UNDEFINED {
+                let _ = hostcalls::record_metric(self.metrics.callout_latency_us, us);
+            }
         }
-        nonce
+        take(&self.nonces, token).map(|(_, nonce)| nonce)
     }
 
     /// `command` with a fresh nonce first in its ARGV if its script gives
@@ -158,17 +166,34 @@ impl Shared {
     /// and Envoys (this VM's random seed).
     fn with_nonce(&self, command: &Command) -> (Option<Command>, Option<String>) {
         use std::hash::BuildHasher;
-        let n = self.token_counter.get().wrapping_add(1);
-        self.token_counter.set(n);
-        let nonce = format!("{:016x}", self.token_seed.hash_one((n, "nonce")));
         let echoing = [
             RATELIMIT.sha1.as_str(),
             BATCH.sha1.as_str(),
             LEASE.sha1.as_str(),
         ];
-        match crate::webdis::with_nonce(command, &nonce, &echoing) {
-            Some(with) => (Some(with), Some(nonce)),
-            None => (None, None),
+        let Some(at) = crate::webdis::nonce_at(command, &echoing) else {
+            return (None, None);
+        };
+        let n = self.token_counter.get().wrapping_add(1);
+        self.token_counter.set(n);
+        let nonce = format!("{:016x}", self.token_seed.hash_one((n, "nonce")));
+        (
+            Some(crate::webdis::insert_nonce(command, at, &nonce)),
+            Some(nonce),
+        )
+    }
+
+    /// Keeps `nonce` for the reply to `token`, due by `deadline`. Entries
+    /// past their deadline (their call was cancelled with its stream, and no
+    /// reply removes them) go when the table is swept: never a live one,
+    /// whose reply would then find no nonce to check and fail.
+    fn note_nonce(&self, token: u32, now: Duration, deadline: Duration, nonce: Option<String>) {
+        let Some(nonce) = nonce else { return };
+        if let Ok(mut nonces) = self.nonces.try_borrow_mut() {
+            if nonces.len() >= SENT_AT_SWEEP {
+                nonces.retain(|_, (due, _)| *due >= now);
+            }
+            nonces.insert(token, (deadline, nonce));
         }
     }
 }
@@ -434,6 +459,7 @@ impl RootContext for Root {
                     wakeable: RefCell::new(HashMap::new()),
                     routed: RefCell::new(HashMap::new()),
                     sent_at: RefCell::new(HashMap::new()),
+                    nonces: RefCell::new(HashMap::new()),
                     prefetches: RefCell::new(HashMap::new()),
                     to_prefetch: RefCell::new(Vec::new()),
                     batch_queue,
@@ -500,7 +526,8 @@ impl RootContext for Root {
                 timeout,
             ) {
                 Ok(token) => {
-                    shared.note_sent(token, now, nonce);
+                    shared.note_sent(token, now);
+                    shared.note_nonce(token, now, now + timeout + NONCE_GRACE, nonce);
                     if let Ok(mut inflight) = shared.prefetches.try_borrow_mut() {
                         inflight.insert(token, note);
                     }
@@ -623,7 +650,7 @@ fn callout_reply(
     };
     let status = header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
     let from_webdis = header("server").is_some_and(|s| s.eq_ignore_ascii_case(b"webdis"));
-    let body = if body_size == 0 {
+    let mut body = if body_size == 0 {
         Vec::new()
     } else if body_size > max_body {
         // Larger than the call can legitimately answer (an object fetch
@@ -641,25 +668,19 @@ fn callout_reply(
     // that does not is another connection's late reply written to this
     // socket (README, When things fail); this call's own reply is lost, and
     // the call may have run: it is answered as a call that got no answer.
-    let body = match nonce {
-        Some(nonce) if status == Some(200) && from_webdis => {
-            match crate::webdis::strip_nonce(&body, nonce) {
-                Some(own) => own,
-                None => {
-                    log::warn!(
-                        "redis-guard: Webdis answered with a reply that is not this call's \
-                         (another connection's, written to this one): taken as no answer"
-                    );
-                    return CalloutReply {
-                        status: None,
-                        from_webdis: false,
-                        body: Vec::new(),
-                    };
-                }
-            }
+    if let Some(nonce) = nonce.filter(|_| status == Some(200) && from_webdis) {
+        if !crate::webdis::strip_nonce(&mut body, nonce) {
+            log::warn!(
+                "redis-guard: Webdis answered with a reply that is not this call's \
+                 (another connection's, written to this one): taken as no answer"
+            );
+            return CalloutReply {
+                status: None,
+                from_webdis: false,
+                body: Vec::new(),
+            };
         }
-        _ => body,
-    };
+    }
     CalloutReply {
         status,
         from_webdis,
