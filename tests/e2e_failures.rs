@@ -276,94 +276,12 @@ fn under_load_a_killed_redis_changes_only_who_decides() {
     assert_eq!(local, [(200, 10), (429, 30)].into());
 }
 
-/// Between Envoy and Webdis: forwards each HTTP exchange as it is, except
-/// that, once armed, it answers the next call with the reply Webdis gave
-/// the call before it: what Webdis 0.1.9 does when it writes a connection's
-/// late reply to a socket another connection has since been given (README,
-/// When things fail), played on demand.
-struct Relay {
-    port: u16,
-    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    replayed: std::sync::Arc<AtomicUsize>,
-}
-
-/// One HTTP/1.1 message (head, then a Content-Length body) from `s`, with
-/// `buf` holding what was read past the last one; `None` at the end.
-fn read_message(s: &mut std::net::TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
-    use std::io::Read;
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .map_or(0, |v| v.trim().parse().unwrap());
-            if buf.len() >= end + 4 + len {
-                return Some(buf.drain(..end + 4 + len).collect());
-            }
-        }
-        let mut chunk = [0u8; 65536];
-        match s.read(&mut chunk) {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-}
-
-impl Relay {
-    fn start(webdis_port: u16) -> Relay {
-        use std::io::Write;
-        use std::sync::atomic::AtomicBool;
-        use std::sync::{Arc, Mutex};
-        let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let armed = Arc::new(AtomicBool::new(false));
-        let replayed = Arc::new(AtomicUsize::new(0));
-        let last: Arc<Mutex<Option<Vec<u8>>>> = Arc::new(Mutex::new(None));
-        let (a, r) = (armed.clone(), replayed.clone());
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(mut client) = client else { return };
-                let (armed, replayed, last) = (a.clone(), r.clone(), last.clone());
-                std::thread::spawn(move || {
-                    let mut webdis =
-                        std::net::TcpStream::connect(("127.0.0.1", webdis_port)).unwrap();
-                    let (mut from_client, mut from_webdis) = (Vec::new(), Vec::new());
-                    while let Some(request) = read_message(&mut client, &mut from_client) {
-                        webdis.write_all(&request).unwrap();
-                        let Some(reply) = read_message(&mut webdis, &mut from_webdis) else {
-                            return;
-                        };
-                        let mut last = last.lock().unwrap();
-                        let answer = match last.as_ref() {
-                            Some(old) if armed.swap(false, Ordering::SeqCst) => {
-                                replayed.fetch_add(1, Ordering::SeqCst);
-                                old.clone()
-                            }
-                            _ => reply.clone(),
-                        };
-                        *last = Some(reply);
-                        if client.write_all(&answer).is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        Relay {
-            port,
-            armed,
-            replayed,
-        }
-    }
-}
-
 #[test]
 fn a_reply_webdis_hands_to_the_wrong_call_is_taken_as_no_answer_not_as_a_verdict() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     webdis.wait_until_redis_answers();
-    let relay = Relay::start(webdis.port);
+    let relay = WebdisReplaying::start(webdis.port);
     let upstream = Upstream::start();
     let cfg = filter_config(2000)
         .failure_mode("deny")
@@ -380,13 +298,13 @@ fn a_reply_webdis_hands_to_the_wrong_call_is_taken_as_no_answer_not_as_a_verdict
     // Bob's call now gets the reply Webdis gave ann's: her rejection. It is
     // not his call's (its nonce is another), so it decides nothing: the
     // failure mode, as for a call that got no answer.
-    relay.armed.store(true, Ordering::SeqCst);
+    relay.arm();
     assert_eq!(
         status("bob"),
         503,
         "ann's verdict must not decide bob's request"
     );
-    assert_eq!(relay.replayed.load(Ordering::SeqCst), 1);
+    assert_eq!(relay.replayed(), 1);
     assert_eq!(envoy.counter("redis_guard.redis.errors_by_kind.timeout"), 1);
     assert_eq!(envoy.counter("redis_guard.failure_mode.denied"), 1);
     assert!(envoy.log().contains("not this call's"), "{}", envoy.log());

@@ -128,6 +128,19 @@ fn a_password_burst_reaches_the_upstream_five_times_then_the_account_is_blocked(
         rushed.iter().filter(|s| **s == 200).count() >= 5,
         "{rushed:?}"
     );
+    // Once every settlement has landed (each 200 gave its reserve back:
+    // frank's bucket is full again, or gone, as a full bucket may go),
+    // none of them started a block.
+    let full = 5 * 900_000;
+    poll("frank's reserves back", Duration::from_secs(10), || {
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("rg:rl:*failed-logins-per-account*frank")
+            .query(&mut con)
+            .unwrap();
+        keys.iter()
+            .all(|k| read_bucket(&mut con, k).is_none_or(|(c, _)| c == full))
+            .then_some(())
+    });
     let frank: Vec<Vec<u8>> = redis::cmd("KEYS")
         .arg("rg:bl:*frank")
         .query(&mut con)

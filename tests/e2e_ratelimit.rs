@@ -650,6 +650,10 @@ fn every_decision_call_carries_a_nonce_that_its_reply_gives_back() {
             .query::<()>(&mut con)
             .unwrap();
     }
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query::<()>(&mut con)
+        .unwrap();
     let url = stack.envoys[0].url("/");
     let statuses: Vec<u16> = (0..5)
         .map(|_| get(&url, &[("x-user", "nonce")]).status)
@@ -687,9 +691,18 @@ fn every_decision_call_carries_a_nonce_that_its_reply_gives_back() {
         );
         nonces.push(first_argv.clone());
     }
-    // The first request's call, and the ones the over-limit cache did not
-    // answer: at least one call each for the three admitted requests.
-    assert!(nonces.len() >= 3, "{nonces:?}");
+    // Every EVALSHA Redis ran (its NOSCRIPT answers included) carried one.
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut con)
+        .unwrap();
+    let evalsha: usize = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap();
+    assert!(evalsha >= 3, "one call at least for each admitted request");
+    assert_eq!(nonces.len(), evalsha, "{nonces:?}");
     let distinct: std::collections::BTreeSet<_> = nonces.iter().collect();
     assert_eq!(
         distinct.len(),

@@ -54,6 +54,8 @@ fn pay(agent: &ureq::Agent, envoy: &Envoy, customer: &str, key: &str, status: &s
 fn declined_payments_block_the_customer_and_a_retried_payment_runs_once() {
     let stack = Stack::start(&filter_config(1000).recipe("payments").build(), 2);
     let agent = agent();
+    // The declines count in hour-long fixed windows: all of them in one.
+    inside_one_window(&mut stack.redis.conn(), 3_600_000, 60_000);
     // Three declines (card testing) across both Envoys: each ran.
     for i in 0..3 {
         let r = pay(
@@ -168,6 +170,9 @@ fn a_partners_webhooks_are_throttled_only_while_the_receiver_fails_them() {
     let stack = Stack::start_edited(&cfg, 1, |y| pki.listener(y));
     let port = stack.envoy().port;
     let failing = [("x-upstream-status", "503")];
+    // Failures count in a sliding-window counter of a minute, whose windows
+    // weigh the one before: all of them inside one window.
+    inside_one_window(&mut stack.redis.conn(), 60_000, 15_000);
     // Our receiver fails acme's deliveries: five failures, then acme's
     // retries are refused before they reach it.
     let codes: Vec<u16> = (0..7)

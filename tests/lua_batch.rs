@@ -138,15 +138,7 @@ fn batch_raw(
     keys: &[Vec<u8>],
     argv: &[Vec<u8>],
 ) -> redis::RedisResult<Value> {
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(&redis_guard::scripts::BATCH.source).arg(keys.len());
-    for k in keys {
-        cmd.arg(k.as_slice());
-    }
-    for a in argv {
-        cmd.arg(a.as_slice());
-    }
-    cmd.query(con)
+    support::script::eval_raw(con, &redis_guard::scripts::BATCH, keys, argv)
 }
 
 /// One EVAL of lua/batch.lua: each member's reply, split by the documented

@@ -1228,6 +1228,24 @@ pub fn redis_now_ms(con: &mut redis::Connection) -> i64 {
     s * 1000 + us / 1000
 }
 
+/// Waits, polling Redis' clock, until at least `room_ms` remain before the
+/// next edge of windows of `window_ms` aligned to the epoch (as the window
+/// kinds align theirs): a test whose exact counts an edge would change then
+/// runs inside one window.
+pub fn inside_one_window(con: &mut redis::Connection, window_ms: i64, room_ms: i64) {
+    assert!(
+        room_ms < window_ms,
+        "a window of {window_ms} ms has no {room_ms} ms to spare"
+    );
+    let wait = Duration::from_millis(u64::try_from(room_ms).unwrap() + 5000);
+    probe::poll_every(
+        "room before a window's edge",
+        wait,
+        Duration::from_millis(100),
+        || (window_ms - redis_now_ms(con) % window_ms >= room_ms).then_some(()),
+    );
+}
+
 /// SET of a string, with no TTL (the test writes state by hand).
 pub fn set_key(con: &mut redis::Connection, key: &str, value: &str) {
     redis::cmd("SET")

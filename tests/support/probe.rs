@@ -424,6 +424,43 @@ pub fn read_message(stream: &mut std::io::BufReader<TcpStream>) -> Option<Vec<u8
     Some(message)
 }
 
+/// What a stand-in in front of Webdis answers one call with: given the
+/// request, and a way to have Webdis answer it.
+type Serve = dyn Fn(&[u8], &mut dyn FnMut(&[u8]) -> Vec<u8>) -> Vec<u8> + Send + Sync;
+
+/// Listens on a free port in front of Webdis and answers each HTTP exchange
+/// as `serve` says; returns the port. Threads end with the test process;
+/// each serves one connection, with its own connection to Webdis.
+fn relay(webdis_port: u16, serve: std::sync::Arc<Serve>) -> u16 {
+    let port = free_port();
+    let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            let serve = std::sync::Arc::clone(&serve);
+            std::thread::spawn(move || {
+                let mut out = conn.try_clone().unwrap();
+                let mut from_envoy = std::io::BufReader::new(conn);
+                let mut to_webdis: Option<(TcpStream, std::io::BufReader<TcpStream>)> = None;
+                while let Some(request) = read_message(&mut from_envoy) {
+                    let mut webdis = |request: &[u8]| {
+                        let (w, r) = to_webdis.get_or_insert_with(|| {
+                            let s = TcpStream::connect(("127.0.0.1", webdis_port)).unwrap();
+                            (s.try_clone().unwrap(), std::io::BufReader::new(s))
+                        });
+                        w.write_all(request).unwrap();
+                        read_message(r).expect("webdis closed the connection")
+                    };
+                    if out.write_all(&serve(&request, &mut webdis)).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
 /// A stand-in in front of Webdis: the first `refuse` calls it answers itself
 /// as Webdis does while it has no Redis connection (503, `server: Webdis`:
 /// the command never ran), every later one it passes to Webdis. So a test
@@ -435,42 +472,78 @@ pub struct WebdisRefusingFirst {
 
 impl WebdisRefusingFirst {
     pub fn start(webdis_port: u16, refuse: usize) -> WebdisRefusingFirst {
-        let port = free_port();
-        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
         let calls = std::sync::Arc::new(AtomicUsize::new(0));
         let seen = std::sync::Arc::clone(&calls);
-        // Threads end with the test process; each serves one connection.
-        std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(conn) = conn else { continue };
-                let seen = std::sync::Arc::clone(&seen);
-                std::thread::spawn(move || {
-                    let mut out = conn.try_clone().unwrap();
-                    let mut from_envoy = std::io::BufReader::new(conn);
-                    let mut to_webdis: Option<(TcpStream, std::io::BufReader<TcpStream>)> = None;
-                    while let Some(request) = read_message(&mut from_envoy) {
-                        if seen.fetch_add(1, Ordering::SeqCst) < refuse {
-                            let refusal = "HTTP/1.1 503 Service Unavailable\r\n\
-                                 Server: Webdis\r\nContent-Length: 0\r\n\r\n";
-                            out.write_all(refusal.as_bytes()).unwrap();
-                            continue;
-                        }
-                        let (w, r) = to_webdis.get_or_insert_with(|| {
-                            let s = TcpStream::connect(("127.0.0.1", webdis_port)).unwrap();
-                            (s.try_clone().unwrap(), std::io::BufReader::new(s))
-                        });
-                        w.write_all(&request).unwrap();
-                        let reply = read_message(r).expect("webdis closed the connection");
-                        out.write_all(&reply).unwrap();
-                    }
-                });
-            }
-        });
+        let port = relay(
+            webdis_port,
+            std::sync::Arc::new(move |request, webdis| {
+                if seen.fetch_add(1, Ordering::SeqCst) < refuse {
+                    let refusal = "HTTP/1.1 503 Service Unavailable\r\n\
+                         Server: Webdis\r\nContent-Length: 0\r\n\r\n";
+                    return refusal.as_bytes().to_vec();
+                }
+                webdis(request)
+            }),
+        );
         WebdisRefusingFirst { port, calls }
     }
 
     /// Calls received so far (refused or passed on).
     pub fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
+    }
+}
+
+/// A stand-in in front of Webdis that passes every exchange on, except
+/// that, once armed, it answers the next call with the reply Webdis gave
+/// the call before it (which it still passes on): what Webdis 0.1.9 does
+/// when it writes a connection's late reply to a socket another connection
+/// has since been given (README, When things fail), played on demand.
+pub struct WebdisReplaying {
+    pub port: u16,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    replayed: std::sync::Arc<AtomicUsize>,
+}
+
+impl WebdisReplaying {
+    pub fn start(webdis_port: u16) -> WebdisReplaying {
+        let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let replayed = std::sync::Arc::new(AtomicUsize::new(0));
+        let last: std::sync::Mutex<Option<Vec<u8>>> = std::sync::Mutex::new(None);
+        let (a, r) = (
+            std::sync::Arc::clone(&armed),
+            std::sync::Arc::clone(&replayed),
+        );
+        let port = relay(
+            webdis_port,
+            std::sync::Arc::new(move |request, webdis| {
+                let reply = webdis(request);
+                let mut last = last.lock().unwrap();
+                let answer = match last.as_ref() {
+                    Some(old) if a.swap(false, Ordering::SeqCst) => {
+                        r.fetch_add(1, Ordering::SeqCst);
+                        old.clone()
+                    }
+                    _ => reply.clone(),
+                };
+                *last = Some(reply);
+                answer
+            }),
+        );
+        WebdisReplaying {
+            port,
+            armed,
+            replayed,
+        }
+    }
+
+    /// The next call gets the previous call's reply.
+    pub fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Calls answered with another's reply so far.
+    pub fn replayed(&self) -> usize {
+        self.replayed.load(Ordering::SeqCst)
     }
 }

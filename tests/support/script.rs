@@ -36,12 +36,13 @@ pub fn load(con: &mut Connection, script: &Script) -> String {
         .unwrap()
 }
 
-/// EVAL with hand-made KEYS and ARGV, for the contract errors.
-pub fn eval_raw(
+/// EVAL with hand-made KEYS and ARGV (text or bytes), for the contract
+/// errors and packed batches.
+pub fn eval_raw<K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
     con: &mut Connection,
     script: &Script,
-    keys: &[&str],
-    argv: &[&str],
+    keys: &[K],
+    argv: &[A],
 ) -> redis::RedisResult<Value> {
     eval(script).arg(keys.len()).arg(keys).arg(argv).query(con)
 }
