@@ -1,5 +1,6 @@
 //! The [`Host`] over proxy-wasm calls, for the current stream.
 
+use std::cell::Cell;
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
@@ -25,6 +26,10 @@ pub(super) struct ProxyHost<'a> {
     pub me: FlowRef,
     /// Calls are being sent from the root's tick: route their replies.
     pub via_root: bool,
+    /// The clock, read once per callback (each read is a host call, and a
+    /// callback runs in microseconds: deadlines and latencies in
+    /// milliseconds cannot tell its reads apart).
+    pub clock: Cell<Option<Duration>>,
 }
 
 pub(super) fn callout_headers<'a>(
@@ -67,6 +72,16 @@ impl ProxyHost<'_> {
         shared.tick(self.context_id)
     }
 
+    /// This callback's time: the host's clock, read at its first use.
+    pub(super) fn clock(&self) -> Duration {
+        if let Some(now) = self.clock.get() {
+            return now;
+        }
+        let now = host_now();
+        self.clock.set(Some(now));
+        now
+    }
+
     fn route_reply(&self, token: u32) {
         if self.via_root {
             // Sent while the root runs: the SDK hands the reply to the root,
@@ -80,7 +95,7 @@ impl ProxyHost<'_> {
 
 impl Host for ProxyHost<'_> {
     fn now(&self) -> Duration {
-        host_now()
+        self.clock()
     }
 
     fn dispatch_redis(
@@ -103,7 +118,7 @@ impl Host for ProxyHost<'_> {
         )
         .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
         if let Some(shared) = self.shared {
-            let now = host_now();
+            let now = self.clock();
             shared.note_sent(token, now);
             shared.note_nonce(token, now, now + timeout + super::NONCE_GRACE, nonce);
         }
@@ -321,7 +336,7 @@ impl Host for ProxyHost<'_> {
             .deferred
             .try_borrow_mut()
             .map_err(|_| "deferred-call queue busy".to_string())?
-            .add(kind, tag, args, host_now() + after);
+            .add(kind, tag, args, self.clock() + after);
         Ok(())
     }
 

@@ -3,7 +3,7 @@
 //! unwrap), and every error is logged, not unwrapped. The SDK still panics on
 //! statuses it does not expect, so maps that may be absent are not read.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 use std::time::{Duration, UNIX_EPOCH};
@@ -148,10 +148,11 @@ impl Shared {
         }
     }
 
-    /// Records the call's latency; returns the nonce its reply must carry.
-    fn note_reply(&self, token: u32) -> Option<String> {
+    /// Records the call's latency (answered at `now`); returns the nonce
+    /// its reply must carry.
+    fn note_reply(&self, token: u32, now: Duration) -> Option<String> {
         if let Some(at) = take(&self.sent_at, token) {
-            let us = u64::try_from(host_now().saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
+            let us = u64::try_from(now.saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
             if self.metrics.callout_latency_us != UNDEFINED {
                 let _ = hostcalls::record_metric(self.metrics.callout_latency_us, us);
             }
@@ -225,12 +226,18 @@ struct Root {
 }
 
 impl Root {
-    fn host_for<'a>(shared: &'a Shared, context_id: u32, me: Weak<RefCell<Flow>>) -> ProxyHost<'a> {
+    fn host_for<'a>(
+        shared: &'a Shared,
+        context_id: u32,
+        me: Weak<RefCell<Flow>>,
+        clock: Option<Duration>,
+    ) -> ProxyHost<'a> {
         ProxyHost {
             shared: Some(shared),
             context_id,
             me,
             via_root: true,
+            clock: Cell::new(clock),
         }
     }
 }
@@ -241,7 +248,7 @@ impl Root {
     /// switches back to the root.
     fn as_stream(
         shared: &Shared,
-        context_id: u32,
+        (context_id, clock): (u32, Option<Duration>),
         weak: &FlowRef,
         f: impl FnOnce(&mut Flow, &mut ProxyHost<'_>),
     ) {
@@ -253,7 +260,7 @@ impl Root {
         }
         let borrowed = rc.try_borrow_mut();
         if let Ok(mut flow) = borrowed {
-            let mut host = Root::host_for(shared, context_id, Rc::downgrade(&rc));
+            let mut host = Root::host_for(shared, context_id, Rc::downgrade(&rc), clock);
             f(&mut flow, &mut host);
         };
     }
@@ -269,7 +276,7 @@ impl Root {
         root_id: u32,
         token: u32,
         (num_headers, body_size): (usize, usize),
-        nonce: Option<&str>,
+        (nonce, now): (Option<&str>, Duration),
     ) -> bool {
         let owned = shared
             .batcher
@@ -279,7 +286,7 @@ impl Root {
             return false;
         }
         let reply = callout_reply(num_headers, body_size, usize::MAX, nonce);
-        Root::with_batcher(shared, root_id, |b, host, target| {
+        Root::with_batcher(shared, (root_id, Some(now)), |b, host, target| {
             b.on_reply(host, target, token, &reply)
         });
         true
@@ -289,7 +296,7 @@ impl Root {
     /// verdicts it produced to their streams and switches back to the root.
     fn with_batcher(
         shared: &Shared,
-        root_id: u32,
+        (root_id, clock): (u32, Option<Duration>),
         f: impl FnOnce(
             &mut Batcher<Stream>,
             &mut ProxyHost<'_>,
@@ -301,7 +308,10 @@ impl Root {
             context_id: root_id,
             me: Weak::new(),
             via_root: false,
+            clock: Cell::new(clock),
         };
+        // The members' hosts share the batcher's clock: one read for all.
+        let clock = Some(host.clock());
         let verdicts = match shared.batcher.try_borrow_mut() {
             Ok(mut batcher) => match batcher.as_mut() {
                 Some(b) => f(b, &mut host, &shared.config.redis),
@@ -310,9 +320,12 @@ impl Root {
             Err(_) => Vec::new(),
         };
         for (stream, verdict) in verdicts {
-            Root::as_stream(shared, stream.context_id, &stream.flow, |flow, host| {
-                flow.on_batch_verdict(host, verdict)
-            });
+            Root::as_stream(
+                shared,
+                (stream.context_id, clock),
+                &stream.flow,
+                |flow, host| flow.on_batch_verdict(host, verdict),
+            );
         }
         let _ = hostcalls::set_effective_context(root_id);
     }
@@ -343,14 +356,15 @@ impl Context for Root {
         let Some(shared) = self.shared.clone() else {
             return;
         };
-        let nonce = shared.note_reply(token_id);
+        let now = host_now();
+        let nonce = shared.note_reply(token_id, now);
         let nonce = nonce.as_deref();
         if Root::on_batch_reply(
             &shared,
             self.context_id,
             token_id,
             (num_headers, body_size),
-            nonce,
+            (nonce, now),
         ) {
             return;
         }
@@ -358,7 +372,7 @@ impl Context for Root {
             // Nobody waits on these: the answer matters only for a NOSCRIPT
             // (sent again as EVAL), a refusal (sent again) and the log.
             let reply = callout_reply(num_headers, body_size, usize::MAX, nonce);
-            let mut host = Root::host_for(&shared, self.context_id, Weak::new());
+            let mut host = Root::host_for(&shared, self.context_id, Weak::new(), Some(now));
             host.via_root = false;
             if let Ok(mut deferred) = shared.deferred.try_borrow_mut() {
                 deferred.on_reply(&mut host, &shared.config.redis, token_id, &reply);
@@ -377,7 +391,7 @@ impl Context for Root {
             }
             // A lease reply: read whole.
             let reply = callout_reply(num_headers, body_size, usize::MAX, nonce);
-            let mut host = Root::host_for(&shared, self.context_id, Weak::new());
+            let mut host = Root::host_for(&shared, self.context_id, Weak::new(), Some(now));
             on_prefetch_reply(&mut host, &note, reply);
             return;
         }
@@ -385,7 +399,7 @@ impl Context for Root {
         let Some((context_id, weak)) = entry else {
             return;
         };
-        Root::as_stream(&shared, context_id, &weak, |flow, host| {
+        Root::as_stream(&shared, (context_id, Some(now)), &weak, |flow, host| {
             let reply = callout_reply(num_headers, body_size, flow.reply_limit(token_id), nonce);
             flow.on_callout_reply(host, token_id, reply);
         });
@@ -403,7 +417,7 @@ impl RootContext for Root {
         }
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
         shared.wake_pending.set(false);
-        Root::with_batcher(&shared, self.context_id, |b, host, target| {
+        Root::with_batcher(&shared, (self.context_id, None), |b, host, target| {
             b.flush(host, target)
         });
     }
@@ -499,17 +513,17 @@ impl RootContext for Root {
         let Some(shared) = self.shared.clone() else {
             return;
         };
-        Root::with_batcher(&shared, self.context_id, |b, host, target| {
+        let now = host_now();
+        Root::with_batcher(&shared, (self.context_id, Some(now)), |b, host, target| {
             b.on_tick(host, target)
         });
         if let Ok(mut deferred) = shared.deferred.try_borrow_mut() {
             if deferred.pending() {
-                let mut host = Root::host_for(&shared, self.context_id, Weak::new());
+                let mut host = Root::host_for(&shared, self.context_id, Weak::new(), Some(now));
                 host.via_root = false;
                 deferred.flush(&mut host, &shared.config.redis);
             }
         }
-        let now = host_now();
         let prefetches: Vec<_> = match shared.to_prefetch.try_borrow_mut() {
             Ok(mut queued) => queued.drain(..).collect(),
             Err(_) => Vec::new(),
@@ -534,7 +548,7 @@ impl RootContext for Root {
                 }
                 Err(e) => {
                     log::warn!("redis-guard: cannot prefetch a lease: {e:?}");
-                    let mut host = Root::host_for(&shared, self.context_id, Weak::new());
+                    let mut host = Root::host_for(&shared, self.context_id, Weak::new(), Some(now));
                     let failed = CalloutReply {
                         status: None,
                         from_webdis: false,
@@ -571,7 +585,9 @@ impl RootContext for Root {
             Err(_) => return,
         };
         for (context_id, weak) in due {
-            Root::as_stream(&shared, context_id, &weak, |flow, host| flow.on_wake(host));
+            Root::as_stream(&shared, (context_id, Some(now)), &weak, |flow, host| {
+                flow.on_wake(host)
+            });
         }
         let _ = hostcalls::set_effective_context(self.context_id);
     }
@@ -610,6 +626,16 @@ impl Http {
         default: R,
         f: impl FnOnce(&mut Flow, &mut ProxyHost<'_>) -> R,
     ) -> R {
+        self.with_flow_at(None, default, f)
+    }
+
+    /// [`Http::with_flow`] with the callback's clock, when it was read.
+    fn with_flow_at<R>(
+        &mut self,
+        clock: Option<Duration>,
+        default: R,
+        f: impl FnOnce(&mut Flow, &mut ProxyHost<'_>) -> R,
+    ) -> R {
         let Some(rc) = self.flow.as_ref() else {
             return default;
         };
@@ -618,6 +644,7 @@ impl Http {
             context_id: self.context_id,
             me: Rc::downgrade(rc),
             via_root: false,
+            clock: Cell::new(clock),
         };
         match rc.try_borrow_mut() {
             Ok(mut flow) => f(&mut flow, &mut host),
@@ -703,8 +730,12 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let nonce = self.shared.as_deref().and_then(|s| s.note_reply(token_id));
-        self.with_flow((), |flow, host| {
+        let now = host_now();
+        let nonce = self
+            .shared
+            .as_deref()
+            .and_then(|s| s.note_reply(token_id, now));
+        self.with_flow_at(Some(now), (), |flow, host| {
             let reply = callout_reply(
                 num_headers,
                 body_size,

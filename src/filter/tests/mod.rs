@@ -8,6 +8,7 @@ mod concurrency;
 mod counted;
 mod envoy_like;
 mod grpc;
+mod host_calls;
 mod idempotency;
 mod offload;
 mod overrides;
