@@ -12,7 +12,9 @@ one script see each other exactly as separate calls in the same order would.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
 Kinds    "tb" token_bucket.lua, "sw" sliding_window.lua, "gcra" gcra.lua,
          "fw" fixed_window.lua, "swc" sliding_window_counter.lua, "cc"
-         concurrency.lua; each
+         concurrency.lua, each defined by need(kind) when malformed() first
+         meets it (a script's functions are made anew on every call: a call
+         makes only its kinds', see src/scripts.rs on_demand); each
          kind's check reads its key, its charge records the new state, and
          the kinds that cache state per run write it in flush_all(), which
          the script calls once before it returns.
@@ -111,6 +113,9 @@ local function malformed(keys, ko, nk, argv, ao, na)
     if alg == nil then
       return 'ERR redis-guard ratelimit: unknown algorithm'
     end
+    -- Every request is checked before it is decided: its kinds are
+    -- defined here (src/scripts.rs on_demand).
+    need(alg)
     for j = 1, 4 do
       -- A concurrency limit's third value is its slot id, not a number.
       if base - ao + j > na
@@ -183,6 +188,7 @@ local function decide_checked(keys, ko, argv, ao, na)
 
   local idem
   if keyed then
+    need('idem')
     local ib = ao + 3 + 6 * n
     idem = idem_check(keys[ko + n + 1], argv[ib], argv[ib + 1], tonumber(argv[ib + 2]))
     if idem.verdict ~= 1 then
@@ -303,10 +309,11 @@ end
 -- Writes what the kinds with a per-run cache charged, each key once. Called
 -- once by the script before it returns, after every request is decided.
 local function flush_all()
-  tb_flush()
-  gcra_flush()
-  fw_flush()
-  swc_flush()
+  -- Only the kinds this call met are defined (src/scripts.rs on_demand).
+  if tb_flush then tb_flush() end
+  if gcra_flush then gcra_flush() end
+  if fw_flush then fw_flush() end
+  if swc_flush then swc_flush() end
 end
 
 local function decide(keys, argv)

@@ -32,6 +32,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- @@ALGORITHMS@@
 
 local function inspect(key, alg, a, b, c, cost)
+  need(alg)
   local r
   if alg == 'tb' then
     r = tb_check(key, a, b, tonumber(c), cost)

@@ -77,7 +77,8 @@ All-or-nothing: nothing is written unless every enforced limit admits the
 request, so a rejected request costs nothing. Then every limit that admits it
 is charged (a shadow limit that would reject is reported, not charged).
 
-Composition: src/scripts.rs sends this preamble, lua/nonce.lua, lua/wire.lua, lua/token_bucket.lua,
+Composition: src/scripts.rs sends this preamble, lua/nonce.lua, lua/wire.lua,
+then (each defined only when a call meets its kind) lua/token_bucket.lua,
 lua/sliding_window.lua, lua/gcra.lua, lua/fixed_window.lua,
 lua/sliding_window_counter.lua, lua/concurrency.lua, lua/idempotency.lua and the driver in
 lua/decide.lua as one script (one SHA-1), so one EVALSHA decides every limit

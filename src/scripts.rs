@@ -64,35 +64,87 @@ const ALGORITHMS: &str = "-- @@ALGORITHMS@@\n";
 
 /// Inserts `parts` at the marker line of `main` (at its end if it has none;
 /// a unit test keeps the marker in place).
-fn compose(main: &str, parts: &[&str]) -> String {
+fn compose<P: AsRef<str>>(main: &str, parts: &[P]) -> String {
     let (head, tail) = main.split_once(ALGORITHMS).unwrap_or((main, ""));
-    let mut out = String::with_capacity(main.len() + parts.iter().map(|p| p.len()).sum::<usize>());
+    let len = parts.iter().map(|p| p.as_ref().len()).sum::<usize>();
+    let mut out = String::with_capacity(main.len() + len);
     out.push_str(head);
     for part in parts {
-        out.push_str(part);
+        out.push_str(part.as_ref());
     }
     out.push_str(tail);
     out
 }
 
 /// What a decision runs, in the order it is joined in after the clock: the
-/// call's nonce (lua/nonce.lua), the reply helper, every limit kind, the
-/// idempotency record and the driver.
-/// RATELIMIT and BATCH share them, so a batch decides as single calls do.
-const DECISION_PARTS: [&str; 12] = [
-    include_str!("../lua/nonce.lua"),
-    include_str!("../lua/wire.lua"),
-    include_str!("../lua/token_bucket.lua"),
-    include_str!("../lua/sliding_window.lua"),
-    include_str!("../lua/gcra.lua"),
-    include_str!("../lua/fixed_window.lua"),
-    include_str!("../lua/sliding_window_counter.lua"),
-    include_str!("../lua/concurrency_slots.lua"),
-    include_str!("../lua/concurrency.lua"),
-    include_str!("../lua/idempotency.lua"),
-    include_str!("../lua/keys.lua"),
-    include_str!("../lua/decide.lua"),
-];
+/// call's nonce (lua/nonce.lua), the reply helper, every limit kind and the
+/// idempotency record (each defined only once a call needs it), the key
+/// helpers and the driver.
+/// RATELIMIT, BATCH and INSPECT share them, so a batch decides as single
+/// calls do.
+static DECISION_PARTS: LazyLock<[String; 5]> = LazyLock::new(|| {
+    [
+        include_str!("../lua/nonce.lua").to_string(),
+        include_str!("../lua/wire.lua").to_string(),
+        on_demand(&[
+            ("tb", &[include_str!("../lua/token_bucket.lua")]),
+            ("sw", &[include_str!("../lua/sliding_window.lua")]),
+            ("gcra", &[include_str!("../lua/gcra.lua")]),
+            ("fw", &[include_str!("../lua/fixed_window.lua")]),
+            ("swc", &[include_str!("../lua/sliding_window_counter.lua")]),
+            (
+                "cc",
+                &[
+                    include_str!("../lua/concurrency_slots.lua"),
+                    include_str!("../lua/concurrency.lua"),
+                ],
+            ),
+            ("idem", &[include_str!("../lua/idempotency.lua")]),
+        ]),
+        include_str!("../lua/keys.lua").to_string(),
+        include_str!("../lua/decide.lua").to_string(),
+    ]
+});
+
+/// The kinds' files inside one function, `need(kind)`, that defines a
+/// kind's functions the first time a call meets the kind (lua/decide.lua
+/// calls it as it checks each request). A script's functions are made anew
+/// on every call (Redis keeps the compiled script, not its closures), and
+/// making every kind's cost a lone request more Redis CPU than its token
+/// bucket's commands (BENCHMARKS.md): a call now makes only the functions of
+/// the kinds its requests use. Each file's top-level functions become locals
+/// of the script, declared before `need` (so the driver names them as
+/// before) and assigned when their kind is needed; everything else in the
+/// file stays local to its kind's branch.
+fn on_demand(kinds: &[(&str, &[&str])]) -> String {
+    const DEF: &str = "\nlocal function ";
+    let files = || kinds.iter().flat_map(|(_, files)| files.iter());
+    let names: Vec<&str> = files()
+        .flat_map(|f| f.split(DEF).skip(1))
+        .filter_map(|rest| rest.split('(').next())
+        .collect();
+    let mut out = format!(
+        "-- The kinds, defined on demand (src/scripts.rs, on_demand).\nlocal {}\n\
+         local function need(kind)\n",
+        names.join(", ")
+    );
+    for (i, (kind, files)) in kinds.iter().enumerate() {
+        let first = files
+            .first()
+            .and_then(|f| f.split(DEF).nth(1))
+            .and_then(|rest| rest.split('(').next())
+            .unwrap_or("nil");
+        let branch = if i == 0 { "if" } else { "elseif" };
+        out.push_str(&format!(
+            "{branch} kind == '{kind}' then\nif {first} then return end\n"
+        ));
+        for file in *files {
+            out.push_str(&file.replace(DEF, "\nfunction "));
+        }
+    }
+    out.push_str("end\nend\n");
+    out
+}
 
 /// A request's idempotency lock and every rate limit in one atomic call: the
 /// driver and clock from lua/ratelimit.lua, with every limit kind and the
@@ -100,14 +152,18 @@ const DECISION_PARTS: [&str; 12] = [
 pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/ratelimit.lua"),
-        &DECISION_PARTS,
+        &DECISION_PARTS[..],
     ))
 });
 
 /// Requests of one worker decided in one call, one after another, each as
 /// its own RATELIMIT call would be (lua/batch.lua around the same parts).
-pub static BATCH: LazyLock<Script> =
-    LazyLock::new(|| Script::new(compose(include_str!("../lua/batch.lua"), &DECISION_PARTS)));
+pub static BATCH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(compose(
+        include_str!("../lua/batch.lua"),
+        &DECISION_PARTS[..],
+    ))
+});
 
 /// One request admitted against a token bucket plus a batch of tokens leased
 /// to the calling Envoy (lua/lease.lua with the token bucket joined in).
@@ -166,8 +222,12 @@ pub static IDEM_RELEASE: LazyLock<Script> =
 /// One limit's state read for an operator (lua/inspect.lua, flagged
 /// no-writes, with the decision parts joined in): what a request of a given
 /// cost would get now, and nothing spent.
-pub static INSPECT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(compose(include_str!("../lua/inspect.lua"), &DECISION_PARTS)));
+pub static INSPECT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(compose(
+        include_str!("../lua/inspect.lua"),
+        &DECISION_PARTS[..],
+    ))
+});
 
 /// An operator's forget of one idempotency record, refused while it is in
 /// progress unless forced.
@@ -207,24 +267,24 @@ mod tests {
             };
             let order = [
                 at("redis.call('TIME')"),
-                at("local function tb_check"),
-                at("local function sw_check"),
-                at("local function gcra_check"),
-                at("local function fw_check"),
-                at("local function swc_check"),
-                at("local function cc_check"),
-                at("local function idem_check"),
+                at("local function need"),
+                at("kind == 'tb' then"),
+                at("\nfunction tb_check("),
+                at("\nfunction sw_check("),
+                at("\nfunction gcra_check("),
+                at("\nfunction fw_check("),
+                at("\nfunction swc_check("),
+                at("\nfunction cc_check("),
+                at("\nfunction idem_check("),
                 at("local function flush_all"),
                 at("flush_all()\nreturn"),
             ];
             assert!(order.windows(2).all(|w| w[0] < w[1]), "{name}: {order:?}");
-            // Each kind joined once, and nothing left of the marker.
+            // Each kind joined once, in its loader, and nothing left of the
+            // marker.
             for f in ["gcra_check", "fw_check", "swc_check", "cc_check"] {
-                assert_eq!(
-                    src.matches(&format!("local function {f}")).count(),
-                    1,
-                    "{name}"
-                );
+                assert_eq!(src.matches(&format!("function {f}(")).count(), 1, "{name}");
+                assert!(!src.contains(&format!("local function {f}(")), "{name}");
             }
             assert!(!src.contains(ALGORITHMS), "{name}");
         }
@@ -235,7 +295,7 @@ mod tests {
         for script in [&*RATELIMIT, &*BATCH, &*LEASE] {
             let src = &script.source;
             let wire = src.find("local function wire").unwrap();
-            assert!(wire < src.find("local function tb_check").unwrap());
+            assert!(wire < src.find("function tb_check(").unwrap());
             assert!(src.contains("wire(r.remaining)") || src.contains("wire(granted)"));
         }
     }
@@ -257,6 +317,36 @@ mod tests {
         }
         assert!(src.find("local function report_uncharged") < src.find("local function inspect"));
         assert!(!src.contains(ALGORITHMS));
+    }
+
+    #[test]
+    fn kinds_on_demand_declare_their_files_functions_and_define_them_when_needed() {
+        let a = "--[[ a ]]\nlocal seen = {}\nlocal function a_check(k)\n  local function inner() end\nend\n";
+        let b = "\nlocal function b_first()\nend\nlocal function b_check(k) return b_first() end\n";
+        let c = "\nlocal function c_check()\nend\n";
+        assert_eq!(
+            on_demand(&[("a", &[a]), ("bc", &[b, c])]),
+            "-- The kinds, defined on demand (src/scripts.rs, on_demand).\n\
+             local a_check, b_first, b_check, c_check\nlocal function need(kind)\n\
+             if kind == 'a' then\nif a_check then return end\n\
+             --[[ a ]]\nlocal seen = {}\nfunction a_check(k)\n  local function inner() end\nend\n\
+             elseif kind == 'bc' then\nif b_first then return end\n\
+             \nfunction b_first()\nend\nfunction b_check(k) return b_first() end\n\
+             \nfunction c_check()\nend\nend\nend\n"
+        );
+        // Every kind and the record are defined on demand.
+        let kinds = &DECISION_PARTS[2];
+        assert_eq!(
+            kinds.matches("\nlocal function ").count(),
+            1,
+            "need() alone"
+        );
+        for kind in ["tb", "sw", "gcra", "fw", "swc", "cc", "idem"] {
+            assert!(
+                kinds.contains(&format!("if kind == '{kind}' then\n")),
+                "{kind}"
+            );
+        }
     }
 
     #[test]
@@ -285,9 +375,9 @@ mod tests {
     fn both_algorithms_are_joined_in_before_the_driver() {
         assert!(include_str!("../lua/ratelimit.lua").contains(ALGORITHMS));
         let src = &RATELIMIT.source;
-        let tb = src.find("local function tb_check").unwrap();
-        let sw = src.find("local function sw_check").unwrap();
-        let idem = src.find("local function idem_check").unwrap();
+        let tb = src.find("\nfunction tb_check(").unwrap();
+        let sw = src.find("\nfunction sw_check(").unwrap();
+        let idem = src.find("\nfunction idem_check(").unwrap();
         let driver = src.find("local results = {}").unwrap();
         let clock = src.find("redis.call('TIME')").unwrap();
         assert!(clock < tb && tb < sw && sw < idem && idem < driver);
