@@ -11,8 +11,8 @@ step, per decision:
   (a script cannot keep state between calls);
 * unpacking each member from the packed argument into the values
   lua/ratelimit.lua's ARGV would hold, and checking them (`malformed()`);
-* the member's decision (`decide_checked()`: the kind's check with its
-  HMGET, the verdict tables, the reply values);
+* the member's decision (`tb_alone()` for these members, a lone token
+  bucket: the check with its HMGET, the verdict table, the reply values);
 * writing what was charged (`flush_all()`: HSET and PEXPIRE per key).
 
 A raw variant runs only the three commands a token bucket needs (HMGET,
@@ -80,8 +80,7 @@ def variants(batch_src):
         ("empty script", "return 1\n"),
         ("setup: clock and definitions", head + "\nreturn 1\n"),
         ("+ members unpacked and checked", pre + "return 1\n"),
-        ("+ decisions, no writes", pre + "for j = 1, m do decide_checked(K, ko[j], A, "
-                                         "ao[j], na[j]) end\nreturn 1\n"),
+        ("+ decisions, no writes", batch_src.replace("\nflush_all()\n", "\n")),
         ("+ writes: the whole script", batch_src),
         ("raw: unpacked and checked + HMGET, HSET, PEXPIRE per member", pre + raw + "return 1\n"),
     ]

@@ -302,18 +302,23 @@ fn def_strategy() -> impl Strategy<Value = Def> {
     })
 }
 
+/// A token bucket that does not block.
+fn tb_strategy() -> impl Strategy<Value = Def> {
+    (1..=6i64, 1..=3i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b, c)| Def {
+        alg: "tb",
+        a,
+        b,
+        c,
+        block: 0,
+    })
+}
+
 fn kind_strategy() -> impl Strategy<Value = Def> {
     // Hour-scale periods and windows (see the module comment); refill 1..=3
     // tokens per period, and every period is a multiple of 6, so the retry
     // and reset divisions come out exact.
     prop_oneof![
-        (1..=6i64, 1..=3i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b, c)| Def {
-            alg: "tb",
-            a,
-            b,
-            c,
-            block: 0
-        }),
+        tb_strategy(),
         (1..=6i64, select(vec![HOUR, 2 * HOUR])).prop_map(|(a, b)| Def {
             alg: "sw",
             a,
@@ -353,6 +358,23 @@ fn kind_strategy() -> impl Strategy<Value = Def> {
 }
 
 fn member_strategy() -> impl Strategy<Value = Member> {
+    prop_oneof![
+        3 => any_member_strategy(),
+        // The commonest request: one enforced limit, no key. On the pool's
+        // first definition, often a token bucket (`case_strategy`): the
+        // shape lua/batch.lua decides by its lone-bucket path.
+        1 => (1..=3i64).prop_map(|cost| Member {
+            uses: vec![Use {
+                def: 0,
+                cost,
+                enforce: true
+            }],
+            idem: None,
+        }),
+    ]
+}
+
+fn any_member_strategy() -> impl Strategy<Value = Member> {
     (
         // 1..=3 distinct definitions in any order (a request's limits have
         // distinct names, so distinct keys).
@@ -372,10 +394,14 @@ fn member_strategy() -> impl Strategy<Value = Member> {
 
 fn case_strategy() -> impl Strategy<Value = Case> {
     (
-        vec(def_strategy(), POOL),
+        prop_oneof![def_strategy(), tb_strategy()],
+        vec(def_strategy(), POOL - 1),
         vec(member_strategy(), 1..=MAX_MEMBERS),
     )
-        .prop_map(|(defs, members)| Case { defs, members })
+        .prop_map(|(first, rest, members)| Case {
+            defs: std::iter::once(first).chain(rest).collect(),
+            members,
+        })
 }
 
 impl Case {
@@ -447,6 +473,9 @@ struct Seen {
     by_kind: RefCell<BTreeMap<&'static str, (u32, u32)>>,
     /// Cases not compared because an hour edge fell between the runs.
     at_an_edge: Cell<u32>,
+    /// Members lua/batch.lua decides by its lone-bucket path (one enforced
+    /// token bucket, no block, no key): (admitted, rejected).
+    alone: [Cell<u32>; 2],
 }
 
 fn bump(c: &Cell<u32>) {
@@ -736,6 +765,15 @@ fn a_batch_decides_exactly_as_the_same_members_sent_one_by_one_in_order() {
         }
 
         compare_replies(&case, &a, &b, (elapsed, a_elapsed, span), &seen)?;
+        let first = &case.defs[0];
+        if first.alg == "tb" && first.block == 0 {
+            for (m, reply) in case.members.iter().zip(&a) {
+                let lone = m.idem.is_none() && m.uses.len() == 1 && m.uses[0].enforce;
+                if lone && m.uses[0].def == 0 {
+                    bump(&seen.alone[usize::from(reply[0] == 0)]);
+                }
+            }
+        }
         compare_state(con, &case, (&na, &nb), (elapsed, span))
     });
     if let Err(e) = result {
@@ -751,6 +789,8 @@ fn a_batch_decides_exactly_as_the_same_members_sent_one_by_one_in_order() {
         assert!(seen.shadow_rejections_admitted.get() > 0);
         assert!(seen.time_dependent_compared.get() > 0);
         assert!(seen.blocked.get() > 0, "no blocking limit rejected");
+        let alone = [seen.alone[0].get(), seen.alone[1].get()];
+        assert!(alone[0] > 0 && alone[1] > 0, "lone buckets: {alone:?}");
         // Every kind both admitted and rejected somewhere.
         let by_kind = seen.by_kind.borrow();
         for kind in ["tb", "sw", "gcra", "fw", "swc", "cc"] {
