@@ -19,7 +19,8 @@ A raw variant runs only the three commands a token bucket needs (HMGET,
 HSET, PEXPIRE) per member: the floor of the current state layout.
 
 The same for a lone request's lua/ratelimit.lua on the lone calls: its clock,
-its definitions of every kind's functions, and the one decision.
+its definitions (a kind's functions only once a call needs the kind), the
+one decision, and its writes.
 """
 import re
 import time
@@ -105,8 +106,9 @@ def single_variants(src):
     return [
         ("empty script", "return 1\n"),
         ("+ the clock (TIME)", clock + "\nreturn 1\n"),
-        ("+ every kind's definitions", head + "\nreturn 1\n"),
-        ("+ the decision and its writes: the whole script", src),
+        ("+ the definitions (a kind's only when a call needs it)", head + "\nreturn 1\n"),
+        ("+ the decision, no writes", src.replace("\nflush_all()\n", "\n")),
+        ("+ its writes: the whole script", src),
     ]
 
 

@@ -34,7 +34,7 @@ ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
   Each member is unpacked into the values lua/ratelimit.lua's ARGV would
   hold, and decided by the same code (lua/decide.lua), but for the commonest
   member (one enforced token bucket, no override, no block, no idempotency
-  key), which tb_alone() decides with the same token-bucket functions and
+  key), which lone_bucket() decides with the same token-bucket functions and
   none of the steps for what it cannot have.
 
 Returns a flat array (Webdis' raw output cannot carry nested arrays):
@@ -81,7 +81,7 @@ local K, A = {}, {}
 local ko, nk, ao, na = {}, {}, {}, {}
 -- Members whose one limit is an enforced token bucket without overrides or
 -- a block, and that carry no idempotency key: the commonest member, decided
--- by tb_alone() below.
+-- by lone_bucket() (lua/decide.lua).
 local alone = {}
 -- Reads the whole batch into K and A; an error string for a batch that does
 -- not hold together. Run under pcall: struct raises on a short string.
@@ -192,23 +192,11 @@ local ok, why = pcall(read)
 if not ok or why then
   return bad(ok and why or 'unreadable: ' .. tostring(why))
 end
--- What decide_checked() answers for a member alone[] holds, without its
--- steps for what such a member cannot have (other kinds, overrides, blocks,
--- shadow limits, an idempotency record): its figures were unpacked from
--- doubles, so malformed() has nothing to find in them either. A bench
--- shape: a lone bucket per request is what most batches carry.
-local function tb_alone(key, argv, ao)
-  local r = tb_check(key, argv[ao + 3], argv[ao + 4], argv[ao + 5], argv[ao + 6])
-  if r.allowed == 1 then
-    tb_charge(r)
-  end
-  return r.allowed, wire(r.remaining), wire(r.retry), wire(r.reset)
-end
-
+-- A member alone[] holds is decided by lone_bucket() (lua/decide.lua): its
+-- figures were unpacked from doubles, so malformed() has nothing to find in
+-- them.
 for j = 1, m do
-  if alone[j] then
-    need('tb')
-  else
+  if not alone[j] then
     local why = malformed(K, ko[j], nk[j], A, ao[j], na[j])
     if why then
       return redis.error_reply(why)
@@ -218,14 +206,16 @@ end
 local out = { m }
 for j = 1, m do
   if alone[j] then
-    local allowed, remaining, retry, reset = tb_alone(K[ko[j] + 1], A, ao[j])
-    local at = #out
-    out[at + 1] = 5
-    out[at + 2] = allowed
-    out[at + 3] = allowed
-    out[at + 4] = remaining
-    out[at + 5] = retry
-    out[at + 6] = reset
+    local at = ao[j]
+    local allowed, remaining, retry, reset =
+      lone_bucket(K[ko[j] + 1], A[at + 3], A[at + 4], A[at + 5], A[at + 6])
+    local o = #out
+    out[o + 1] = 5
+    out[o + 2] = allowed
+    out[o + 3] = allowed
+    out[o + 4] = remaining
+    out[o + 5] = retry
+    out[o + 6] = reset
   else
     local reply = decide_checked(K, ko[j], A, ao[j], na[j])
     if reply.err then

@@ -177,6 +177,64 @@ fn token_bucket_admission_reports_exact_remaining_and_time_to_full() {
     assert_expires_in(&mut con, key, 643, t0);
 }
 
+/// The commonest call (one enforced bucket, no key: the seven ARGV the
+/// filter sends) takes lua/decide.lua's short way; the same call with an
+/// explicit "no key" flag (eight ARGV) takes the general one. Both must
+/// answer and charge alike, fresh key or held credits, admitted or not, the
+/// cost within capacity or above it. A bucket stamped in the future gets no
+/// refill, so every figure is exact.
+#[test]
+fn a_lone_bucket_call_is_decided_exactly_as_the_general_way_decides_it() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let future = now_ms(&mut con) + 3_600_000;
+    // (capacity, refill, period ms, credits held or None for a fresh key, cost)
+    let cases = [
+        (10, 7, 1000, None, 1),
+        (10, 7, 1000, None, 10),
+        (10, 7, 1000, None, 11),
+        (10, 7, 1000, Some(7500), 2),
+        (10, 7, 1000, Some(2500), 3),
+        (10, 7, 1000, Some(3000), 3),
+        (1, 1, 3_600_000, Some(0), 1),
+        (5, 2, 60_000, Some(-120_000), 1),
+        (1_000_000_000, 1_000_000_000, 1000, None, 1),
+        (
+            1_000_000_000,
+            1_000_000_000,
+            1000,
+            Some(5_000_000_000),
+            999_999_999,
+        ),
+    ];
+    let mut rejected = 0;
+    for (i, &(capacity, refill, period, held, cost)) in cases.iter().enumerate() {
+        let limit = |key: &str| tb(key, capacity, refill, period).cost(cost);
+        let (short, general) = (format!("t:{{x}}:short:{i}"), format!("t:{{x}}:general:{i}"));
+        if let Some(credits) = held {
+            set_bucket(&mut con, &short, credits, future);
+            set_bucket(&mut con, &general, credits, future);
+        }
+        let argv = script::request_argv(&[limit(&short)], None);
+        assert_eq!(argv.len(), 7, "the filter's lone call");
+        let mut flagged = argv.clone();
+        flagged.push("0".to_string());
+        let a = script::eval_raw(&mut con, &RATELIMIT, &[&short], &argv).unwrap();
+        let b = script::eval_raw(&mut con, &RATELIMIT, &[&general], &flagged).unwrap();
+        assert_eq!(a, b, "case {i}");
+        let (ca, cb) = (bucket(&mut con, &short), bucket(&mut con, &general));
+        assert_eq!(ca.map(|s| s.0), cb.map(|s| s.0), "case {i}: credits left");
+        let (ta, tb_) = (pttl(&mut con, &short), pttl(&mut con, &general));
+        assert!((ta - tb_).abs() <= 50, "case {i}: TTLs {ta} and {tb_}");
+        if let Value::Array(items) = &a {
+            rejected += usize::from(items.first() == Some(&Value::Int(0)));
+        }
+    }
+    assert_eq!(
+        rejected, 5,
+        "above capacity, three short of credits, a debt"
+    );
+}
+
 #[test]
 fn token_bucket_partial_refill_floors_to_whole_tokens() {
     let (_redis, mut con) = support::Redis::start_with_conn();
