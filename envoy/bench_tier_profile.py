@@ -23,12 +23,17 @@ its definitions (a kind's functions only once a call needs the kind), the
 one decision, and its writes.
 """
 import re
+import statistics
 import time
 from urllib.parse import unquote_to_bytes
 
 import bench as B
 
 CALLS = 3000
+# Each variant runs this many times, the variants taking turns, and the
+# median is reported: on this shared machine one run of a variant can be
+# 40% off the next.
+ROUNDS = 5
 
 
 def read_calls(path):
@@ -70,6 +75,16 @@ def per_call_us(r, script, calls):
     stat = r.info("commandstats")["cmdstat_evalsha"]
     n, usec = map(int, re.search(r"calls=(\d+),usec=(\d+)", stat).groups())
     return usec / n
+
+
+def medians(r, named, calls):
+    """[(name, median µs per call)] of each (name, script) in `named`, the
+    variants taking turns for ROUNDS rounds."""
+    samples = {name: [] for name, _ in named}
+    for _ in range(ROUNDS):
+        for name, src in named:
+            samples[name].append(per_call_us(r, src, calls))
+    return [(name, statistics.median(samples[name])) for name, _ in named]
 
 
 def variants(batch_src):
@@ -118,7 +133,7 @@ def single_profile(src, calls_file):
     p, r = private_redis("single-profile")
     try:
         calls = read_calls(calls_file)
-        return [(name, per_call_us(r, v, calls)) for name, v in single_variants(src)]
+        return medians(r, single_variants(src), calls)
     finally:
         r.close()
         B.stop(p)
@@ -128,7 +143,8 @@ def single_markdown(rows):
     lines = ["### Where a lone request's Lua time goes", "",
              "`lua/ratelimit.lua` cut short at each step, on the lone token-bucket calls "
              f"`redis-guard wire` wrote, pipelined straight into Redis ({CALLS} calls, INFO "
-             "commandstats µs per call; no Webdis). Each row adds one step.", "",
+             f"commandstats µs per call, the median of {ROUNDS} runs taking turns; no Webdis). "
+             "Each row adds one step.", "",
              "| step | µs per call |", "|---|---|"]
     lines += [f"| {name} | {us:.1f} |" for name, us in rows]
     return lines
@@ -142,11 +158,7 @@ def profile(batch_src, calls_files):
     try:
         for m, path in sorted(calls_files.items()):
             calls = read_calls(path)
-            rows = []
-            for name, src in variants(batch_src):
-                us = per_call_us(r, src, calls)
-                rows.append((name, us, us / m))
-            out[m] = rows
+            out[m] = [(name, us, us / m) for name, us in medians(r, variants(batch_src), calls)]
     finally:
         r.close()
         B.stop(p)
@@ -157,8 +169,8 @@ def markdown(prof):
     lines = ["### Where a batched decision's Lua time goes", "",
              "`lua/batch.lua` and variants of it cut short at each step, on the token-bucket "
              f"batches `redis-guard wire` wrote, pipelined straight into Redis ({CALLS} calls "
-             "each, INFO commandstats µs per call; no Webdis). Each row adds one step; per "
-             "decision = per call / members.", "",
+             f"each, INFO commandstats µs per call, the median of {ROUNDS} runs taking turns; no "
+             "Webdis). Each row adds one step; per decision = per call / members.", "",
              "| step | " + " | ".join(f"{m} per call: µs/call, µs/decision" for m in prof) + " |",
              "|---|" + "---|" * len(prof)]
     names = [n for n, _, _ in next(iter(prof.values()))]
@@ -175,6 +187,9 @@ if __name__ == "__main__":
     started = time.monotonic()
     try:
         print("\n".join(markdown(profile((out / "batch.lua").read_text(), files))))
+        if (out / "tb-1.calls").exists():
+            rows = single_profile((out / "ratelimit.lua").read_text(), out / "tb-1.calls")
+            print("\n".join(single_markdown(rows)))
     finally:
         B.stop_all()
     print(f"({time.monotonic() - started:.0f} s)")
