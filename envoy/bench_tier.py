@@ -247,13 +247,16 @@ class Tier:
         The call carries a nonce, as the filter's do (lua/nonce.lua): Webdis
         0.1.9 can answer a new connection with a reply meant for a client that
         hung up (README, *When things fail*), even once Redis is quiet, so a
-        reply without it is not this call's and the call is sent again."""
+        reply without it is not this call's and the call is sent again, on
+        an empty Redis (the lost call ran: a keyed one took its lock)."""
         data = calls_file.read_bytes()
         nl = data.index(b"\n")
         method, path, n = data[:nl].decode().split()
         body = data[nl + 1:nl + 1 + int(n)]
-        for _ in range(5):
+        for attempt in range(5):
             self.quiet()
+            if attempt:
+                self.r.cmd("FLUSHALL")
             nonce = "~" + secrets.token_hex(8)
             if method == "PUT":
                 call_path, call_body = with_nonce(path, nonce), body
