@@ -265,13 +265,13 @@ class Tier:
             status, _, reply = B.hreq(self.webdis_port, method, call_path,
                                       {"Authorization": self.authorization}, call_body)
             text = reply.decode(errors="replace")
-            if status != 200 or not text.startswith("*"):
-                raise B.BenchError(f"{case['id']}: HTTP {status}: {text[:200]}")
             values = [v.lstrip(":") for v in text.split("\r\n") if v and v[0] not in "*$"]
-            if values[0] != nonce:
+            if status == 200 and text.startswith("*") and (not values or values[0] != nonce):
                 B.log(f"  {case['id']}: Webdis answered the probe with another call's reply: "
                       f"{text[:80]!r}; sending it again")
                 continue
+            if status != 200 or not text.startswith("*"):
+                raise B.BenchError(f"{case['id']}: HTTP {status}: {text[:200]}")
             # lua/ratelimit.lua: [1, ...]; lua/batch.lua: [M, len, 1, ...].
             values = values[1:]
             first = values[2] if case["members"] > 1 else values[0]

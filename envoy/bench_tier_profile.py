@@ -11,8 +11,10 @@ step, per decision:
   (a script cannot keep state between calls);
 * unpacking each member from the packed argument into the values
   lua/ratelimit.lua's ARGV would hold, and checking them (`malformed()`);
-* the member's decision (`tb_alone()` for these members, a lone token
-  bucket: the check with its HMGET, the verdict table, the reply values);
+* the member's decision (`lone_bucket()` for these members, a lone token
+  bucket: the check with its HMGET, the verdict table, the reply values;
+  the token bucket's functions are defined here, at the first member that
+  needs them);
 * writing what was charged (`flush_all()`: HSET and PEXPIRE per key).
 
 A raw variant runs only the three commands a token bucket needs (HMGET,
@@ -87,6 +89,14 @@ def medians(r, named, calls):
     return [(name, statistics.median(samples[name])) for name, _ in named]
 
 
+def without_writes(src):
+    """`src` without its call of flush_all() (which writes what was charged)."""
+    cut = src.replace("\nflush_all()\n", "\n")
+    if cut == src:
+        raise B.BenchError("the script has no flush_all() to leave out")
+    return cut
+
+
 def variants(batch_src):
     pre, _ = batch_src.split("local out = { m }")
     head = batch_src.split("local kinds = {")[0]
@@ -96,7 +106,7 @@ def variants(batch_src):
         ("empty script", "return 1\n"),
         ("setup: clock and definitions", head + "\nreturn 1\n"),
         ("+ members unpacked and checked", pre + "return 1\n"),
-        ("+ decisions, no writes", batch_src.replace("\nflush_all()\n", "\n")),
+        ("+ decisions, no writes", without_writes(batch_src)),
         ("+ writes: the whole script", batch_src),
         ("raw: unpacked and checked + HMGET, HSET, PEXPIRE per member", pre + raw + "return 1\n"),
     ]
@@ -121,8 +131,9 @@ def single_variants(src):
     return [
         ("empty script", "return 1\n"),
         ("+ the clock (TIME)", clock + "\nreturn 1\n"),
-        ("+ the definitions (a kind's only when a call needs it)", head + "\nreturn 1\n"),
-        ("+ the decision, no writes", src.replace("\nflush_all()\n", "\n")),
+        ("+ the definitions (a kind's when the decision needs it: the bucket's in the next row)",
+         head + "\nreturn 1\n"),
+        ("+ the decision, no writes", without_writes(src)),
         ("+ its writes: the whole script", src),
     ]
 

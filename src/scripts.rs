@@ -118,28 +118,39 @@ static DECISION_PARTS: LazyLock<[String; 5]> = LazyLock::new(|| {
 /// file stays local to its kind's branch.
 fn on_demand(kinds: &[(&str, &[&str])]) -> String {
     const DEF: &str = "\nlocal function ";
-    let files = || kinds.iter().flat_map(|(_, files)| files.iter());
-    let names: Vec<&str> = files()
-        .flat_map(|f| f.split(DEF).skip(1))
-        .filter_map(|rest| rest.split('(').next())
-        .collect();
+    // A file may open with a definition: every definition follows a newline.
+    let functions = |files: &[&str]| -> Vec<String> {
+        files
+            .iter()
+            .flat_map(|f| {
+                format!("\n{f}")
+                    .split(DEF)
+                    .skip(1)
+                    .filter_map(|rest| rest.split('(').next().map(str::to_string))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let names: Vec<String> = kinds.iter().flat_map(|(_, f)| functions(f)).collect();
     let mut out = format!(
         "-- The kinds, defined on demand (src/scripts.rs, on_demand).\nlocal {}\n\
          local function need(kind)\n",
         names.join(", ")
     );
-    for (i, (kind, files)) in kinds.iter().enumerate() {
-        let first = files
-            .first()
-            .and_then(|f| f.split(DEF).nth(1))
-            .and_then(|rest| rest.split('(').next())
-            .unwrap_or("nil");
-        let branch = if i == 0 { "if" } else { "elseif" };
+    let mut branch = "if";
+    for (kind, files) in kinds {
+        // A kind without functions defines nothing a caller could use.
+        let Some(first) = functions(files).into_iter().next() else {
+            continue;
+        };
+        // Its first function, once defined, says the kind is: the kind's
+        // per-call state must not be made again mid-call.
         out.push_str(&format!(
             "{branch} kind == '{kind}' then\nif {first} then return end\n"
         ));
+        branch = "elseif";
         for file in *files {
-            out.push_str(&file.replace(DEF, "\nfunction "));
+            out.push_str(&format!("\n{file}").replace(DEF, "\nfunction "));
         }
     }
     out.push_str("end\nend\n");
@@ -323,15 +334,17 @@ mod tests {
     fn kinds_on_demand_declare_their_files_functions_and_define_them_when_needed() {
         let a = "--[[ a ]]\nlocal seen = {}\nlocal function a_check(k)\n  local function inner() end\nend\n";
         let b = "\nlocal function b_first()\nend\nlocal function b_check(k) return b_first() end\n";
-        let c = "\nlocal function c_check()\nend\n";
+        let c = "local function c_check()\nend\n";
+        let none = "local x = 1\n";
         assert_eq!(
-            on_demand(&[("a", &[a]), ("bc", &[b, c])]),
+            on_demand(&[("a", &[a]), ("z", &[none]), ("bc", &[none, b, c])]),
             "-- The kinds, defined on demand (src/scripts.rs, on_demand).\n\
              local a_check, b_first, b_check, c_check\nlocal function need(kind)\n\
              if kind == 'a' then\nif a_check then return end\n\
-             --[[ a ]]\nlocal seen = {}\nfunction a_check(k)\n  local function inner() end\nend\n\
+             \n--[[ a ]]\nlocal seen = {}\nfunction a_check(k)\n  local function inner() end\nend\n\
              elseif kind == 'bc' then\nif b_first then return end\n\
-             \nfunction b_first()\nend\nfunction b_check(k) return b_first() end\n\
+             \nlocal x = 1\n\
+             \n\nfunction b_first()\nend\nfunction b_check(k) return b_first() end\n\
              \nfunction c_check()\nend\nend\nend\n"
         );
         // Every kind and the record are defined on demand.

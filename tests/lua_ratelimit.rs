@@ -206,6 +206,17 @@ fn a_lone_bucket_call_is_decided_exactly_as_the_general_way_decides_it() {
             999_999_999,
         ),
     ];
+    // The same script, answering only which way it would take.
+    let tail = "local reply = decide(KEYS, ARGV)";
+    let probe = redis_guard::scripts::Script {
+        source: RATELIMIT.source.replacen(
+            tail,
+            "do return decide_lone(KEYS, ARGV) ~= nil and 1 or 0 end",
+            1,
+        ),
+        sha1: String::new(),
+    };
+    assert_ne!(probe.source, RATELIMIT.source);
     let mut rejected = 0;
     for (i, &(capacity, refill, period, held, cost)) in cases.iter().enumerate() {
         let limit = |key: &str| tb(key, capacity, refill, period).cost(cost);
@@ -218,6 +229,19 @@ fn a_lone_bucket_call_is_decided_exactly_as_the_general_way_decides_it() {
         assert_eq!(argv.len(), 7, "the filter's lone call");
         let mut flagged = argv.clone();
         flagged.push("0".to_string());
+        let way = |con: &mut Connection, argv: &[String]| {
+            script::eval_raw(con, &probe, &[format!("t:{{x}}:probe:{i}")], argv).unwrap()
+        };
+        assert_eq!(
+            way(&mut con, &argv),
+            Value::Int(1),
+            "case {i}: the short way"
+        );
+        assert_eq!(
+            way(&mut con, &flagged),
+            Value::Int(0),
+            "case {i}: the general way"
+        );
         let a = script::eval_raw(&mut con, &RATELIMIT, &[&short], &argv).unwrap();
         let b = script::eval_raw(&mut con, &RATELIMIT, &[&general], &flagged).unwrap();
         assert_eq!(a, b, "case {i}");

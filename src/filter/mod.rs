@@ -6,6 +6,7 @@
 
 pub mod call;
 pub mod cas;
+pub mod clock;
 pub mod counter;
 pub mod deferred;
 pub mod flow;

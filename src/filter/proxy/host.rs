@@ -1,6 +1,5 @@
 //! The [`Host`] over proxy-wasm calls, for the current stream.
 
-use std::cell::Cell;
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
@@ -8,6 +7,7 @@ use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::{ObjectStore, RedisTarget};
 use crate::filter::call::Failure;
+use crate::filter::clock::CallbackClock;
 use crate::filter::stage::batch::Member;
 use crate::filter::stage::lease::Prefetch;
 use crate::filter::{Counter, ErrorKind, Histogram, Host};
@@ -26,10 +26,8 @@ pub(super) struct ProxyHost<'a> {
     pub me: FlowRef,
     /// Calls are being sent from the root's tick: route their replies.
     pub via_root: bool,
-    /// The clock, read once per callback (each read is a host call, and a
-    /// callback runs in microseconds: deadlines and latencies in
-    /// milliseconds cannot tell its reads apart).
-    pub clock: Cell<Option<Duration>>,
+    /// The clock, read once per callback (see [`CallbackClock`]).
+    pub clock: CallbackClock,
 }
 
 pub(super) fn callout_headers<'a>(
@@ -74,12 +72,7 @@ impl ProxyHost<'_> {
 
     /// This callback's time: the host's clock, read at its first use.
     pub(super) fn clock(&self) -> Duration {
-        if let Some(now) = self.clock.get() {
-            return now;
-        }
-        let now = host_now();
-        self.clock.set(Some(now));
-        now
+        self.clock.now(host_now)
     }
 
     fn route_reply(&self, token: u32) {
@@ -118,7 +111,7 @@ impl Host for ProxyHost<'_> {
         )
         .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
         if let Some(shared) = self.shared {
-            let now = self.clock();
+            let now = self.clock.renew(host_now);
             shared.note_sent(token, now);
             shared.note_nonce(token, now, now + timeout + super::NONCE_GRACE, nonce);
         }

@@ -3,7 +3,7 @@
 //! unwrap), and every error is logged, not unwrapped. The SDK still panics on
 //! statuses it does not expect, so maps that may be absent are not read.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 use std::time::{Duration, UNIX_EPOCH};
@@ -14,6 +14,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::breaker::Breakers;
 use crate::config::{Config, RedisTarget};
+use crate::filter::clock::CallbackClock;
 use crate::filter::deferred::Deferred;
 use crate::filter::flow::Flow;
 use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
@@ -237,7 +238,7 @@ impl Root {
             context_id,
             me,
             via_root: true,
-            clock: Cell::new(clock),
+            clock: CallbackClock::new(clock),
         }
     }
 }
@@ -308,7 +309,7 @@ impl Root {
             context_id: root_id,
             me: Weak::new(),
             via_root: false,
-            clock: Cell::new(clock),
+            clock: CallbackClock::new(clock),
         };
         // The members' hosts share the batcher's clock: one read for all.
         let clock = Some(host.clock());
@@ -644,7 +645,7 @@ impl Http {
             context_id: self.context_id,
             me: Rc::downgrade(rc),
             via_root: false,
-            clock: Cell::new(clock),
+            clock: CallbackClock::new(clock),
         };
         match rc.try_borrow_mut() {
             Ok(mut flow) => f(&mut flow, &mut host),
