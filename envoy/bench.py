@@ -1561,7 +1561,27 @@ def batching_section(res):
     return out
 
 
+# Ends this run's part of BENCHMARKS.md: what follows it (sections added by
+# hand, `make bench-tier`'s) is kept by the next run.
+BENCH_END = "<!-- bench:end: what follows is kept by the next `make bench` -->"
+
+
+def kept_part(path):
+    """What follows this run's part of an existing BENCHMARKS.md: after the
+    marker, or (a file from before the marker) after the part's last section,
+    *Reproduce*."""
+    if not path.exists():
+        return ""
+    doc = path.read_text()
+    if BENCH_END in doc:
+        return doc.split(BENCH_END, 1)[1].lstrip("\n")
+    reproduce = doc.find("\n## Reproduce")
+    after = doc.find("\n## ", reproduce + 1) if reproduce >= 0 else -1
+    return doc[after + 1:] if after >= 0 else ""
+
+
 def write_benchmarks(res, path):
+    kept = kept_part(path)
     m = res["machine"]
     st = res["settings"]
     main, cpu, mem, unavailable = markdown_tables(res)
@@ -1636,7 +1656,9 @@ def write_benchmarks(res, path):
               "Outputs: `target/bench/results.json` (every round, every counter), "
               "`target/bench/results.md`, `target/bench/latency.png` and this file. "
               "`.venv/bin/python envoy/bench.py --help` lists the knobs (duration, rounds, "
-              "connections, scenarios).", ""]
+              "connections, scenarios).", "", BENCH_END, ""]
+    if kept:
+        lines += [kept.rstrip("\n"), ""]
     path.write_text("\n".join(lines))
 
 
