@@ -10,6 +10,7 @@ pub mod clock;
 pub mod counter;
 pub mod deferred;
 pub mod flow;
+pub mod in_flight;
 #[cfg(target_arch = "wasm32")]
 pub mod proxy;
 pub mod stage;

@@ -112,8 +112,7 @@ impl Host for ProxyHost<'_> {
         .map_err(|e| format!("dispatch to cluster `{}` refused: {e:?}", target.cluster))?;
         if let Some(shared) = self.shared {
             let now = self.clock.renew(host_now);
-            shared.note_sent(token, now);
-            shared.note_nonce(token, now, now + timeout + super::NONCE_GRACE, nonce);
+            shared.note_sent(token, now, timeout, nonce);
         }
         self.route_reply(token);
         Ok(token)

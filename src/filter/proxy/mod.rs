@@ -17,6 +17,7 @@ use crate::config::{Config, RedisTarget};
 use crate::filter::clock::CallbackClock;
 use crate::filter::deferred::Deferred;
 use crate::filter::flow::Flow;
+use crate::filter::in_flight::InFlight;
 use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
 use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
 use crate::filter::timers::Timers;
@@ -66,12 +67,8 @@ pub(super) struct Shared {
     wakeable: RefCell<HashMap<u32, FlowRef>>,
     /// Calls the root sent for a stream (on tick): token -> (stream, flow).
     routed: RefCell<HashMap<u32, (u32, FlowRef)>>,
-    /// When each call in flight was sent, for the latency histogram.
-    sent_at: RefCell<HashMap<u32, Duration>>,
-    /// The nonce each call in flight that carries one must find first in
-    /// its reply, with the call's deadline: kept whatever the latency table
-    /// drops, and only until a reply can no longer come.
-    nonces: RefCell<HashMap<u32, (Duration, String)>>,
+    /// When each call in flight was sent, and its nonce.
+    in_flight: RefCell<InFlight>,
     /// Background lease fetches in flight (sent as the root): token -> note.
     prefetches: RefCell<HashMap<u32, Prefetch>>,
     /// Background lease fetches the root sends on its next tick: a call's
@@ -110,14 +107,6 @@ impl Waiter for Stream {
     }
 }
 
-/// Calls in flight tracked for latency before stale entries are swept: a
-/// stream that ends first cancels its call, and no reply removes the entry.
-const SENT_AT_SWEEP: usize = 4096;
-
-/// How long past its timeout a call's nonce is kept: Envoy answers a call
-/// that timed out at its timeout, give or take its timers' coarseness.
-const NONCE_GRACE: Duration = Duration::from_secs(1);
-
 impl Shared {
     /// Turns the root's tick on, unless it is on; `me` is the context
     /// running now (the period is the root's to set).
@@ -133,32 +122,28 @@ impl Shared {
         Ok(())
     }
 
-    fn note_sent(&self, token: u32, now: Duration) {
-        if let Ok(mut sent) = self.sent_at.try_borrow_mut() {
-            if sent.len() >= SENT_AT_SWEEP {
-                // No call outlives the longest timeout the config allows.
-                sent.retain(|_, at| now.saturating_sub(*at) < Duration::from_secs(120));
-                // Still full (many live calls, or resets faster than the
-                // sweep ages them out): start over and lose a few samples,
-                // rather than scan the table on every call.
-                if sent.len() >= SENT_AT_SWEEP / 2 {
-                    sent.clear();
-                }
-            }
-            sent.insert(token, now);
+    /// Call `token` left at `now`: kept for its latency and its reply's
+    /// nonce.
+    fn note_sent(&self, token: u32, now: Duration, timeout: Duration, nonce: Option<String>) {
+        if let Ok(mut in_flight) = self.in_flight.try_borrow_mut() {
+            in_flight.sent(token, now, timeout, nonce);
         }
     }
 
     /// Records the call's latency (answered at `now`); returns the nonce
     /// its reply must carry.
     fn note_reply(&self, token: u32, now: Duration) -> Option<String> {
-        if let Some(at) = take(&self.sent_at, token) {
-            let us = u64::try_from(now.saturating_sub(at).as_micros()).unwrap_or(u64::MAX);
+        let (latency, nonce) = self
+            .in_flight
+            .try_borrow_mut()
+            .map_or((None, None), |mut f| f.answered(token, now));
+        if let Some(latency) = latency {
+            let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
             if self.metrics.callout_latency_us != UNDEFINED {
                 let _ = hostcalls::record_metric(self.metrics.callout_latency_us, us);
             }
         }
-        take(&self.nonces, token).map(|(_, nonce)| nonce)
+        nonce
     }
 
     /// `command` with a fresh nonce first in its ARGV if its script gives
@@ -183,20 +168,6 @@ impl Shared {
             Some(crate::webdis::insert_nonce(command, at, &nonce)),
             Some(nonce),
         )
-    }
-
-    /// Keeps `nonce` for the reply to `token`, due by `deadline`. Entries
-    /// past their deadline (their call was cancelled with its stream, and no
-    /// reply removes them) go when the table is swept: never a live one,
-    /// whose reply would then find no nonce to check and fail.
-    fn note_nonce(&self, token: u32, now: Duration, deadline: Duration, nonce: Option<String>) {
-        let Some(nonce) = nonce else { return };
-        if let Ok(mut nonces) = self.nonces.try_borrow_mut() {
-            if nonces.len() >= SENT_AT_SWEEP {
-                nonces.retain(|_, (due, _)| *due >= now);
-            }
-            nonces.insert(token, (deadline, nonce));
-        }
     }
 }
 
@@ -473,8 +444,7 @@ impl RootContext for Root {
                     waiting: RefCell::new(Timers::default()),
                     wakeable: RefCell::new(HashMap::new()),
                     routed: RefCell::new(HashMap::new()),
-                    sent_at: RefCell::new(HashMap::new()),
-                    nonces: RefCell::new(HashMap::new()),
+                    in_flight: RefCell::new(InFlight::default()),
                     prefetches: RefCell::new(HashMap::new()),
                     to_prefetch: RefCell::new(Vec::new()),
                     batch_queue,
@@ -541,8 +511,7 @@ impl RootContext for Root {
                 timeout,
             ) {
                 Ok(token) => {
-                    shared.note_sent(token, now);
-                    shared.note_nonce(token, now, now + timeout + NONCE_GRACE, nonce);
+                    shared.note_sent(token, now, timeout, nonce);
                     if let Ok(mut inflight) = shared.prefetches.try_borrow_mut() {
                         inflight.insert(token, note);
                     }
