@@ -116,8 +116,12 @@ pub fn insert_nonce(cmd: &Command, at: usize, nonce: &str) -> Command {
         out
     };
     match &cmd.put {
+        // The path is ASCII (percent-encoded) and `at` one of its slashes.
         Some(path) => Command {
-            put: Some(String::from_utf8_lossy(&splice(path.as_bytes())).into_owned()),
+            put: Some(match (path.get(..at), path.get(at..)) {
+                (Some(head), Some(tail)) => format!("{head}/%7E{nonce}{tail}"),
+                _ => path.clone(),
+            }),
             body: cmd.body.clone(),
         },
         None => Command {
@@ -138,24 +142,34 @@ pub fn strip_nonce(body: &mut Vec<u8>, nonce: &str) -> bool {
     if body.first() == Some(&b'-') {
         return true;
     }
-    let Some(rest) = body.strip_prefix(b"*") else {
+    // `*<n>\r\n`, then the nonce's bulk string `$<len>\r\n~<nonce>\r\n`,
+    // read in place with the reply parser's own line and integer readers.
+    let Some((count, head)) = body.strip_prefix(b"*").and_then(|rest| line(rest).ok()) else {
         return false;
     };
-    let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
+    let Some(n) = int(count).ok().filter(|n| *n >= 1) else {
         return false;
     };
-    let n = std::str::from_utf8(&rest[..eol])
-        .ok()
-        .and_then(|t| t.parse::<usize>().ok());
-    let Some(n) = n.and_then(|n| n.checked_sub(1)) else {
+    let at = 1 + head;
+    let Some((len, len_line)) = body
+        .get(at..)
+        .and_then(|b| b.strip_prefix(b"$"))
+        .and_then(|b| line(b).ok())
+    else {
         return false;
     };
-    let first = format!("${}\r\n~{nonce}\r\n", nonce.len() + 1);
-    let start = 1 + eol + 2;
-    if !body[start..].starts_with(first.as_bytes()) {
+    if int(len).ok() != i64::try_from(nonce.len() + 1).ok() {
         return false;
     }
-    body.splice(..start + first.len(), format!("*{n}\r\n").into_bytes());
+    let value = at + 1 + len_line;
+    let end = value + 1 + nonce.len() + 2;
+    let ours = body.get(value..end).is_some_and(|v| {
+        v[0] == b'~' && &v[1..1 + nonce.len()] == nonce.as_bytes() && v.ends_with(b"\r\n")
+    });
+    if !ours {
+        return false;
+    }
+    body.splice(..end, format!("*{}\r\n", n - 1).into_bytes());
     true
 }
 

@@ -131,7 +131,13 @@ fn a_password_burst_reaches_the_upstream_five_times_then_the_account_is_blocked(
     // Once every settlement has landed (each 200 gave its reserve back:
     // frank's bucket is full again, or gone, as a full bucket may go),
     // none of them started a block.
-    let full = 5 * 900_000;
+    // A full bucket holds capacity x period credits (lua/token_bucket.lua),
+    // read from the recipe this test runs.
+    let recipe: serde_json::Value =
+        serde_json::from_str(include_str!("../envoy/recipes/login.json")).unwrap();
+    let bucket = &recipe["limits"][0]["tokenBucket"];
+    assert_eq!(recipe["limits"][0]["name"], "failed-logins-per-account");
+    let full = bucket["capacity"].as_i64().unwrap() * bucket["periodMs"].as_i64().unwrap();
     poll("frank's reserves back", Duration::from_secs(10), || {
         let keys: Vec<String> = redis::cmd("KEYS")
             .arg("rg:rl:*failed-logins-per-account*frank")

@@ -626,9 +626,11 @@ fn a_limit_keyed_on_the_grpc_service_and_method_counts_each_method_apart_and_ski
 fn every_decision_call_carries_a_nonce_that_its_reply_gives_back() {
     // README, When things fail: Webdis 0.1.9 may write a late reply to a
     // socket a new connection has since been given. The filter puts a nonce
-    // first in ARGV of every decision (single, batch, lease) and takes a
-    // reply as its own only if the script gave that nonce back first; the
-    // requests below are decided exactly, so every reply passed that check.
+    // first in ARGV of every decision call and takes a reply as its own only
+    // if the script gave that nonce back first. These sequential requests
+    // make lone calls (lua/ratelimit.lua; the batch and lease scripts share
+    // lua/nonce.lua: tests/lua_ratelimit.rs calls all three with one);
+    // they are decided exactly, so every reply passed that check.
     let stack = Stack::start(
         &config(
             2000,
@@ -650,10 +652,14 @@ fn every_decision_call_carries_a_nonce_that_its_reply_gives_back() {
             .query::<()>(&mut con)
             .unwrap();
     }
-    redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query::<()>(&mut con)
-        .unwrap();
+    // The log and the stats start together: an earlier slow call must not
+    // count in one and not the other.
+    for reset in [["CONFIG", "RESETSTAT"], ["SLOWLOG", "RESET"]] {
+        redis::cmd(reset[0])
+            .arg(reset[1])
+            .query::<()>(&mut con)
+            .unwrap();
+    }
     let url = stack.envoys[0].url("/");
     let statuses: Vec<u16> = (0..5)
         .map(|_| get(&url, &[("x-user", "nonce")]).status)
@@ -692,15 +698,7 @@ fn every_decision_call_carries_a_nonce_that_its_reply_gives_back() {
         nonces.push(first_argv.clone());
     }
     // Every EVALSHA Redis ran (its NOSCRIPT answers included) carried one.
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut con)
-        .unwrap();
-    let evalsha: usize = stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
-        .unwrap();
+    let evalsha = usize::try_from(support::command_calls(&mut con, "evalsha")).unwrap();
     assert!(evalsha >= 3, "one call at least for each admitted request");
     assert_eq!(nonces.len(), evalsha, "{nonces:?}");
     let distinct: std::collections::BTreeSet<_> = nonces.iter().collect();

@@ -1048,15 +1048,6 @@ fn two_hundred_members_on_one_key_with_capacity_one_hundred_admit_exactly_one_hu
     assert_eq!(zcard(&mut con, "h:w"), 100);
 }
 
-/// How often Redis ran `command` since the last CONFIG RESETSTAT (calls made
-/// inside scripts count).
-fn command_calls(con: &mut Connection, command: &str) -> i64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(con).unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-}
-
 #[test]
 fn a_batch_reads_and_writes_each_token_bucket_once_however_many_members_charge_it() {
     let redis = support::Redis::start();
@@ -1078,9 +1069,17 @@ fn a_batch_reads_and_writes_each_token_bucket_once_however_many_members_charge_i
         .unwrap();
     let replies = batch_ints(&mut con, &members);
     assert!(replies.iter().all(|r| r[0] == 1));
-    assert_eq!(command_calls(&mut con, "hmget"), 2, "one read per bucket");
-    assert_eq!(command_calls(&mut con, "hset"), 2, "one write per bucket");
-    assert_eq!(command_calls(&mut con, "pexpire"), 2);
+    assert_eq!(
+        support::command_calls(&mut con, "hmget"),
+        2,
+        "one read per bucket"
+    );
+    assert_eq!(
+        support::command_calls(&mut con, "hset"),
+        2,
+        "one write per bucket"
+    );
+    assert_eq!(support::command_calls(&mut con, "pexpire"), 2);
     // What those single writes left is what twenty charges in a row would.
     let mut con2 = redis.conn();
     assert_eq!(credits(&mut con2, "o:a").map(|c| c / HOUR), Some(80));

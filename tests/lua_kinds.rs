@@ -111,15 +111,6 @@ fn memory_usage(con: &mut Connection, key: &str) -> i64 {
         .unwrap()
 }
 
-/// How often Redis ran `command` since the last CONFIG RESETSTAT (calls
-/// made inside scripts count).
-fn command_calls(con: &mut Connection, command: &str) -> i64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(con).unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-}
-
 /// The error reply of a hand-made call of the test-clock script.
 fn contract_error(con: &mut Connection, keys: &[&str], argv: &[&str]) -> String {
     script::set_clock(con, T0);
@@ -1280,7 +1271,7 @@ fn a_batch_reads_and_writes_each_key_of_the_new_kinds_once_however_many_members_
     }
     let calls: Vec<(&str, i64)> = ["get", "set", "hmget", "hset", "pexpire"]
         .iter()
-        .map(|c| (*c, command_calls(&mut con, c)))
+        .map(|c| (*c, support::command_calls(&mut con, c)))
         .collect();
     // GCRA and fixed window: one GET and one SET (with PX) each; the
     // counter: one HMGET, one HSET, one PEXPIRE.

@@ -933,6 +933,15 @@ pub fn cli_json(bin: &str, stack: &Stack, config: &Path, args: &[&str]) -> serde
 }
 
 /// How many script calls (EVALSHA and EVAL) Redis ran (INFO commandstats).
+/// How many times Redis ran `command` (lower-case, e.g. `evalsha`) since
+/// its stats were last reset (INFO commandstats; 0 if never).
+pub fn command_calls(con: &mut redis::Connection, command: &str) -> i64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(con).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
 pub fn scripts_run(redis: &Redis) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
