@@ -2,7 +2,7 @@
 and, in the same atomic step, hands the calling Envoy up to `lease` more
 tokens to spend on its own.
 
-KEYS[1]  the bucket's hash (the same key and state as lua/ratelimit.lua's
+KEYS[1]  the bucket's string (the same key and state as lua/ratelimit.lua's
          token bucket, so leased and strict requests share one budget)
 Nonce    a call may put "~" and hex digits before ARGV[1]: it is taken out
          first (the ARGV below are what is left) and given back first in a

@@ -11,7 +11,7 @@ Nonce    a call may put "~" and hex digits before ARGV[1]: it is taken out
          is its own).
 ARGV[1]  N, the number of limits
 ARGV per limit i, six values starting at 2 + (i-1)*6:
-  algorithm  "tb"   token bucket (one hash)
+  algorithm  "tb"   token bucket (one string)
              "sw"   sliding-window log (one sorted set)
              "gcra" GCRA (one string: the theoretical arrival time)
              "fw"   fixed window aligned to the epoch (one string)

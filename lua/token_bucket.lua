@@ -4,13 +4,19 @@ This file is not a script on its own: src/scripts.rs joins it between the
 clock preamble and the driver of ratelimit.lua, which calls it once per
 token-bucket limit.
 
-KEYS     one hash per bucket: c = credits left, t = ms of the last update
+KEYS     one string per bucket: credits left and the ms of the last update,
+         two little-endian doubles (struct '<dd', 16 bytes). One GET reads
+         it and one SET ... PX writes it with its TTL: a hash took HMGET,
+         HSET and PEXPIRE, and two number formats, about 1 us more per
+         decision on Redis' one thread (BENCHMARKS.md). The limit's key
+         signature is `tb2.` (src/config/limit.rs), so this layout never
+         meets a hash an older filter wrote under `tb.`.
 ARGV     the limit's group in ratelimit.lua: "tb", capacity, refill (tokens per
          period), period (ms), cost, enforce
 Returns  tb_check(key, capacity, refill, period, cost) -> verdict table with
          allowed (0/1), remaining, retry (ms), reset (ms: time until full);
          tb_charge(verdict) charges it; tb_flush() writes every charged
-         bucket's hash and PEXPIRE, once per key. The driver calls tb_flush()
+         bucket's string with its PX, once per key. The driver calls tb_flush()
          before it returns.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
 ]]
@@ -26,12 +32,44 @@ Reads    `now` (ms, from Redis TIME) set by the preamble.
 local tb_seen = {}
 local tb_charged = {}
 
+-- The key a filter before the one-string layout kept this bucket under, as
+-- a hash: its signature `tb.` where this one has `tb2.`; nil for a key not in
+-- the filter's layout (`<prefix>:rl:{<tag>}:<name>:<signature>:...`, names
+-- hold no `:`, lua/keys.lua). During a rolling upgrade a missing string is
+-- read from that hash, so a bucket an older Envoy spent is not full again
+-- for the new ones (a day's quota would start over at the upgrade). Only
+-- read, never written: each side then charges its own key until the older
+-- Envoys are gone, and the hash expires when it would be full.
+local function tb_hash_key(key)
+  local s = string.find(key, '}:', 1, true)
+  if s == nil then return nil end
+  local n = string.find(key, ':', s + 2, true)
+  if n == nil or string.sub(key, n + 1, n + 4) ~= 'tb2.' then return nil end
+  return string.sub(key, 1, n) .. 'tb.' .. string.sub(key, n + 5)
+end
+
 local function tb_check(key, capacity, refill, period, cost)
   local full = capacity * period
   local seen = tb_seen[key]
   if seen == nil then
-    local state = redis.call('HMGET', key, 'c', 't')
-    seen = { c = tonumber(state[1]), t = tonumber(state[2]) }
+    local state = redis.call('GET', key)
+    if state then
+      seen = {}
+      if #state == 16 then
+        seen.c, seen.t = struct.unpack('<dd', state)
+      end
+    else
+      -- PTTL first: on a missing key it answers without the table HMGET
+      -- builds, at half the cost, and a missing hash is the common case
+      -- (a bucket's key vanishes once it is full).
+      local old = tb_hash_key(key)
+      if old and redis.call('PTTL', old) ~= -2 then
+        local h = redis.call('HMGET', old, 'c', 't')
+        seen = { c = tonumber(h[1]), t = tonumber(h[2]) }
+      else
+        seen = {}
+      end
+    end
     tb_seen[key] = seen
   end
   local credits = seen.c
@@ -75,8 +113,7 @@ end
 local function tb_flush()
   for _, key in ipairs(tb_charged) do
     local s = tb_seen[key]
-    redis.call('HSET', key, 'c', string.format('%d', s.c), 't', string.format('%d', now))
-    redis.call('PEXPIRE', key, s.ttl)
+    redis.call('SET', key, struct.pack('<dd', s.c, now), 'PX', s.ttl)
   end
   tb_charged = {}
 end

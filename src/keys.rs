@@ -1,6 +1,6 @@
 //! Redis key building.
 //!
-//! Rate-limit keys look like `rg:rl:{9f86d081884c7d65}:per-user:tb.10.1.1000:5:alice`:
+//! Rate-limit keys look like `rg:rl:{9f86d081884c7d65}:per-user:tb2.10.1.1000:5:alice`:
 //! prefix, kind, Redis Cluster hash tag, limit name, algorithm signature, descriptor.
 //!
 //! * The hash tag is shared by every key one request touches, so one script

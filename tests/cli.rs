@@ -204,10 +204,19 @@ fn inspect_agrees_with_the_headers_the_filter_returned_for_each_limit_kind() {
         // Another user's key is another key, untouched.
         assert_eq!(look(kind, "bob")["remaining"], 5);
     }
-    // The state as Redis holds it: the token bucket's hash, the sliding
-    // window's 3 members.
+    // The state as Redis holds it: the token bucket's string, shown as its
+    // credits (a token is 3600000 of them: 2 tokens and some refill left)
+    // and the ms of its last update, on Redis' clock; the sliding window's
+    // 3 members.
     let tb = look("tb", "alice");
-    assert_eq!(tb["state"]["type"], "hash");
+    assert_eq!(tb["state"]["type"], "string");
+    let field = |name: &str| -> i64 {
+        let entries = tb["state"]["entries"].as_array().unwrap();
+        let e = entries.iter().find(|e| e[0] == name).unwrap();
+        e[1].as_str().unwrap().parse().unwrap()
+    };
+    assert_eq!(field("c") / 3_600_000, 2, "{tb}");
+    assert!(field("t") <= tb["redisTimeMs"].as_i64().unwrap(), "{tb}");
     let sw = look("sw", "alice");
     assert_eq!(
         (sw["state"]["type"].clone(), sw["state"]["members"].clone()),

@@ -1236,7 +1236,7 @@ fn every_limit_kind_parses_to_its_algorithm_and_key_signature() {
                 refill: 1,
                 period_ms: 1000,
             },
-            "tb.10.1.1000".to_string(),
+            "tb2.10.1.1000".to_string(),
             10,
             10_000,
         ),

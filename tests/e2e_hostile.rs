@@ -305,7 +305,7 @@ fn a_max_tokens_too_large_or_written_as_a_float_reserves_what_it_asks_within_the
             stack.upstream.in_flight("/v1/chat")
         });
         let key: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("*:llm:tb.*:{}:{user}", user.len()))
+            .arg(format!("*:llm:tb2.*:{}:{user}", user.len()))
             .query(&mut con)
             .unwrap();
         let (credits, _) = read_bucket(&mut con, &key[0]).unwrap();

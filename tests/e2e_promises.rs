@@ -212,7 +212,7 @@ fn usage_config() -> String {
 fn tokens(redis: &Redis, user: &str) -> Option<i64> {
     let mut con = redis.conn();
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("*:openai:tb.*:{}:{user}", user.len()))
+        .arg(format!("*:openai:tb2.*:{}:{user}", user.len()))
         .query(&mut con)
         .unwrap();
     let (credits, _) = read_bucket(&mut con, keys.first()?)?;

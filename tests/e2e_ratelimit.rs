@@ -299,7 +299,7 @@ fn hostile_descriptor_values_are_limited_under_exactly_the_expected_key() {
             "value {:?}",
             String::from_utf8_lossy(v)
         );
-        expected.push(expected_key(b"t1", "hostile", "tb.2.1.3600000", v));
+        expected.push(expected_key(b"t1", "hostile", "tb2.2.1.3600000", v));
     }
     expected.sort();
     assert_eq!(

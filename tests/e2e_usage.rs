@@ -51,7 +51,7 @@ fn config() -> String {
 /// The tokens left in the bucket of `limit` for `user` (negative: debt).
 fn tokens(con: &mut redis::Connection, limit: &str, user: &str) -> Option<i64> {
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("*:{limit}:tb.*:{}:{user}", user.len()))
+        .arg(format!("*:{limit}:tb2.*:{}:{user}", user.len()))
         .query(con)
         .unwrap();
     let key = keys.first()?;
@@ -416,7 +416,7 @@ fn a_debt_past_what_redis_holds_exactly_is_clamped_at_2_to_the_52_credits() {
     let clamped = -(1_i64 << 52);
     settles_to(&mut con, "openai", "u8", clamped.div_euclid(PERIOD));
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("*:openai:tb.*:2:u8")
+        .arg("*:openai:tb2.*:2:u8")
         .query(&mut con)
         .unwrap();
     let (credits, _) = read_bucket(&mut con, &keys[0]).unwrap();

@@ -22,7 +22,7 @@ mod support;
 
 use support::script::{self, bucket, eval_lease, Bucket};
 use support::{
-    assert_less_than_a_token_left, hash_fields as hgetall, key_exists as exists, key_pttl as pttl,
+    assert_less_than_a_token_left, bucket_bytes, key_exists as exists, key_pttl as pttl,
     pexpiretime, read_bucket as state, redis_now_ms as now_ms, wait_until,
     write_bucket as set_state,
 };
@@ -355,7 +355,7 @@ fn a_rejection_grants_nothing_and_writes_nothing() {
         .arg(expire_at)
         .query::<()>(&mut con)
         .unwrap();
-    let stored = hgetall(&mut con, key);
+    let stored = bucket_bytes(&mut con, key);
 
     // capacity 10, 1 credit/ms, 1 token = 1000 credits: 2.5 held, 3 needed,
     // 500 credits short. The lease changes nothing about that.
@@ -372,7 +372,11 @@ fn a_rejection_grants_nothing_and_writes_nothing() {
         [0, 0, 2, 500, 500, 0]
     );
 
-    assert_eq!(hgetall(&mut con, key), stored, "a rejection must not write");
+    assert_eq!(
+        bucket_bytes(&mut con, key),
+        stored,
+        "a rejection must not write"
+    );
     assert_eq!(state(&mut con, key), Some((2500, future)));
     assert_eq!(pexpiretime(&mut con, key), expire_at, "TTL untouched");
 
@@ -637,12 +641,12 @@ fn rejects_anything_but_one_key_and_five_numbers() {
     // Nor do they touch a key that holds a bucket.
     let future = now_ms(&mut con) + HOUR;
     set_state(&mut con, a, 2500, future);
-    let stored = hgetall(&mut con, a);
+    let stored = bucket_bytes(&mut con, a);
     for argv in [&["10", "1", "1000", "1", "four"][..], &good[..4]] {
         assert!(script::eval_raw(&mut con, &LEASE, &[a], argv).is_err());
     }
     assert!(script::eval_raw(&mut con, &LEASE, &[a, b], &good).is_err());
-    assert_eq!(hgetall(&mut con, a), stored);
+    assert_eq!(bucket_bytes(&mut con, a), stored);
     assert!(!exists(&mut con, b));
 }
 

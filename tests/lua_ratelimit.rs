@@ -14,7 +14,7 @@ mod support;
 
 use support::script::{self, admits, rejects, sw, tb, Decision, Limit};
 use support::{
-    assert_expires_in, assert_less_than_a_token_left, assert_within, hash_fields as hgetall,
+    assert_expires_in, assert_less_than_a_token_left, assert_within, bucket_bytes,
     key_exists as exists, key_pttl as pttl, read_bucket as bucket, redis_now_ms as now_ms,
     write_bucket as set_bucket,
 };
@@ -127,7 +127,7 @@ fn token_bucket_rejection_reports_exact_retry_and_writes_nothing() {
     // `t` in the future: the script adds no refill, so every number is exact.
     let future = now_ms(&mut con) + 3_600_000;
     set_bucket(&mut con, key, 2500, future);
-    let before = hgetall(&mut con, key);
+    let before = bucket_bytes(&mut con, key);
 
     // capacity 10, 1 credit/ms, 1 token = 1000 credits: 2.5 tokens held, 3 needed.
     let r = eval(&mut con, &[tb(key, 10, 1, 1000).cost(3)]);
@@ -147,7 +147,11 @@ fn token_bucket_rejection_reports_exact_retry_and_writes_nothing() {
     assert_eq!(r.limits, vec![rejects(2, 1)]);
     set_bucket(&mut con, key, 2500, future);
 
-    assert_eq!(hgetall(&mut con, key), before, "a rejection must not write");
+    assert_eq!(
+        bucket_bytes(&mut con, key),
+        before,
+        "a rejection must not write"
+    );
     assert_eq!(bucket(&mut con, key), Some((2500, future)));
 }
 
@@ -695,7 +699,7 @@ fn rejection_by_one_limit_writes_nothing_to_the_others() {
     let s = t0 - 1000;
     zadd(&mut con, sw_held, s, &format!("{s}:0"));
     zadd(&mut con, full, s, &format!("{s}:0"));
-    let tb_held_before = hgetall(&mut con, tb_held);
+    let tb_held_before = bucket_bytes(&mut con, tb_held);
     let sw_held_before = members(&mut con, sw_held);
     let full_before = members(&mut con, full);
 
@@ -743,7 +747,7 @@ fn rejection_by_one_limit_writes_nothing_to_the_others() {
         !exists(&mut con, sw_fresh),
         "uncharged window must not be created"
     );
-    assert_eq!(hgetall(&mut con, tb_held), tb_held_before);
+    assert_eq!(bucket_bytes(&mut con, tb_held), tb_held_before);
     assert_eq!(members(&mut con, sw_held), sw_held_before);
     assert_eq!(members(&mut con, full), full_before);
 
@@ -779,7 +783,7 @@ fn shadow_limit_that_would_reject_neither_blocks_nor_is_charged() {
     let future = t0 + 3_600_000;
     set_bucket(&mut con, shadow_tb, 500, future);
     let shadow_sw_before = members(&mut con, shadow_sw);
-    let shadow_tb_before = hgetall(&mut con, shadow_tb);
+    let shadow_tb_before = bucket_bytes(&mut con, shadow_tb);
 
     let r = eval(
         &mut con,
@@ -818,7 +822,7 @@ fn shadow_limit_that_would_reject_neither_blocks_nor_is_charged() {
     assert_eq!(zcard(&mut con, enforced_sw), 2);
     // ...the rejecting shadow limits are not.
     assert_eq!(members(&mut con, shadow_sw), shadow_sw_before);
-    assert_eq!(hgetall(&mut con, shadow_tb), shadow_tb_before);
+    assert_eq!(bucket_bytes(&mut con, shadow_tb), shadow_tb_before);
 }
 
 #[test]

@@ -41,6 +41,24 @@ pub struct Raw {
     pub members: Option<i64>,
 }
 
+/// A token bucket's string (lua/token_bucket.lua: credits and the ms of the
+/// last update, two little-endian doubles) as the fields `c` and `t`, in
+/// figures an operator can read; anything else as it is.
+fn bucket_fields(entries: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let double = |b: &[u8]| {
+        let mut d = [0u8; 8];
+        d.copy_from_slice(b);
+        format!("{}", f64::from_le_bytes(d)).into_bytes()
+    };
+    match entries.as_slice() {
+        [(name, v)] if name.is_empty() && v.len() == 16 => vec![
+            (b"c".to_vec(), double(&v[..8])),
+            (b"t".to_vec(), double(&v[8..])),
+        ],
+        _ => entries,
+    }
+}
+
 /// Sorted-set members shown (a sliding window may hold a million).
 const RAW_MEMBERS: isize = 10;
 
@@ -159,6 +177,10 @@ impl Store {
                 blocked_ms,
             });
         }
+        let mut raw = self.raw(&target.key)?;
+        if let Algorithm::TokenBucket { .. } = target.limit.algorithm {
+            raw.entries = bucket_fields(raw.entries);
+        }
         Ok(Inspection {
             blocked_ms,
             allowed: num(0)? == 1,
@@ -166,7 +188,7 @@ impl Store {
             retry_ms: num(2)?,
             reset_ms: num(3)?,
             redis_time_ms: num(4)?,
-            raw: self.raw(&target.key)?,
+            raw,
         })
     }
 

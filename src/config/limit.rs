@@ -310,7 +310,7 @@ impl Algorithm {
                 capacity,
                 refill,
                 period_ms,
-            } => format!("tb.{capacity}.{refill}.{period_ms}"),
+            } => format!("tb2.{capacity}.{refill}.{period_ms}"),
             Algorithm::SlidingWindow { limit, window_ms } => format!("sw.{limit}.{window_ms}"),
             Algorithm::Gcra {
                 rate,

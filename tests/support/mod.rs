@@ -1329,14 +1329,20 @@ pub fn hash_fields(con: &mut redis::Connection, key: &str) -> Vec<(String, Strin
     v
 }
 
-/// Writes a token bucket's state: `credits` (one token = period credits) as of `t_ms`.
+/// A token bucket's stored bytes (lua/token_bucket.lua: credits and the ms
+/// of the last update, two little-endian doubles); `None` without a key.
+pub fn bucket_bytes(con: &mut redis::Connection, key: &str) -> Option<Vec<u8>> {
+    redis::cmd("GET").arg(key).query(con).unwrap()
+}
+
+/// Writes a token bucket's state: `credits` (one token = period credits) as
+/// of `t_ms`, as lua/token_bucket.lua stores it.
 pub fn write_bucket(con: &mut redis::Connection, key: &str, credits: i64, t_ms: i64) {
-    redis::cmd("HSET")
+    let mut state = (credits as f64).to_le_bytes().to_vec();
+    state.extend_from_slice(&(t_ms as f64).to_le_bytes());
+    redis::cmd("SET")
         .arg(key)
-        .arg("c")
-        .arg(credits)
-        .arg("t")
-        .arg(t_ms)
+        .arg(state)
         .query::<()>(con)
         .unwrap();
 }
@@ -1355,17 +1361,16 @@ pub fn slots_held(con: &mut redis::Connection, name: &str) -> u64 {
 
 /// A token bucket's stored `(credits, t)`, or `None` if the key is absent.
 pub fn read_bucket(con: &mut redis::Connection, key: &str) -> Option<(i64, i64)> {
-    let v: Vec<Option<i64>> = redis::cmd("HMGET")
-        .arg(key)
-        .arg("c")
-        .arg("t")
-        .query(con)
-        .unwrap();
-    match (v[0], v[1]) {
-        (Some(c), Some(t)) => Some((c, t)),
-        (None, None) => None,
-        other => panic!("half-written bucket {key}: {other:?}"),
-    }
+    let state = bucket_bytes(con, key)?;
+    assert_eq!(state.len(), 16, "bucket {key} holds {state:?}");
+    let double = |at: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&state[at..at + 8]);
+        let v = f64::from_le_bytes(b);
+        assert_eq!(v.fract(), 0.0, "bucket {key}: {v} is not a whole number");
+        v as i64
+    };
+    Some((double(0), double(8)))
 }
 
 /// Asserts the token bucket at `key` holds less than one token (`period`
