@@ -119,6 +119,43 @@ pub fn override_key(state_key: &[u8]) -> Option<Vec<u8>> {
     )
 }
 
+/// The key under which a filter before the token bucket's one-string state
+/// kept the bucket `state_key` as a hash: signature `tb.` for `tb2.`
+/// (lua/token_bucket.lua tb_hash_key() derives it the same way; the scripts
+/// read that hash for a bucket without its string during a rolling upgrade,
+/// so a reset deletes it too). `None` for a key not in the layout or not a
+/// token bucket's.
+pub fn older_bucket_key(state_key: &[u8]) -> Option<Vec<u8>> {
+    let find = |from: usize, pat: &[u8]| {
+        state_key
+            .get(from..)?
+            .windows(pat.len())
+            .position(|w| w == pat)
+            .map(|i| i + from)
+    };
+    let t = find(0, b"}:")?;
+    let n = find(t + 2, b":")?;
+    let signature = state_key.get(n + 1..)?;
+    signature
+        .starts_with(b"tb2.")
+        .then(|| [&state_key[..=n], b"tb.", &signature[4..]].concat())
+}
+
+/// A token bucket's stored string (lua/token_bucket.lua): its credits and
+/// the ms of its last update, two little-endian doubles. `None` for a
+/// value of another length.
+pub fn decode_bucket(state: &[u8]) -> Option<(f64, f64)> {
+    let double = |at: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(state.get(at..at + 8)?);
+        Some(f64::from_le_bytes(b))
+    };
+    if state.len() != 16 {
+        return None;
+    }
+    Some((double(0)?, double(8)?))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -129,6 +166,27 @@ mod tests {
             b"rg:ov:{abc}:per-key:k:1".to_vec()
         );
         assert_eq!(override_key(b"no-layout"), None);
+    }
+
+    #[test]
+    fn an_older_bucket_key_swaps_the_signature_and_nothing_else() {
+        let key = rate_limit_key("rg", "abc", ":per-key:tb2.5.1.1000:", b"3:tb2");
+        assert_eq!(
+            older_bucket_key(&key).unwrap(),
+            b"rg:rl:{abc}:per-key:tb.5.1.1000:3:tb2".to_vec()
+        );
+        let window = rate_limit_key("rg", "abc", ":per-key:fw.5.1000:", b"3:tb2");
+        assert_eq!(older_bucket_key(&window), None);
+        assert_eq!(older_bucket_key(b"plain:tb2.5.1.1000"), None);
+    }
+
+    #[test]
+    fn a_bucket_decodes_from_its_sixteen_bytes_only() {
+        let mut state = (-2500.0f64).to_le_bytes().to_vec();
+        state.extend_from_slice(&1_733_350_000_000.0f64.to_le_bytes());
+        assert_eq!(decode_bucket(&state), Some((-2500.0, 1_733_350_000_000.0)));
+        assert_eq!(decode_bucket(&state[..15]), None);
+        assert_eq!(decode_bucket(b""), None);
     }
 
     #[test]

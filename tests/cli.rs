@@ -362,6 +362,54 @@ fn reset_restores_the_budget_only_when_confirmed() {
     ]);
     assert_eq!(code(&out), 0);
     assert_eq!(json_of(&out)["deleted"], false);
+
+    // A bucket an older filter spent (a hash under `tb.`, which the scripts
+    // read for a bucket without its string during a rolling upgrade):
+    // inspect shows it, and the reset deletes it too.
+    let state_key = inspect(&config, &url, "tb", "dave")["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let older = redis_guard::keys::older_bucket_key(state_key.as_bytes()).unwrap();
+    let mut con = stack.redis.conn();
+    let now = support::redis_now_ms(&mut con);
+    redis::pipe()
+        .cmd("HSET")
+        .arg(&older)
+        .arg("c")
+        .arg(0)
+        .arg("t")
+        .arg(now)
+        .cmd("PEXPIRE")
+        .arg(&older)
+        .arg(3_600_000)
+        .query::<()>(&mut con)
+        .unwrap();
+    let spent = inspect(&config, &url, "tb", "dave");
+    assert_eq!(
+        (spent["remaining"].clone(), spent["state"]["type"].clone()),
+        (0.into(), "hash".into()),
+        "{spent}"
+    );
+    let out = run(&[
+        "reset",
+        "--config",
+        config.to_str().unwrap(),
+        "--limit",
+        "tb",
+        "--value",
+        "x-user=dave",
+        "--redis",
+        &url,
+        "--yes",
+        "--json",
+    ]);
+    assert_eq!(json_of(&out)["deleted"], true);
+    assert!(!support::key_exists(
+        &mut con,
+        &String::from_utf8(older).unwrap()
+    ));
+    assert_eq!(inspect(&config, &url, "tb", "dave")["remaining"], 5);
 }
 
 #[test]

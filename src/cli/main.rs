@@ -276,7 +276,12 @@ fn run(command: Command) -> Result<output::Report, Failure> {
                 )));
             }
             let mut redis = store::connect(&limit.selection.redis)?;
-            let deleted = redis.delete(&target.key)?;
+            let mut deleted = redis.delete(&target.key)?;
+            // And an older filter's hash of the bucket, which the scripts
+            // read for a bucket without its string (a rolling upgrade).
+            if let Some(older) = redis_guard::keys::older_bucket_key(&target.key) {
+                deleted |= redis.delete(&older)?;
+            }
             // A blocking limit's block goes too: a reset makes the key whole.
             let unblocked = match target.limit.block_ms {
                 Some(_) => redis.delete(&redis_guard::keys::block_key(&target.key))?,

@@ -41,20 +41,18 @@ pub struct Raw {
     pub members: Option<i64>,
 }
 
-/// A token bucket's string (lua/token_bucket.lua: credits and the ms of the
-/// last update, two little-endian doubles) as the fields `c` and `t`, in
-/// figures an operator can read; anything else as it is.
+/// A token bucket's string (lua/token_bucket.lua) as the fields `c`
+/// (credits) and `t` (ms of the last update), in figures an operator can
+/// read; anything else as it is.
 fn bucket_fields(entries: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(Vec<u8>, Vec<u8>)> {
-    let double = |b: &[u8]| {
-        let mut d = [0u8; 8];
-        d.copy_from_slice(b);
-        format!("{}", f64::from_le_bytes(d)).into_bytes()
-    };
     match entries.as_slice() {
-        [(name, v)] if name.is_empty() && v.len() == 16 => vec![
-            (b"c".to_vec(), double(&v[..8])),
-            (b"t".to_vec(), double(&v[8..])),
-        ],
+        [(name, v)] if name.is_empty() => match redis_guard::keys::decode_bucket(v) {
+            Some((c, t)) => vec![
+                (b"c".to_vec(), c.to_string().into_bytes()),
+                (b"t".to_vec(), t.to_string().into_bytes()),
+            ],
+            None => entries,
+        },
         _ => entries,
     }
 }
@@ -180,6 +178,16 @@ impl Store {
         let mut raw = self.raw(&target.key)?;
         if let Algorithm::TokenBucket { .. } = target.limit.algorithm {
             raw.entries = bucket_fields(raw.entries);
+        }
+        // A bucket without its string is decided from an older filter's
+        // hash during a rolling upgrade: show the state the figures came from.
+        if raw.kind == "none" {
+            if let Some(older) = redis_guard::keys::older_bucket_key(&target.key) {
+                let hash = self.raw(&older)?;
+                if hash.kind != "none" {
+                    raw = hash;
+                }
+            }
         }
         Ok(Inspection {
             blocked_ms,
