@@ -52,7 +52,7 @@
 
 mod support;
 
-use support::script::{idem, request_argv, sw, tb, Idem, Limit};
+use support::script::{self, idem, request_argv, sw, tb, Idem, Limit};
 use support::{hash_fields, key_exists, key_pttl, read_bucket, redis_now_ms};
 
 use std::cell::{Cell, RefCell};
@@ -147,27 +147,7 @@ fn batch(con: &mut Connection, members: &[Request]) -> Vec<Vec<Value>> {
     let (keys, packed) = batch_args(members);
     let v = batch_raw(con, &keys, &[packed])
         .unwrap_or_else(|e| panic!("batch EVAL failed for {members:?}: {e}"));
-    split_batch_reply(v, members.len())
-}
-
-fn split_batch_reply(v: Value, m: usize) -> Vec<Vec<Value>> {
-    let Value::Array(items) = v else {
-        panic!("batch reply is not an array: {v:?}")
-    };
-    assert_eq!(int(&items[0]), m as i64, "member count in {items:?}");
-    let mut out = Vec::with_capacity(m);
-    let mut i = 1;
-    while i < items.len() {
-        let len = usize::try_from(int(&items[i])).unwrap();
-        assert!(
-            i + len < items.len(),
-            "member reply runs past the end: {items:?}"
-        );
-        out.push(items[i + 1..i + 1 + len].to_vec());
-        i += 1 + len;
-    }
-    assert_eq!(out.len(), m, "member replies in {items:?}");
-    out
+    script::split_batch_reply(v, members.len())
 }
 
 /// One EVAL of lua/ratelimit.lua for one request, the general way: an
@@ -1071,12 +1051,8 @@ fn a_batch_reads_and_writes_each_token_bucket_once_however_many_members_charge_i
     assert!(replies.iter().all(|r| r[0] == 1));
     // A bucket is one string: one GET reads it, one SET with PX writes it
     // and its TTL.
-    let calls: Vec<(&str, i64)> = ["get", "set", "hmget", "hset", "pexpire"]
-        .iter()
-        .map(|c| (*c, support::command_calls(&mut con, c)))
-        .collect();
     assert_eq!(
-        calls,
+        support::state_commands(&mut con),
         [
             ("get", 2),
             ("set", 2),

@@ -20,8 +20,8 @@
 mod support;
 
 use support::script::{
-    self, admits, at, cc, complete, fw, gcra, idem, one, rejects, sw, swc, tb, Decision, Held,
-    Limit, Reply, Verdict, BATCH_AT, CC_RENEW_AT, HOUR, MINUTE, SECOND, T0,
+    self, admits, at, batch_at, cc, complete, fw, gcra, idem, one, rejects, sw, swc, tb, Decision,
+    Held, Limit, Reply, Verdict, CC_RENEW_AT, HOUR, MINUTE, SECOND, T0,
 };
 use support::{
     assert_expires_in, assert_within, key_exists as exists, key_pttl as pttl, pexpiretime,
@@ -30,7 +30,7 @@ use support::{
 
 use std::collections::BTreeSet;
 
-use redis::{Connection, Value};
+use redis::Connection;
 use redis_guard::scripts::{Script, CC_RELEASE, RATELIMIT};
 
 // ---------------------------------------------------------------------------
@@ -1010,35 +1010,6 @@ fn a_renewal_or_release_with_a_bad_slot_or_bad_numbers_is_an_error_and_writes_no
 
 // ---------------------------------------------------------------------------
 // Batches, racing calls
-
-/// lua/batch.lua at `now` on the test clock, for unkeyed members: each
-/// member's decision.
-fn batch_at(con: &mut Connection, now: i64, members: &[Vec<Limit>]) -> Vec<Decision> {
-    let (keys, packed) = script::packed_batch(members);
-    script::set_clock(con, now);
-    let v: Value = script::eval(&BATCH_AT)
-        .arg(keys.len())
-        .arg(&keys)
-        .arg(&packed)
-        .query(con)
-        .unwrap_or_else(|e| panic!("batch at {now}: {e}"));
-    let Value::Array(items) = v else {
-        panic!("batch reply is not an array: {v:?}")
-    };
-    assert_eq!(items[0], Value::Int(members.len() as i64), "{items:?}");
-    let mut out = Vec::new();
-    let mut i = 1;
-    while i < items.len() {
-        let Value::Int(len) = items[i] else {
-            panic!("member length in {items:?}")
-        };
-        let len = usize::try_from(len).unwrap();
-        out.push(script::parse(Value::Array(items[i + 1..i + 1 + len].to_vec())).decision());
-        i += 1 + len;
-    }
-    assert_eq!(out.len(), members.len());
-    out
-}
 
 #[test]
 fn members_of_a_batch_see_each_others_slots_exactly() {

@@ -1269,14 +1269,10 @@ fn a_batch_reads_and_writes_each_key_of_the_new_kinds_once_however_many_members_
             "member {j}"
         );
     }
-    let calls: Vec<(&str, i64)> = ["get", "set", "hmget", "hset", "pexpire"]
-        .iter()
-        .map(|c| (*c, support::command_calls(&mut con, c)))
-        .collect();
     // GCRA and fixed window: one GET and one SET (with PX) each; the
     // counter: one HMGET, one HSET, one PEXPIRE.
     assert_eq!(
-        calls,
+        support::state_commands(&mut con),
         [
             ("get", 2),
             ("set", 2),
@@ -1304,22 +1300,7 @@ fn batch_kept(con: &mut Connection, now: i64, members: &[Vec<Limit>]) -> Vec<Dec
     let (keys, argv) = script::packed_batch(members);
     let mut call = script::eval(&BATCH_KEPT);
     call.arg(keys.len()).arg(&keys).arg(&argv);
-    let Value::Array(items) = kept(con, now, call) else {
-        panic!("batch reply is not an array")
-    };
-    assert_eq!(items[0], Value::Int(members.len() as i64), "{items:?}");
-    let mut out = Vec::new();
-    let mut i = 1;
-    while i < items.len() {
-        let Value::Int(len) = items[i] else {
-            panic!("member length in {items:?}")
-        };
-        let len = usize::try_from(len).unwrap();
-        out.push(script::parse(Value::Array(items[i + 1..i + 1 + len].to_vec())).decision());
-        i += 1 + len;
-    }
-    assert_eq!(out.len(), members.len());
-    out
+    script::batch_decisions(kept(con, now, call), members.len())
 }
 
 /// One limit of each kind with drawn parameters, small periods and windows

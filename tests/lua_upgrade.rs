@@ -10,15 +10,20 @@
 
 mod support;
 
-use redis::{Connection, Value};
-use support::script::{
-    self, admits, at, rejects, tb, Decision, Limit, Verdict, BATCH_AT, HOUR, T0,
+use redis::Connection;
+use support::script::{admits, batch_at, one, rejects, tb, Limit, Verdict, HOUR, T0};
+use support::{
+    command_calls, hash_fields, key_exists as exists, pexpiretime, read_bucket, write_bucket,
 };
-use support::{hash_fields, key_exists as exists, pexpiretime, read_bucket, write_bucket};
 
 /// A limit's key as the filter names it, under an algorithm signature.
 fn key(user: &str, signature: &str) -> String {
     format!("rg:rl:{{9f86d081884c7d65}}:per-user:{signature}:5:{user}")
+}
+
+/// The key of `user`'s bucket as the older filter named it.
+fn older_key(user: &str) -> String {
+    key(user, "tb.10.1.1000")
 }
 
 /// The bucket of 10 tokens, one back a second, as this filter names it.
@@ -26,23 +31,21 @@ fn bucket(user: &str) -> Limit {
     tb(&key(user, "tb2.10.1.1000"), 10, 1, 1000)
 }
 
-/// Writes the older filter's hash of `user`'s bucket: `credits` as of
-/// `t_ms` (one token is 1000 credits), expiring in an hour.
-fn older_hash(con: &mut Connection, user: &str, credits: i64, t_ms: i64) -> String {
-    let old = key(user, "tb.10.1.1000");
+/// Writes an older filter's hash at `key`: `credits` as of `t_ms` (one
+/// token is 1000 credits), expiring in an hour.
+fn older_hash(con: &mut Connection, key: &str, credits: i64, t_ms: i64) {
     redis::pipe()
         .cmd("HSET")
-        .arg(&old)
+        .arg(key)
         .arg("c")
         .arg(credits)
         .arg("t")
         .arg(t_ms)
         .cmd("PEXPIRE")
-        .arg(&old)
+        .arg(key)
         .arg(HOUR)
         .query::<()>(con)
         .unwrap();
-    old
 }
 
 /// The hash's fields and the instant it expires: what a write would change.
@@ -50,38 +53,25 @@ fn hash_state(con: &mut Connection, key: &str) -> (Vec<(String, String)>, i64) {
     (hash_fields(con, key), pexpiretime(con, key))
 }
 
-fn one(con: &mut Connection, now: i64, limit: &Limit) -> Verdict {
-    let d = at(con, now, std::slice::from_ref(limit));
-    assert_eq!(d.admitted, d.limits[0].allowed, "{d:?}");
-    d.limits[0]
+fn reset_stats(con: &mut Connection) {
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query::<()>(con)
+        .unwrap();
+}
+
+/// The fallback's reads since `reset_stats`: `PTTL`s and `HMGET`s (the
+/// test clock's shim adds `GET`s and `SET`s, so those are not counted).
+fn fallback_reads(con: &mut Connection) -> (i64, i64) {
+    (command_calls(con, "pttl"), command_calls(con, "hmget"))
 }
 
 /// lua/batch.lua at `now` for one-limit members: each member's verdict.
-fn batch_at(con: &mut Connection, now: i64, members: &[Limit]) -> Vec<Verdict> {
+fn batch_verdicts(con: &mut Connection, now: i64, members: &[Limit]) -> Vec<Verdict> {
     let members: Vec<Vec<Limit>> = members.iter().map(|l| vec![l.clone()]).collect();
-    let (keys, packed) = script::packed_batch(&members);
-    script::set_clock(con, now);
-    let v: Vec<i64> = script::eval(&BATCH_AT)
-        .arg(keys.len())
-        .arg(&keys)
-        .arg(&packed)
-        .query(con)
-        .unwrap_or_else(|e| panic!("batch at {now}: {e}"));
-    // [M, then per member: 5, verdict, allowed, remaining, retry, reset].
-    assert_eq!(v.len(), 1 + 6 * members.len(), "{v:?}");
-    v[1..]
-        .chunks(6)
-        .map(|m| {
-            assert_eq!(m[0], 5, "{v:?}");
-            let d = Decision {
-                admitted: m[1] == 1,
-                limits: vec![Verdict {
-                    allowed: m[2] == 1,
-                    remaining: m[3],
-                    retry_ms: m[4],
-                    reset_ms: m[5],
-                }],
-            };
+    batch_at(con, now, &members)
+        .into_iter()
+        .map(|d| {
             assert_eq!(d.admitted, d.limits[0].allowed, "{d:?}");
             d.limits[0]
         })
@@ -92,7 +82,8 @@ fn batch_at(con: &mut Connection, now: i64, members: &[Limit]) -> Vec<Verdict> {
 fn a_bucket_an_older_filter_spent_is_read_from_its_hash_and_the_hash_is_never_written() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     // 2.5 tokens at T0; 100 ms later 2.6.
-    let old = older_hash(&mut con, "ann", 2500, T0);
+    let old = older_key("ann");
+    older_hash(&mut con, &old, 2500, T0);
     let before = hash_state(&mut con, &old);
     let limit = bucket("ann");
 
@@ -114,7 +105,7 @@ fn a_bucket_an_older_filter_spent_is_read_from_its_hash_and_the_hash_is_never_wr
         "the hash is never written"
     );
     // From then on the string decides, whatever the hash holds.
-    older_hash(&mut con, "ann", 10_000, T0);
+    older_hash(&mut con, &old, 10_000, T0);
     let before = hash_state(&mut con, &old);
     assert_eq!(
         one(&mut con, T0 + 100, &limit.clone().cost(1)),
@@ -130,13 +121,15 @@ fn a_bucket_an_older_filter_spent_is_read_from_its_hash_and_the_hash_is_never_wr
 #[test]
 fn a_batch_reads_the_older_hash_once_and_charges_its_members_in_turn() {
     let (_redis, mut con) = support::Redis::start_with_conn();
-    older_hash(&mut con, "bob", 4000, T0);
+    older_hash(&mut con, &older_key("bob"), 4000, T0);
     let limit = bucket("bob").cost(2);
-    let verdicts = batch_at(&mut con, T0, &[limit.clone(), limit.clone(), limit.clone()]);
+    reset_stats(&mut con);
+    let verdicts = batch_verdicts(&mut con, T0, &[limit.clone(), limit.clone(), limit.clone()]);
     assert_eq!(
         verdicts,
         [admits(2, 8000), admits(0, 10_000), rejects(0, 2000)]
     );
+    assert_eq!(fallback_reads(&mut con), (1, 1), "PTTL and HMGET once");
     assert_eq!(read_bucket(&mut con, &limit.key), Some((0, T0)));
 }
 
@@ -145,29 +138,21 @@ fn a_full_bucket_is_full_whatever_names_a_hash_it_does_not_derive() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     // A spent hash under another limit name, another user, and a key not in
     // the filter's layout: none of them is this bucket's older hash.
-    older_hash(&mut con, "cat", 0, T0);
-    let other = key("dan", "tb.10.1.1000").replace("per-user", "per-key");
-    write_hash(&mut con, &other);
+    older_hash(&mut con, &older_key("cat"), 0, T0);
+    let other = older_key("dan").replace("per-user", "per-key");
+    older_hash(&mut con, &other, 0, T0);
     let plain = tb("plain:tb2.10.1.1000", 10, 1, 1000);
-    write_hash(&mut con, "plain:tb.10.1.1000");
+    older_hash(&mut con, "plain:tb.10.1.1000", 0, T0);
+    reset_stats(&mut con);
     for limit in [bucket("dan"), plain] {
         assert_eq!(one(&mut con, T0, &limit), admits(9, 1000), "{}", limit.key);
     }
+    // The bucket in the layout looked for its hash (PTTL) and, finding
+    // none, read nothing more; the other derives no key to look for.
+    assert_eq!(fallback_reads(&mut con), (1, 0));
     // And a string this filter wrote is read as it is: 1.5 tokens.
     let limit = bucket("eve");
     write_bucket(&mut con, &limit.key, 1500, T0);
-    older_hash(&mut con, "eve", 10_000, T0);
+    older_hash(&mut con, &older_key("eve"), 10_000, T0);
     assert_eq!(one(&mut con, T0, &limit.clone().cost(2)), rejects(1, 500));
-}
-
-/// A spent bucket's hash at `key` (no credits as of T0).
-fn write_hash(con: &mut Connection, key: &str) {
-    let _: Value = redis::cmd("HSET")
-        .arg(key)
-        .arg("c")
-        .arg(0)
-        .arg("t")
-        .arg(T0)
-        .query(con)
-        .unwrap();
 }

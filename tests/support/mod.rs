@@ -932,7 +932,16 @@ pub fn cli_json(bin: &str, stack: &Stack, config: &Path, args: &[&str]) -> serde
     serde_json::from_str(&stdout).unwrap()
 }
 
-/// How many script calls (EVALSHA and EVAL) Redis ran (INFO commandstats).
+/// The state commands scripts call (`GET`/`SET`: strings, `HMGET`/`HSET`/
+/// `PEXPIRE`: hashes), each with its calls since the last `CONFIG
+/// RESETSTAT`: what a test of a script's reads and writes counts.
+pub fn state_commands(con: &mut redis::Connection) -> Vec<(&'static str, i64)> {
+    ["get", "set", "hmget", "hset", "pexpire"]
+        .into_iter()
+        .map(|c| (c, command_calls(con, c)))
+        .collect()
+}
+
 /// How many times Redis ran `command` (lower-case, e.g. `evalsha`) since
 /// its stats were last reset (INFO commandstats; 0 if never).
 pub fn command_calls(con: &mut redis::Connection, command: &str) -> i64 {
@@ -942,18 +951,14 @@ pub fn command_calls(con: &mut redis::Connection, command: &str) -> i64 {
         .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
 }
 
+/// How many script calls (every EVAL and EVALSHA form) Redis ran.
 pub fn scripts_run(redis: &Redis) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut redis.conn())
-        .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_eval"))
-        .map(|l| {
-            let calls = l.split("calls=").nth(1).unwrap().split(',').next().unwrap();
-            calls.parse::<u64>().unwrap()
-        })
-        .sum()
+    let mut con = redis.conn();
+    let calls: i64 = ["eval", "evalsha", "eval_ro", "evalsha_ro"]
+        .iter()
+        .map(|c| command_calls(&mut con, c))
+        .sum();
+    u64::try_from(calls).unwrap()
 }
 
 /// A GET of `path` from `source` (a loopback address: Linux routes all of
@@ -1362,15 +1367,12 @@ pub fn slots_held(con: &mut redis::Connection, name: &str) -> u64 {
 /// A token bucket's stored `(credits, t)`, or `None` if the key is absent.
 pub fn read_bucket(con: &mut redis::Connection, key: &str) -> Option<(i64, i64)> {
     let state = bucket_bytes(con, key)?;
-    assert_eq!(state.len(), 16, "bucket {key} holds {state:?}");
-    let double = |at: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&state[at..at + 8]);
-        let v = f64::from_le_bytes(b);
+    let (c, t) = redis_guard::keys::decode_bucket(&state)
+        .unwrap_or_else(|| panic!("bucket {key} holds {state:?}"));
+    for v in [c, t] {
         assert_eq!(v.fract(), 0.0, "bucket {key}: {v} is not a whole number");
-        v as i64
-    };
-    Some((double(0), double(8)))
+    }
+    Some((c as i64, t as i64))
 }
 
 /// Asserts the token bucket at `key` holds less than one token (`period`

@@ -368,6 +368,54 @@ pub fn packed_batch(members: &[Vec<Limit>]) -> (Vec<Vec<u8>>, Vec<u8>) {
     packed(&members)
 }
 
+/// lua/batch.lua at `now` on the test clock, for unkeyed members: each
+/// member's decision.
+pub fn batch_at(con: &mut Connection, now: i64, members: &[Vec<Limit>]) -> Vec<Decision> {
+    let (keys, packed) = packed_batch(members);
+    set_clock(con, now);
+    let v: Value = eval(&BATCH_AT)
+        .arg(keys.len())
+        .arg(&keys)
+        .arg(&packed)
+        .query(con)
+        .unwrap_or_else(|e| panic!("batch at {now}: {e}"));
+    batch_decisions(v, members.len())
+}
+
+/// A batch's reply, `[M, len_1, reply_1..., len_2, reply_2...]`, as each
+/// member's reply (asserting that framing).
+pub fn split_batch_reply(v: Value, m: usize) -> Vec<Vec<Value>> {
+    let Value::Array(items) = v else {
+        panic!("batch reply is not an array: {v:?}")
+    };
+    let int = |v: &Value| match v {
+        Value::Int(n) => *n,
+        other => panic!("not an integer: {other:?} in {items:?}"),
+    };
+    assert_eq!(int(&items[0]), m as i64, "member count in {items:?}");
+    let mut out = Vec::with_capacity(m);
+    let mut i = 1;
+    while i < items.len() {
+        let len = usize::try_from(int(&items[i])).unwrap();
+        assert!(
+            i + len < items.len(),
+            "member reply runs past the end: {items:?}"
+        );
+        out.push(items[i + 1..i + 1 + len].to_vec());
+        i += 1 + len;
+    }
+    assert_eq!(out.len(), m, "member replies in {items:?}");
+    out
+}
+
+/// A batch's reply as each member's decision (verdicts 1 and 0 only).
+pub fn batch_decisions(v: Value, m: usize) -> Vec<Decision> {
+    split_batch_reply(v, m)
+        .into_iter()
+        .map(|reply| parse(Value::Array(reply)).decision())
+        .collect()
+}
+
 /// lua/batch.lua run (EVAL) on a packed batch: its flat reply as integers.
 pub fn batch_flat(con: &mut Connection, (keys, body): (Vec<Vec<u8>>, Vec<u8>)) -> Vec<i64> {
     let v: Value = eval(&BATCH)
