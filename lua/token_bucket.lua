@@ -53,11 +53,13 @@ local function tb_check(key, capacity, refill, period, cost)
   local seen = tb_seen[key]
   if seen == nil then
     local state = redis.call('GET', key)
-    if state then
+    if state and #state == 16 then
+      local c, t = struct.unpack('<dd', state)
+      seen = { c = c, t = t }
+    elseif state then
+      -- Not a string this layout writes: as a missing bucket (full), as a
+      -- hash with unreadable fields was before it.
       seen = {}
-      if #state == 16 then
-        seen.c, seen.t = struct.unpack('<dd', state)
-      end
     else
       -- PTTL first: on a missing key it answers without the table HMGET
       -- builds, at half the cost, and a missing hash is the common case

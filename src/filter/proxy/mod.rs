@@ -511,7 +511,10 @@ impl RootContext for Root {
                 timeout,
             ) {
                 Ok(token) => {
-                    shared.note_sent(token, now, timeout, nonce);
+                    // Read afresh as the call leaves, as every call's is
+                    // (clock.rs): `now` is the tick's start, before the
+                    // batches and deferred calls above went out.
+                    shared.note_sent(token, host_now(), timeout, nonce);
                     if let Ok(mut inflight) = shared.prefetches.try_borrow_mut() {
                         inflight.insert(token, note);
                     }
