@@ -91,19 +91,21 @@ pub fn block_key(state_key: &[u8]) -> Vec<u8> {
     }
 }
 
+/// Where `pat` first occurs in `key` at or after `from`.
+fn find_from(key: &[u8], from: usize, pat: &[u8]) -> Option<usize> {
+    key.get(from..)?
+        .windows(pat.len())
+        .position(|w| w == pat)
+        .map(|i| i + from)
+}
+
 /// The override key of a limit's state key `<prefix>:rl:{<tag>}:<name>:
 /// <signature>:<descriptor>`: `<prefix>:ov:{<tag>}:<name>:<descriptor>`,
 /// without the signature, so an override outlives a change of the limit's
 /// configured numbers (lua/decide.lua override_key() derives it the same
 /// way). `None` for a key not in that layout.
 pub fn override_key(state_key: &[u8]) -> Option<Vec<u8>> {
-    let find = |from: usize, pat: &[u8]| {
-        state_key
-            .get(from..)?
-            .windows(pat.len())
-            .position(|w| w == pat)
-            .map(|i| i + from)
-    };
+    let find = |from: usize, pat: &[u8]| find_from(state_key, from, pat);
     let s = find(0, b":rl:{")?;
     let t = find(s + 5, b"}:")?;
     let n = find(t + 2, b":")?;
@@ -126,13 +128,7 @@ pub fn override_key(state_key: &[u8]) -> Option<Vec<u8>> {
 /// so a reset deletes it too). `None` for a key not in the layout or not a
 /// token bucket's.
 pub fn older_bucket_key(state_key: &[u8]) -> Option<Vec<u8>> {
-    let find = |from: usize, pat: &[u8]| {
-        state_key
-            .get(from..)?
-            .windows(pat.len())
-            .position(|w| w == pat)
-            .map(|i| i + from)
-    };
+    let find = |from: usize, pat: &[u8]| find_from(state_key, from, pat);
     let t = find(0, b"}:")?;
     let n = find(t + 2, b":")?;
     let signature = state_key.get(n + 1..)?;

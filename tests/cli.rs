@@ -79,6 +79,25 @@ fn inspect(config: &Path, url: &str, limit: &str, user: &str) -> Value {
     json_of(&out)
 }
 
+/// `reset --yes` of the `tb` limit for `user`: its JSON report.
+fn reset_tb(config: &Path, url: &str, user: &str) -> Value {
+    let out = run(&[
+        "reset",
+        "--config",
+        config.to_str().unwrap(),
+        "--limit",
+        "tb",
+        "--value",
+        &format!("x-user={user}"),
+        "--redis",
+        url,
+        "--yes",
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "reset tb for {user}");
+    json_of(&out)
+}
+
 fn header_u64(resp: &Resp, name: &str) -> u64 {
     resp.header(name)
         .unwrap_or_else(|| panic!("no {name}: {resp:?}"))
@@ -347,21 +366,7 @@ fn reset_restores_the_budget_only_when_confirmed() {
         );
     }
     // A reset of a limit with no state says so.
-    let out = run(&[
-        "reset",
-        "--config",
-        config.to_str().unwrap(),
-        "--limit",
-        "tb",
-        "--value",
-        "x-user=nobody",
-        "--redis",
-        &url,
-        "--yes",
-        "--json",
-    ]);
-    assert_eq!(code(&out), 0);
-    assert_eq!(json_of(&out)["deleted"], false);
+    assert_eq!(reset_tb(&config, &url, "nobody")["deleted"], false);
 
     // A bucket an older filter spent (a hash under `tb.`, which the scripts
     // read for a bucket without its string during a rolling upgrade):
@@ -371,44 +376,18 @@ fn reset_restores_the_budget_only_when_confirmed() {
         .unwrap()
         .to_string();
     let older = redis_guard::keys::older_bucket_key(state_key.as_bytes()).unwrap();
+    let older = String::from_utf8(older).unwrap();
     let mut con = stack.redis.conn();
     let now = support::redis_now_ms(&mut con);
-    redis::pipe()
-        .cmd("HSET")
-        .arg(&older)
-        .arg("c")
-        .arg(0)
-        .arg("t")
-        .arg(now)
-        .cmd("PEXPIRE")
-        .arg(&older)
-        .arg(3_600_000)
-        .query::<()>(&mut con)
-        .unwrap();
+    support::write_older_bucket(&mut con, &older, 0, now);
     let spent = inspect(&config, &url, "tb", "dave");
     assert_eq!(
         (spent["remaining"].clone(), spent["state"]["type"].clone()),
         (0.into(), "hash".into()),
         "{spent}"
     );
-    let out = run(&[
-        "reset",
-        "--config",
-        config.to_str().unwrap(),
-        "--limit",
-        "tb",
-        "--value",
-        "x-user=dave",
-        "--redis",
-        &url,
-        "--yes",
-        "--json",
-    ]);
-    assert_eq!(json_of(&out)["deleted"], true);
-    assert!(!support::key_exists(
-        &mut con,
-        &String::from_utf8(older).unwrap()
-    ));
+    assert_eq!(reset_tb(&config, &url, "dave")["deleted"], true);
+    assert!(!support::key_exists(&mut con, &older));
     assert_eq!(inspect(&config, &url, "tb", "dave")["remaining"], 5);
 }
 

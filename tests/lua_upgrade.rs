@@ -11,9 +11,10 @@
 mod support;
 
 use redis::Connection;
-use support::script::{admits, batch_at, one, rejects, tb, Limit, Verdict, HOUR, T0};
+use support::script::{admits, batch_at, one, rejects, tb, Limit, Verdict, T0};
 use support::{
     command_calls, hash_fields, key_exists as exists, pexpiretime, read_bucket, write_bucket,
+    write_older_bucket,
 };
 
 /// A limit's key as the filter names it, under an algorithm signature.
@@ -29,23 +30,6 @@ fn older_key(user: &str) -> String {
 /// The bucket of 10 tokens, one back a second, as this filter names it.
 fn bucket(user: &str) -> Limit {
     tb(&key(user, "tb2.10.1.1000"), 10, 1, 1000)
-}
-
-/// Writes an older filter's hash at `key`: `credits` as of `t_ms` (one
-/// token is 1000 credits), expiring in an hour.
-fn older_hash(con: &mut Connection, key: &str, credits: i64, t_ms: i64) {
-    redis::pipe()
-        .cmd("HSET")
-        .arg(key)
-        .arg("c")
-        .arg(credits)
-        .arg("t")
-        .arg(t_ms)
-        .cmd("PEXPIRE")
-        .arg(key)
-        .arg(HOUR)
-        .query::<()>(con)
-        .unwrap();
 }
 
 /// The hash's fields and the instant it expires: what a write would change.
@@ -83,7 +67,7 @@ fn a_bucket_an_older_filter_spent_is_read_from_its_hash_and_the_hash_is_never_wr
     let (_redis, mut con) = support::Redis::start_with_conn();
     // 2.5 tokens at T0; 100 ms later 2.6.
     let old = older_key("ann");
-    older_hash(&mut con, &old, 2500, T0);
+    write_older_bucket(&mut con, &old, 2500, T0);
     let before = hash_state(&mut con, &old);
     let limit = bucket("ann");
 
@@ -105,7 +89,7 @@ fn a_bucket_an_older_filter_spent_is_read_from_its_hash_and_the_hash_is_never_wr
         "the hash is never written"
     );
     // From then on the string decides, whatever the hash holds.
-    older_hash(&mut con, &old, 10_000, T0);
+    write_older_bucket(&mut con, &old, 10_000, T0);
     let before = hash_state(&mut con, &old);
     assert_eq!(
         one(&mut con, T0 + 100, &limit.clone().cost(1)),
@@ -121,7 +105,7 @@ fn a_bucket_an_older_filter_spent_is_read_from_its_hash_and_the_hash_is_never_wr
 #[test]
 fn a_batch_reads_the_older_hash_once_and_charges_its_members_in_turn() {
     let (_redis, mut con) = support::Redis::start_with_conn();
-    older_hash(&mut con, &older_key("bob"), 4000, T0);
+    write_older_bucket(&mut con, &older_key("bob"), 4000, T0);
     let limit = bucket("bob").cost(2);
     reset_stats(&mut con);
     let verdicts = batch_verdicts(&mut con, T0, &[limit.clone(), limit.clone(), limit.clone()]);
@@ -138,11 +122,11 @@ fn a_full_bucket_is_full_whatever_names_a_hash_it_does_not_derive() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     // A spent hash under another limit name, another user, and a key not in
     // the filter's layout: none of them is this bucket's older hash.
-    older_hash(&mut con, &older_key("cat"), 0, T0);
+    write_older_bucket(&mut con, &older_key("cat"), 0, T0);
     let other = older_key("dan").replace("per-user", "per-key");
-    older_hash(&mut con, &other, 0, T0);
+    write_older_bucket(&mut con, &other, 0, T0);
     let plain = tb("plain:tb2.10.1.1000", 10, 1, 1000);
-    older_hash(&mut con, "plain:tb.10.1.1000", 0, T0);
+    write_older_bucket(&mut con, "plain:tb.10.1.1000", 0, T0);
     reset_stats(&mut con);
     for limit in [bucket("dan"), plain] {
         assert_eq!(one(&mut con, T0, &limit), admits(9, 1000), "{}", limit.key);
@@ -153,6 +137,6 @@ fn a_full_bucket_is_full_whatever_names_a_hash_it_does_not_derive() {
     // And a string this filter wrote is read as it is: 1.5 tokens.
     let limit = bucket("eve");
     write_bucket(&mut con, &limit.key, 1500, T0);
-    older_hash(&mut con, &older_key("eve"), 10_000, T0);
+    write_older_bucket(&mut con, &older_key("eve"), 10_000, T0);
     assert_eq!(one(&mut con, T0, &limit.clone().cost(2)), rejects(1, 500));
 }

@@ -1352,6 +1352,23 @@ pub fn write_bucket(con: &mut redis::Connection, key: &str, credits: i64, t_ms: 
         .unwrap();
 }
 
+/// Writes a token bucket as a filter before its one-string state kept it: a
+/// hash at `key` (`c` credits, `t` ms), expiring in an hour.
+pub fn write_older_bucket(con: &mut redis::Connection, key: &str, credits: i64, t_ms: i64) {
+    redis::pipe()
+        .cmd("HSET")
+        .arg(key)
+        .arg("c")
+        .arg(credits)
+        .arg("t")
+        .arg(t_ms)
+        .cmd("PEXPIRE")
+        .arg(key)
+        .arg(3_600_000)
+        .query::<()>(con)
+        .unwrap();
+}
+
 /// Concurrency slots held in Redis under limit `name`: every key of it, a
 /// ZCARD each (no key: none held).
 pub fn slots_held(con: &mut redis::Connection, name: &str) -> u64 {
