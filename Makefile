@@ -256,6 +256,21 @@ bench-deps: envoy-dep
 schema:
 	REDIS_GUARD_WRITE_SCHEMA=1 cargo test --test config_schema committed_schema
 
+# The book (docs/, mdBook) into docs/book/. mdbook is pinned and installed from
+# crates.io into target/tools/ the first time (build and search only: no
+# serve or watch), and a warning fails the build as an error does.
+# tests/docs_check.rs (make test) checks the pages' links and examples.
+MDBOOK_VERSION := 0.5.4
+MDBOOK         := target/tools/bin/mdbook
+.PHONY: docs
+docs: rust-deps
+	@$(MDBOOK) --version 2>/dev/null | grep -qx 'mdbook v$(MDBOOK_VERSION)' || \
+	  cargo install --locked --version $(MDBOOK_VERSION) --no-default-features --features search \
+	    --root target/tools mdbook
+	@out=$$($(MDBOOK) build docs 2>&1); status=$$?; echo "$$out"; \
+	  if [ $$status -ne 0 ] || echo "$$out" | grep -q 'WARN\|ERROR'; then \
+	    echo "make docs: mdbook failed or warned"; exit 1; fi
+
 clean:
 	cargo clean
 	rm -rf $(VENV) .venv-matrix .stack

@@ -1,4 +1,4 @@
-//! The README's *Recipes*, each the file in envoy/recipes/ it quotes, through
+//! The book's *Recipes* (docs/src/using/recipes.md), each the file in envoy/recipes/ it quotes, through
 //! real Envoys, Redis and Webdis: payment throttling with declines counted
 //! and blocked, partner webhooks per mTLS identity counting only the
 //! receiver's failures, and a public API's free and paid tiers by JWT claim
@@ -15,8 +15,8 @@ use support::probe::poll;
 use support::*;
 
 #[test]
-fn every_recipe_parses_and_the_readme_quotes_each_verbatim() {
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+fn every_recipe_parses_and_the_book_quotes_each_verbatim() {
+    let readme = std::fs::read_to_string(root().join("docs/src/using/recipes.md")).unwrap();
     for name in ["login", "payments", "webhooks", "tiers"] {
         let config = filter_config(1000).recipe(name).build();
         redis_guard::config::Config::parse(config.as_bytes())
@@ -25,7 +25,7 @@ fn every_recipe_parses_and_the_readme_quotes_each_verbatim() {
             std::fs::read_to_string(root().join(format!("envoy/recipes/{name}.json"))).unwrap();
         assert!(
             readme.contains(text.trim_end()),
-            "README's Recipes must quote envoy/recipes/{name}.json as it is"
+            "the book's Recipes (docs/src/using/recipes.md) must quote envoy/recipes/{name}.json as it is"
         );
     }
 }
