@@ -241,6 +241,20 @@ bench: deps build bench-deps
 bench-tier: deps cli bench-deps
 	$(VENV)/bin/python envoy/bench_tier.py $(BENCH_TIER_ARGS)
 
+# redis-guard side by side with Kuadrant's Limitador (envoy/peers/README.md):
+# A no filter, B wasm-shim and C Envoy's ratelimit filter (each -> Limitador
+# -> Redis), redis-guard's R1 R3 R2 X, in one alternating run, every Envoy
+# logging the same JSON access line. PEERS_SRC: a directory with the sources
+# of the five repositories envoy/peers/sources.txt pins (envoy/peers/extract.sh
+# unpacks them), built under target/bench-peers/build (limitador-server takes
+# ~20 min of 2 cores the first time). Writes target/bench-peers/ and its
+# region of BENCHMARKS.md. Not part of make test.
+.PHONY: bench-peers
+PEERS_SRC ?=
+bench-peers: deps build bench-deps
+	bash envoy/peers/build.sh "$(PEERS_SRC)" target/bench-peers/build
+	$(VENV)/bin/python envoy/peers/bench_peers.py $(BENCH_PEERS_ARGS)
+
 # wrk (Debian) drives the load; PyYAML removes the filter from envoy.yaml for
 # the baseline; matplotlib draws target/bench/latency.png.
 bench-deps: envoy-dep
