@@ -6,6 +6,7 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::algorithm::Algorithm;
 use super::block::{compile_block, RawBlock};
 use super::matcher::{compile_match, Matcher, RawMatch};
 use super::overrides::{compile_overrides, Overrides, RawOverrides};
@@ -221,111 +222,6 @@ struct RawCostHeader {
     name: String,
     #[schemars(range(min = 1))]
     max: u64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Algorithm {
-    TokenBucket {
-        capacity: u64,
-        refill: u64,
-        period_ms: u64,
-    },
-    SlidingWindow {
-        limit: u64,
-        window_ms: u64,
-    },
-    Gcra {
-        rate: u64,
-        period_ms: u64,
-        burst: u64,
-    },
-    FixedWindow {
-        limit: u64,
-        window_ms: u64,
-    },
-    SlidingWindowCounter {
-        limit: u64,
-        window_ms: u64,
-    },
-    Concurrency {
-        max: u64,
-        lease_ms: u64,
-    },
-}
-
-impl Algorithm {
-    /// The most units one request may spend.
-    pub fn quota(&self) -> u64 {
-        match *self {
-            Algorithm::TokenBucket { capacity, .. } => capacity,
-            Algorithm::Gcra { burst, .. } => burst,
-            Algorithm::Concurrency { max, .. } => max,
-            Algorithm::SlidingWindow { limit, .. }
-            | Algorithm::FixedWindow { limit, .. }
-            | Algorithm::SlidingWindowCounter { limit, .. } => limit,
-        }
-    }
-
-    /// The policy window in ms: for a token bucket and GCRA, the time to
-    /// refill from empty; for the window kinds, the window; none (0) for a
-    /// concurrency limit, whose capacity comes back when requests end.
-    pub fn window_ms(&self) -> u64 {
-        match *self {
-            Algorithm::TokenBucket {
-                capacity,
-                refill,
-                period_ms,
-            } => (capacity * period_ms).div_ceil(refill),
-            Algorithm::Gcra {
-                rate,
-                period_ms,
-                burst,
-            } => (burst * period_ms).div_ceil(rate),
-            Algorithm::SlidingWindow { window_ms, .. }
-            | Algorithm::FixedWindow { window_ms, .. }
-            | Algorithm::SlidingWindowCounter { window_ms, .. } => window_ms,
-            Algorithm::Concurrency { .. } => 0,
-        }
-    }
-
-    /// The kind's code in the scripts' arguments (lua/ratelimit.lua) and in
-    /// a stored override's text.
-    pub fn code(&self) -> &'static str {
-        match self {
-            Algorithm::TokenBucket { .. } => "tb",
-            Algorithm::SlidingWindow { .. } => "sw",
-            Algorithm::Gcra { .. } => "gcra",
-            Algorithm::FixedWindow { .. } => "fw",
-            Algorithm::SlidingWindowCounter { .. } => "swc",
-            Algorithm::Concurrency { .. } => "cc",
-        }
-    }
-
-    /// The key segment naming the algorithm and every parameter that shapes
-    /// its stored state, so a changed limit starts from a fresh key instead of
-    /// reading a state written under other parameters.
-    pub fn signature(&self) -> String {
-        match *self {
-            Algorithm::TokenBucket {
-                capacity,
-                refill,
-                period_ms,
-            } => format!("tb2.{capacity}.{refill}.{period_ms}"),
-            Algorithm::SlidingWindow { limit, window_ms } => format!("sw.{limit}.{window_ms}"),
-            Algorithm::Gcra {
-                rate,
-                period_ms,
-                burst,
-            } => format!("gcra.{rate}.{period_ms}.{burst}"),
-            Algorithm::FixedWindow { limit, window_ms } => format!("fw.{limit}.{window_ms}"),
-            Algorithm::SlidingWindowCounter { limit, window_ms } => {
-                format!("swc.{limit}.{window_ms}")
-            }
-            // The slots held are the same whatever the max or the lease:
-            // a changed limit keeps counting the requests in flight.
-            Algorithm::Concurrency { .. } => "cc".to_string(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
