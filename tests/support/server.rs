@@ -67,3 +67,23 @@ pub fn binary() -> PathBuf {
     })
     .clone()
 }
+
+/// Whether an error reply (its leading `-` optional) says the server's ACL
+/// refused the call: NOPERM before a script runs, or, from inside a script,
+/// an ERR saying the same (CONFIG and ACL are refused to every script,
+/// whoever runs it). Each server words a script's refusals its own way, and
+/// only its own wording is taken.
+pub fn refused_by_acl(reply: &str) -> bool {
+    let reply = reply.trim_start_matches('-');
+    let in_script: &[&str] = match server() {
+        Server::Redis => &[
+            "ERR The user executing the script can't",
+            "ERR This Redis command is not allowed from script",
+        ],
+        Server::Valkey => &[
+            "ERR ACL failure in script: ",
+            "ERR This Valkey command is not allowed from script",
+        ],
+    };
+    reply.starts_with("NOPERM") || in_script.iter().any(|w| reply.starts_with(w))
+}
