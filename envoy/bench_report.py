@@ -281,7 +281,7 @@ def goals_section(res):
 
 # The limit kinds side by side: (b) and (n) exist before issue 14's kinds.
 KINDS = [
-    ("b", "token bucket", "exact", "token bucket (hash)"),
+    ("b", "token bucket", "exact", "token bucket (string, 16 bytes since 8834325)"),
     ("n", "sliding-window log", "exact", "sliding window, 1000 member(s) (sorted set)"),
     ("k", "GCRA", "exact", "GCRA (string)"),
     ("l", "fixed window", "exact per aligned window; up to 2× the limit across an edge",

@@ -235,7 +235,7 @@ class Tier:
         CPU for 100 ms: every call wrk left in flight has been answered and
         its reply written. Webdis 0.1.9 writes the reply of a call whose HTTP
         client hung up to that client's file descriptor, which a connection
-        opened since may have been given (README, *Failure modes*), so the
+        opened since may have been given (the book, Running it: When things fail), so the
         probe below must not overlap them."""
         deadline = time.monotonic() + limit_s
         last = None
@@ -253,7 +253,7 @@ class Tier:
         """One call by hand: its reply is a verdict that admits every member.
         The call carries a nonce, as the filter's do (lua/nonce.lua): Webdis
         0.1.9 can answer a new connection with a reply meant for a client that
-        hung up (README, *When things fail*), even once Redis is quiet, so a
+        hung up (the book, Running it: When things fail), even once Redis is quiet, so a
         reply without it is not this call's and the call is sent again, on
         an empty Redis (the lost call ran: a keyed one took its lock)."""
         data = calls_file.read_bytes()
