@@ -1090,6 +1090,35 @@ fn each_new_kind_keeps_one_small_key_per_limit() {
     );
 }
 
+/// The token bucket's state as the docs give it (docs/src/using/limits.md,
+/// the kinds' table): "one string: credits and last update (ms), two
+/// little-endian doubles; 136 bytes", the bytes being `MEMORY USAGE` on
+/// Redis 7.0.15 with a key name of 56 bytes.
+#[test]
+fn a_token_bucket_is_sixteen_bytes_of_two_doubles_and_its_key_136_bytes_on_redis() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let key = "rg:rl:{9f86d081884c7d65}:per-user:tb2.100.10.1000:4:anna";
+    assert_eq!(key.len(), 56);
+    let now = T0 + 15 * SECOND;
+    assert!(one(&mut con, now, &tb(key, 100, 10, SECOND)).allowed);
+    let value: Vec<u8> = redis::cmd("GET").arg(key).query(&mut con).unwrap();
+    assert_eq!(value.len(), 16, "two doubles: {value:?}");
+    let double = |b: &[u8]| f64::from_le_bytes(b.try_into().unwrap());
+    // 100 tokens of 1000 credits, one spent, at the call's instant.
+    assert_eq!(
+        (double(&value[..8]), double(&value[8..])),
+        (99_000.0, now as f64)
+    );
+    // The key's whole cost: the docs' figure on Redis; Valkey 9.1.2 (libc
+    // malloc, the key inside the value's object) keeps it in one
+    // allocation of 104.
+    let want = match support::server::server() {
+        support::server::Server::Redis => 136,
+        support::server::Server::Valkey => 104,
+    };
+    assert_eq!(memory_usage(&mut con, key), want);
+}
+
 // ---------------------------------------------------------------------------
 // All or nothing, shadow limits
 
