@@ -248,7 +248,7 @@ bench: deps build bench-deps
 # The shared tier's capacity (envoy/bench_tier.py): the calls the filter
 # sends, written by the CLI's `wire`, straight at Webdis and Redis. Writes
 # target/bench-tier/ and its section of BENCHMARKS.md. Not part of make test.
-bench-tier: deps cli bench-deps
+bench-tier: deps cli bench-deps valkey-dep
 	$(VENV)/bin/python envoy/bench_tier.py $(BENCH_TIER_ARGS)
 
 # redis-guard side by side with Kuadrant's Limitador (envoy/peers/README.md):

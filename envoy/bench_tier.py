@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench as B  # noqa: E402  (the stack helpers: spawn, ports, Redis client)
 import bench_tier_cluster  # noqa: E402
 import bench_tier_profile  # noqa: E402
+import bench_tier_valkey  # noqa: E402
 
 OUT = B.ROOT / "target" / "bench-tier"
 CLI = B.ROOT / "target" / "release" / "redis-guard"
@@ -144,10 +145,10 @@ def write_calls(case, calls):
 
 
 class Tier:
-    def __init__(self):
+    def __init__(self, server="redis-server"):
         self.redis_port, self.webdis_port = B.free_ports(2)
-        self.redis = B.spawn("redis-server", [
-            "redis-server", "--port", str(self.redis_port), "--bind", B.HOST, "--save", "",
+        self.redis = B.spawn(Path(server).name, [
+            server, "--port", str(self.redis_port), "--bind", B.HOST, "--save", "",
             "--appendonly", "no", "--dir", str(B.RUN), "--logfile", str(B.RUN / "tier-redis.log"),
             "--daemonize", "no"], B.RUN / "tier-redis.out")
         if not B.wait_port(self.redis, self.redis_port):
@@ -374,6 +375,7 @@ def markdown(res):
         lines.append(f"| 3-master cluster, {r['members']} per call | {mean:.1f} per master | "
                      f"{cap:,.0f} | {cap / 1000:.0f} | {cap / 5000:.0f} | {cap / 20000:.1f} |")
     lines += ["", *goals(res), ""]
+    lines += bench_tier_valkey.markdown(res)
     if res.get("cluster"):
         lines += bench_tier_cluster.markdown(res["cluster"]) + [""]
     if res.get("profile"):
@@ -471,6 +473,8 @@ def main():
                     help="skip the 3-master Redis Cluster case")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the breakdown of lua/batch.lua's time by step")
+    ap.add_argument("--no-valkey", action="store_true",
+                    help="skip the same kinds on Valkey (1 and 8 per call)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     B.RUN.mkdir(parents=True, exist_ok=True)
@@ -498,6 +502,9 @@ def main():
               f"{s['webdis_cpu_us_per_decision']:.1f}")
         res["cases"].append({k: v for k, v in c.items() if k != "config"})
     tier.close()
+    if not args.no_valkey:
+        B.log("valkey: every kind at 1 and 8 per call on valkey-server")
+        res["valkey"] = bench_tier_valkey.measure(Tier, todo, args.seconds)
     if not args.no_cluster:
         B.log("cluster: three masters behind Envoy's redis_proxy")
         res["cluster"] = bench_tier_cluster.measure(OUT, CLI, args.seconds, KEYS)
