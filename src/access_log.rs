@@ -25,7 +25,7 @@
 //! Fields without a value are left out. No secret and no descriptor value
 //! unless the operator asks for plain keys.
 
-use crate::codec::{hex, push_decimal};
+use crate::codec::hex;
 use crate::config::KeyInLog;
 use crate::keys::KeyDigest;
 
@@ -69,48 +69,53 @@ impl Record {
     /// instructions (envoy/cost_gate).
     pub fn to_json(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(
-            96 + self.limit.as_ref().map_or(0, String::len)
+            112 + self.limit.as_ref().map_or(0, String::len)
                 + self.key.as_ref().map_or(0, String::len),
         );
         out.push(b'{');
-        let mut field = |name: &str, value: Value<'_>| {
-            if out.len() > 1 {
-                out.push(b',');
-            }
-            push_string(&mut out, name);
-            out.push(b':');
-            match value {
-                Value::Str(v) => push_string(&mut out, v),
-                Value::Num(n) => {
-                    let mut digits = String::new();
-                    push_decimal(&mut digits, n);
-                    out.extend_from_slice(digits.as_bytes());
-                }
-            }
-        };
         if let Some(v) = self.idempotency {
-            field("idempotency", Value::Str(v));
+            field(&mut out, b"\"idempotency\":");
+            push_string(&mut out, v);
         }
         if let Some(v) = &self.key {
-            field("key", Value::Str(v));
+            field(&mut out, b"\"key\":");
+            push_string(&mut out, v);
         }
         if let Some(v) = &self.limit {
-            field("limit", Value::Str(v));
+            field(&mut out, b"\"limit\":");
+            push_string(&mut out, v);
         }
-        if let Some(v) = self.remaining {
-            field("remaining", Value::Num(v));
+        if let Some(n) = self.remaining {
+            field(&mut out, b"\"remaining\":");
+            let mut digits = [0u8; 20];
+            let mut at = digits.len();
+            let mut n = n;
+            loop {
+                at -= 1;
+                digits[at] = b'0' + (n % 10) as u8;
+                n /= 10;
+                if n == 0 {
+                    break;
+                }
+            }
+            out.extend_from_slice(&digits[at..]);
         }
         if let Some(v) = self.verdict {
-            field("verdict", Value::Str(v));
+            field(&mut out, b"\"verdict\":");
+            push_string(&mut out, v);
         }
         out.push(b'}');
         out
     }
 }
 
-enum Value<'a> {
-    Str(&'a str),
-    Num(u64),
+/// A field's name (written as JSON, with its colon), after a comma unless
+/// it is the first.
+fn field(out: &mut Vec<u8>, name: &[u8]) {
+    if out.len() > 1 {
+        out.push(b',');
+    }
+    out.extend_from_slice(name);
 }
 
 /// A JSON string as serde_json writes it: `"` and `\\` escaped, the short
@@ -121,6 +126,12 @@ fn push_string(out: &mut Vec<u8>, s: &str) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     out.push(b'"');
     let bytes = s.as_bytes();
+    // Most values (verdicts, limit names, hashed keys) need no escape.
+    if !bytes.iter().any(|&b| b < 0x20 || b == b'"' || b == b'\\') {
+        out.extend_from_slice(bytes);
+        out.push(b'"');
+        return;
+    }
     let mut start = 0;
     for (i, &b) in bytes.iter().enumerate() {
         let short = match b {
@@ -249,5 +260,21 @@ mod tests {
             }
         }
         assert_eq!(seen, 4 * 3 * 4 * 2 * 2);
+        // One character of each kind alone in a value (a value with nothing
+        // to escape is copied whole).
+        for c in (0u8..0x80).map(char::from).chain(['\u{e9}', '\u{80}']) {
+            let value = format!("a{c}z");
+            let mut r = Record {
+                verdict: Some("admitted"),
+                ..Record::default()
+            };
+            r.decided_by(
+                &value,
+                Some(1),
+                (value.as_bytes(), &digest(b"")),
+                KeyInLog::Plain,
+            );
+            assert_eq!(r.to_json(), by_serde(&r), "{c:?}");
+        }
     }
 }
