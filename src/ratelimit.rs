@@ -1,6 +1,7 @@
 //! Rate limiting without the host: which limits apply to a request, the script
 //! call that decides them, and what the reply means.
 
+use crate::codec::decimal;
 use crate::config::{descriptor, Algorithm, Config, Cost, FailureMode, Read};
 use crate::keys;
 use crate::offload::ObjectRef;
@@ -18,6 +19,15 @@ pub struct Check {
     /// The limit's numbers as this request's override says (one stored in
     /// Redis replaces them again in the script).
     pub carried: Option<Override>,
+    /// The key's SHA-256, once a stage needs it ([`Check::digest`]).
+    pub digest: keys::KeyDigest,
+}
+
+impl Check {
+    /// The SHA-256 of the check's key, computed once per request.
+    pub fn digest(&self) -> &[u8; 32] {
+        self.digest.of(&self.key)
+    }
 }
 
 /// A script call's KEYS and ARGV.
@@ -107,6 +117,7 @@ impl Plan {
                 key: keys::rate_limit_key(&config.key_prefix, tag, &limit.key_infix, &descriptor),
                 cost,
                 carried,
+                digest: keys::KeyDigest::default(),
             });
         }
         Ok(Plan {
@@ -143,7 +154,7 @@ impl Plan {
         let cost = if prefetch { 0 } else { check.cost };
         let argv = [capacity, refill, period_ms, cost, tokens]
             .iter()
-            .map(|v| v.to_string().into_bytes())
+            .map(|v| decimal(*v))
             .collect();
         Some((vec![check.key.clone()], argv))
     }
@@ -160,7 +171,7 @@ impl Plan {
     ) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
         let mut keys: Vec<Vec<u8>> = self.checks.iter().map(|c| c.key.clone()).collect();
         let mut argv = Vec::with_capacity(1 + self.checks.len() * 6);
-        argv.push(self.checks.len().to_string().into_bytes());
+        argv.push(decimal(self.checks.len() as u64));
         for check in &self.checks {
             let limit = &config.limits[check.limit];
             let (alg, a, b, c) = kind_args(&limit.algorithm);
@@ -177,13 +188,13 @@ impl Plan {
             // A concurrency limit's third value is the request's slot id.
             let c = match limit.algorithm {
                 Algorithm::Concurrency { .. } => slot.unwrap_or("").as_bytes().to_vec(),
-                _ => c.to_string().into_bytes(),
+                _ => decimal(c),
             };
             argv.push(alg);
-            argv.push(a.to_string().into_bytes());
-            argv.push(b.to_string().into_bytes());
+            argv.push(decimal(a));
+            argv.push(decimal(b));
             argv.push(c);
-            argv.push(check.cost.to_string().into_bytes());
+            argv.push(decimal(check.cost));
             argv.push(enforce_value(limit));
         }
         if let Some(idem) = idem {
@@ -191,7 +202,7 @@ impl Plan {
             argv.push(b"1".to_vec());
             argv.push(idem.owner.as_bytes().to_vec());
             argv.push(idem.fingerprint.as_bytes().to_vec());
-            argv.push(idem.lock_ttl_ms.to_string().into_bytes());
+            argv.push(decimal(idem.lock_ttl_ms));
         }
         (keys, argv)
     }
@@ -246,7 +257,7 @@ fn enforce_value(limit: &crate::config::Limit) -> Vec<u8> {
     match (limit.shadow, limit.block_ms) {
         (true, _) => b"0".to_vec(),
         (false, Some(ms)) if limit.usage.is_some() => format!("-{ms}").into_bytes(),
-        (false, Some(ms)) => ms.to_string().into_bytes(),
+        (false, Some(ms)) => decimal(ms),
         (false, None) => b"1".to_vec(),
     }
 }
