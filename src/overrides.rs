@@ -44,7 +44,8 @@ impl Override {
             (
                 Algorithm::FixedWindow { .. }
                 | Algorithm::SlidingWindowCounter { .. }
-                | Algorithm::SlidingWindow { .. },
+                | Algorithm::SlidingWindow { .. }
+                | Algorithm::Quota { .. },
                 None,
                 None,
                 Some(limit),
@@ -52,7 +53,8 @@ impl Override {
             (
                 Algorithm::FixedWindow { .. }
                 | Algorithm::SlidingWindowCounter { .. }
-                | Algorithm::SlidingWindow { .. },
+                | Algorithm::SlidingWindow { .. }
+                | Algorithm::Quota { .. },
                 _,
                 _,
                 _,
@@ -78,7 +80,9 @@ impl Override {
             (Override::Limit(n), Algorithm::SlidingWindow { .. }) => (1..=MAX_LOG).contains(&n),
             (
                 Override::Limit(n),
-                Algorithm::FixedWindow { .. } | Algorithm::SlidingWindowCounter { .. },
+                Algorithm::FixedWindow { .. }
+                | Algorithm::SlidingWindowCounter { .. }
+                | Algorithm::Quota { .. },
             ) => (1..=MAX_FIGURE).contains(&n),
             _ => false,
         };
@@ -110,6 +114,9 @@ impl Override {
             }
             (Override::Limit(limit), Algorithm::SlidingWindow { window_ms, .. }) => {
                 Algorithm::SlidingWindow { limit, window_ms }
+            }
+            (Override::Limit(amount), Algorithm::Quota { calendar, .. }) => {
+                Algorithm::Quota { amount, calendar }
             }
             (_, other) => other,
         }

@@ -251,13 +251,6 @@ impl Calendar {
         ])
     }
 
-    /// [`Calendar::edges`] as the script's argument: four decimal ms,
-    /// comma-separated.
-    pub fn edges_arg(&self, now_ms: i64) -> Option<String> {
-        let [a, b, c, d] = self.edges(now_ms)?;
-        Some(format!("{a},{b},{c},{d}"))
-    }
-
     /// `ms` on the zone's wall clock, with its offset and the zone's name:
     /// `2027-02-01T00:00:00+01:00 Europe/Berlin` (how the CLI shows a
     /// renewal).

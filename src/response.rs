@@ -323,7 +323,14 @@ pub fn rate_limit_headers(
                 .map_or(limit.algorithm, |o| o.apply(&limit.algorithm));
             // A concurrency limit has no window: its quota is requests in
             // flight, back when they end, not with time.
-            match algorithm.window_ms() {
+            // A quota's window is the one it was decided in, at the
+            // proxy's clock (a month of 28 to 31 days, a day of 23 to 25
+            // hours), in seconds as for any window.
+            let window = match check.edges {
+                Some([_, start, end, _]) => u64::try_from(end.saturating_sub(start)).unwrap_or(0),
+                None => algorithm.window_ms(),
+            };
+            match window {
                 0 => policy.push(format!("\"{}\";q={}", limit.name, algorithm.quota())),
                 window => policy.push(format!(
                     "\"{}\";q={};w={}",
@@ -541,6 +548,7 @@ mod tests {
             .map(|i| Check {
                 limit: i,
                 key: vec![],
+                edges: None,
                 cost: 1,
                 carried: None,
             })

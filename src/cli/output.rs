@@ -94,6 +94,18 @@ fn kind(algorithm: &Algorithm) -> (String, Value) {
             format!("concurrency: at most {max} in flight (slot lease {lease_ms} ms)"),
             json!({"concurrency": {"max": max, "leaseMs": lease_ms}}),
         ),
+        Algorithm::Quota { amount, calendar } => {
+            let (per, zone) = (calendar.per.name(), calendar.zone.name());
+            let anchor = match calendar.per.anchors() {
+                Some(_) => format!(", from day {}", calendar.anchor),
+                None => String::new(),
+            };
+            (
+                format!("quota: {amount} per {per} in {zone}{anchor}"),
+                json!({"quota": {"amount": amount, "per": per, "timeZone": zone,
+                                 "anchorDay": calendar.anchor}}),
+            )
+        }
     }
 }
 

@@ -10,6 +10,7 @@ use super::block::{compile_block, RawBlock};
 use super::matcher::{compile_match, Matcher, RawMatch};
 use super::overrides::{compile_overrides, Overrides, RawOverrides};
 use super::parts::{compile_parts, Part, RawPart};
+use super::quota::{compile_quota, RawQuota};
 use super::usage::{compile_usage, RawUsage, Usage};
 use super::{header_name, valid_name, ConfigError, FailureMode};
 
@@ -30,7 +31,7 @@ const GCRA_EXACT_MAX: u64 = 1 << 52;
 
 /// The algorithm fields of a limit, by their JSON names, for its errors.
 const ALGORITHM_FIELDS: &str =
-    "`tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter` and `concurrency`";
+    "`tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter`, `quota` and `concurrency`";
 /// Most requests one concurrency limit lets in flight (one sorted-set member
 /// per slot).
 pub const MAX_CONCURRENCY: u64 = 1_000_000;
@@ -48,7 +49,7 @@ pub const RENEWALS_PER_LEASE: u32 = 4;
 pub const CONCURRENCY_LEASE_MS: std::ops::RangeInclusive<u64> = 300..=3_600_000;
 
 /// One rate limit: exactly one of tokenBucket, slidingWindow, gcra,
-/// fixedWindow, slidingWindowCounter or concurrency.
+/// fixedWindow, slidingWindowCounter, quota or concurrency.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Limit")]
@@ -58,6 +59,7 @@ pub const CONCURRENCY_LEASE_MS: std::ops::RangeInclusive<u64> = 300..=3_600_000;
     {"required": ["gcra"]},
     {"required": ["fixedWindow"]},
     {"required": ["slidingWindowCounter"]},
+    {"required": ["quota"]},
     {"required": ["concurrency"]}
 ]))]
 pub(super) struct RawLimit {
@@ -84,6 +86,8 @@ pub(super) struct RawLimit {
     fixed_window: Option<RawFixedWindow>,
     #[serde(default)]
     sliding_window_counter: Option<RawSlidingWindowCounter>,
+    #[serde(default)]
+    quota: Option<RawQuota>,
     #[serde(default)]
     concurrency: Option<RawConcurrency>,
     /// Units one request spends (default 1).
@@ -251,6 +255,11 @@ pub enum Algorithm {
         max: u64,
         lease_ms: u64,
     },
+    /// A calendar quota: `amount` per window of `calendar`.
+    Quota {
+        amount: u64,
+        calendar: crate::quota::Calendar,
+    },
 }
 
 impl Algorithm {
@@ -260,6 +269,7 @@ impl Algorithm {
             Algorithm::TokenBucket { capacity, .. } => capacity,
             Algorithm::Gcra { burst, .. } => burst,
             Algorithm::Concurrency { max, .. } => max,
+            Algorithm::Quota { amount, .. } => amount,
             Algorithm::SlidingWindow { limit, .. }
             | Algorithm::FixedWindow { limit, .. }
             | Algorithm::SlidingWindowCounter { limit, .. } => limit,
@@ -285,6 +295,9 @@ impl Algorithm {
             | Algorithm::FixedWindow { window_ms, .. }
             | Algorithm::SlidingWindowCounter { window_ms, .. } => window_ms,
             Algorithm::Concurrency { .. } => 0,
+            // A month's nominal 30 days until a window is known (the
+            // headers say the window the request was decided in).
+            Algorithm::Quota { calendar, .. } => calendar.per.nominal_ms(),
         }
     }
 
@@ -298,6 +311,7 @@ impl Algorithm {
             Algorithm::FixedWindow { .. } => "fw",
             Algorithm::SlidingWindowCounter { .. } => "swc",
             Algorithm::Concurrency { .. } => "cc",
+            Algorithm::Quota { .. } => "cq",
         }
     }
 
@@ -324,6 +338,12 @@ impl Algorithm {
             // The slots held are the same whatever the max or the lease:
             // a changed limit keeps counting the requests in flight.
             Algorithm::Concurrency { .. } => "cc".to_string(),
+            // Not the amount: a plan's amount changed in the config mid-month
+            // keeps every customer's use (a count means the same under
+            // another amount). The anchor is in each window key's start.
+            Algorithm::Quota { calendar, .. } => {
+                format!("cq.{}.{}", calendar.per.name(), calendar.zone.name())
+            }
         }
     }
 }
@@ -585,6 +605,7 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
         raw.gcra.is_some(),
         raw.fixed_window.is_some(),
         raw.sliding_window_counter.is_some(),
+        raw.quota.is_some(),
         raw.concurrency.is_some(),
     ]
     .iter()
@@ -652,6 +673,9 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
             period_ms,
             burst,
         });
+    }
+    if let Some(q) = &raw.quota {
+        return compile_quota(q, at);
     }
     if let Some(c) = &raw.concurrency {
         let max = positive(c.max, format!("{at}.concurrency.max"))?;

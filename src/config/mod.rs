@@ -15,6 +15,7 @@ mod matcher;
 mod object_store;
 mod overrides;
 mod parts;
+mod quota;
 mod redis;
 mod usage;
 
