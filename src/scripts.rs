@@ -66,15 +66,17 @@ const TIME_PREAMBLE: &str = "local t = redis.call('TIME')\n\
      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
 
 /// Test builds only (feature `test-clock`, tests/e2e_quota.rs): the
-/// decision scripts read `now` from the key `test:clock` instead of TIME (as
-/// tests/support/script.rs's with_test_clock does for the Lua tests), so an
-/// Envoy test crosses a month's end or a daylight-saving change at will. A
-/// key outside KEYS: a standalone Redis only. The release build reads TIME.
+/// decision scripts read `now` from the key `rg:test:clock` instead of TIME
+/// (as tests/support/script.rs's with_test_clock does for the Lua tests), so
+/// an Envoy test crosses a month's end or a daylight-saving change at will.
+/// Under the tests' key prefix, which their Redis ACL confines the filter
+/// to; a key outside KEYS: a standalone Redis only. The release build reads
+/// TIME.
 #[cfg(feature = "test-clock")]
 fn clocked(source: String) -> String {
     source.replacen(
         TIME_PREAMBLE,
-        "local now = tonumber(redis.call('GET', 'test:clock'))\n",
+        "local now = tonumber(redis.call('GET', 'rg:test:clock'))\n",
         1,
     )
 }
