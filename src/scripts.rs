@@ -60,7 +60,7 @@ pub enum Args<'a> {
 }
 
 /// The clock preamble of the decision scripts (lua/ratelimit.lua,
-/// lua/batch.lua, lua/inspect.lua): Redis TIME in ms, read once.
+/// lua/batch.lua, lua/settle.lua): Redis TIME in ms, read once.
 #[cfg(feature = "test-clock")]
 const TIME_PREAMBLE: &str = "local t = redis.call('TIME')\n\
      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
@@ -238,16 +238,17 @@ pub static CC_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 /// Settles usage-based costs after the response (lua/settle.lua with the
 /// kinds that settle joined in).
 pub static SETTLE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(compose(
+    Script::new(clocked(compose(
         include_str!("../lua/settle.lua"),
         &[
             include_str!("../lua/wire.lua"),
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/fixed_window.lua"),
             include_str!("../lua/sliding_window_counter.lua"),
+            include_str!("../lua/quota.lua"),
             include_str!("../lua/keys.lua"),
         ],
-    ))
+    )))
 });
 
 /// IN_PROGRESS -> COMPLETED for the lock's owner.

@@ -304,3 +304,90 @@ fn the_quota_recipe_renews_a_monthly_plan_and_keeps_the_use_when_the_cli_changes
     assert_eq!(get(c, "/v1/x", "acme", renewal).status, 200);
     assert_eq!(window(&mut con, "monthly-plan", "acme", renewal).0, "1");
 }
+
+/// `redis-guard` with `--json` against `redis`, on the config at `config`.
+fn cli(redis: &Redis, config: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
+        .env_clear()
+        .arg("--json")
+        .args(args)
+        .args(["--config", config.to_str().unwrap()])
+        .args(["--redis", &redis.admin_url()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "redis-guard {}: {stdout}",
+        args.join(" ")
+    );
+    serde_json::from_str(&stdout).unwrap()
+}
+
+#[test]
+fn the_cli_shows_a_quotas_use_and_next_renewal_in_its_zone_and_resets_it() {
+    use redis_guard::quota::{zone, Calendar, Per};
+    use support::script::{request, Limit};
+    // On Redis' own clock (the release scripts, as the CLI reads TIME too).
+    let redis = Redis::start();
+    let mut con = redis.conn();
+    let dir = Scratch::new("quota-cli");
+    let path = dir.0.join("filter.json");
+    let limits = r#"[{"name":"plan","descriptor":[{"header":"x-api-key"}],
+        "quota":{"amount":10,"per":"month","timeZone":"Europe/Berlin","anchorDay":31}}]"#;
+    std::fs::write(&path, filter_config(2000).field("limits", limits).build()).unwrap();
+    let which = ["--limit", "plan", "--value", "x-api-key=acme"];
+    let inspect = || cli(&redis, &path, &[&["inspect"][..], &which[..]].concat());
+    let seen = inspect();
+    let key = seen["key"].as_str().unwrap().to_string();
+    assert_eq!(
+        (&seen["quota"]["used"], &seen["quota"]["left"]),
+        (&0.into(), &10.into())
+    );
+    let c = Calendar {
+        per: Per::Month,
+        zone: zone("Europe/Berlin").unwrap(),
+        anchor: 31,
+    };
+    // Three units through the filter's script, its edges at Redis' clock
+    // (a renewal between these reads is a window the check below names).
+    let spend = |con: &mut redis::Connection| {
+        let now = redis_now_ms(con);
+        let [e0, e1, e2, e3] = c.edges(now).unwrap();
+        let l = Limit {
+            key: key.clone(),
+            alg: "cq",
+            a: 10,
+            b: 0,
+            c: format!("{e0},{e1},{e2},{e3}"),
+            cost: 3,
+            enforce: true,
+            block: 0,
+        };
+        let v = request(con, std::slice::from_ref(&l), None)
+            .decision()
+            .limits[0];
+        (v.allowed, c.window(now).unwrap(), v)
+    };
+    let (allowed, w, v) = spend(&mut con);
+    assert!(allowed, "{v:?}");
+    assert_eq!(v.remaining, 7);
+    let seen = inspect();
+    let q = &seen["quota"];
+    assert_eq!((&q["used"], &q["left"]), (&3.into(), &7.into()), "{seen}");
+    assert_eq!(q["windowStartMs"], w.start_ms);
+    assert_eq!(q["renewalMs"], w.end_ms);
+    assert_eq!(q["renewal"], c.format(w.end_ms).unwrap());
+    assert!(
+        q["renewal"].as_str().unwrap().ends_with(" Europe/Berlin"),
+        "{q}"
+    );
+    // Reset: the window's key goes, the whole amount is back.
+    let reset = cli(
+        &redis,
+        &path,
+        &[&["reset", "--yes"][..], &which[..]].concat(),
+    );
+    assert_eq!(reset["deleted"], true);
+    assert_eq!(inspect()["quota"]["used"], 0);
+}

@@ -232,3 +232,57 @@ fn a_batch_decides_a_quota_as_calls_one_by_one_and_shadow_reports_only() {
         Some("2".into())
     );
 }
+
+/// lua/settle.lua at the test clock.
+static SETTLE_AT: std::sync::LazyLock<redis_guard::scripts::Script> =
+    std::sync::LazyLock::new(|| script::with_test_clock(&redis_guard::scripts::SETTLE));
+
+/// Settles `delta` units of `l`, `age` ms after its decision, at `now`: the
+/// units left.
+fn settle(con: &mut Connection, now: i64, l: &Limit, delta: i64, age: i64) -> i64 {
+    script::set_clock(con, now);
+    let left: Vec<redis::Value> = script::eval(&SETTLE_AT)
+        .arg(1)
+        .arg(&l.key)
+        .arg(l.alg)
+        .arg(l.a)
+        .arg(l.b)
+        .arg(&l.c)
+        .arg(delta)
+        .arg(age)
+        .arg(0)
+        .query(con)
+        .unwrap();
+    match &left[0] {
+        redis::Value::Int(n) => *n,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn usage_settles_into_the_window_that_holds_redis_clock_and_refunds_only_its_own() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let c = cal(Per::Day, "Europe/Berlin", 1);
+    let start = utc(2027, 10, 30, 22);
+    let end = start + 25 * HOUR;
+    let l = cq("t:{k}:cq:u", 100, &c, start + HOUR);
+    let key = format!("t:{{k}}:cq:u:{start}");
+    // Reserved 10, used 25: 15 more, in the window's key.
+    assert_eq!(one(&mut con, start + HOUR, &l.clone().cost(10)), admits(90, 24 * HOUR));
+    assert_eq!(settle(&mut con, start + 2 * HOUR, &l, 15, HOUR), 75);
+    assert_eq!(get(&mut con, &key), Some("25".into()));
+    // Debt: a use past the amount leaves the count above it (negative left)
+    // and the window refuses until its end.
+    assert_eq!(settle(&mut con, start + 2 * HOUR, &l, 90, 0), -15);
+    assert_eq!(one(&mut con, start + 3 * HOUR, &l), rejects(0, end - start - 3 * HOUR));
+    // A refund never takes the count below zero.
+    assert_eq!(settle(&mut con, start + 3 * HOUR, &l, -200, HOUR), 100);
+    assert_eq!(get(&mut con, &key), Some("0".into()));
+    // A reserve taken before the renewal is not refunded into the next
+    // window (its count was never there).
+    assert_eq!(one(&mut con, end - 1, &l.clone().cost(30)), admits(70, 1));
+    let next = cq("t:{k}:cq:u", 100, &c, end);
+    assert_eq!(one(&mut con, end, &next.clone().cost(5)), admits(95, 24 * HOUR));
+    assert_eq!(settle(&mut con, end + 10, &next, -30, 11), 95);
+    assert_eq!(get(&mut con, &format!("t:{{k}}:cq:u:{end}")), Some("5".into()));
+}

@@ -332,9 +332,20 @@ pub fn inspection(target: &LimitTarget, cost: u64, s: &Inspection) -> Report {
     );
     let _ = writeln!(text, "state:      {}", raw_text(&s.raw));
     let _ = writeln!(text, "redis time: {} ms", s.redis_time_ms);
+    if let Some(q) = &s.quota {
+        let _ = writeln!(text, "window:     from {}", q.start);
+        let _ = writeln!(text, "used:       {}", q.used);
+        let _ = writeln!(text, "left:       {}", s.remaining);
+        let _ = writeln!(text, "renews:     {}", q.renewal);
+    }
+    let quota = s.quota.as_ref().map(|q| {
+        json!({"windowStartMs": q.start_ms, "windowStart": q.start, "used": q.used,
+               "left": s.remaining, "renewalMs": q.renewal_ms, "renewal": q.renewal})
+    });
     Report {
         text,
         json: json!({
+            "quota": quota,
             "limit": target.limit.name,
             "kind": params,
             "key": key,
