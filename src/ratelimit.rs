@@ -132,9 +132,13 @@ impl Plan {
     /// call and the failure mode decides.
     pub fn set_clock(&mut self, config: &Config, now_ms: i64) {
         for check in &mut self.checks {
-            if let Some(Algorithm::Quota { calendar, .. }) =
-                config.limits.get(check.limit).map(|l| l.algorithm)
-            {
+            // A customer's anchor day carried by the request moves its
+            // windows.
+            let algorithm = config
+                .limits
+                .get(check.limit)
+                .map(|l| check.carried.map_or(l.algorithm, |o| o.apply(&l.algorithm)));
+            if let Some(Algorithm::Quota { calendar, .. }) = algorithm {
                 check.edges = calendar.edges(now_ms);
             }
         }
@@ -184,7 +188,7 @@ impl Plan {
             let (alg, a, b, c) = kind_args(&limit.algorithm);
             let (a, b) = match check.carried {
                 Some(Override::TokenBucket { capacity, refill }) => (capacity, refill),
-                Some(Override::Limit(n)) => (n, b),
+                Some(Override::Limit(n) | Override::Quota { amount: n, .. }) => (n, b),
                 None => (a, b),
             };
             // `+o`: the script looks up an override for the key.

@@ -83,14 +83,15 @@ fn utc(y: i32, mo: u32, d: u32, h: u32) -> i64 {
 
 /// A GET of `path` for API key `key`, the proxy's clock at `proxy_ms`.
 fn get(envoy: &Envoy, path: &str, key: &str, proxy_ms: i64) -> Resp {
+    get_with(envoy, path, key, proxy_ms, None)
+}
+
+/// The same, carrying the customer's plan in `x-plan` if `plan` says one.
+fn get_with(envoy: &Envoy, path: &str, key: &str, proxy_ms: i64, plan: Option<&str>) -> Resp {
     let now = proxy_ms.to_string();
-    http_with(
-        &agent(),
-        "GET",
-        &envoy.url(path),
-        &[("x-api-key", key), (NOW, &now)],
-        None,
-    )
+    let mut headers = vec![("x-api-key", key), (NOW, now.as_str())];
+    headers.extend(plan.map(|p| ("x-plan", p)));
+    http_with(&agent(), "GET", &envoy.url(path), &headers, None)
 }
 
 /// A quota window's key (the state key and `:<start>`), its count and PTTL.
@@ -111,13 +112,18 @@ const CROSSINGS: &str = r#"[
   {"name":"billing","match":{"pathPrefix":"/billing/"},"descriptor":[{"header":"x-api-key"}],
    "quota":{"amount":2,"per":"month","timeZone":"America/New_York","anchorDay":31}},
   {"name":"day","match":{"pathPrefix":"/day/"},"descriptor":[{"header":"x-api-key"}],
-   "quota":{"amount":2,"per":"day","timeZone":"Europe/Berlin"}}
+   "quota":{"amount":2,"per":"day","timeZone":"Europe/Berlin"}},
+  {"name":"anchored","match":{"pathPrefix":"/anchored/"},"descriptor":[{"header":"x-api-key"}],
+   "quota":{"amount":100,"per":"month","timeZone":"Europe/Berlin"},
+   "overrides":{"request":{"header":"x-plan"}}}
 ]"#;
 
 /// One renewal: the amount (2) spent at `from`, the third request refused
 /// until `renewal` (Retry-After), still refused 1 ms before it, admitted at
 /// it on another Envoy, in a new key that lives `next_ms` (the new window)
-/// and a margin. The proxy's clock is `skew_ms` behind Redis' throughout.
+/// and a margin. The proxy's clock is `skew_ms` behind Redis' throughout;
+/// every request carries `plan` (`x-plan`) if given.
+#[allow(clippy::too_many_arguments)]
 fn cross(
     stack: &Stack,
     path: &str,
@@ -126,7 +132,9 @@ fn cross(
     renewal: i64,
     next_ms: i64,
     skew_ms: i64,
+    plan: Option<&str>,
 ) {
+    let get = |envoy: &Envoy, path: &str, key: &str, at: i64| get_with(envoy, path, key, at, plan);
     let mut con = stack.redis.conn();
     let limit = path.trim_matches('/').split('/').next().unwrap();
     let (a, b) = (&stack.envoys[0], &stack.envoys[1]);
@@ -179,7 +187,16 @@ fn quotas_renew_at_the_calendar_edge_on_redis_clock_through_envoy() {
     // Its policy says February's window, 28 days in seconds.
     let renewal = utc(2027, 1, 31, 23);
     let feb = utc(2027, 2, 28, 23) - renewal;
-    cross(&stack, "/month/x", "m1", renewal - HOUR, renewal, feb, 0);
+    cross(
+        &stack,
+        "/month/x",
+        "m1",
+        renewal - HOUR,
+        renewal,
+        feb,
+        0,
+        None,
+    );
     set_clock(&mut con, renewal + 1000);
     let r = get(&stack.envoys[0], "/month/x", "m1", renewal + 1000);
     assert_eq!(
@@ -198,6 +215,7 @@ fn quotas_renew_at_the_calendar_edge_on_redis_clock_through_envoy() {
         leap,
         march,
         30_000,
+        None,
     );
     // Berlin's 23-hour day (2027-03-28: spent at its start, 82800 s to wait)
     // and its 25-hour day (2027-10-31: 90000 s), the proxy a minute behind.
@@ -210,6 +228,7 @@ fn quotas_renew_at_the_calendar_edge_on_redis_clock_through_envoy() {
         spring + 23 * HOUR,
         24 * HOUR,
         60_000,
+        None,
     );
     let autumn = utc(2027, 10, 30, 22);
     cross(
@@ -220,6 +239,22 @@ fn quotas_renew_at_the_calendar_edge_on_redis_clock_through_envoy() {
         autumn + 25 * HOUR,
         24 * HOUR,
         60_000,
+        None,
+    );
+    // A customer whose plan (carried by the request) is 2 a month from the
+    // 15th: renewed at 2027-01-15 00:00 CET, not on the 1st.
+    let fifteenth = utc(2027, 1, 14, 23);
+    let next = utc(2027, 2, 14, 23) - fifteenth;
+    let plan = Some("cq 2 15");
+    cross(
+        &stack,
+        "/anchored/x",
+        "p1",
+        utc(2027, 1, 2, 0),
+        fifteenth,
+        next,
+        0,
+        plan,
     );
 }
 
