@@ -426,3 +426,57 @@ fn the_cli_shows_a_quotas_use_and_next_renewal_in_its_zone_and_resets_it() {
     assert_eq!(reset["deleted"], true);
     assert_eq!(inspect()["quota"]["used"], 0);
 }
+
+#[test]
+fn quotas_hold_per_tenant_over_redis_cluster_each_window_key_in_its_tenants_slot() {
+    use redis_guard::quota::{zone, Calendar, Per};
+    use support::cluster::{placement, tag, tag_in, tenants, ClusterStack};
+    // The release filter on the cluster's own clock: a month in Tokyo.
+    let cfg = filter_config(3000)
+        .hash_tag(r#"[{"header":"x-tenant"}]"#)
+        .limits(
+            r#"[{"name":"plan","descriptor":[{"header":"x-tenant"}],
+                 "quota":{"amount":2,"per":"month","timeZone":"Asia/Tokyo"}}]"#,
+        )
+        .build();
+    let stack = ClusterStack::start(&cfg);
+    let c = Calendar {
+        per: Per::Month,
+        zone: zone("Asia/Tokyo").unwrap(),
+        anchor: 1,
+    };
+    let tenants = tenants(9);
+    let placed = placement(&stack.cluster, &tenants);
+    let mut con = stack.cluster.conn(0);
+    for (i, t) in tenants.iter().enumerate() {
+        let statuses: Vec<u16> = (0..2)
+            .map(|k| support::get(&stack.envoys[(i + k) % 2].url("/x"), &[("x-tenant", t)]).status)
+            .collect();
+        assert_eq!(statuses, [200, 200], "{t}");
+        let t0 = redis_now_ms(&mut con);
+        let r = support::get(&stack.envoys[i % 2].url("/x"), &[("x-tenant", t)]);
+        let t1 = redis_now_ms(&mut con);
+        assert_eq!(r.status, 429, "{t}");
+        // Retry-After: until the renewal, on the clock the masters share.
+        let end = c.window(t0).unwrap().end_ms;
+        let wait: i64 = r.header("retry-after").unwrap().parse().unwrap();
+        assert!(
+            (end - t1 + 999) / 1000 <= wait && wait <= (end - t0 + 999) / 1000,
+            "{t}: {wait}"
+        );
+    }
+    // One window key per tenant, on its master, named by the window's start.
+    let start = c.window(redis_now_ms(&mut con)).unwrap().start_ms;
+    let by_node = stack.cluster.keys_by_node("rg:*");
+    let mut seen = 0;
+    for (node, keys) in &by_node {
+        for key in keys {
+            let t = tenants.iter().find(|t| tag(t) == tag_in(key)).unwrap();
+            assert_eq!(*node, placed[t], "{t}");
+            assert!(String::from_utf8_lossy(key).ends_with(&format!(":{start}")));
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, tenants.len());
+    stack.assert_clean();
+}
