@@ -369,7 +369,8 @@ fn the_cli_shows_a_quotas_use_and_next_renewal_in_its_zone_and_resets_it() {
     let dir = Scratch::new("quota-cli");
     let path = dir.0.join("filter.json");
     let limits = r#"[{"name":"plan","descriptor":[{"header":"x-api-key"}],
-        "quota":{"amount":10,"per":"month","timeZone":"Europe/Berlin","anchorDay":31}}]"#;
+        "quota":{"amount":10,"per":"month","timeZone":"Europe/Berlin","anchorDay":31},
+        "overrides":{"redis":true}}]"#;
     std::fs::write(&path, filter_config(2000).field("limits", limits).build()).unwrap();
     let which = ["--limit", "plan", "--value", "x-api-key=acme"];
     let inspect = || cli(&redis, &path, &[&["inspect"][..], &which[..]].concat());
@@ -415,6 +416,15 @@ fn the_cli_shows_a_quotas_use_and_next_renewal_in_its_zone_and_resets_it() {
     assert_eq!(q["renewal"], c.format(w.end_ms).unwrap());
     assert!(
         q["renewal"].as_str().unwrap().ends_with(" Europe/Berlin"),
+        "{q}"
+    );
+    // The customer's plan set to 4 a month: 1 left of it.
+    let set = [&["override", "set", "--quota", "4"][..], &which[..]].concat();
+    cli(&redis, &path, &set);
+    let q = &inspect()["quota"];
+    assert_eq!(
+        (&q["used"], &q["amount"], &q["left"]),
+        (&3.into(), &4.into(), &1.into()),
         "{q}"
     );
     // Reset: the window's key goes, the whole amount is back.

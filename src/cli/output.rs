@@ -334,13 +334,14 @@ pub fn inspection(target: &LimitTarget, cost: u64, s: &Inspection) -> Report {
     let _ = writeln!(text, "redis time: {} ms", s.redis_time_ms);
     if let Some(q) = &s.quota {
         let _ = writeln!(text, "window:     from {}", q.start);
-        let _ = writeln!(text, "used:       {}", q.used);
-        let _ = writeln!(text, "left:       {}", s.remaining);
+        let _ = writeln!(text, "used:       {} of {}", q.used, q.amount);
+        let _ = writeln!(text, "left:       {}", q.left);
         let _ = writeln!(text, "renews:     {}", q.renewal);
     }
     let quota = s.quota.as_ref().map(|q| {
         json!({"windowStartMs": q.start_ms, "windowStart": q.start, "used": q.used,
-               "left": s.remaining, "renewalMs": q.renewal_ms, "renewal": q.renewal})
+               "amount": q.amount, "left": q.left, "renewalMs": q.renewal_ms,
+               "renewal": q.renewal})
     });
     Report {
         text,

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use redis::{ConnectionLike, Value};
 use redis_guard::config::Algorithm;
+use redis_guard::overrides::Override;
 use redis_guard::ratelimit::kind_args;
 use redis_guard::scripts::{IDEM_FORGET, INSPECT};
 
@@ -36,6 +37,11 @@ pub struct QuotaWindow {
     pub renewal_ms: i64,
     /// Units counted in the window (a usage debt may take it past the amount).
     pub used: i64,
+    /// The amount that applies: a valid stored override's, else the
+    /// configured one (the script's rule).
+    pub amount: u64,
+    /// What is left of it (0 when used up or in debt).
+    pub left: u64,
     /// The window's start and its renewal on the quota's zone's clock.
     pub start: String,
     pub renewal: String,
@@ -142,9 +148,23 @@ impl Store {
         &mut self,
         target: &LimitTarget,
     ) -> Result<Option<(Vec<u8>, String, QuotaWindow)>, Failure> {
-        let Algorithm::Quota { calendar, .. } = target.limit.algorithm else {
+        let Algorithm::Quota { amount, calendar } = target.limit.algorithm else {
             return Ok(None);
         };
+        // A stored override the script would apply replaces the amount.
+        let mut amount = amount;
+        if target.limit.overrides.redis {
+            if let Some(okey) = redis_guard::keys::override_key(&target.key) {
+                let text: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg(okey)
+                    .query(self.conn.as_mut())
+                    .unwrap_or(None);
+                let stored = text.map(|t| Override::parse(&t, &target.limit.algorithm));
+                if let Some(Ok(Override::Limit(n))) = stored {
+                    amount = n;
+                }
+            }
+        }
         let (s, us): (i64, i64) = redis::cmd("TIME")
             .query(self.conn.as_mut())
             .map_err(failed)?;
@@ -158,10 +178,13 @@ impl Store {
             .arg(&key)
             .query(self.conn.as_mut())
             .map_err(failed)?;
+        let used: i64 = used.and_then(|u| u.parse().ok()).unwrap_or(0);
         let window = QuotaWindow {
             start_ms,
             renewal_ms,
-            used: used.and_then(|u| u.parse().ok()).unwrap_or(0),
+            used,
+            amount,
+            left: amount.saturating_sub(u64::try_from(used).unwrap_or(0)),
             start: calendar.format(start_ms).ok_or_else(out_of_range)?,
             renewal: calendar.format(renewal_ms).ok_or_else(out_of_range)?,
         };
