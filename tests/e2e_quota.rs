@@ -490,3 +490,76 @@ fn quotas_hold_per_tenant_over_redis_cluster_each_window_key_in_its_tenants_slot
     assert_eq!(seen, tenants.len());
     stack.assert_clean();
 }
+
+/// An LLM call for `key` through `envoy` at `proxy_ms`: the demo upstream
+/// answers as OpenAI (JSON) with `tokens` ("prompt,completion") used.
+fn llm(envoy: &Envoy, key: &str, proxy_ms: i64, tokens: &str) -> Resp {
+    let now = proxy_ms.to_string();
+    let headers = [
+        ("x-api-key", key),
+        (NOW, now.as_str()),
+        ("x-upstream-llm", "openai-json"),
+        ("x-upstream-tokens", tokens),
+    ];
+    http_with(
+        &agent(),
+        "POST",
+        &envoy.url("/v1/chat/completions"),
+        &headers,
+        Some(b"{}"),
+    )
+}
+
+/// Polls the count of `key`'s window starting at `start` until it is `want`.
+fn counts(con: &mut redis::Connection, limit: &str, key: &str, start: i64, want: &str) {
+    poll(
+        &format!("{key}'s count at {start} to be {want}"),
+        Duration::from_secs(5),
+        || {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("rg:rl:*:{limit}:cq.*:{key}:{start}"))
+                .query(con)
+                .unwrap();
+            let got: Option<String> = keys
+                .first()
+                .and_then(|k| redis::cmd("GET").arg(k).query(con).unwrap());
+            (got.as_deref() == Some(want)).then_some(())
+        },
+    );
+}
+
+#[test]
+fn a_daily_token_allowance_reserves_settles_into_its_day_and_renews_at_midnight() {
+    let limits = r#"[{"name":"tokens","match":{"pathPrefix":"/v1/chat"},"descriptor":[{"header":"x-api-key"}],
+        "quota":{"amount":100,"per":"day","timeZone":"Europe/Berlin"},
+        "usage":{"reserve":10,"json":[{"pointer":"/usage/prompt_tokens"},{"pointer":"/usage/completion_tokens"}]}}]"#;
+    let stack = start(&filter_config(2000).field("limits", limits).build(), 2);
+    let mut con = stack.redis.conn();
+    let (a, b) = (&stack.envoys[0], &stack.envoys[1]);
+    // 2027-10-31 in Berlin: the 25-hour day.
+    let day = utc(2027, 10, 30, 22);
+    let midnight = day + 25 * HOUR;
+    let t = day + HOUR;
+    set_clock(&mut con, t);
+    // 10 reserved, 30 used: settled to 30.
+    let r = llm(a, "acme", t, "10,20");
+    assert_eq!(r.status, 200, "{r:?}");
+    counts(&mut con, "tokens", "acme", day, "30");
+    // 90 used with 70 left: the day ends 20 in debt.
+    assert_eq!(llm(b, "acme", t, "40,50").status, 200);
+    counts(&mut con, "tokens", "acme", day, "120");
+    let r = llm(a, "acme", t, "1,1");
+    assert_eq!(r.status, 429, "{r:?}");
+    let wait = ((midnight - t) / 1000).to_string();
+    assert_eq!(r.header("retry-after"), Some(wait.as_str()));
+    // At midnight the allowance is whole again (the other Envoy: a's
+    // over-limit cache may answer its rejection for up to a second).
+    // (10 s into the new day: a refund lands only in the window its reserve
+    // was surely taken in, judged by the real ms since the decision, which
+    // this frozen clock does not advance.)
+    set_clock(&mut con, midnight + 10_000);
+    let r = llm(b, "acme", midnight + 10_000, "1,1");
+    assert_eq!(r.status, 200, "{r:?}");
+    counts(&mut con, "tokens", "acme", midnight, "2");
+    counts(&mut con, "tokens", "acme", day, "120");
+}
