@@ -53,7 +53,7 @@ python3 envoy/render.py --out "$STACK" --filter-config envoy/filter.json --jwks 
   envoy/envoy.yaml envoy/webdis.json envoy/redis.acl
 
 # Redis keeps every change in an append-only file fsynced before each reply
-# (README "Durability"): an idempotency record acknowledged is on disk. The
+# (the book, Running it: Durability): an idempotency record acknowledged is on disk. The
 # demo starts from an empty one each time, so its output is always the same.
 rm -rf "$STACK/appendonlydir"
 # Its users are redis.acl's: Webdis connects as the default user, which may

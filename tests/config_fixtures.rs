@@ -1436,14 +1436,15 @@ fn good_fixtures_parse() {
 }
 
 #[test]
-fn the_readme_configuration_example_parses() {
-    let readme =
-        fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
-    let section = &readme[readme.find("## Configuration").unwrap()..];
-    let start = section.find("```json\n").unwrap() + "```json\n".len();
-    let end = start + section[start..].find("```").unwrap();
-    let config = Config::parse(&section.as_bytes()[start..end]);
-    assert!(config.is_ok(), "README example: {:?}", config.err());
+fn the_books_configuration_example_parses() {
+    let page = fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/src/using/configuration.md"),
+    )
+    .unwrap();
+    let start = page.find("```json\n").unwrap() + "```json\n".len();
+    let end = start + page[start..].find("```").unwrap();
+    let config = Config::parse(&page.as_bytes()[start..end]);
+    assert!(config.is_ok(), "the book's example: {:?}", config.err());
     assert_eq!(config.unwrap().limits.len(), 2);
 }
 

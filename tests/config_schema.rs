@@ -67,8 +67,18 @@ fn json_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+fn md_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()))
+        .map(|entry| entry.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .collect();
+    files.sort();
+    files
+}
+
 /// Every filter configuration the repository ships or documents: the demo
-/// config, the good fixtures, the README's examples and the Istio
+/// config, the good fixtures, the README's and the book's examples and the Istio
 /// WasmPlugin's `pluginConfig`.
 fn example_configs() -> Vec<(String, Vec<u8>)> {
     let mut out = vec![(
@@ -78,8 +88,18 @@ fn example_configs() -> Vec<(String, Vec<u8>)> {
     for p in json_files(&root().join("tests/fixtures/config/good")) {
         out.push((p.display().to_string(), fs::read(&p).unwrap()));
     }
-    let readme = fs::read_to_string(root().join("README.md")).unwrap();
-    for (i, block) in readme.split("```json\n").skip(1).enumerate() {
+    let mut docs = vec![root().join("README.md")];
+    for dir in ["using", "running", "inside"] {
+        docs.extend(md_files(&root().join("docs/src").join(dir)));
+    }
+    for (i, block) in docs
+        .iter()
+        .map(|p| fs::read_to_string(p).unwrap())
+        .collect::<Vec<_>>()
+        .iter()
+        .flat_map(|text| text.split("```json\n").skip(1))
+        .enumerate()
+    {
         let body = &block[..block.find("```").unwrap()];
         // Config examples are the JSON blocks with a top-level `redis`
         // section; others show replies, records and recipes (below).
@@ -87,12 +107,12 @@ fn example_configs() -> Vec<(String, Vec<u8>)> {
             serde_json::from_str::<Value>(body).is_ok_and(|v| v.get("redis").is_some());
         if top_level_redis {
             out.push((
-                format!("README.md json block {i}"),
+                format!("README.md or book json block {i}"),
                 body.as_bytes().to_vec(),
             ));
         }
     }
-    // The recipes, merged beside a `redis` section as the README says.
+    // The recipes, merged beside a `redis` section as the book says.
     for p in json_files(&root().join("envoy/recipes")) {
         let mut doc: Value = serde_json::from_slice(&fs::read(&p).unwrap()).unwrap();
         doc["redis"] = serde_json::json!({"cluster": "webdis"});

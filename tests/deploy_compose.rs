@@ -145,10 +145,47 @@ fn cluster_endpoint(envoy: &Value, name: &str) -> (String, u64) {
     socket(&cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"])
 }
 
-/// Container ports a service publishes, as (host ip, host port, container port).
-fn published(svc: &Value) -> Vec<(String, u64, u64)> {
+/// An environment with nothing set: what `make compose-up` meets in a shell
+/// that sets none of the file's variables.
+fn unset(_: &str) -> Option<String> {
+    None
+}
+
+/// Compose's interpolation of one value: `${NAME:-default}` (the default
+/// when NAME is unset or empty), `${NAME}` and `$$` (a `$`), with `env` as
+/// the environment.
+fn interpolate(value: &str, env: &dyn Fn(&str) -> Option<String>) -> String {
+    let mut out = String::new();
+    let mut rest = value;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at + 1..];
+        if let Some(after) = rest.strip_prefix('$') {
+            out.push('$');
+            rest = after;
+            continue;
+        }
+        let body = rest
+            .strip_prefix('{')
+            .and_then(|r| r.split_once('}'))
+            .unwrap_or_else(|| panic!("{value}: only ${{NAME}} and ${{NAME:-default}} are used"));
+        let (name, default) = body.0.split_once(":-").unwrap_or((body.0, ""));
+        out.push_str(
+            &env(name)
+                .filter(|v| !v.is_empty())
+                .unwrap_or(default.to_string()),
+        );
+        rest = body.1;
+    }
+    out + rest
+}
+
+/// Container ports a service publishes, as (host ip, host port, container
+/// port), in the environment `env`.
+fn published(svc: &Value, env: &dyn Fn(&str) -> Option<String>) -> Vec<(String, u64, u64)> {
     strings(&svc["ports"])
         .iter()
+        .map(|p| interpolate(p, env))
         .map(|p| {
             let parts: Vec<&str> = p.split(':').collect();
             assert_eq!(parts.len(), 3, "{p}: expected ip:host:container");
@@ -276,7 +313,7 @@ fn rendered_stack_agrees_with_the_services_ports_and_mounts() {
         serde_json::from_str(&std::fs::read_to_string(out.0.join("webdis.json")).unwrap()).unwrap();
 
     // Envoy listens where compose publishes, on every interface of its container.
-    let ports = published(service(&c, "envoy"));
+    let ports = published(service(&c, "envoy"), &unset);
     let (addr, listen) = socket(&envoy["static_resources"]["listeners"][0]["address"]);
     let (admin_addr, admin) = socket(&envoy["admin"]["address"]);
     assert_eq!((addr.as_str(), admin_addr.as_str()), ("0.0.0.0", "0.0.0.0"));
@@ -513,8 +550,83 @@ fn compose_runs_the_envoy_release_the_tests_run() {
         .nth(1)
         .and_then(|v| v.split('/').nth(1))
         .unwrap_or_else(|| panic!("unexpected --version output: {version}"));
-    let major_minor = |v: &str| v.split('.').take(2).collect::<Vec<_>>().join(".");
     assert_eq!(major_minor(tag), major_minor(tested), "{image} vs {tested}");
+}
+
+#[test]
+fn envoy_is_published_on_10000_and_9901_unless_the_environment_moves_it() {
+    let c = compose();
+    let envoy = service(&c, "envoy");
+    let on = |listen: u64, admin: u64| {
+        vec![
+            ("127.0.0.1".to_string(), listen, 10000),
+            ("127.0.0.1".to_string(), admin, 9901),
+        ]
+    };
+    // make compose-up in a shell that sets neither: the ports it always had.
+    assert_eq!(published(envoy, &unset), on(10000, 9901));
+    let empty = |_: &str| Some(String::new());
+    assert_eq!(published(envoy, &empty), on(10000, 9901), "set but empty");
+    // make compose-test's own stack, beside a user's on the defaults.
+    let moved = |name: &str| match name {
+        "REDIS_GUARD_PORT" => Some("21000".to_string()),
+        "REDIS_GUARD_ADMIN_PORT" => Some("21001".to_string()),
+        _ => None,
+    };
+    assert_eq!(published(envoy, &moved), on(21000, 21001));
+}
+
+/// `major.minor` of a version such as 9.1.2 or 9.1.2.post2.
+fn major_minor(version: &str) -> String {
+    version.split('.').take(2).collect::<Vec<_>>().join(".")
+}
+
+#[test]
+fn compose_runs_redis_7_0_by_default_and_the_valkey_release_the_tests_run_when_asked() {
+    let c = compose();
+    let image = service(&c, "redis")["image"].as_str().unwrap();
+    let default = interpolate(image, &unset);
+    let tag = default
+        .strip_prefix("redis:")
+        .and_then(|t| t.strip_suffix("-alpine"))
+        .unwrap_or_else(|| panic!("{default}: not the official Redis image"));
+    // "Redis server v=7.0.15 sha=..." (Debian's, what the tests run).
+    let out = Command::new(support::on_path("redis-server"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    let version = String::from_utf8_lossy(&out.stdout).to_string();
+    let tested = version
+        .split("v=")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected --version output: {version}"));
+    assert_eq!(
+        tag,
+        major_minor(tested),
+        "{default} vs redis-server {tested}"
+    );
+    // The image is the one variable chooses, and Valkey's is the release
+    // the tests run (Makefile VALKEY_PKG), as the file's comments name it.
+    let valkey = format!(
+        "valkey/valkey:{}-alpine",
+        major_minor(&makefile_pin("VALKEY_PKG"))
+    );
+    let asked = |name: &str| (name == "REDIS_IMAGE").then(|| valkey.clone());
+    assert_eq!(interpolate(image, &asked), valkey);
+    let text = std::fs::read_to_string(envoy_dir().join("compose.yaml")).unwrap();
+    let named: Vec<&str> = text
+        .split_whitespace()
+        .filter_map(|w| w.find("valkey/valkey:").map(|at| &w[at..]))
+        .map(|w| w.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()))
+        .collect();
+    assert!(
+        !named.is_empty(),
+        "compose.yaml does not say how to pick Valkey"
+    );
+    for n in named {
+        assert_eq!(n, valkey, "compose.yaml names another Valkey image");
+    }
 }
 
 #[test]
@@ -669,7 +781,7 @@ fn only_envoy_is_reachable_from_outside_the_stacks_internal_network() {
                 ["backend", "edge"],
                 "envoy reaches the backend and is published"
             );
-            assert!(!published(svc).is_empty());
+            assert!(!published(svc, &unset).is_empty());
         } else {
             assert_eq!(nets, ["backend"], "{name} is on the internal network only");
             assert!(svc.get("ports").is_none(), "{name} publishes a port");

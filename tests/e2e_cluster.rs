@@ -641,15 +641,6 @@ fn webdis_command(args: &[&str]) -> Vec<u8> {
     format!("{}.raw", encoded.join("/")).into_bytes()
 }
 
-/// Refused by a node's ACL: NOPERM, or from inside a script an ERR saying
-/// the same (CONFIG and ACL are refused to every script, whoever runs it).
-fn refused_by_acl(reply: &str) -> bool {
-    let reply = reply.trim_start_matches('-');
-    reply.starts_with("NOPERM")
-        || reply.starts_with("ERR The user executing the script can't")
-        || reply.starts_with("ERR This Redis command is not allowed from script")
-}
-
 #[test]
 fn the_nodes_refuse_what_their_users_may_not_do_and_a_wrong_redis_password_decides_nothing() {
     let cluster = RedisCluster::start();
@@ -723,7 +714,7 @@ fn the_nodes_refuse_what_their_users_may_not_do_and_a_wrong_redis_password_decid
         let r = webdis.post(&webdis_command(&script));
         let reply = String::from_utf8_lossy(&r.body);
         assert_eq!(r.status, 200, "{script:?}: Webdis passes EVAL on");
-        assert!(refused_by_acl(&reply), "{script:?}: {reply}");
+        assert!(server::refused_by_acl(&reply), "{script:?}: {reply}");
     }
     let refusals = cluster.acl_refusals();
     assert!(

@@ -281,9 +281,12 @@ struct Window {
     /// The most answered writes not yet on the disk at one instant: what a
     /// machine crash then would lose.
     max_exposed: usize,
-    /// The fsyncs of the file, and the seconds the trace spans.
+    /// The fsyncs of the file.
     syncs: usize,
-    span_s: f64,
+    /// When the first fsync seen ended and the last one began (s since the
+    /// epoch, the clock Redis counts its seconds on).
+    first_sync_end: f64,
+    last_sync_start: f64,
 }
 
 fn fsync_window(calls: &[Call], main: u32) -> Window {
@@ -330,17 +333,38 @@ fn fsync_window(calls: &[Call], main: u32) -> Window {
         .map(|(t, _)| spans.iter().filter(|(a, d)| a <= t && t < d).count())
         .max()
         .unwrap_or(0);
-    let span_s = match (calls.first(), calls.iter().map(|c| c.end).reduce(f64::max)) {
-        (Some(first), Some(last)) => last - first.start,
-        _ => 0.0,
-    };
     Window {
         writes: spans.len(),
         max_ms,
         max_exposed,
         syncs: syncs.len(),
-        span_s,
+        first_sync_end: syncs[0].end,
+        last_sync_start: syncs[syncs.len() - 1].start,
     }
+}
+
+/// The writes of Redis' main thread to its append-only file that it then
+/// answered (a write of its own to another descriptor followed), and the
+/// fsyncs of that file, in the trace so far (none before the first fsync
+/// says which descriptor the file is).
+fn answered_writes_and_syncs(calls: &[Call], main: u32) -> (usize, usize) {
+    let syncs: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.name == "fdatasync" || c.name == "fsync")
+        .collect();
+    let Some(aof) = syncs.first().map(|c| c.fd) else {
+        return (0, 0);
+    };
+    let answered = calls
+        .iter()
+        .filter(|w| w.tid == main && w.name == "write" && w.fd == aof)
+        .filter(|w| {
+            calls
+                .iter()
+                .any(|c| c.tid == main && c.name == "write" && c.fd != aof && c.start >= w.end)
+        })
+        .count();
+    (answered, syncs.len())
 }
 
 /// Whether the trace so far shows an fsync of the append-only file begun
@@ -364,9 +388,17 @@ fn last_write_fsynced(text: &str, main: u32) -> bool {
     syncs.iter().any(|c| c.start >= last_write)
 }
 
-/// Attaches strace to Redis, runs `requests` keyed requests 50 ms apart
-/// (keys from `first`), waits for the last fsync, detaches.
-fn traced(s: &Crashable, first: usize, requests: usize) -> Window {
+/// Attaches strace to Redis, runs keyed requests 50 ms apart (keys from
+/// `first`): `min` of them, then more, up to `max`, until `enough` says the
+/// trace so far (its whole lines, and Redis' main thread) holds what the
+/// caller needs; waits for the last fsync, detaches. Returns the window and
+/// how many requests were sent.
+fn traced(
+    s: &Crashable,
+    first: usize,
+    (min, max): (usize, usize),
+    enough: impl Fn(&[Call], u32) -> bool,
+) -> (Window, usize) {
     let dir = Scratch::new("strace");
     let out = dir.0.join("trace");
     let err = dir.0.join("strace.err");
@@ -400,9 +432,18 @@ fn traced(s: &Crashable, first: usize, requests: usize) -> Window {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    for i in first..first + requests {
-        assert_eq!(s.pay(i).status, 200);
+    let mut sent = 0;
+    while sent < max {
+        assert_eq!(s.pay(first + sent).status, 200);
+        sent += 1;
         std::thread::sleep(Duration::from_millis(50));
+        if sent >= min {
+            let text = std::fs::read_to_string(&out).unwrap_or_default();
+            let whole = text.rfind('\n').map_or("", |end| &text[..=end]);
+            if enough(&parse_trace(whole), s.redis.pid()) {
+                break;
+            }
+        }
     }
     // Under everysec the last writes wait for Redis' next fsync: wait until
     // the trace shows it, not for a time a slow machine can outlast.
@@ -428,16 +469,17 @@ fn traced(s: &Crashable, first: usize, requests: usize) -> Window {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    fsync_window(
+    let w = fsync_window(
         &parse_trace(&std::fs::read_to_string(&out).unwrap()),
         s.redis.pid(),
-    )
+    );
+    (w, sent)
 }
 
 #[test]
 fn with_always_every_write_is_on_the_disk_before_redis_answers_it() {
     let s = Crashable::start(Some("always"));
-    let w = traced(&s, 100, 20);
+    let (w, _) = traced(&s, 100, (20, 20), |_, _| true);
     eprintln!("appendfsync always: {w:?}");
     // Each keyed request writes its lock, then its record; Redis may join
     // the changes of one pass of its event loop in one write, so at least
@@ -451,35 +493,56 @@ fn with_always_every_write_is_on_the_disk_before_redis_answers_it() {
 fn with_everysec_an_answered_record_waits_up_to_a_second_for_the_disk_but_survives_a_process_crash()
 {
     let mut s = Crashable::start(Some("everysec"));
-    let w = traced(&s, 100, 40);
-    eprintln!("appendfsync everysec: {w:?}");
-    assert!(w.writes >= 40, "one write per request at least: {w:?}");
+    // Requests until the trace holds more than twice as many answered
+    // writes as fsyncs, with room for two more fsyncs (one under way, and
+    // the last): that many writes always include two answered one after
+    // the other with no fsync begun between them, both exposed at once
+    // however slow the machine (a slow one sends more requests).
+    let (w, sent) = traced(&s, 100, (40, 400), |calls, main| {
+        let (writes, syncs) = answered_writes_and_syncs(calls, main);
+        writes >= 2 * (syncs + 2) + 2
+    });
+    eprintln!("appendfsync everysec, {sent} requests: {w:?}");
+    assert!(w.writes >= sent, "one write per request at least: {w:?}");
     // The window a machine crash would fall into: answers leave before the
-    // disk has their write, which waits for Redis' next fsync. Redis starts
-    // one only when its whole-second clock has turned since the last (so
-    // at most floor(span) + 2 in a span, plus one it started before strace
-    // attached), however many writes come. How long a write waits beyond
-    // that is the scheduler's, not Redis': printed above, never bounded by
-    // a wall clock here.
+    // disk has their write, which waits for Redis' next fsync.
     assert!(w.max_ms > 0.0, "every answer left after its fsync: {w:?}");
+    // Redis starts a background fsync only when none is under way and its
+    // clock has turned to another second since it started the last (Valkey:
+    // a second later on its millisecond clock). So every fsync after the
+    // first seen began after the one before it had ended, each in a second
+    // of its own, from the first one's end to the last one's start: at most
+    // floor(last start) - floor(first end) + 1 of them, one more for the
+    // clock Redis compares, read at the start of its event loop's pass (a
+    // pass shorter than a second), and the first. Counted on the fsyncs' own
+    // times, so
+    // however late Redis' background thread gets to run them. How long a
+    // write waits beyond that is the scheduler's, not Redis': printed
+    // above, never bounded by a wall clock here.
+    let seconds = w.last_sync_start.floor() - w.first_sync_end.floor();
     assert!(
-        (w.syncs as f64) <= w.span_s.floor() + 3.0,
+        (w.syncs as f64) <= seconds + 3.0,
         "more than one fsync a second: {w:?}"
     );
-    // Writes answered while one waited for its fsync were exposed with it:
-    // a request every 50 ms or so puts several in any such second, however
-    // slow the machine.
+    // Fewer fsyncs than half the writes (an fsync begins between at most
+    // two of the pairs of answered writes that follow each other): some two
+    // followed each other with no fsync begun between them, and both were
+    // exposed at once.
+    assert!(
+        w.writes >= 2 * w.syncs + 2,
+        "Redis fsynced at least once per two answered writes: {w:?}"
+    );
     assert!(w.max_exposed >= 2, "{w:?}");
     // A process crash loses none of it: the data was written, only not
     // fsynced, and the page cache outlives the process.
     s.redis.restart();
     s.webdis.wait_until_redis_answers();
-    for i in 100..140 {
+    for i in 100..100 + sent {
         assert_eq!(
             s.pay(i).header("idempotent-replayed"),
             Some("true"),
             "key-{i} ran again"
         );
     }
-    assert_eq!(s.upstream.executed(), 40, "no key ran twice");
+    assert_eq!(s.upstream.executed(), sent as u64, "no key ran twice");
 }

@@ -88,11 +88,53 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
     names
 }
 
+fn dashboard() -> Value {
+    let text = std::fs::read_to_string(root().join("envoy/grafana/redis-guard.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The dashboard's one query variable (the Envoys to show), as Grafana
+/// runs it: its name, the metric and label of its
+/// `label_values(<metric>, <label>)`, and the value "All" stands for.
+struct Variable {
+    name: String,
+    metric: String,
+    label: String,
+    all: String,
+}
+
+fn dashboard_variable() -> Variable {
+    let dash = dashboard();
+    let vars: Vec<&Value> = dash["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["type"] == "query")
+        .collect();
+    assert_eq!(vars.len(), 1, "one query variable: {vars:?}");
+    let v = vars[0];
+    assert_eq!(v["datasource"]["uid"], "${datasource}", "{v}");
+    let query = v["query"]["query"].as_str().unwrap();
+    assert_eq!(v["definition"], query, "what the editor shows is what runs");
+    let args = query
+        .strip_prefix("label_values(")
+        .and_then(|q| q.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("not a label_values() query: {query}"));
+    let (metric, label) = args.split_once(',').unwrap();
+    assert_eq!(v["includeAll"], true, "{v}");
+    Variable {
+        name: v["name"].as_str().unwrap().to_string(),
+        metric: metric.trim().to_string(),
+        label: label.trim().to_string(),
+        all: v["allValue"].as_str().unwrap().to_string(),
+    }
+}
+
 /// The dashboard's queries, with Grafana's variables replaced by what a
 /// viewer of every Envoy over the last minute would send: (panel, query).
 fn dashboard_queries() -> Vec<(String, String)> {
-    let text = std::fs::read_to_string(root().join("envoy/grafana/redis-guard.json")).unwrap();
-    let dash: Value = serde_json::from_str(&text).unwrap();
+    let dash = dashboard();
+    let var = dashboard_variable();
     let mut out = Vec::new();
     for panel in dash["panels"].as_array().unwrap() {
         if panel["type"] == "row" {
@@ -110,7 +152,7 @@ fn dashboard_queries() -> Vec<(String, String)> {
                 .as_str()
                 .unwrap()
                 .replace("$__rate_interval", RATE_INTERVAL)
-                .replace("$instance", ".*");
+                .replace(&format!("${}", var.name), &var.all);
             assert!(!expr.contains('$'), "{title}: a variable left in {expr}");
             out.push((title.to_string(), expr));
         }
@@ -417,14 +459,19 @@ fn every_dashboard_query_and_alert_expression_returns_series_under_traffic() {
             "panel {panel:?}: no finite value for {expr}: {series:?}"
         );
     }
-    // The dashboard's variable lists the Envoy.
-    let instances = prom.api(
-        "label/instance/values",
-        &[("match[]", "redis_guard_redis_calls")],
+    // The dashboard's variable lists the Envoy: its own query, as Grafana
+    // sends `label_values(metric, label)` to Prometheus.
+    let var = dashboard_variable();
+    let values = prom.api(
+        &format!("label/{}/values", var.label),
+        &[("match[]", &var.metric)],
     );
     assert_eq!(
-        instances,
-        serde_json::json!([format!("127.0.0.1:{}", e.admin_port)])
+        values,
+        serde_json::json!([format!("127.0.0.1:{}", e.admin_port)]),
+        "label_values({}, {})",
+        var.metric,
+        var.label
     );
 
     assert_rules_healthy(&prom, &rules);
@@ -503,6 +550,7 @@ fn redis_down_fires_the_unreachable_alert_and_every_alert_expression_holds() {
         );
         // Redis stalls: calls time out at timeoutMs (slow callouts), the
         // breaker opens; traffic (deny) goes on, paced, bounded.
+        let stalled_at = unix_now();
         redis.freeze(true);
         let t_down = Instant::now();
         let stop = &stop;
@@ -533,40 +581,69 @@ fn redis_down_fires_the_unreachable_alert_and_every_alert_expression_holds() {
         // Then Redis dies (SIGKILL; a stopped process dies as well).
         redis.stop();
 
-        // Pending, then firing within `for` plus two evaluations.
-        let mut pending_at: Option<f64> = None;
-        let fired_at = poll_every(
+        // Pending, then firing. Every instant judged below is Prometheus'
+        // own (its samples' timestamps), so how fast this test gets its turn
+        // on a loaded machine does not enter.
+        poll_every(
             "RedisGuardRedisUnreachable firing",
             Duration::from_secs(60),
             Duration::from_millis(100),
             || {
                 let state = prom.alert_state("RedisGuardRedisUnreachable");
-                if state.is_some() && pending_at.is_none() {
-                    // ALERTS_FOR_STATE's value is the alert's activeAt.
-                    pending_at =
-                        prom.scalar("ALERTS_FOR_STATE{alertname=\"RedisGuardRedisUnreachable\"}");
-                }
-                (state.as_deref() == Some("firing")).then(unix_now)
+                (state.as_deref() == Some("firing")).then_some(())
             },
         );
-        let active_at = pending_at.expect("activeAt of the pending alert");
+        // The evaluations that found it pending, then firing: the first
+        // sample of each state in ALERTS (ALERTS_FOR_STATE holds activeAt
+        // in whole seconds only).
+        let since = unix_now() - stalled_at + 10.0;
+        let first_in = |state: &str| {
+            let selector = format!(
+                "ALERTS{{alertname=\"RedisGuardRedisUnreachable\",alertstate=\"{state}\"}}"
+            );
+            let got = samples(&prom, &selector, since);
+            got.first().unwrap_or_else(|| panic!("no {state} sample")).0
+        };
+        let (active_at, fired_at) = (first_in("pending"), first_in("firing"));
         let pending_to_firing = fired_at - active_at;
-        let bound = (UNREACHABLE_FOR + 2 * INTERVAL).as_secs_f64();
+        let (hold, interval) = (UNREACHABLE_FOR.as_secs_f64(), INTERVAL.as_secs_f64());
         eprintln!(
-            "RedisGuardRedisUnreachable: firing {:.1} s after Redis stalled, \
-             {pending_to_firing:.2} s after it turned pending (bound {bound} s)",
-            t_down.elapsed().as_secs_f64()
+            "RedisGuardRedisUnreachable: pending {:.1} s after Redis stalled, firing \
+             {pending_to_firing:.2} s later",
+            active_at - stalled_at
         );
+        // `for`, then the evaluation that finds it over (a skipped one at most).
         assert!(
-            pending_to_firing <= bound,
-            "firing {pending_to_firing:.2} s after pending, over `for` + 2 evaluations ({bound} s)"
+            hold - 1e-3 <= pending_to_firing && pending_to_firing <= hold + 2.0 * interval,
+            "firing {pending_to_firing:.2} s after pending, not within `for` ({hold} s) \
+             + 2 evaluations"
         );
-        // The expression needs two scrapes with failures in them, then the
-        // `for` and at most two evaluations.
+        // When it turned pending, against the failure-mode answers each
+        // scrape counted. Not before the first scrape that had one; and once
+        // a scrape had 7 more than before the stall, the expression held (a
+        // rate over a minute of at least 7/60 > 0.1 a second; its errors
+        // come with or before the answers: a request is denied after its call
+        // failed, or once the breaker they opened is open): pending at the
+        // next evaluation after that scrape was in, within two intervals.
+        let denied = samples(&prom, "redis_guard_failure_mode_denied", since);
+        let before = denied
+            .iter()
+            .take_while(|(t, _)| *t <= stalled_at)
+            .last()
+            .unwrap_or_else(|| panic!("no scrape before the stall: {denied:?}"))
+            .1;
+        let first_with = |n: f64| {
+            denied
+                .iter()
+                .find(|(_, v)| *v >= before + n)
+                .unwrap_or_else(|| panic!("no scrape with {n} denied: {denied:?}"))
+                .0
+        };
+        let (one, seven) = (first_with(1.0), first_with(7.0));
         assert!(
-            t_down.elapsed() <= UNREACHABLE_FOR + 2 * INTERVAL + Duration::from_secs(10),
-            "firing {:?} after Redis stalled",
-            t_down.elapsed()
+            one <= active_at && active_at <= seven + 2.0 * interval,
+            "pending at {active_at}: the first denial scraped at {one}, the 7th at {seven} \
+             ({denied:?})"
         );
 
         // Now every rule's condition holds: failure-mode answers, the open
@@ -589,6 +666,27 @@ fn redis_down_fires_the_unreachable_alert_and_every_alert_expression_holds() {
         "no failure-mode answer in {:?}",
         t_down.elapsed()
     );
+}
+
+/// The samples of `selector` in the last `secs` seconds, summed over its
+/// series at each timestamp (one Envoy: its series share their scrapes), as
+/// (unix time, value), oldest first.
+fn samples(prom: &Prometheus, selector: &str, secs: f64) -> Vec<(f64, f64)> {
+    let data = prom.api(
+        "query",
+        &[("query", &format!("{selector}[{}s]", secs.ceil()))],
+    );
+    assert_eq!(data["resultType"], "matrix", "{selector}: {data}");
+    let mut sum = std::collections::BTreeMap::<i64, f64>::new();
+    for series in data["result"].as_array().unwrap() {
+        for point in series["values"].as_array().unwrap() {
+            let at = (point[0].as_f64().unwrap() * 1000.0).round() as i64;
+            *sum.entry(at).or_default() += point[1].as_str().unwrap().parse::<f64>().unwrap();
+        }
+    }
+    sum.into_iter()
+        .map(|(ms, v)| (ms as f64 / 1000.0, v))
+        .collect()
 }
 
 fn unix_now() -> f64 {

@@ -2,18 +2,23 @@
 //! delivered by ECDS (`config_discovery` with a file-based
 //! `path_config_source`, the file replaced atomically), as istiod delivers a
 //! WasmPlugin update, every 2 s for 20 s while two Envoys take traffic with
-//! batching on. No request goes unanswered or takes the failure mode, a
-//! limit whose parameters did not change keeps counting in its one key
-//! (exactly), and no concurrency slot or idempotency lock is left behind.
+//! batching on, a batch of each Envoy out at every reload. No request goes
+//! unanswered or takes the failure mode, a limit whose parameters did not
+//! change keeps counting in its one key (exactly), and no concurrency slot
+//! or idempotency lock is left behind.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod support;
 
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use redis_guard::scripts::BATCH;
 use support::*;
 
 const PERIOD_MS: i64 = 3_600_000;
@@ -21,6 +26,19 @@ const CAPACITY: i64 = 1_000_000;
 const RELOADS: u64 = 10;
 /// The name of the ECDS resource and of the filter that takes it.
 const NAME: &str = "redis_guard_ecds";
+/// How long a gate waits for a batch call to hold (nothing is held
+/// meanwhile: batches go out only while a call of the worker is out, which
+/// this load does not keep up all the time).
+const BATCH_LIMIT: Duration = Duration::from_secs(20);
+/// How long a held batch waits for its Envoy to take the reload: within the
+/// client's own timeout (support::agent, 15 s) and the filter's.
+const RELOAD_LIMIT: Duration = Duration::from_secs(5);
+/// `timeoutMs` (a reload changes it by one): twice as long as a batch may
+/// be held at a reload, so none is held into its timeout.
+const TIMEOUT_MS: u64 = 10_000;
+/// The concurrency lease: at least four times the timeout, as the filter
+/// requires.
+const LEASE_MS: u64 = 4 * (TIMEOUT_MS + 1);
 
 /// A token bucket and a concurrency limit per x-user on /r, an idempotency
 /// rule on /pay; `timeout_ms` is what each reload changes.
@@ -34,7 +52,7 @@ fn config(timeout_ms: u64) -> String {
                "failureMode":"deny",
                "tokenBucket":{{"capacity":{CAPACITY},"refill":1,"periodMs":{PERIOD_MS}}}}},
                {{"name":"inflight","match":{{"pathPrefix":"/r"}},"descriptor":[{{"header":"x-user"}}],
-               "failureMode":"deny","concurrency":{{"max":1000,"leaseMs":60000}}}}]"#
+               "failureMode":"deny","concurrency":{{"max":1000,"leaseMs":{LEASE_MS}}}}}]"#
         ))
         .idempotency(
             r#"[{"name":"pay","match":{"pathPrefix":"/pay"},
@@ -127,16 +145,120 @@ fn keys(con: &mut redis::Connection, pattern: &str) -> Vec<String> {
     redis::cmd("KEYS").arg(pattern).query(con).unwrap()
 }
 
+/// A stand-in in front of Webdis, one per Envoy, that passes every call on
+/// but can hold the batch calls (lua/batch.lua's EVALSHA): once armed, a
+/// batch call that arrives waits, unsent to Webdis, until `release`. So a
+/// reload can be made while a batch is known to be out: armed, a batch
+/// held, the configuration replaced and taken, then the batch let go, to be
+/// answered by the root context that sent it.
+struct Gate {
+    port: u16,
+    state: Arc<(Mutex<Held>, Condvar)>,
+}
+
+#[derive(Default)]
+struct Held {
+    armed: bool,
+    /// Batch calls waiting now, and held since the gate was armed.
+    waiting: usize,
+    since_armed: usize,
+}
+
+impl Gate {
+    fn start(webdis_port: u16) -> Gate {
+        let port = free_port();
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let state: Arc<(Mutex<Held>, Condvar)> = Arc::default();
+        let shared = Arc::clone(&state);
+        let batch = format!("EVALSHA/{}/", BATCH.sha1).into_bytes();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let (state, batch) = (Arc::clone(&shared), batch.clone());
+                std::thread::spawn(move || Gate::serve(conn, webdis_port, &state, &batch));
+            }
+        });
+        Gate { port, state }
+    }
+
+    fn serve(conn: TcpStream, webdis: u16, state: &(Mutex<Held>, Condvar), batch: &[u8]) {
+        let mut out = conn.try_clone().unwrap();
+        let mut from_envoy = std::io::BufReader::new(conn);
+        let mut to_webdis: Option<(TcpStream, std::io::BufReader<TcpStream>)> = None;
+        while let Some(request) = probe::read_message(&mut from_envoy) {
+            if request.windows(batch.len()).any(|w| w == batch) {
+                let (lock, cv) = state;
+                let mut held = lock.lock().unwrap();
+                if held.armed {
+                    held.waiting += 1;
+                    held.since_armed += 1;
+                    cv.notify_all();
+                    while held.armed {
+                        held = cv.wait(held).unwrap();
+                    }
+                    held.waiting -= 1;
+                }
+            }
+            let (w, r) = to_webdis.get_or_insert_with(|| {
+                let s = TcpStream::connect(("127.0.0.1", webdis)).unwrap();
+                (s.try_clone().unwrap(), std::io::BufReader::new(s))
+            });
+            w.write_all(&request).unwrap();
+            let reply = probe::read_message(r).expect("webdis closed the connection");
+            if out.write_all(&reply).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Holds the batch calls that arrive from now on, and waits (bounded)
+    /// until one is held.
+    fn hold_a_batch(&self) {
+        let (lock, cv) = &*self.state;
+        let mut held = lock.lock().unwrap();
+        held.armed = true;
+        held.since_armed = 0;
+        let (held, timeout) = cv
+            .wait_timeout_while(held, BATCH_LIMIT, |h| h.waiting == 0)
+            .unwrap();
+        assert!(
+            !timeout.timed_out(),
+            "no batch call within {BATCH_LIMIT:?} ({} held)",
+            held.since_armed
+        );
+    }
+
+    /// Lets every held call go; returns how many batch calls were held
+    /// since the gate was armed.
+    fn release(&self) -> usize {
+        let (lock, cv) = &*self.state;
+        let mut held = lock.lock().unwrap();
+        held.armed = false;
+        cv.notify_all();
+        held.since_armed
+    }
+}
+
+/// Sets its flag when dropped, a panic's unwinding included.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 #[test]
 fn ecds_reloads_every_two_seconds_under_load_leave_no_request_unanswered_and_nothing_held() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let upstream = Upstream::start();
     let dirs: Vec<Scratch> = (0..2).map(|_| Scratch::new("ecds")).collect();
+    let gates: Vec<Gate> = (0..2).map(|_| Gate::start(webdis.port)).collect();
     let envoys: Vec<Envoy> = dirs
         .iter()
-        .map(|d| {
-            Envoy::start_edited(&config(2000), webdis.port, upstream.port, |y| {
+        .zip(&gates)
+        .map(|(d, g)| {
+            Envoy::start_edited(&config(TIMEOUT_MS), g.port, upstream.port, |y| {
                 via_ecds(y, &d.0)
             })
         })
@@ -150,17 +272,30 @@ fn ecds_reloads_every_two_seconds_under_load_leave_no_request_unanswered_and_not
     let done = AtomicBool::new(false);
     let statuses = std::thread::scope(|s| {
         let reloader = s.spawn(|| {
+            // The load stops when the reloads are over, or have failed.
+            let _stop = StopOnDrop(&done);
+            let mut held = Vec::new();
+            let mut longest = Duration::ZERO;
             for k in 1..=RELOADS {
                 // Pacing of the reloads, as istiod pushes them: nothing
                 // waits on this sleep.
                 std::thread::sleep(Duration::from_secs(2));
-                for ((e, d), b) in envoys.iter().zip(&dirs).zip(&base) {
-                    replace_file(&d.0, &resource_for(&d.0, 2000 + k % 2));
+                // Each Envoy's reload is taken while one of its batch calls
+                // is out: sent under the old configuration, answered after
+                // the new one was taken.
+                let mut at_reload = Vec::new();
+                for (((e, d), b), g) in envoys.iter().zip(&dirs).zip(&base).zip(&gates) {
+                    g.hold_a_batch();
+                    let t = std::time::Instant::now();
+                    replace_file(&d.0, &resource_for(&d.0, TIMEOUT_MS + k % 2));
                     let what = format!("reload {k} taken, once");
-                    probe::poll_eq(&what, b + k, Duration::from_secs(10), || reloads(e));
+                    probe::poll_eq(&what, b + k, RELOAD_LIMIT, || reloads(e));
+                    at_reload.push(g.release());
+                    longest = longest.max(t.elapsed());
                 }
+                held.push(at_reload);
             }
-            done.store(true, Ordering::SeqCst);
+            (held, longest)
         });
         let jobs: Vec<usize> = (0..100_000).collect();
         let out = run_jobs(&jobs, 16, Duration::from_secs(120), agent, |agent, i, _| {
@@ -184,18 +319,30 @@ fn ecds_reloads_every_two_seconds_under_load_leave_no_request_unanswered_and_not
             std::thread::sleep(Duration::from_millis(5));
             Some(status)
         });
-        reloader.join().unwrap();
-        out
+        (out, reloader.join().unwrap())
     });
+    let (statuses, (held, longest)) = statuses;
     let answered: Vec<u16> = statuses.into_iter().flatten().collect();
-    let batches: u64 = envoys
+    let batch_calls: u64 = envoys
         .iter()
         .map(|e| e.counter("redis_guard.batch.calls"))
         .sum();
     eprintln!(
-        "{} requests across {RELOADS} reloads per Envoy, {batches} batch calls",
+        "{} requests across {RELOADS} reloads per Envoy, {batch_calls} batch calls; batch calls \
+         out at each reload, per Envoy: {held:?} (held until the reload was taken: {longest:?} \
+         at most)",
         answered.len()
     );
+    // Batches were out at every reload of each Envoy (every one of them
+    // answered: the 200s below), and the gate held only batch calls the
+    // filter counted as such.
+    assert_eq!(held.len() as u64, RELOADS);
+    assert!(
+        held.iter()
+            .all(|r| r.len() == 2 && r.iter().all(|n| *n >= 1)),
+        "a reload with no batch out: {held:?}"
+    );
+    assert!(held.iter().flatten().sum::<usize>() as u64 <= batch_calls);
     let others: Vec<&u16> = answered.iter().filter(|s| **s != 200).collect();
     assert!(
         others.is_empty(),

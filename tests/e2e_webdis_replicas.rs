@@ -9,9 +9,10 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use support::*;
 
@@ -48,13 +49,25 @@ fn with_second_webdis(yaml: String, first: u16, second: u16) -> String {
     )
 }
 
-/// Whether Envoy holds no open connection to the Webdis on `port` (its
-/// admin's /clusters: `webdis::127.0.0.1:<port>::cx_active::0`).
-fn connections_closed(e: &Envoy, port: u16) -> bool {
-    let url = format!("http://127.0.0.1:{}/clusters", e.admin_port);
-    let text = String::from_utf8_lossy(&get(&url, &[]).body).to_string();
-    let want = format!("webdis::127.0.0.1:{port}::cx_active::0");
-    text.lines().any(|l| l == want)
+/// One request of the load: which client sent it, when (from the test's
+/// start) it left and was answered, and the answer.
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    n: usize,
+    client: usize,
+    sent: Duration,
+    done: Duration,
+    status: u16,
+}
+
+/// Calls of the webdis cluster that Envoy failed before they were written
+/// to any Webdis (a connect refused, or a connection that died before the
+/// call was put on it): the calls the filter must send again.
+fn refused_before_sent(e: &Envoy) -> u64 {
+    admin_stat(
+        e.admin_port,
+        "cluster.webdis.upstream_rq_pending_failure_eject",
+    )
 }
 
 #[test]
@@ -72,73 +85,109 @@ fn a_killed_webdis_fails_only_its_calls_in_flight_and_the_rest_are_decided_throu
         })
         .collect();
 
+    let t0 = Instant::now();
     let started = AtomicUsize::new(0);
+    let clients = AtomicUsize::new(0);
+    // When the SIGKILL went, and when the process was gone (reaped).
+    let kill: Mutex<Option<(Duration, Duration)>> = Mutex::new(None);
     let killed = AtomicBool::new(false);
     let killer = Mutex::new(Some(&mut a));
     let jobs: Vec<usize> = (0..THREADS * PER_THREAD).collect();
     // ~200 requests a second: 8 clients, each pausing 40 ms between its
     // requests (pacing, not synchronisation: nothing waits on a state).
-    let answers = run_jobs(
+    let log = run_jobs(
         &jobs,
         THREADS,
         Duration::from_secs(120),
-        agent,
-        |agent, i, _| {
+        || (agent(), clients.fetch_add(1, Ordering::SeqCst)),
+        |(agent, client), i, _| {
             let n = started.fetch_add(1, Ordering::SeqCst);
             if n == KILL_AT {
                 if let Some(w) = killer.lock().unwrap().take() {
+                    let at = t0.elapsed();
                     w.stop();
-                }
-                // Requests after the kill start once every Envoy has seen
-                // its connections to the dead Webdis close: a call written
-                // on a connection Envoy has not yet seen closed may have
-                // been sent, and is rightly not sent again.
-                for e in &envoys {
-                    let what = format!("Envoy's connections to :{pa} closed");
-                    probe::poll(&what, Duration::from_secs(10), || {
-                        connections_closed(e, pa).then_some(())
-                    });
+                    *kill.lock().unwrap() = Some((at, t0.elapsed()));
                 }
                 killed.store(true, Ordering::SeqCst);
             } else if n > KILL_AT {
-                // Requests numbered after the kill start after it.
+                // Requests numbered after the kill start once the killed
+                // Webdis is gone, and no later: whatever Envoy has or has
+                // not yet noticed of it is what "after the kill" meets.
                 probe::poll("the kill", Duration::from_secs(10), || {
                     killed.load(Ordering::SeqCst).then_some(())
                 });
             }
             let e = &envoys[i % 2];
+            let sent = t0.elapsed();
             let status = http_with(agent, "GET", &e.url("/r"), &[("x-user", "u")], None).status;
+            let done = t0.elapsed();
             std::thread::sleep(Duration::from_millis(40));
-            (n, status)
+            Sent {
+                n,
+                client: *client,
+                sent,
+                done,
+                status,
+            }
         },
     );
-    let failed: Vec<usize> = answers
+    let (kill_sent, kill_done) = kill.into_inner().unwrap().expect("the kill happened");
+    let others: Vec<u16> = log
         .iter()
-        .filter(|(_, s)| *s != 200)
-        .map(|(n, _)| *n)
-        .collect();
-    let others: Vec<u16> = answers
-        .iter()
-        .map(|(_, s)| *s)
+        .map(|r| r.status)
         .filter(|s| *s != 200 && *s != 503)
         .collect();
     assert!(
         others.is_empty(),
         "200 or the failure mode's 503: {others:?}"
     );
+    let failed: Vec<Sent> = log.iter().filter(|r| r.status != 200).copied().collect();
+    let retried: Vec<u64> = envoys
+        .iter()
+        .map(|e| e.counter("redis_guard.redis.retries"))
+        .collect();
+    let refused: Vec<u64> = envoys.iter().map(refused_before_sent).collect();
     eprintln!(
-        "failure-mode answers: {} (requests {failed:?})",
-        failed.len()
+        "killed {} ms after the start (gone {} ms later); failure-mode answers: {} {failed:?}; \
+         calls sent again after a refused connection, per Envoy: {retried:?} (Envoy's calls \
+         failed before they were written: {refused:?})",
+        kill_sent.as_millis(),
+        (kill_done - kill_sent).as_millis(),
+        failed.len(),
     );
-    // Only calls in flight at the kill may fail: requests that started
-    // before it (at most one per other client). Every request that started
-    // after it, and met the dead Webdis, was sent again to the other.
+    // Only calls in flight at the kill may fail: each started before the
+    // Webdis was gone and was answered after the signal went. Every request
+    // that started after it, and met the dead Webdis, was sent again to
+    // the other.
+    for r in &failed {
+        assert!(
+            r.n < KILL_AT && r.sent < kill_done && r.done >= kill_sent,
+            "a request not in flight at the kill got the failure mode: {r:?} (kill {kill_sent:?} \
+             to {kill_done:?})"
+        );
+    }
+    // A client has one request in flight at a time: at most one failure
+    // each.
+    let mut per_client: BTreeMap<usize, usize> = BTreeMap::new();
+    for r in &failed {
+        *per_client.entry(r.client).or_default() += 1;
+    }
     assert!(
-        failed.iter().all(|n| *n < KILL_AT),
-        "requests that started after the kill got the failure mode: {failed:?}"
+        per_client.values().all(|n| *n <= 1),
+        "more than one failure for a client: {per_client:?} {failed:?}"
     );
-    assert!(failed.len() < THREADS, "{failed:?}");
-    let admitted = answers.iter().filter(|(_, s)| *s == 200).count() as i64;
+    // The dead Webdis was met after the kill, and every call Envoy failed
+    // before it was written was sent again, by the filter, once per
+    // refusal: on each Envoy the filter's count is Envoy's own.
+    assert!(
+        retried.iter().sum::<u64>() > 0,
+        "no call met the dead Webdis: the test did not test the retry"
+    );
+    assert_eq!(
+        retried, refused,
+        "retries per Envoy against Envoy's refusals"
+    );
+    let admitted = log.iter().filter(|r| r.status == 200).count() as i64;
     assert_eq!(upstream.executions_of("/r") as i64, admitted);
     let mut con = redis.conn();
     let keys: Vec<String> = redis::cmd("KEYS")
@@ -155,9 +204,4 @@ fn a_killed_webdis_fails_only_its_calls_in_flight_and_the_rest_are_decided_throu
         "{spent} tokens spent for {admitted} admitted and {} failed",
         failed.len()
     );
-    let retried: u64 = envoys
-        .iter()
-        .map(|e| e.counter("redis_guard.redis.retries"))
-        .sum();
-    eprintln!("calls sent again after a refused connection: {retried}");
 }

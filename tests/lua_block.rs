@@ -11,7 +11,7 @@ mod support;
 use redis::Connection;
 use redis_guard::scripts::{RATELIMIT, SETTLE};
 use support::script::{self, fw, tb, Limit, HOUR};
-use support::{key_exists, key_pttl, Redis};
+use support::{assert_expires_in, key_exists, key_pttl, redis_now_ms, Redis};
 
 /// A state key as the filter builds it (tag `t`), and its block key.
 fn keys(name: &str) -> (String, String) {
@@ -186,4 +186,75 @@ fn a_usage_based_limit_honours_a_block_but_only_its_settlement_starts_one() {
     )
     .unwrap();
     assert!(!key_exists(&mut con, &other_block));
+}
+
+/// The docs' longest block (docs/src/using/abuse.md: "1 s to 30 days").
+const THIRTY_DAYS: i64 = 30 * 24 * 3_600_000;
+
+/// A configuration with one blocking fixed window, blocking for `ms`.
+fn blocking_config(ms: i64) -> String {
+    format!(
+        r#"{{"redis":{{"cluster":"webdis"}},
+            "limits":[{{"name":"login","descriptor":[{{"header":"x-user"}}],
+                        "fixedWindow":{{"limit":1,"windowMs":60000}},
+                        "block":{{"durationMs":{ms}}}}}]}}"#
+    )
+}
+
+#[test]
+fn the_longest_block_is_thirty_days_and_a_thirty_day_block_lasts_exactly_that() {
+    // The configuration takes 30 days and refuses a ms more.
+    let parse = |ms: i64| redis_guard::config::Config::parse(blocking_config(ms).as_bytes());
+    assert!(parse(THIRTY_DAYS).is_ok());
+    let err = parse(THIRTY_DAYS + 1).unwrap_err().to_string();
+    assert!(
+        err.contains("limits[0].block.durationMs") && err.contains("30 days"),
+        "{err}"
+    );
+
+    // The scripts: a rejection starts a block whose key lives exactly 30
+    // days, and the retry says so (past 2^31 ms: a figure 32 bits would
+    // wrap); the key is refused for the block's time left.
+    let (_redis, mut con) = Redis::start_with_conn();
+    let (state, block) = keys("login");
+    let limit = fw(&state, 1, HOUR).block(THIRTY_DAYS);
+    assert!(decide(&mut con, std::slice::from_ref(&limit)).admitted);
+    let t0 = redis_now_ms(&mut con);
+    let d = decide(&mut con, std::slice::from_ref(&limit));
+    assert!(!d.admitted);
+    assert_eq!(
+        (d.limits[0].retry_ms, d.limits[0].reset_ms),
+        (THIRTY_DAYS, THIRTY_DAYS)
+    );
+    assert_expires_in(&mut con, &block, THIRTY_DAYS, t0);
+    let d = decide(&mut con, std::slice::from_ref(&limit));
+    let left = key_pttl(&mut con, &block);
+    assert!(!d.admitted);
+    assert!(
+        d.limits[0].retry_ms >= left && d.limits[0].retry_ms <= THIRTY_DAYS,
+        "{d:?}, PTTL {left}"
+    );
+
+    // A usage-based limit's block, started by its settlement: the same.
+    let (other, other_block) = keys("settled");
+    let limit = fw(&other, 1, HOUR).block(-THIRTY_DAYS);
+    assert!(decide(&mut con, std::slice::from_ref(&limit)).admitted);
+    let argv = [
+        "fw".to_string(),
+        "1".to_string(),
+        HOUR.to_string(),
+        "0".to_string(),
+        "0".to_string(),
+        "0".to_string(),
+        THIRTY_DAYS.to_string(),
+    ];
+    let t0 = redis_now_ms(&mut con);
+    script::eval_raw(
+        &mut con,
+        &SETTLE,
+        &[&other],
+        &argv.each_ref().map(String::as_str),
+    )
+    .unwrap();
+    assert_expires_in(&mut con, &other_block, THIRTY_DAYS, t0);
 }

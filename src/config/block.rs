@@ -4,7 +4,7 @@
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::limit::Algorithm;
+use super::algorithm::Algorithm;
 use super::ConfigError;
 
 /// Shortest and longest block: a second up to 30 days.

@@ -7,6 +7,7 @@
 //! against the object store); each feature's types and checks are in its file.
 
 mod access_log;
+mod algorithm;
 mod block;
 mod deny;
 mod idempotency;
@@ -28,13 +29,14 @@ use serde::Deserialize;
 use crate::request::{RequestLine, RequestView};
 
 pub use access_log::{AccessLog, KeyInLog};
+pub use algorithm::Algorithm;
 pub use deny::DenyRule;
 pub use idempotency::{
     Idempotency, DEFAULT_IDEMPOTENCY_HEADER, DEFAULT_LOCK_TTL_MS, DEFAULT_MAX_REQUEST_BODY,
     DEFAULT_MAX_STORED_BODY, DEFAULT_RECORD_TTL_MS, MAX_OFFLOADED_BODY,
 };
 pub use limit::{
-    Algorithm, Cost, Lease, Limit, CONCURRENCY_LEASE_MS, DEFAULT_CONCURRENCY_LEASE_MS,
+    Cost, Lease, Limit, CONCURRENCY_LEASE_MS, DEFAULT_CONCURRENCY_LEASE_MS,
     DEFAULT_LOCAL_PER_MILLE, MAX_CONCURRENCY, MAX_COUNTER_LIMIT, MAX_WINDOW_COST,
     RENEWALS_PER_LEASE,
 };

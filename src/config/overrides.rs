@@ -5,7 +5,7 @@
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::limit::Algorithm;
+use super::algorithm::Algorithm;
 use super::parts::{compile_part, Part, RawPart};
 use super::ConfigError;
 

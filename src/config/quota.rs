@@ -4,7 +4,8 @@
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::limit::{Algorithm, MAX_COUNTER_LIMIT};
+use super::algorithm::Algorithm;
+use super::limit::MAX_COUNTER_LIMIT;
 use super::ConfigError;
 use crate::quota::{zone, Calendar, Per};
 

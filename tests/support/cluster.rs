@@ -160,7 +160,7 @@ impl RedisCluster {
                 // The cluster bus gets a free port of its own: the default,
                 // port + 10000, may be taken (or in the ephemeral range).
                 let bus = free_port();
-                let mut cmd = Command::new(on_path("redis-server"));
+                let mut cmd = Command::new(super::server::binary());
                 cmd.args(["--cluster-enabled", "yes", "--cluster-config-file"])
                     .arg(dir.0.join(format!("nodes-{i}.conf")))
                     .args(["--cluster-port", &bus.to_string()])

@@ -19,6 +19,7 @@ pub mod identity;
 pub mod probe;
 pub mod s3;
 pub mod script;
+pub mod server;
 
 // Not every test binary builds a filter configuration.
 #[allow(unused_imports)]
@@ -427,7 +428,7 @@ impl Redis {
     }
 
     fn spawn(port: u16, dir: &Scratch, aof: Option<&str>) -> Proc {
-        let mut cmd = Command::new(on_path("redis-server"));
+        let mut cmd = Command::new(server::binary());
         cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", ""]);
         match aof {
