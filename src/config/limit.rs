@@ -10,8 +10,8 @@ use super::algorithm::Algorithm;
 use super::block::{compile_block, RawBlock};
 use super::matcher::{compile_match, Matcher, RawMatch};
 use super::overrides::{compile_overrides, Overrides, RawOverrides};
-use super::quota::{compile_quota, RawQuota};
 use super::parts::{compile_parts, Part, RawPart};
+use super::quota::{compile_quota, RawQuota};
 use super::usage::{compile_usage, RawUsage, Usage};
 use super::{header_name, valid_name, ConfigError, FailureMode};
 
