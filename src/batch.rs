@@ -8,7 +8,7 @@ use crate::ratelimit::ScriptArgs;
 use crate::webdis::Reply;
 
 /// The limit kinds' codes in a packed batch, in lua/batch.lua's order.
-const KINDS: [&[u8]; 6] = [b"tb", b"sw", b"gcra", b"fw", b"swc", b"cc"];
+const KINDS: [&[u8]; 7] = [b"tb", b"sw", b"gcra", b"fw", b"swc", b"cc", b"cq"];
 
 /// The largest figure a packed batch carries: its numbers are doubles,
 /// exact up to 2^53 (the config keeps every figure below it).
@@ -161,7 +161,10 @@ fn pack_member<'a>(
             .iter()
             .position(|k| *k == alg)
             .ok_or("unknown limit kind")?;
-        let cc = KINDS[kind] == b"cc";
+        // A concurrency limit's slot id and a quota's window edges are
+        // strings, the member's own (a quota's edges are computed at its
+        // request's arrival).
+        let cc = KINDS[kind] == b"cc" || KINDS[kind] == b"cq";
         let c = if cc { 0 } else { figure(&v[3])? };
         let p = (
             kind as u8 + 1 + overridable,

@@ -184,6 +184,12 @@ pub fn block_key(state_key: &[u8]) -> Vec<u8> {
     }
 }
 
+/// The key of a quota's window that starts at `start_ms`: its state key
+/// and `:<start>` (lua/quota.lua builds it the same way; same hash tag).
+pub fn quota_window_key(state_key: &[u8], start_ms: i64) -> Vec<u8> {
+    [state_key, format!(":{start_ms}").as_bytes()].concat()
+}
+
 /// Where `pat` first occurs in `key` at or after `from`.
 fn find_from(key: &[u8], from: usize, pat: &[u8]) -> Option<usize> {
     key.get(from..)?

@@ -19,6 +19,9 @@ pub struct Check {
     /// The limit's numbers as this request's override says (one stored in
     /// Redis replaces them again in the script).
     pub carried: Option<Override>,
+    /// A quota's window edges at the proxy's clock (`Plan::set_clock`):
+    /// the window around it and one on each side (src/quota.rs).
+    pub edges: Option<[i64; 4]>,
     /// The key's SHA-256, once a stage needs it ([`Check::digest`]).
     pub digest: keys::KeyDigest,
 }
@@ -117,6 +120,7 @@ impl Plan {
                 key: keys::rate_limit_key(&config.key_prefix, tag, &limit.key_infix, &descriptor),
                 cost,
                 carried,
+                edges: None,
                 digest: keys::KeyDigest::default(),
             });
         }
@@ -131,6 +135,24 @@ impl Plan {
 
     pub fn is_empty(&self) -> bool {
         self.checks.is_empty()
+    }
+
+    /// Computes each quota's window edges at `now_ms` (the proxy's clock);
+    /// the script picks the window that holds Redis' (src/quota.rs). A
+    /// clock outside the quota's range leaves none: the script refuses the
+    /// call and the failure mode decides.
+    pub fn set_clock(&mut self, config: &Config, now_ms: i64) {
+        for check in &mut self.checks {
+            // A customer's anchor day carried by the request moves its
+            // windows.
+            let algorithm = config
+                .limits
+                .get(check.limit)
+                .map(|l| check.carried.map_or(l.algorithm, |o| o.apply(&l.algorithm)));
+            if let Some(Algorithm::Quota { calendar, .. }) = algorithm {
+                check.edges = calendar.edges(now_ms);
+            }
+        }
     }
 
     /// KEYS and ARGV of lua/lease.lua for check `i` (a leased token bucket):
@@ -177,7 +199,7 @@ impl Plan {
             let (alg, a, b, c) = kind_args(&limit.algorithm);
             let (a, b) = match check.carried {
                 Some(Override::TokenBucket { capacity, refill }) => (capacity, refill),
-                Some(Override::Limit(n)) => (n, b),
+                Some(Override::Limit(n) | Override::Quota { amount: n, .. }) => (n, b),
                 None => (a, b),
             };
             // `+o`: the script looks up an override for the key.
@@ -188,6 +210,7 @@ impl Plan {
             // A concurrency limit's third value is the request's slot id.
             let c = match limit.algorithm {
                 Algorithm::Concurrency { .. } => slot.unwrap_or("").as_bytes().to_vec(),
+                Algorithm::Quota { .. } => edges_arg(check.edges),
                 _ => decimal(c),
             };
             argv.push(alg);
@@ -245,8 +268,19 @@ pub fn kind_args(algorithm: &Algorithm) -> (&'static str, u64, u64, u64) {
         | Algorithm::FixedWindow { limit, window_ms }
         | Algorithm::SlidingWindowCounter { limit, window_ms } => (limit, window_ms, 0),
         Algorithm::Concurrency { max, lease_ms } => (max, lease_ms, 0),
+        // Its third value is the window edges (`Check::edges`), not a number.
+        Algorithm::Quota { amount, .. } => (amount, 0, 0),
     };
     (algorithm.code(), a, b, c)
+}
+
+/// A quota's edges as the script reads them: four decimal ms,
+/// comma-separated; none, an empty string the script refuses.
+pub fn edges_arg(edges: Option<[i64; 4]>) -> Vec<u8> {
+    match edges {
+        Some([a, b, c, d]) => format!("{a},{b},{c},{d}").into_bytes(),
+        None => Vec::new(),
+    }
 }
 
 /// A limit's enforce value: a shadow limit is reported, never enforced

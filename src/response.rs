@@ -334,12 +334,19 @@ pub fn rate_limit_headers(
                 state.push_str(", ");
             }
             // `"name";q=…;w=…`. A concurrency limit has no window: its quota
-            // is requests in flight, back when they end, not with time.
+            // is requests in flight, back when they end, not with time. A
+            // quota's window is the one it was decided in, at the proxy's
+            // clock (a month of 28 to 31 days, a day of 23 to 25 hours), in
+            // seconds as for any window.
+            let window = match check.edges {
+                Some([_, start, end, _]) => u64::try_from(end.saturating_sub(start)).unwrap_or(0),
+                None => algorithm.window_ms(),
+            };
             policy.push('"');
             policy.push_str(&limit.name);
             policy.push_str("\";q=");
             push_decimal(&mut policy, algorithm.quota());
-            match algorithm.window_ms() {
+            match window {
                 0 => {}
                 window => {
                     policy.push_str(";w=");
@@ -556,6 +563,7 @@ mod tests {
             .map(|i| Check {
                 limit: i,
                 key: vec![],
+                edges: None,
                 cost: 1,
                 carried: None,
                 digest: Default::default(),
