@@ -63,6 +63,13 @@ $(CLI): Cargo.toml $(shell find src lua -type f 2>/dev/null)
 panic-trigger: rust-deps
 	cargo build --release --lib --target $(WASM_TARGET) --features panic-trigger --target-dir $(WASM_PANIC_DIR)
 
+# Test build only (tests/e2e_quota.rs builds it too): the filter with the
+# `test-clock` feature, whose scripts read Redis' clock from rg:test:clock and
+# whose quota windows follow the x-redis-guard-test-now header.
+.PHONY: test-clock
+test-clock: rust-deps
+	cargo build --release --lib --target $(WASM_TARGET) --features test-clock --target-dir target/test-clock
+
 rust-deps:
 	@command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup first"; exit 1; }
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)

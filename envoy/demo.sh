@@ -193,6 +193,16 @@ echo "  initech's quota set with the CLI (every Envoy's next decision reads it, 
     --value x-api-key=initech --capacity 10 --refill 10 \
     --redis "redis://admin:$REDIS_ADMIN_PASSWORD@127.0.0.1:$REDIS_PORT" ) | sed 's/^/  /'
 for i in 1 2 3 4 5; do show "GET /quota/items (x-api-key: initech) #$i" -H 'x-api-key: initech' "$URL/quota/items"; done
+echo "limits plan-per-second and monthly-plan (envoy/recipes/quota.json on /plan/): 20 at once and 10 a"
+echo "  second per x-api-key, within a plan of 1,000,000 a month renewing on the 1st at 00:00 Europe/Berlin."
+echo "  umbrella's plan set to 3 a month with the CLI; its 4th request waits for the renewal (retry-after):"
+plan_cli() { ( set -a; . "$STACK/objectstore.env"; . "$STACK/webdis.env"; . "$STACK/redis.env"; set +a
+  target/release/redis-guard "$@" --config envoy/filter.json --limit monthly-plan --value x-api-key=umbrella \
+    --redis "redis://admin:$REDIS_ADMIN_PASSWORD@127.0.0.1:$REDIS_PORT" ) | sed 's/^/  /'; }
+plan_cli override set --quota 3
+for i in 1 2 3 4; do show "GET /plan/items (x-api-key: umbrella) #$i" -H 'x-api-key: umbrella' "$URL/plan/items"; done
+echo "  what is used, what is left and the next renewal, on the plan's clock:"
+plan_cli inspect | grep -E '^  (used|left|renews):'
 echo "shadow limit search-trial (2 per 10 s) never rejects, it counts:"
 for i in 1 2 3; do show "GET /api/search #$i" -H "x-user: carol$i" "$URL/api/search"; done
 echo "idempotency rule payments: POST /api/payments with an Idempotency-Key runs once"

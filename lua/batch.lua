@@ -18,13 +18,15 @@ ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
          1-based; a string is a u16 length then its bytes):
   u8   version, 3 (any other is refused)
   u16  P, then P parameter sets, each a limit's as lua/ratelimit.lua takes
-       it: u8 kind (1 tb, 2 sw, 3 gcra, 4 fw, 5 swc, 6 cc; plus 128 for a limit
-       that takes overrides, its algorithm suffixed `+o`), figures a, b, c
-       (c is 0 for cc: its slot id is the member's), figure enforce (1,
+       it: u8 kind (1 tb, 2 sw, 3 gcra, 4 fw, 5 swc, 6 cc, 7 cq; plus 128 for
+       a limit that takes overrides, its algorithm suffixed `+o`), figures a,
+       b, c (c is 0 for cc and cq: the slot id, the window edges are the
+       member's), figure enforce (1,
        0, or a blocking limit's block in ms: lua/ratelimit.lua's value)
   u16  M, then per member, in the order to decide them:
        u16 N limits, each: u16 parameter set, u16 key (into the key table), figure
-           cost, and for a cc limit the request's slot id (string)
+           cost, and for a cc limit the request's slot id (string), for a cq
+           limit its window edges (string, lua/quota.lua)
        u8  1 if the member carries an idempotency key, then: u16 its key,
            owner token (string), request fingerprint (string), figure lock
            TTL (ms); else 0
@@ -63,7 +65,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- @@ALGORITHMS@@
 
-local kinds = { 'tb', 'sw', 'gcra', 'fw', 'swc', 'cc' }
+local kinds = { 'tb', 'sw', 'gcra', 'fw', 'swc', 'cc', 'cq' }
 local function bad(why)
   return redis.error_reply('ERR redis-guard batch: ' .. why)
 end
@@ -127,7 +129,7 @@ local function read()
         return 'member ' .. j .. ' names a parameter set or key it does not carry'
       end
       local c = set[4]
-      if set[1] == 'cc' then
+      if set[1] == 'cc' or string.sub(set[1], 1, 2) == 'cq' then
         c, pos = unpack('>Hc0', packed, pos)
       end
       K[#K + 1] = k

@@ -12,7 +12,7 @@ one script see each other exactly as separate calls in the same order would.
 Reads    `now` (ms, from Redis TIME) set by the preamble.
 Kinds    "tb" token_bucket.lua, "sw" sliding_window.lua, "gcra" gcra.lua,
          "fw" fixed_window.lua, "swc" sliding_window_counter.lua, "cc"
-         concurrency.lua, each defined by need(kind) when malformed() first
+         concurrency.lua, "cq" quota.lua, each defined by need(kind) when malformed() first
          meets it (a script's functions are made anew on every call: a call
          makes only its kinds', see src/scripts.rs on_demand); each
          kind's check reads its key, its charge records the new state, and
@@ -23,10 +23,10 @@ Kinds    "tb" token_bucket.lua, "sw" sliding_window.lua, "gcra" gcra.lua,
 
 -- The kinds malformed() lets through.
 local known_kinds = { tb = true, sw = true, gcra = true, fw = true, swc = true,
-                      cc = true }
+                      cc = true, cq = true }
 -- The kinds that take overrides: their state means the same under another
 -- capacity or limit (GCRA's is in units of its rate; cc's are slots).
-local overridable = { tb = true, sw = true, fw = true, swc = true }
+local overridable = { tb = true, sw = true, fw = true, swc = true, cq = true }
 
 -- A limit's kind, and whether it takes overrides (its algorithm suffixed
 -- `+o`), or nil for an algorithm that is neither.
@@ -52,7 +52,8 @@ end
 
 -- An override's figures for a limit of kind `kind` (a token bucket's period
 -- `c`), or nil when `text` is not one within the kind's bounds: "tb
--- <capacity> <refill>", "fw <limit>", "swc <limit>", "sw <limit>" (decimal,
+-- <capacity> <refill>", "fw <limit>", "swc <limit>", "sw <limit>", "cq
+-- <amount>" (decimal,
 -- as `redis-guard override set` writes them).
 local function override_figures(text, kind, c)
   if kind == 'tb' then
@@ -86,6 +87,10 @@ local function kind_params_bad(alg, a, b, c, cost)
     return not (whole(a, 1, 2^52) and whole(b, 1, 2^53) and whole(c, 1, 2^53)
                 and a * c < 2^52 and b * c < 2^53)
   end
+  if alg == 'cq' then
+    -- c is the edges (a string), checked by the caller; b is unused.
+    return not whole(a, 1, 2^50)
+  end
   if alg == 'cc' then
     -- c is the slot id (a string), checked by the caller.
     return not (whole(a, 1, 2^20) and whole(b, 1, 2^32) and cost <= 1000)
@@ -117,9 +122,11 @@ local function malformed(keys, ko, nk, argv, ao, na)
     -- defined here (src/scripts.rs on_demand).
     need(alg)
     for j = 1, 4 do
-      -- A concurrency limit's third value is its slot id, not a number.
+      -- A concurrency limit's third value is its slot id, a quota's its
+      -- window edges: not numbers.
       if base - ao + j > na
-          or (tonumber(argv[base + j]) == nil and not (alg == 'cc' and j == 3)) then
+          or (tonumber(argv[base + j]) == nil
+              and not ((alg == 'cc' or alg == 'cq') and j == 3)) then
         return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs numbers'
       end
     end
@@ -130,6 +137,10 @@ local function malformed(keys, ko, nk, argv, ao, na)
     end
     if alg == 'cc' and cc_slot_bad(argv[base + 3]) then
       return 'ERR redis-guard ratelimit: limit ' .. i .. ' needs a slot id'
+    end
+    if alg == 'cq' and cq_edges_bad(argv[base + 3]) then
+      return 'ERR redis-guard ratelimit: limit ' .. i
+          .. ': no window of its edges holds Redis\' clock (the proxy\'s clock is off by more than a window)'
     end
     if alg ~= 'tb' and alg ~= 'sw' and kind_params_bad(alg,
         tonumber(argv[base + 1]), tonumber(argv[base + 2]),
@@ -163,7 +174,7 @@ local function report_uncharged(r)
     -- An admitting verdict always has its backlog d (0 <= d <= full).
     r.remaining = math.floor((r.full - r.d) / r.period)
     r.reset = math.ceil(r.d / r.rate)
-  elseif alg == 'fw' then
+  elseif alg == 'fw' or alg == 'cq' then
     r.remaining = r.remaining + r.cost
     r.reset = r.count > 0 and r.ends or 0
   elseif alg == 'swc' then
@@ -256,6 +267,8 @@ local function decide_checked(keys, ko, argv, ao, na)
       r = fw_check(keys[ko + i], a, b, 0, cost)
     elseif alg == 'swc' then
       r = swc_check(keys[ko + i], a, b, 0, cost)
+    elseif alg == 'cq' then
+      r = cq_check(keys[ko + i], a, b, c, cost)
     else
       r = cc_check(keys[ko + i], a, b, c, cost)
     end
@@ -294,6 +307,7 @@ local function decide_checked(keys, ko, argv, ao, na)
       elseif alg == 'gcra' then gcra_charge(r)
       elseif alg == 'fw' then fw_charge(r)
       elseif alg == 'swc' then swc_charge(r)
+      elseif alg == 'cq' then cq_charge(r)
       else cc_charge(r) end
     elseif r.allowed == 1 then
       report_uncharged(r)
@@ -314,6 +328,7 @@ local function flush_all()
   if gcra_flush then gcra_flush() end
   if fw_flush then fw_flush() end
   if swc_flush then swc_flush() end
+  if cq_flush then cq_flush() end
 end
 
 -- decide_checked()'s answer for the commonest request: one enforced token

@@ -46,6 +46,11 @@ local function inspect(key, alg, a, b, c, cost)
     r = swc_check(key, a, b, 0, cost)
   elseif alg == 'cc' then
     r = cc_check(key, a, b, c, cost)
+  elseif alg == 'cq' then
+    if cq_edges_bad(c) then
+      return redis.error_reply('ERR redis-guard inspect: no window of the edges holds Redis\' clock')
+    end
+    r = cq_check(key, a, b, c, cost)
   else
     return redis.error_reply('ERR redis-guard inspect: unknown algorithm')
   end

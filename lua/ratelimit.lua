@@ -17,12 +17,15 @@ ARGV per limit i, six values starting at 2 + (i-1)*6:
              "fw"   fixed window aligned to the epoch (one string)
              "swc"  sliding-window counter (one hash)
              "cc"   concurrency: requests in flight (one sorted set)
+             "cq"   calendar quota (one string per window: lua/quota.lua)
   a          tb: capacity (tokens)           sw, fw, swc: limit (units per window)
              gcra: burst (units)             cc: max (slots)
+             cq: amount (units per window)
   b          tb: refill (tokens per period)  sw, fw, swc: window (ms)
-             gcra: rate (units per period)   cc: lease (ms)
+             gcra: rate (units per period)   cc: lease (ms); cq: 0
   c          tb, gcra: period (ms)           sw, fw, swc: ignored (0)
              cc: the request's slot id (hex; see lua/concurrency.lua)
+             cq: the window edges (four ms, comma-separated)
   cost       units this request spends (1 <= cost <= capacity, burst or
              limit; a larger cost is a rejection that writes nothing, see
              each kind's file)
@@ -35,7 +38,7 @@ ARGV per limit i, six values starting at 2 + (i-1)*6:
              reading its state. Its negative (a usage-based limit): the
              block is honoured the same way, but only lua/settle.lua starts
              it (a rejection may be due to reserves of running requests)
-  algorithm  may carry `+o` (tb, sw, fw, swc): the limit takes overrides;
+  algorithm  may carry `+o` (tb, sw, fw, swc, cq): the limit takes overrides;
              the script reads the key's override (lua/keys.lua
              override_key) and, when it parses within the kind's bounds and
              leaves room for the cost, decides with its figures: the

@@ -6,11 +6,12 @@ KEYS[i]  the state key of limit i (as in lua/ratelimit.lua); a key may come
          more than once (the settlements of several requests in one call, as
          an Envoy worker sends them): they apply in order
 ARGV per limit i, seven values starting at 1 + (i-1)*7:
-  algorithm  "tb", "gcra", "fw" or "swc" (the sliding-window log keeps a
+  algorithm  "tb", "gcra", "fw", "swc" or "cq" (the sliding-window log keeps a
              member per unit, and a concurrency limit counts requests, not
              units: neither settles)
   a, b, c    as in lua/ratelimit.lua (tb: capacity, refill, period; gcra:
-             burst, rate, period; fw, swc: limit, window, 0)
+             burst, rate, period; fw, swc: limit, window, 0; cq: amount,
+             0, the window edges of the decision, lua/quota.lua)
   delta      units to charge now: the actual cost minus what was reserved,
              negative for a refund (a whole number, |delta| < 2^50)
   age        ms since the decision's call left (the proxy's clock): the
@@ -42,7 +43,8 @@ below 2^53): a charge beyond that is clamped, so at most 2^52 credits of
 debt (2^52 / period units) are held.
 
 Composition: src/scripts.rs joins lua/wire.lua, lua/token_bucket.lua,
-lua/fixed_window.lua and lua/sliding_window_counter.lua at the marker: each
+lua/fixed_window.lua, lua/sliding_window_counter.lua and lua/quota.lua at
+the marker: each
 kind's own check reads and rolls its state forward (cost 0), its own charge
 and flush write it, so a settlement stores exactly what a decision would.
 Clock: Redis TIME, as in the decision. Every key written keeps a TTL: the
@@ -81,6 +83,12 @@ for i = 1, n do
     ok = ok and c >= 1 and a * c < 2^52 and b * c < 2^53
   elseif alg == 'fw' or alg == 'swc' then
     ok = ok and a <= 2^50
+  elseif alg == 'cq' then
+    -- b is unused (0) and c the edges: a window of them holds now.
+    ok = whole(tonumber(ARGV[base + 4]), -(2^50 - 1), 2^50 - 1)
+      and (block == 0 or whole(block, 1000, 2^42))
+      and whole(tonumber(ARGV[base + 5]), 0, 2^53 - 1)
+      and whole(a, 1, 2^50) and not cq_edges_bad(ARGV[base + 3])
   else
     ok = false
   end
@@ -127,6 +135,13 @@ for i = 1, n do
       and math.floor((now - age) / b) ~= math.floor(now / b) then
     delta = 0
   end
+  if alg == 'cq' and delta < 0 then
+    -- A refund only into the window the reserve was surely taken in.
+    local start = cq_window(ARGV[base + 3])
+    if now - age < start then
+      delta = 0
+    end
+  end
   local left
   if alg == 'tb' then
     local r = tb_check(key, a, b, c, 0)
@@ -136,6 +151,13 @@ for i = 1, n do
     left = math.floor((r.credits - r.need) / c)
   elseif alg == 'gcra' then
     left = gcra_settle(key, a, b, c, delta)
+  elseif alg == 'cq' then
+    local r = cq_check(key, a, 0, ARGV[base + 3], 0)
+    r.cost = math.max(delta, -r.count)
+    if r.count + r.cost > 0 or r.count > 0 then
+      cq_charge(r)
+    end
+    left = a - r.count - r.cost
   elseif alg == 'fw' then
     local r = fw_check(key, a, b, 0, 0)
     r.cost = math.max(delta, -r.count)
@@ -162,4 +184,5 @@ end
 tb_flush()
 fw_flush()
 swc_flush()
+cq_flush()
 return out

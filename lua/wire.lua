@@ -5,7 +5,8 @@ This file is not a script on its own: src/scripts.rs joins it first after
 the clock preamble.
 
 Webdis 0.1.9 cannot carry an integer reply of 2^31 or more: it truncates a
-lone one, and one inside an array makes it drop the connection. Limits reach
+lone one, and one inside an array aborts the whole Webdis process (SIGABRT:
+every connection of every Envoy gone; 0.1.23 too). Limits reach
 such numbers (a fixed window's reset in a long window, a bucket's remaining
 units in a budget of billions), so wire(v) hands them over as a decimal
 string, which Webdis passes byte for byte; the filter reads an integer

@@ -8,7 +8,7 @@ use crate::ratelimit::ScriptArgs;
 use crate::webdis::Reply;
 
 /// The limit kinds' codes in a packed batch, in lua/batch.lua's order.
-const KINDS: [&[u8]; 6] = [b"tb", b"sw", b"gcra", b"fw", b"swc", b"cc"];
+const KINDS: [&[u8]; 7] = [b"tb", b"sw", b"gcra", b"fw", b"swc", b"cc", b"cq"];
 
 /// The largest figure a packed batch carries: its numbers are doubles,
 /// exact up to 2^53 (the config keeps every figure below it).
@@ -25,12 +25,17 @@ pub struct Packed {
 }
 
 /// Distinct values in order of first use, each with its 1-based index.
+/// A batch's tables are short (its members mostly share their limits, and
+/// often their keys): they are searched in order, and hashed only past
+/// [`Table::SCAN`] values, where a scan would cost more than hashing.
 struct Table<T> {
     index: HashMap<T, u16>,
     items: Vec<T>,
 }
 
 impl<T: Copy + Eq + Hash> Table<T> {
+    const SCAN: usize = 16;
+
     fn new() -> Table<T> {
         Table {
             index: HashMap::new(),
@@ -39,11 +44,26 @@ impl<T: Copy + Eq + Hash> Table<T> {
     }
 
     fn of(&mut self, item: T) -> Result<u16, String> {
-        if let Some(i) = self.index.get(&item) {
-            return Ok(*i);
+        let found = if self.items.len() <= Table::<T>::SCAN {
+            self.items
+                .iter()
+                .position(|i| *i == item)
+                .map(|at| at as u16 + 1)
+        } else {
+            if self.index.is_empty() {
+                for (at, i) in self.items.iter().enumerate() {
+                    self.index.insert(*i, at as u16 + 1);
+                }
+            }
+            self.index.get(&item).copied()
+        };
+        if let Some(i) = found {
+            return Ok(i);
         }
         let i = u16::try_from(self.items.len() + 1).map_err(|_| "more than 65535 distinct")?;
-        self.index.insert(item, i);
+        if !self.index.is_empty() {
+            self.index.insert(item, i);
+        }
         self.items.push(item);
         Ok(i)
     }
@@ -56,16 +76,24 @@ impl<T: Copy + Eq + Hash> Table<T> {
 type Params = (u8, u64, u64, u64, i64);
 
 fn figure(raw: &[u8]) -> Result<u64, String> {
-    std::str::from_utf8(raw)
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .filter(|n| *n <= MAX_FIGURE)
-        .ok_or_else(|| {
-            format!(
-                "not a figure below 2^53: {:?}",
-                String::from_utf8_lossy(raw)
-            )
+    // What `str::parse::<u64>` accepts (an optional `+`, then digits), read
+    // in place: a batch reads six of these per member.
+    let digits = raw.strip_prefix(b"+").unwrap_or(raw);
+    let value = (!digits.is_empty())
+        .then(|| {
+            digits.iter().try_fold(0u64, |n, &d| {
+                d.is_ascii_digit()
+                    .then(|| n.checked_mul(10)?.checked_add(u64::from(d - b'0')))
+                    .flatten()
+            })
         })
+        .flatten();
+    value.filter(|n| *n <= MAX_FIGURE).ok_or_else(|| {
+        format!(
+            "not a figure below 2^53: {:?}",
+            String::from_utf8_lossy(raw)
+        )
+    })
 }
 
 /// A figure that may be negative (an enforce value).
@@ -133,7 +161,10 @@ fn pack_member<'a>(
             .iter()
             .position(|k| *k == alg)
             .ok_or("unknown limit kind")?;
-        let cc = KINDS[kind] == b"cc";
+        // A concurrency limit's slot id and a quota's window edges are
+        // strings, the member's own (a quota's edges are computed at its
+        // request's arrival).
+        let cc = KINDS[kind] == b"cc" || KINDS[kind] == b"cq";
         let c = if cc { 0 } else { figure(&v[3])? };
         let p = (
             kind as u8 + 1 + overridable,
@@ -258,6 +289,39 @@ pub fn split_reply(reply: Reply, m: usize) -> Result<Vec<Reply>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_figure_reads_as_str_parse_reads_it() {
+        for raw in [
+            "0",
+            "7",
+            "+7",
+            "+",
+            "",
+            "-1",
+            "9007199254740992",
+            "9007199254740993",
+            "18446744073709551615",
+            "18446744073709551616",
+            "1a",
+            " 1",
+            "007",
+            "++1",
+        ] {
+            let parsed = raw.parse::<u64>().ok().filter(|n| *n <= MAX_FIGURE);
+            assert_eq!(figure(raw.as_bytes()).ok(), parsed, "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn a_long_table_indexes_as_a_short_one() {
+        let mut t = Table::new();
+        let items: Vec<u32> = (0..40).map(|i| i % 23).collect();
+        let got: Vec<u16> = items.iter().map(|i| t.of(*i).unwrap()).collect();
+        let want: Vec<u16> = items.iter().map(|i| *i as u16 + 1).collect();
+        assert_eq!(got, want);
+        assert_eq!(t.items.len(), 23);
+    }
 
     fn bytes(v: &[&str]) -> Vec<Vec<u8>> {
         v.iter().map(|s| s.as_bytes().to_vec()).collect()

@@ -13,6 +13,31 @@ pub fn hex(bytes: &[u8]) -> String {
     s
 }
 
+/// Appends `n` in decimal, without the formatting machinery (the hot
+/// path's keys and headers).
+pub fn push_decimal(out: &mut String, n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // ASCII digits: always UTF-8.
+    out.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
+}
+
+/// `n` in decimal, as bytes (a script call's numbers).
+pub fn decimal(n: u64) -> Vec<u8> {
+    let mut s = String::with_capacity(20);
+    push_decimal(&mut s, n);
+    s.into_bytes()
+}
+
 /// Lower-case hex SHA-256: digests in keys, object names and checksums.
 pub fn sha256_hex(data: &[u8]) -> String {
     hex(&Sha256::digest(data))
@@ -21,6 +46,16 @@ pub fn sha256_hex(data: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decimals_are_what_display_writes() {
+        for n in [0, 1, 9, 10, 99, 100, 4096, 1 << 53, u64::MAX - 1, u64::MAX] {
+            assert_eq!(decimal(n), n.to_string().into_bytes());
+        }
+        let mut s = String::from("t/");
+        push_decimal(&mut s, 4095);
+        assert_eq!(s, "t/4095");
+    }
 
     #[test]
     fn hex_encodes_lowercase() {

@@ -27,7 +27,7 @@ pub fn push_value(out: &mut Vec<u8>, value: &[u8]) {
         out.push(b'#');
         out.extend_from_slice(sha256_hex(value).as_bytes());
     } else {
-        out.extend_from_slice(value.len().to_string().as_bytes());
+        out.extend_from_slice(&crate::codec::decimal(value.len() as u64));
         out.push(b':');
         out.extend_from_slice(value);
     }
@@ -50,11 +50,104 @@ pub fn hash_tag_of<V: AsRef<[u8]>>(values: impl IntoIterator<Item = V>) -> Strin
 /// of the key's digest, stored in the record so a collision never answers
 /// for another key.
 pub fn shared_slot(table: &str, slots: u32, limit_key: &[u8]) -> (String, [u8; 16]) {
-    let full = Sha256::digest(limit_key);
+    shared_slot_of(table, slots, &Sha256::digest(limit_key).into())
+}
+
+/// [`shared_slot`] of a key whose SHA-256 is `full` (a request's checks
+/// keep theirs: [`KeyDigest`]).
+pub fn shared_slot_of(table: &str, slots: u32, full: &[u8; 32]) -> (String, [u8; 16]) {
     let mut digest = [0u8; 16];
     digest.copy_from_slice(&full[..16]);
     let index = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % slots;
-    (format!("{table}/{index}"), digest)
+    let mut shared_key = String::with_capacity(table.len() + 11);
+    shared_key.push_str(table);
+    shared_key.push('/');
+    crate::codec::push_decimal(&mut shared_key, u64::from(index));
+    (shared_key, digest)
+}
+
+/// The SHA-256 of a limit key, computed at its first use and then kept: the
+/// over-limit cache, the lease table and the access log each need it for
+/// the same key, and in the wasm one digest costs about as much as the rest
+/// of an admitted request's work in the filter (envoy/cost_gate). Two
+/// digests of equal keys are equal: it compares as always equal, so a
+/// check's equality stays its key's.
+#[derive(Clone, Default)]
+pub struct KeyDigest(std::cell::OnceCell<[u8; 32]>);
+
+impl KeyDigest {
+    /// The digest of `key`, which must be the key it was first asked for
+    /// (a check's, which never changes).
+    pub fn of(&self, key: &[u8]) -> &[u8; 32] {
+        self.0.get_or_init(|| recent_digest(key))
+    }
+}
+
+/// Entries of the worker's table of recent digests ([`recent_digest`]).
+const RECENT: usize = 64;
+
+/// Keys longer than this are digested every time: a key holds at most a
+/// few descriptor values of up to [`MAX_RAW_VALUE`] bytes each, and the
+/// table's memory stays within RECENT x this.
+const RECENT_KEY_MAX: usize = 512;
+
+/// One entry of the table: a key and its digest.
+type Recent = Option<(Box<[u8]>, [u8; 32])>;
+
+thread_local! {
+    /// The worker's (a wasm VM is one thread) recent keys and their digests,
+    /// one per entry, an entry chosen by a cheap hash of the key.
+    static RECENT_DIGESTS: std::cell::RefCell<Vec<Recent>> =
+        std::cell::RefCell::new(vec![None; RECENT]);
+}
+
+/// SHA-256 of `key`, from the worker's table of recent keys when `key` is
+/// there, byte for byte (so always the key's own digest). A key a worker
+/// sees once is digested once per request; a key it sees again and again
+/// (a busy client's limit key, which is what a lease or the over-limit
+/// cache is for) costs a lookup instead of a digest. A client that sends
+/// ever new keys only evicts entries: each request then costs one digest,
+/// as before, and the table's memory is bounded whatever the keys.
+pub fn recent_digest(key: &[u8]) -> [u8; 32] {
+    if key.len() > RECENT_KEY_MAX {
+        return Sha256::digest(key).into();
+    }
+    // FNV-1a: not a defence against chosen collisions, which only evict.
+    let hash = key.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    let at = (hash % RECENT as u64) as usize;
+    RECENT_DIGESTS
+        .try_with(|table| {
+            let Ok(mut table) = table.try_borrow_mut() else {
+                return Sha256::digest(key).into();
+            };
+            let entry = table.get_mut(at);
+            match entry {
+                Some(Some((k, digest))) if **k == *key => *digest,
+                Some(slot) => {
+                    let digest: [u8; 32] = Sha256::digest(key).into();
+                    *slot = Some((key.into(), digest));
+                    digest
+                }
+                None => Sha256::digest(key).into(),
+            }
+        })
+        .unwrap_or_else(|_| Sha256::digest(key).into())
+}
+
+impl PartialEq for KeyDigest {
+    fn eq(&self, _: &KeyDigest) -> bool {
+        true
+    }
+}
+
+impl Eq for KeyDigest {}
+
+impl std::fmt::Debug for KeyDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyDigest")
+    }
 }
 
 /// Reads the `i`th big-endian u64 of a fixed-layout record after its
@@ -89,6 +182,12 @@ pub fn block_key(state_key: &[u8]) -> Vec<u8> {
         Some(i) => [&state_key[..i], b":bl:{", &state_key[i + 5..]].concat(),
         None => [state_key, b":bl"].concat(),
     }
+}
+
+/// The key of a quota's window that starts at `start_ms`: its state key
+/// and `:<start>` (lua/quota.lua builds it the same way; same hash tag).
+pub fn quota_window_key(state_key: &[u8], start_ms: i64) -> Vec<u8> {
+    [state_key, format!(":{start_ms}").as_bytes()].concat()
 }
 
 /// Where `pat` first occurs in `key` at or after `from`.
@@ -194,6 +293,27 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn a_recent_digest_is_the_keys_own_whatever_the_table_holds() {
+        // More keys than entries, each asked for three times in turns, and
+        // keys that differ in one byte or in length only: every answer is
+        // SHA-256 of the key asked for.
+        let mut keys: Vec<Vec<u8>> = (0..3 * RECENT as u32)
+            .map(|i| format!("rg:rl:{{t}}:a:tb:{i}").into_bytes())
+            .collect();
+        keys.push(b"".to_vec());
+        keys.push(vec![b'x'; RECENT_KEY_MAX + 1]);
+        keys.push(b"rg:rl:{t}:a:tb:1".to_vec());
+        keys.push(b"rg:rl:{t}:a:tb:1\0".to_vec());
+        for _ in 0..3 {
+            for key in &keys {
+                let want: [u8; 32] = Sha256::digest(key).into();
+                assert_eq!(recent_digest(key), want, "{key:?}");
+                assert_eq!(*KeyDigest::default().of(key), want);
+            }
+        }
+    }
 
     #[test]
     fn length_prefixes_keep_distinct_descriptors_apart() {

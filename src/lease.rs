@@ -8,7 +8,7 @@
 //! others decide their requests in Redis meanwhile (exact, just slower), so an
 //! Envoy holds at most one batch per key: the bound on tokens it can strand.
 
-use crate::keys::{record_u64, shared_slot};
+use crate::keys::{record_u64, shared_slot, shared_slot_of};
 
 /// Slots per Envoy (each 40 bytes of shared data).
 pub const SLOTS: u32 = 4096;
@@ -82,6 +82,12 @@ pub struct Slot {
 impl Slot {
     pub fn of(limit_key: &[u8]) -> Slot {
         let (shared_key, digest) = shared_slot("redis-guard/lease", SLOTS, limit_key);
+        Slot { shared_key, digest }
+    }
+
+    /// [`Slot::of`] the key whose SHA-256 is `full`.
+    pub fn of_digest(full: &[u8; 32]) -> Slot {
+        let (shared_key, digest) = shared_slot_of("redis-guard/lease", SLOTS, full);
         Slot { shared_key, digest }
     }
 

@@ -23,6 +23,7 @@ pub mod networks;
 pub mod offload;
 pub mod overlimit;
 pub mod overrides;
+pub mod quota;
 pub mod ratelimit;
 pub mod request;
 pub mod response;

@@ -52,6 +52,13 @@ impl LocalBucket {
                 refill: scale(limit),
                 period_ms: window_ms,
             },
+            // A quota's amount over its nominal window (a 30-day month):
+            // a share of a month's allowance for an outage, not a calendar.
+            Algorithm::Quota { amount, calendar } => LocalBucket {
+                capacity: scale(amount),
+                refill: scale(amount),
+                period_ms: calendar.per.nominal_ms(),
+            },
             Algorithm::Concurrency { .. } => return None,
         })
     }

@@ -16,7 +16,7 @@
 //! keys clients invent. Each entry carries the key's digest, so a collision
 //! never answers for another key.
 
-use crate::keys::{record_u64, shared_slot};
+use crate::keys::{record_u64, shared_slot, shared_slot_of};
 
 /// Entries per Envoy (each 40 bytes of shared data).
 pub const SLOTS: u32 = 4096;
@@ -50,6 +50,12 @@ pub struct Slot {
 impl Slot {
     pub fn of(limit_key: &[u8]) -> Slot {
         let (shared_key, digest) = shared_slot("redis-guard/over", SLOTS, limit_key);
+        Slot { shared_key, digest }
+    }
+
+    /// [`Slot::of`] the key whose SHA-256 is `full`.
+    pub fn of_digest(full: &[u8; 32]) -> Slot {
+        let (shared_key, digest) = shared_slot_of("redis-guard/over", SLOTS, full);
         Slot { shared_key, digest }
     }
 

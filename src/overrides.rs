@@ -4,8 +4,12 @@
 //!
 //! `tb <capacity> <refill>` for a token bucket (its period stays the
 //! configured one, so its stored level keeps its meaning), `<kind> <limit>`
-//! for a fixed window (`fw`), a sliding-window counter (`swc`) or a sliding
-//! window (`sw`); decimal, one space apart.
+//! for a fixed window (`fw`), a sliding-window counter (`swc`), a sliding
+//! window (`sw`) or a calendar quota (`cq`); decimal, one space apart. A
+//! quota's override carried by the request may add the customer's anchor
+//! day, `cq <amount> <anchorDay>`: the filter computes the windows, so only
+//! it can move them (a stored override is read by the script, after the
+//! windows are chosen: its amount only).
 
 use crate::config::Algorithm;
 
@@ -22,8 +26,13 @@ pub enum Override {
         capacity: u64,
         refill: u64,
     },
-    /// A window kind's limit.
+    /// A window kind's limit (a quota's amount).
     Limit(u64),
+    /// A quota's amount and anchor day (carried by the request only).
+    Quota {
+        amount: u64,
+        anchor: u8,
+    },
 }
 
 impl Override {
@@ -44,7 +53,8 @@ impl Override {
             (
                 Algorithm::FixedWindow { .. }
                 | Algorithm::SlidingWindowCounter { .. }
-                | Algorithm::SlidingWindow { .. },
+                | Algorithm::SlidingWindow { .. }
+                | Algorithm::Quota { .. },
                 None,
                 None,
                 Some(limit),
@@ -52,7 +62,8 @@ impl Override {
             (
                 Algorithm::FixedWindow { .. }
                 | Algorithm::SlidingWindowCounter { .. }
-                | Algorithm::SlidingWindow { .. },
+                | Algorithm::SlidingWindow { .. }
+                | Algorithm::Quota { .. },
                 _,
                 _,
                 _,
@@ -78,15 +89,21 @@ impl Override {
             (Override::Limit(n), Algorithm::SlidingWindow { .. }) => (1..=MAX_LOG).contains(&n),
             (
                 Override::Limit(n),
-                Algorithm::FixedWindow { .. } | Algorithm::SlidingWindowCounter { .. },
+                Algorithm::FixedWindow { .. }
+                | Algorithm::SlidingWindowCounter { .. }
+                | Algorithm::Quota { .. },
             ) => (1..=MAX_FIGURE).contains(&n),
+            (Override::Quota { amount, anchor }, Algorithm::Quota { calendar, .. }) => {
+                (1..=MAX_FIGURE).contains(&amount)
+                    && calendar.per.anchors().is_some_and(|r| r.contains(&anchor))
+            }
             _ => false,
         };
         if ok {
             Ok(())
         } else {
             Err(format!(
-                "out of bounds: from 1 to 2^50 (a sliding window's limit at most {MAX_LOG}; a bucket's capacity and refill times its period below 2^53)"
+                "out of bounds: from 1 to 2^50 (a sliding window's limit at most {MAX_LOG}; a bucket's capacity and refill times its period below 2^53; a quota's anchor day within its month or week, none for a day or an hour)"
             ))
         }
     }
@@ -111,6 +128,15 @@ impl Override {
             (Override::Limit(limit), Algorithm::SlidingWindow { window_ms, .. }) => {
                 Algorithm::SlidingWindow { limit, window_ms }
             }
+            (Override::Limit(amount), Algorithm::Quota { calendar, .. }) => {
+                Algorithm::Quota { amount, calendar }
+            }
+            (Override::Quota { amount, anchor }, Algorithm::Quota { calendar, .. }) => {
+                Algorithm::Quota {
+                    amount,
+                    calendar: crate::quota::Calendar { anchor, ..calendar },
+                }
+            }
             (_, other) => other,
         }
     }
@@ -120,7 +146,7 @@ impl Override {
     pub fn fits(self, cost: u64) -> Result<Override, String> {
         let quota = match self {
             Override::TokenBucket { capacity, .. } => capacity,
-            Override::Limit(n) => n,
+            Override::Limit(n) | Override::Quota { amount: n, .. } => n,
         };
         if quota < cost {
             return Err(format!(
@@ -135,6 +161,7 @@ impl Override {
         match *self {
             Override::TokenBucket { capacity, refill } => format!("tb {capacity} {refill}"),
             Override::Limit(n) => format!("{} {n}", algorithm.code()),
+            Override::Quota { amount, anchor } => format!("cq {amount} {anchor}"),
         }
     }
 
@@ -143,7 +170,8 @@ impl Override {
     pub fn carried(value: &[u8], algorithm: &Algorithm) -> Result<Override, String> {
         let digits = !value.is_empty() && value.len() <= 20 && value.iter().all(u8::is_ascii_digit);
         if !digits {
-            return Override::parse(value, algorithm);
+            return Override::parse(value, algorithm)
+                .or_else(|why| Override::anchored(value, algorithm).ok_or(why));
         }
         let n: u64 = std::str::from_utf8(value)
             .ok()
@@ -158,6 +186,29 @@ impl Override {
         };
         o.check(algorithm)?;
         Ok(o)
+    }
+
+    /// A quota's `cq <amount> <anchorDay>`, checked: only a request carries
+    /// one (the script reads a stored override after the windows are
+    /// chosen).
+    fn anchored(value: &[u8], algorithm: &Algorithm) -> Option<Override> {
+        let text = std::str::from_utf8(value).ok()?;
+        let mut words = text.split(' ');
+        let figure = |w: Option<&str>| {
+            w.filter(|w| !w.is_empty() && w.len() <= 20 && w.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|w| w.parse::<u64>().ok())
+        };
+        if words.next() != Some("cq") {
+            return None;
+        }
+        let amount = figure(words.next())?;
+        let anchor = u8::try_from(figure(words.next())?).ok()?;
+        if words.next().is_some() {
+            return None;
+        }
+        let o = Override::Quota { amount, anchor };
+        o.check(algorithm).ok()?;
+        Some(o)
     }
 
     /// Reads a stored text as the script would, for a limit of `algorithm`:
@@ -221,6 +272,65 @@ mod tests {
         let w = Override::new(&FW, None, None, Some(5000)).unwrap();
         assert_eq!(w.text(&FW), "fw 5000");
         assert_eq!(Override::parse(b"fw 5000", &FW), Ok(w));
+    }
+
+    #[test]
+    fn a_request_may_carry_a_quotas_anchor_day_and_a_stored_override_may_not() {
+        let month = Algorithm::Quota {
+            amount: 100,
+            calendar: crate::quota::Calendar {
+                per: crate::quota::Per::Month,
+                zone: chrono_tz::Tz::UTC,
+                anchor: 1,
+            },
+        };
+        let o = Override::carried(b"cq 5000 15", &month).unwrap();
+        assert_eq!(
+            o,
+            Override::Quota {
+                amount: 5000,
+                anchor: 15
+            }
+        );
+        let Algorithm::Quota { amount, calendar } = o.apply(&month) else {
+            panic!()
+        };
+        assert_eq!(
+            (amount, calendar.anchor, calendar.per),
+            (5000, 15, crate::quota::Per::Month)
+        );
+        assert_eq!(o.text(&month), "cq 5000 15");
+        assert_eq!(Override::carried(b"cq 7", &month), Ok(Override::Limit(7)));
+        assert_eq!(Override::carried(b"7", &month), Ok(Override::Limit(7)));
+        assert!(Override::parse(b"cq 5000 15", &month).is_err());
+        for bad in [
+            &b"cq 5000 32"[..],
+            b"cq 5000 0",
+            b"cq 0 5",
+            b"cq 5 5 5",
+            b"cq 5 300",
+            b"fw 5 5",
+        ] {
+            assert!(
+                Override::carried(bad, &month).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        let Algorithm::Quota { calendar, .. } = month else {
+            panic!()
+        };
+        let day = Algorithm::Quota {
+            amount: 100,
+            calendar: crate::quota::Calendar {
+                per: crate::quota::Per::Day,
+                ..calendar
+            },
+        };
+        assert!(
+            Override::carried(b"cq 5 1", &day).is_err(),
+            "a day has no anchor"
+        );
     }
 
     #[test]

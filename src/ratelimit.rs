@@ -1,6 +1,7 @@
 //! Rate limiting without the host: which limits apply to a request, the script
 //! call that decides them, and what the reply means.
 
+use crate::codec::decimal;
 use crate::config::{descriptor, Algorithm, Config, Cost, FailureMode, Read};
 use crate::keys;
 use crate::offload::ObjectRef;
@@ -18,6 +19,18 @@ pub struct Check {
     /// The limit's numbers as this request's override says (one stored in
     /// Redis replaces them again in the script).
     pub carried: Option<Override>,
+    /// A quota's window edges at the proxy's clock (`Plan::set_clock`):
+    /// the window around it and one on each side (src/quota.rs).
+    pub edges: Option<[i64; 4]>,
+    /// The key's SHA-256, once a stage needs it ([`Check::digest`]).
+    pub digest: keys::KeyDigest,
+}
+
+impl Check {
+    /// The SHA-256 of the check's key, computed once per request.
+    pub fn digest(&self) -> &[u8; 32] {
+        self.digest.of(&self.key)
+    }
 }
 
 /// A script call's KEYS and ARGV.
@@ -107,6 +120,8 @@ impl Plan {
                 key: keys::rate_limit_key(&config.key_prefix, tag, &limit.key_infix, &descriptor),
                 cost,
                 carried,
+                edges: None,
+                digest: keys::KeyDigest::default(),
             });
         }
         Ok(Plan {
@@ -120,6 +135,24 @@ impl Plan {
 
     pub fn is_empty(&self) -> bool {
         self.checks.is_empty()
+    }
+
+    /// Computes each quota's window edges at `now_ms` (the proxy's clock);
+    /// the script picks the window that holds Redis' (src/quota.rs). A
+    /// clock outside the quota's range leaves none: the script refuses the
+    /// call and the failure mode decides.
+    pub fn set_clock(&mut self, config: &Config, now_ms: i64) {
+        for check in &mut self.checks {
+            // A customer's anchor day carried by the request moves its
+            // windows.
+            let algorithm = config
+                .limits
+                .get(check.limit)
+                .map(|l| check.carried.map_or(l.algorithm, |o| o.apply(&l.algorithm)));
+            if let Some(Algorithm::Quota { calendar, .. }) = algorithm {
+                check.edges = calendar.edges(now_ms);
+            }
+        }
     }
 
     /// KEYS and ARGV of lua/lease.lua for check `i` (a leased token bucket):
@@ -143,7 +176,7 @@ impl Plan {
         let cost = if prefetch { 0 } else { check.cost };
         let argv = [capacity, refill, period_ms, cost, tokens]
             .iter()
-            .map(|v| v.to_string().into_bytes())
+            .map(|v| decimal(*v))
             .collect();
         Some((vec![check.key.clone()], argv))
     }
@@ -160,13 +193,13 @@ impl Plan {
     ) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
         let mut keys: Vec<Vec<u8>> = self.checks.iter().map(|c| c.key.clone()).collect();
         let mut argv = Vec::with_capacity(1 + self.checks.len() * 6);
-        argv.push(self.checks.len().to_string().into_bytes());
+        argv.push(decimal(self.checks.len() as u64));
         for check in &self.checks {
             let limit = &config.limits[check.limit];
             let (alg, a, b, c) = kind_args(&limit.algorithm);
             let (a, b) = match check.carried {
                 Some(Override::TokenBucket { capacity, refill }) => (capacity, refill),
-                Some(Override::Limit(n)) => (n, b),
+                Some(Override::Limit(n) | Override::Quota { amount: n, .. }) => (n, b),
                 None => (a, b),
             };
             // `+o`: the script looks up an override for the key.
@@ -177,13 +210,14 @@ impl Plan {
             // A concurrency limit's third value is the request's slot id.
             let c = match limit.algorithm {
                 Algorithm::Concurrency { .. } => slot.unwrap_or("").as_bytes().to_vec(),
-                _ => c.to_string().into_bytes(),
+                Algorithm::Quota { .. } => edges_arg(check.edges),
+                _ => decimal(c),
             };
             argv.push(alg);
-            argv.push(a.to_string().into_bytes());
-            argv.push(b.to_string().into_bytes());
+            argv.push(decimal(a));
+            argv.push(decimal(b));
             argv.push(c);
-            argv.push(check.cost.to_string().into_bytes());
+            argv.push(decimal(check.cost));
             argv.push(enforce_value(limit));
         }
         if let Some(idem) = idem {
@@ -191,7 +225,7 @@ impl Plan {
             argv.push(b"1".to_vec());
             argv.push(idem.owner.as_bytes().to_vec());
             argv.push(idem.fingerprint.as_bytes().to_vec());
-            argv.push(idem.lock_ttl_ms.to_string().into_bytes());
+            argv.push(decimal(idem.lock_ttl_ms));
         }
         (keys, argv)
     }
@@ -234,8 +268,19 @@ pub fn kind_args(algorithm: &Algorithm) -> (&'static str, u64, u64, u64) {
         | Algorithm::FixedWindow { limit, window_ms }
         | Algorithm::SlidingWindowCounter { limit, window_ms } => (limit, window_ms, 0),
         Algorithm::Concurrency { max, lease_ms } => (max, lease_ms, 0),
+        // Its third value is the window edges (`Check::edges`), not a number.
+        Algorithm::Quota { amount, .. } => (amount, 0, 0),
     };
     (algorithm.code(), a, b, c)
+}
+
+/// A quota's edges as the script reads them: four decimal ms,
+/// comma-separated; none, an empty string the script refuses.
+pub fn edges_arg(edges: Option<[i64; 4]>) -> Vec<u8> {
+    match edges {
+        Some([a, b, c, d]) => format!("{a},{b},{c},{d}").into_bytes(),
+        None => Vec::new(),
+    }
 }
 
 /// A limit's enforce value: a shadow limit is reported, never enforced
@@ -246,7 +291,7 @@ fn enforce_value(limit: &crate::config::Limit) -> Vec<u8> {
     match (limit.shadow, limit.block_ms) {
         (true, _) => b"0".to_vec(),
         (false, Some(ms)) if limit.usage.is_some() => format!("-{ms}").into_bytes(),
-        (false, Some(ms)) => ms.to_string().into_bytes(),
+        (false, Some(ms)) => decimal(ms),
         (false, None) => b"1".to_vec(),
     }
 }

@@ -8,6 +8,7 @@
 
 use serde_json::json;
 
+use crate::codec::push_decimal;
 use crate::config::Config;
 use crate::grpc;
 use crate::ratelimit::{Outcome, OverrideUse, Plan};
@@ -307,9 +308,16 @@ pub fn rate_limit_headers(
     outcome: &Outcome,
 ) -> Vec<(String, String)> {
     let mut headers = Vec::new();
+    // Written with push_str, not format!: every admitted response carries
+    // these (the formatting machinery was most of their cost in the wasm).
+    let number = |n: u64| {
+        let mut s = String::new();
+        push_decimal(&mut s, n);
+        s
+    };
     if config.headers_ietf {
-        let mut policy = Vec::new();
-        let mut state = Vec::new();
+        let mut policy = String::new();
+        let mut state = String::new();
         for (check, result) in plan.checks.iter().zip(&outcome.results) {
             let limit = &config.limits[check.limit];
             // An override's quota is Redis' alone: the configured one would
@@ -321,27 +329,41 @@ pub fn rate_limit_headers(
             let algorithm = check
                 .carried
                 .map_or(limit.algorithm, |o| o.apply(&limit.algorithm));
-            // A concurrency limit has no window: its quota is requests in
-            // flight, back when they end, not with time.
-            match algorithm.window_ms() {
-                0 => policy.push(format!("\"{}\";q={}", limit.name, algorithm.quota())),
-                window => policy.push(format!(
-                    "\"{}\";q={};w={}",
-                    limit.name,
-                    algorithm.quota(),
-                    seconds_up(window)
-                )),
+            if !policy.is_empty() {
+                policy.push_str(", ");
+                state.push_str(", ");
             }
-            state.push(format!(
-                "\"{}\";r={};t={}",
-                limit.name,
-                result.remaining,
-                seconds_up(result.reset_ms)
-            ));
+            // `"name";q=…;w=…`. A concurrency limit has no window: its quota
+            // is requests in flight, back when they end, not with time. A
+            // quota's window is the one it was decided in, at the proxy's
+            // clock (a month of 28 to 31 days, a day of 23 to 25 hours), in
+            // seconds as for any window.
+            let window = match check.edges {
+                Some([_, start, end, _]) => u64::try_from(end.saturating_sub(start)).unwrap_or(0),
+                None => algorithm.window_ms(),
+            };
+            policy.push('"');
+            policy.push_str(&limit.name);
+            policy.push_str("\";q=");
+            push_decimal(&mut policy, algorithm.quota());
+            match window {
+                0 => {}
+                window => {
+                    policy.push_str(";w=");
+                    push_decimal(&mut policy, seconds_up(window));
+                }
+            }
+            // `"name";r=…;t=…`
+            state.push('"');
+            state.push_str(&limit.name);
+            state.push_str("\";r=");
+            push_decimal(&mut state, result.remaining);
+            state.push_str(";t=");
+            push_decimal(&mut state, seconds_up(result.reset_ms));
         }
         if !policy.is_empty() {
-            headers.push(("ratelimit-policy".to_string(), policy.join(", ")));
-            headers.push(("ratelimit".to_string(), state.join(", ")));
+            headers.push(("ratelimit-policy".to_string(), policy));
+            headers.push(("ratelimit".to_string(), state));
         }
     }
     if config.headers_x {
@@ -353,11 +375,11 @@ pub fn rate_limit_headers(
                 .map_or(limit.algorithm, |o| o.apply(&limit.algorithm))
                 .quota();
             let r = &outcome.results[i];
-            headers.push(("x-ratelimit-limit".to_string(), quota.to_string()));
-            headers.push(("x-ratelimit-remaining".to_string(), r.remaining.to_string()));
+            headers.push(("x-ratelimit-limit".to_string(), number(quota)));
+            headers.push(("x-ratelimit-remaining".to_string(), number(r.remaining)));
             headers.push((
                 "x-ratelimit-reset".to_string(),
-                seconds_up(r.reset_ms).to_string(),
+                number(seconds_up(r.reset_ms)),
             ));
         }
     }
@@ -541,8 +563,10 @@ mod tests {
             .map(|i| Check {
                 limit: i,
                 key: vec![],
+                edges: None,
                 cost: 1,
                 carried: None,
+                digest: Default::default(),
             })
             .collect();
         (

@@ -59,6 +59,33 @@ pub enum Args<'a> {
     Packed(&'a [u8]),
 }
 
+/// The clock preamble of the decision scripts (lua/ratelimit.lua,
+/// lua/batch.lua, lua/settle.lua): Redis TIME in ms, read once.
+#[cfg(feature = "test-clock")]
+const TIME_PREAMBLE: &str = "local t = redis.call('TIME')\n\
+     local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
+
+/// Test builds only (feature `test-clock`, tests/e2e_quota.rs): the
+/// decision scripts read `now` from the key `rg:test:clock` instead of TIME
+/// (as tests/support/script.rs's with_test_clock does for the Lua tests), so
+/// an Envoy test crosses a month's end or a daylight-saving change at will.
+/// Under the tests' key prefix, which their Redis ACL confines the filter
+/// to; a key outside KEYS: a standalone Redis only. The release build reads
+/// TIME.
+#[cfg(feature = "test-clock")]
+fn clocked(source: String) -> String {
+    source.replacen(
+        TIME_PREAMBLE,
+        "local now = tonumber(redis.call('GET', 'rg:test:clock'))\n",
+        1,
+    )
+}
+
+#[cfg(not(feature = "test-clock"))]
+fn clocked(source: String) -> String {
+    source
+}
+
 /// Where lua/ratelimit.lua takes the algorithm files.
 const ALGORITHMS: &str = "-- @@ALGORITHMS@@\n";
 
@@ -92,6 +119,7 @@ static DECISION_PARTS: LazyLock<[String; 5]> = LazyLock::new(|| {
             ("gcra", &[include_str!("../lua/gcra.lua")]),
             ("fw", &[include_str!("../lua/fixed_window.lua")]),
             ("swc", &[include_str!("../lua/sliding_window_counter.lua")]),
+            ("cq", &[include_str!("../lua/quota.lua")]),
             (
                 "cc",
                 &[
@@ -161,19 +189,19 @@ fn on_demand(kinds: &[(&str, &[&str])]) -> String {
 /// driver and clock from lua/ratelimit.lua, with every limit kind and the
 /// idempotency record joined in.
 pub static RATELIMIT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(compose(
+    Script::new(clocked(compose(
         include_str!("../lua/ratelimit.lua"),
         &DECISION_PARTS[..],
-    ))
+    )))
 });
 
 /// Requests of one worker decided in one call, one after another, each as
 /// its own RATELIMIT call would be (lua/batch.lua around the same parts).
 pub static BATCH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(compose(
+    Script::new(clocked(compose(
         include_str!("../lua/batch.lua"),
         &DECISION_PARTS[..],
-    ))
+    )))
 });
 
 /// One request admitted against a token bucket plus a batch of tokens leased
@@ -210,16 +238,17 @@ pub static CC_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 /// Settles usage-based costs after the response (lua/settle.lua with the
 /// kinds that settle joined in).
 pub static SETTLE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(compose(
+    Script::new(clocked(compose(
         include_str!("../lua/settle.lua"),
         &[
             include_str!("../lua/wire.lua"),
             include_str!("../lua/token_bucket.lua"),
             include_str!("../lua/fixed_window.lua"),
             include_str!("../lua/sliding_window_counter.lua"),
+            include_str!("../lua/quota.lua"),
             include_str!("../lua/keys.lua"),
         ],
-    ))
+    )))
 });
 
 /// IN_PROGRESS -> COMPLETED for the lock's owner.

@@ -11,10 +11,6 @@
 //! body, which Webdis passes to Redis byte for byte (no percent-decoding, no
 //! `.ext`): a packed binary argument travels at its own size.
 
-use percent_encoding::{percent_encode, AsciiSet, NON_ALPHANUMERIC};
-
-const ARG: &AsciiSet = NON_ALPHANUMERIC;
-
 /// One request to Webdis.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Command {
@@ -43,9 +39,7 @@ impl Command {
         path.push_str(command);
         for arg in args {
             path.push('/');
-            for chunk in percent_encode(arg, ARG) {
-                path.push_str(chunk);
-            }
+            push_encoded_str(&mut path, arg);
         }
         path.push_str(".raw");
         Command {
@@ -169,8 +163,36 @@ pub fn strip_nonce(body: &mut Vec<u8>, nonce: &str) -> bool {
     if !ours {
         return false;
     }
-    body.splice(..end, format!("*{}\r\n", n - 1).into_bytes());
+    let mut head = String::with_capacity(24);
+    head.push('*');
+    crate::codec::push_decimal(&mut head, u64::try_from(n - 1).unwrap_or(0));
+    head.push_str("\r\n");
+    body.splice(..end, head.into_bytes());
     true
+}
+
+/// Appends `arg` percent-encoded: every byte but an ASCII letter or digit
+/// as `%XX` (upper-case hex), byte for byte what `percent_encode(arg,
+/// NON_ALPHANUMERIC)` gives, without its iterator of chunks (every call's
+/// keys and arguments go through here).
+pub fn push_encoded(out: &mut Vec<u8>, arg: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    out.reserve(arg.len());
+    for &b in arg {
+        if b.is_ascii_alphanumeric() {
+            out.push(b);
+        } else {
+            out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]]);
+        }
+    }
+}
+
+/// [`push_encoded`] into a path (what it appends is ASCII).
+fn push_encoded_str(out: &mut String, arg: &[u8]) {
+    let mut bytes = Vec::with_capacity(arg.len() * 3);
+    push_encoded(&mut bytes, arg);
+    // Only ASCII letters, digits, `%` and hex digits: valid UTF-8.
+    out.push_str(std::str::from_utf8(&bytes).unwrap_or_default());
 }
 
 /// The POST body that runs `command args…` through Webdis, asking for RESP.
@@ -180,9 +202,7 @@ pub fn command_body(command: &str, args: &[&[u8]]) -> Vec<u8> {
     body.extend_from_slice(command.as_bytes());
     for arg in args {
         body.push(b'/');
-        for chunk in percent_encode(arg, ARG) {
-            body.extend_from_slice(chunk.as_bytes());
-        }
+        push_encoded(&mut body, arg);
     }
     body.extend_from_slice(b".raw");
     body
@@ -324,6 +344,26 @@ fn parse_at(input: &[u8], depth: usize) -> Result<(Reply, usize), ReplyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn arguments_are_encoded_as_percent_encoding_encodes_them() {
+        use percent_encoding::{percent_encode, NON_ALPHANUMERIC};
+        let every: Vec<u8> = (0u8..=255).collect();
+        for arg in [
+            &every[..],
+            b"",
+            b"rg:rl:{t}:a:tb.1.1.1000:5:alice",
+            "é/+%?".as_bytes(),
+        ] {
+            let mut ours = Vec::new();
+            push_encoded(&mut ours, arg);
+            let theirs = percent_encode(arg, NON_ALPHANUMERIC).to_string();
+            assert_eq!(String::from_utf8(ours).unwrap(), theirs);
+            let mut path = String::from("/x");
+            push_encoded_str(&mut path, arg);
+            assert_eq!(path, format!("/x{theirs}"));
+        }
+    }
 
     #[test]
     fn encodes_every_special_byte() {

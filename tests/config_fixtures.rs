@@ -208,9 +208,55 @@ const REJECTED: &[(&str, &str, &str)] = &[
     (
         "limit_no_algorithm.json",
         "limits[0]",
-        "set exactly one of `tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter` and `concurrency`",
+        "set exactly one of `tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter`, `quota` and `concurrency`",
     ),
     ("limit_both_algorithms.json", "limits[0]", "not several"),
+    // Calendar quotas.
+    (
+        "quota_amount_zero.json",
+        "limits[0].quota.amount",
+        "must be between 1 and 2^50",
+    ),
+    (
+        "quota_amount_too_large.json",
+        "limits[0].quota.amount",
+        "must be between 1 and 2^50",
+    ),
+    (
+        "quota_per_year.json",
+        "limits[0].quota.per",
+        "must be \"month\", \"week\", \"day\" or \"hour\"",
+    ),
+    (
+        "quota_time_zone_unknown.json",
+        "limits[0].quota.timeZone",
+        "is not a time zone the filter knows",
+    ),
+    (
+        "quota_time_zone_missing.json",
+        "limits[0].quota",
+        "missing field `timeZone`",
+    ),
+    (
+        "quota_anchor_day_32.json",
+        "limits[0].quota.anchorDay",
+        "must be between 1 and 31 for a month",
+    ),
+    (
+        "quota_anchor_day_week_8.json",
+        "limits[0].quota.anchorDay",
+        "must be between 1 and 7 for a week",
+    ),
+    (
+        "quota_anchor_day_on_day.json",
+        "limits[0].quota.anchorDay",
+        "a day starts at midnight or on the hour: remove it",
+    ),
+    (
+        "quota_unknown_field.json",
+        "limits[0].quota.windowMs",
+        "unknown field `windowMs`",
+    ),
     (
         "limit_name_duplicate.json",
         "limits[1].name",
@@ -1301,6 +1347,59 @@ fn every_limit_kind_parses_to_its_algorithm_and_key_signature() {
         ),
     ];
     assert_eq!(got, want);
+}
+
+#[test]
+fn quota_fixture_parses_to_calendars() {
+    use redis_guard::config::Algorithm;
+    use redis_guard::quota::{zone, Calendar, Per};
+    let config = Config::parse(&read_fixture("good", "quota.json")).unwrap();
+    let got: Vec<(Algorithm, String, u64)> = config
+        .limits
+        .iter()
+        .map(|l| {
+            (
+                l.algorithm,
+                l.algorithm.signature(),
+                l.algorithm.window_ms(),
+            )
+        })
+        .collect();
+    let q = |amount, per, z: &str, anchor| Algorithm::Quota {
+        amount,
+        calendar: Calendar {
+            per,
+            zone: zone(z).unwrap(),
+            anchor,
+        },
+    };
+    assert_eq!(
+        got,
+        vec![
+            (
+                q(1_000_000, Per::Month, "Europe/Berlin", 31),
+                "cq.month.Europe/Berlin".to_string(),
+                2_592_000_000
+            ),
+            (
+                q(5000, Per::Week, "America/New_York", 7),
+                "cq.week.America/New_York".to_string(),
+                604_800_000
+            ),
+            (
+                q(50000, Per::Day, "UTC", 1),
+                "cq.day.UTC".to_string(),
+                86_400_000
+            ),
+            (
+                q(100, Per::Hour, "Asia/Kolkata", 1),
+                "cq.hour.Asia/Kolkata".to_string(),
+                3_600_000
+            ),
+        ]
+    );
+    assert!(config.limits[0].overrides.redis);
+    assert_eq!(config.limits[3].block_ms, Some(60_000));
 }
 
 #[test]

@@ -181,6 +181,31 @@ fn a_filter_writing_outside_the_users_keys_takes_its_failure_mode_counted_as_aut
 }
 
 #[test]
+fn a_command_the_user_may_not_run_inside_a_script_takes_its_failure_mode_counted_as_auth() {
+    let s = Restricted::start();
+    // The user loses TIME, which every script calls: EVAL is admitted and
+    // the server refuses the command inside the script, in its own words.
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("default")
+        .arg("-time")
+        .query(&mut s.redis.conn())
+        .unwrap();
+    let e = Envoy::start(&config("rg"), s.webdis.port, s.upstream.port);
+    assert_eq!(get(&e.url("/a"), &[("x-user", "alice")]).status, 503);
+    let log = e.log();
+    assert_eq!(
+        (
+            e.counter("redis_guard.redis.errors_by_kind.auth"),
+            e.counter("redis_guard.redis.errors_by_kind.redis")
+        ),
+        (1, 0),
+        "{log}"
+    );
+    assert!(log.contains("the Redis user Webdis connects as may not do this"));
+}
+
+#[test]
 fn the_acl_allows_exactly_the_commands_the_scripts_call() {
     let acl = std::fs::read_to_string(root().join("envoy/redis.acl")).unwrap();
     let default = acl

@@ -277,6 +277,11 @@ fn run(command: Command) -> Result<output::Report, Failure> {
             }
             let mut redis = store::connect(&limit.selection.redis)?;
             let mut deleted = redis.delete(&target.key)?;
+            // A quota's count is in its current window's key (by Redis'
+            // clock): deleting it gives the whole amount back now.
+            if let Some((key, _, _)) = redis.quota_window(&target)? {
+                deleted |= redis.delete(&key)?;
+            }
             // And an older filter's hash of the bucket, which the scripts
             // read for a bucket without its string (a rolling upgrade).
             if let Some(older) = redis_guard::keys::older_bucket_key(&target.key) {

@@ -94,6 +94,18 @@ fn kind(algorithm: &Algorithm) -> (String, Value) {
             format!("concurrency: at most {max} in flight (slot lease {lease_ms} ms)"),
             json!({"concurrency": {"max": max, "leaseMs": lease_ms}}),
         ),
+        Algorithm::Quota { amount, calendar } => {
+            let (per, zone) = (calendar.per.name(), calendar.zone.name());
+            let anchor = match calendar.per.anchors() {
+                Some(_) => format!(", from day {}", calendar.anchor),
+                None => String::new(),
+            };
+            (
+                format!("quota: {amount} per {per} in {zone}{anchor}"),
+                json!({"quota": {"amount": amount, "per": per, "timeZone": zone,
+                                 "anchorDay": calendar.anchor}}),
+            )
+        }
     }
 }
 
@@ -320,9 +332,21 @@ pub fn inspection(target: &LimitTarget, cost: u64, s: &Inspection) -> Report {
     );
     let _ = writeln!(text, "state:      {}", raw_text(&s.raw));
     let _ = writeln!(text, "redis time: {} ms", s.redis_time_ms);
+    if let Some(q) = &s.quota {
+        let _ = writeln!(text, "window:     from {}", q.start);
+        let _ = writeln!(text, "used:       {} of {}", q.used, q.amount);
+        let _ = writeln!(text, "left:       {}", q.left);
+        let _ = writeln!(text, "renews:     {}", q.renewal);
+    }
+    let quota = s.quota.as_ref().map(|q| {
+        json!({"windowStartMs": q.start_ms, "windowStart": q.start, "used": q.used,
+               "amount": q.amount, "left": q.left, "renewalMs": q.renewal_ms,
+               "renewal": q.renewal})
+    });
     Report {
         text,
         json: json!({
+            "quota": quota,
             "limit": target.limit.name,
             "kind": params,
             "key": key,

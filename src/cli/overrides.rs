@@ -80,6 +80,10 @@ fn described(o: &Override) -> (String, serde_json::Value) {
             json!({"capacity": capacity, "refill": refill}),
         ),
         Override::Limit(n) => (format!("limit {n} per window"), json!({"quota": n})),
+        Override::Quota { amount, anchor } => (
+            format!("quota {amount} per window from day {anchor}"),
+            json!({"quota": amount, "anchorDay": anchor}),
+        ),
     }
 }
 

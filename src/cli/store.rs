@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use redis::{ConnectionLike, Value};
 use redis_guard::config::Algorithm;
+use redis_guard::overrides::Override;
 use redis_guard::ratelimit::kind_args;
 use redis_guard::scripts::{IDEM_FORGET, INSPECT};
 
@@ -26,6 +27,24 @@ pub struct Inspection {
     pub raw: Raw,
     /// A blocking limit's block: ms left, if the key is blocked.
     pub blocked_ms: Option<i64>,
+    /// A quota's window at Redis' clock.
+    pub quota: Option<QuotaWindow>,
+}
+
+/// The window a quota is in by Redis' clock, and what it has used.
+pub struct QuotaWindow {
+    pub start_ms: i64,
+    pub renewal_ms: i64,
+    /// Units counted in the window (a usage debt may take it past the amount).
+    pub used: i64,
+    /// The amount that applies: a valid stored override's, else the
+    /// configured one (the script's rule).
+    pub amount: u64,
+    /// What is left of it (0 when used up or in debt).
+    pub left: u64,
+    /// The window's start and its renewal on the quota's zone's clock.
+    pub start: String,
+    pub renewal: String,
 }
 
 /// A key's type, TTL and contents as Redis holds them.
@@ -123,14 +142,72 @@ impl Store {
         cmd.query(self.conn.as_mut()).map_err(failed)
     }
 
+    /// A quota's window at Redis' clock (the one its scripts read), with
+    /// the edges a decision would send and the window's key.
+    pub fn quota_window(
+        &mut self,
+        target: &LimitTarget,
+    ) -> Result<Option<(Vec<u8>, String, QuotaWindow)>, Failure> {
+        let Algorithm::Quota { amount, calendar } = target.limit.algorithm else {
+            return Ok(None);
+        };
+        // A stored override the script would apply replaces the amount.
+        let mut amount = amount;
+        if target.limit.overrides.redis {
+            if let Some(okey) = redis_guard::keys::override_key(&target.key) {
+                let text: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg(okey)
+                    .query(self.conn.as_mut())
+                    .unwrap_or(None);
+                let stored = text.map(|t| Override::parse(&t, &target.limit.algorithm));
+                if let Some(Ok(Override::Limit(n))) = stored {
+                    amount = n;
+                }
+            }
+        }
+        let (s, us): (i64, i64) = redis::cmd("TIME")
+            .query(self.conn.as_mut())
+            .map_err(failed)?;
+        let now = s.saturating_mul(1000).saturating_add(us / 1000);
+        let out_of_range =
+            || Failure::redis(format!("Redis' clock ({now} ms) is outside any window"));
+        let edges = calendar.edges(now).ok_or_else(out_of_range)?;
+        let (start_ms, renewal_ms) = (edges[1], edges[2]);
+        let key = redis_guard::keys::quota_window_key(&target.key, start_ms);
+        let used: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query(self.conn.as_mut())
+            .map_err(failed)?;
+        let used: i64 = used.and_then(|u| u.parse().ok()).unwrap_or(0);
+        let window = QuotaWindow {
+            start_ms,
+            renewal_ms,
+            used,
+            amount,
+            left: amount.saturating_sub(u64::try_from(used).unwrap_or(0)),
+            start: calendar.format(start_ms).ok_or_else(out_of_range)?,
+            renewal: calendar.format(renewal_ms).ok_or_else(out_of_range)?,
+        };
+        let edges =
+            String::from_utf8_lossy(&redis_guard::ratelimit::edges_arg(Some(edges))).into_owned();
+        Ok(Some((key, edges, window)))
+    }
+
     pub fn inspect(&mut self, target: &LimitTarget, cost: u64) -> Result<Inspection, Failure> {
         let (alg, a, b, c) = kind_args(&target.limit.algorithm);
+        let quota = self.quota_window(target)?;
         // A concurrency limit's third value is a slot id: any valid one
-        // (nothing is taken).
-        let c = match target.limit.algorithm {
-            Algorithm::Concurrency { .. } => "0".to_string(),
+        // (nothing is taken); a quota's, its window edges.
+        let c = match (&target.limit.algorithm, &quota) {
+            (Algorithm::Concurrency { .. }, _) => "0".to_string(),
+            (_, Some((_, edges, _))) => edges.clone(),
             _ => c.to_string(),
         };
+        let state_key = match &quota {
+            Some((key, _, _)) => key.clone(),
+            None => target.key.clone(),
+        };
+        let quota = quota.map(|(_, _, w)| w);
         let reply: Vec<Value> = redis::Script::new(&INSPECT.source)
             .key(target.key.as_slice())
             .arg(alg)
@@ -171,11 +248,12 @@ impl Store {
                 retry_ms: ms,
                 reset_ms: ms,
                 redis_time_ms: num(4)?,
-                raw: self.raw(&target.key)?,
+                raw: self.raw(&state_key)?,
                 blocked_ms,
+                quota,
             });
         }
-        let mut raw = self.raw(&target.key)?;
+        let mut raw = self.raw(&state_key)?;
         if let Algorithm::TokenBucket { .. } = target.limit.algorithm {
             raw.entries = bucket_fields(raw.entries);
         }
@@ -197,6 +275,7 @@ impl Store {
             reset_ms: num(3)?,
             redis_time_ms: num(4)?,
             raw,
+            quota,
         })
     }
 

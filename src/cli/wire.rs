@@ -47,7 +47,12 @@ fn request(w: &Wire, n: u64) -> Result<ScriptArgs, Failure> {
         .iter()
         .map(|v| v.replace("{i}", &i).replace("{c}", &c))
         .collect();
-    let (plan, line) = select::plan(w.config, &values)?;
+    let (mut plan, line) = select::plan(w.config, &values)?;
+    // Quotas' window edges at this machine's clock, as an Envoy's.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    plan.set_clock(w.config, now);
     if plan.checks.is_empty() && w.rule.is_none() {
         return Err(Failure::selection(
             "no limit applies to these values (give path= and the descriptor parts)",

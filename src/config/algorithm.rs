@@ -31,6 +31,11 @@ pub enum Algorithm {
         max: u64,
         lease_ms: u64,
     },
+    /// A calendar quota: `amount` per window of `calendar`.
+    Quota {
+        amount: u64,
+        calendar: crate::quota::Calendar,
+    },
 }
 
 impl Algorithm {
@@ -40,6 +45,7 @@ impl Algorithm {
             Algorithm::TokenBucket { capacity, .. } => capacity,
             Algorithm::Gcra { burst, .. } => burst,
             Algorithm::Concurrency { max, .. } => max,
+            Algorithm::Quota { amount, .. } => amount,
             Algorithm::SlidingWindow { limit, .. }
             | Algorithm::FixedWindow { limit, .. }
             | Algorithm::SlidingWindowCounter { limit, .. } => limit,
@@ -65,6 +71,9 @@ impl Algorithm {
             | Algorithm::FixedWindow { window_ms, .. }
             | Algorithm::SlidingWindowCounter { window_ms, .. } => window_ms,
             Algorithm::Concurrency { .. } => 0,
+            // A month's nominal 30 days until a window is known (the
+            // headers say the window the request was decided in).
+            Algorithm::Quota { calendar, .. } => calendar.per.nominal_ms(),
         }
     }
 
@@ -78,6 +87,7 @@ impl Algorithm {
             Algorithm::FixedWindow { .. } => "fw",
             Algorithm::SlidingWindowCounter { .. } => "swc",
             Algorithm::Concurrency { .. } => "cc",
+            Algorithm::Quota { .. } => "cq",
         }
     }
 
@@ -104,6 +114,12 @@ impl Algorithm {
             // The slots held are the same whatever the max or the lease:
             // a changed limit keeps counting the requests in flight.
             Algorithm::Concurrency { .. } => "cc".to_string(),
+            // Not the amount: a plan's amount changed in the config mid-month
+            // keeps every customer's use (a count means the same under
+            // another amount). The anchor is in each window key's start.
+            Algorithm::Quota { calendar, .. } => {
+                format!("cq.{}.{}", calendar.per.name(), calendar.zone.name())
+            }
         }
     }
 }

@@ -11,6 +11,7 @@ use super::block::{compile_block, RawBlock};
 use super::matcher::{compile_match, Matcher, RawMatch};
 use super::overrides::{compile_overrides, Overrides, RawOverrides};
 use super::parts::{compile_parts, Part, RawPart};
+use super::quota::{compile_quota, RawQuota};
 use super::usage::{compile_usage, RawUsage, Usage};
 use super::{header_name, valid_name, ConfigError, FailureMode};
 
@@ -31,7 +32,7 @@ const GCRA_EXACT_MAX: u64 = 1 << 52;
 
 /// The algorithm fields of a limit, by their JSON names, for its errors.
 const ALGORITHM_FIELDS: &str =
-    "`tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter` and `concurrency`";
+    "`tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter`, `quota` and `concurrency`";
 /// Most requests one concurrency limit lets in flight (one sorted-set member
 /// per slot).
 pub const MAX_CONCURRENCY: u64 = 1_000_000;
@@ -49,7 +50,7 @@ pub const RENEWALS_PER_LEASE: u32 = 4;
 pub const CONCURRENCY_LEASE_MS: std::ops::RangeInclusive<u64> = 300..=3_600_000;
 
 /// One rate limit: exactly one of tokenBucket, slidingWindow, gcra,
-/// fixedWindow, slidingWindowCounter or concurrency.
+/// fixedWindow, slidingWindowCounter, quota or concurrency.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Limit")]
@@ -59,6 +60,7 @@ pub const CONCURRENCY_LEASE_MS: std::ops::RangeInclusive<u64> = 300..=3_600_000;
     {"required": ["gcra"]},
     {"required": ["fixedWindow"]},
     {"required": ["slidingWindowCounter"]},
+    {"required": ["quota"]},
     {"required": ["concurrency"]}
 ]))]
 pub(super) struct RawLimit {
@@ -85,6 +87,8 @@ pub(super) struct RawLimit {
     fixed_window: Option<RawFixedWindow>,
     #[serde(default)]
     sliding_window_counter: Option<RawSlidingWindowCounter>,
+    #[serde(default)]
+    quota: Option<RawQuota>,
     #[serde(default)]
     concurrency: Option<RawConcurrency>,
     /// Units one request spends (default 1).
@@ -481,6 +485,7 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
         raw.gcra.is_some(),
         raw.fixed_window.is_some(),
         raw.sliding_window_counter.is_some(),
+        raw.quota.is_some(),
         raw.concurrency.is_some(),
     ]
     .iter()
@@ -548,6 +553,9 @@ fn compile_algorithm(raw: &RawLimit, at: &str) -> Result<Algorithm, ConfigError>
             period_ms,
             burst,
         });
+    }
+    if let Some(q) = &raw.quota {
+        return compile_quota(q, at);
     }
     if let Some(c) = &raw.concurrency {
         let max = positive(c.max, format!("{at}.concurrency.max"))?;

@@ -16,6 +16,7 @@ mod matcher;
 mod object_store;
 mod overrides;
 mod parts;
+mod quota;
 mod redis;
 mod usage;
 

@@ -284,9 +284,13 @@ impl ScriptCall {
                 ErrorKind::Redis,
                 format!("redis refused the call until the timeout: {msg}"),
             )),
-            // Redis' ACL: refused before the script ran (NOPERM), or a
-            // command inside it (an ERR that says so).
-            _ if msg.starts_with("NOPERM") || msg.contains("user executing the script can't") => {
+            // The server's ACL: refused before the script ran (NOPERM), or a
+            // command inside it (an ERR that says so: Redis' words, then
+            // Valkey's).
+            _ if msg.starts_with("NOPERM")
+                || msg.contains("user executing the script can't")
+                || msg.starts_with("ERR ACL failure in script") =>
+            {
                 Answer::Failed((
                     ErrorKind::Auth,
                     format!("the Redis user Webdis connects as may not do this: {msg}"),

@@ -198,6 +198,55 @@ impl Histogram {
 /// take well under a millisecond, which a ms histogram would show as 0).
 pub const CALLOUT_LATENCY_US: &str = "redis_guard.redis.callout_latency_us";
 
+/// The counter events that name no limit and no error kind, in the order
+/// of [`Counter::all`] (and of [`Counter::index`]).
+const FIXED: [Counter; 44] = [
+    Counter::RedisCalls,
+    Counter::ScriptReloads,
+    Counter::RedisRetries,
+    Counter::FailureAllowed,
+    Counter::FailureDenied,
+    Counter::FailureLocal,
+    Counter::LocalAllowed,
+    Counter::LocalRejected,
+    Counter::IdemAcquired,
+    Counter::IdemReplayed,
+    Counter::IdemConflicts,
+    Counter::IdemMismatches,
+    Counter::IdemReleased,
+    Counter::IdemAbandoned,
+    Counter::IdemStored,
+    Counter::IdemStoreFailed,
+    Counter::IdemTooLarge,
+    Counter::IdemUnguarded,
+    Counter::IdemOffloaded,
+    Counter::IdemOffloadFailed,
+    Counter::IdemObjectFetched,
+    Counter::IdemObjectMissing,
+    Counter::IdemObjectCorrupt,
+    Counter::IdemObjectFetchFailed,
+    Counter::CircuitOpened,
+    Counter::CircuitTripped,
+    Counter::CircuitClosed,
+    Counter::CircuitShortCircuited,
+    Counter::OverLimitCached,
+    Counter::LeaseSpent,
+    Counter::LeaseFetched,
+    Counter::BatchCalls,
+    Counter::BatchAlone,
+    Counter::SlotsReleased,
+    Counter::SlotsAbandoned,
+    Counter::SlotsRenewed,
+    Counter::SlotsLost,
+    Counter::UsageCharged,
+    Counter::UsageRefunded,
+    Counter::UsageFallback,
+    Counter::UsageReserveUnread,
+    Counter::UsageLost,
+    Counter::PartInvalid,
+    Counter::Denied,
+];
+
 impl Counter {
     /// Every counter event a configuration with `limits` limits can raise.
     pub fn all(limits: usize) -> Vec<Counter> {
@@ -214,53 +263,70 @@ impl Counter {
             ]);
         }
         all.extend(ErrorKind::ALL.map(Counter::RedisError));
-        all.extend([
-            Counter::RedisCalls,
-            Counter::ScriptReloads,
-            Counter::RedisRetries,
-            Counter::FailureAllowed,
-            Counter::FailureDenied,
-            Counter::FailureLocal,
-            Counter::LocalAllowed,
-            Counter::LocalRejected,
-            Counter::IdemAcquired,
-            Counter::IdemReplayed,
-            Counter::IdemConflicts,
-            Counter::IdemMismatches,
-            Counter::IdemReleased,
-            Counter::IdemAbandoned,
-            Counter::IdemStored,
-            Counter::IdemStoreFailed,
-            Counter::IdemTooLarge,
-            Counter::IdemUnguarded,
-            Counter::IdemOffloaded,
-            Counter::IdemOffloadFailed,
-            Counter::IdemObjectFetched,
-            Counter::IdemObjectMissing,
-            Counter::IdemObjectCorrupt,
-            Counter::IdemObjectFetchFailed,
-            Counter::CircuitOpened,
-            Counter::CircuitTripped,
-            Counter::CircuitClosed,
-            Counter::CircuitShortCircuited,
-            Counter::OverLimitCached,
-            Counter::LeaseSpent,
-            Counter::LeaseFetched,
-            Counter::BatchCalls,
-            Counter::BatchAlone,
-            Counter::SlotsReleased,
-            Counter::SlotsAbandoned,
-            Counter::SlotsRenewed,
-            Counter::SlotsLost,
-            Counter::UsageCharged,
-            Counter::UsageRefunded,
-            Counter::UsageFallback,
-            Counter::UsageReserveUnread,
-            Counter::UsageLost,
-            Counter::PartInvalid,
-            Counter::Denied,
-        ]);
+        all.extend(FIXED);
         all
+    }
+
+    /// This event's place in [`Counter::all`]`(limits)`: the host keeps
+    /// what each event moves in a table in that order, so a count is an
+    /// index, not a hash. `None` for a limit index out of range.
+    pub fn index(self, limits: usize) -> Option<usize> {
+        let per_limit = |i: usize, k: usize| (i < limits).then(|| 7 * i + k);
+        let fixed = 7 * limits + ErrorKind::ALL.len();
+        Some(match self {
+            Counter::Checked(i) => return per_limit(i, 0),
+            Counter::Allowed(i) => return per_limit(i, 1),
+            Counter::Rejected(i) => return per_limit(i, 2),
+            Counter::ShadowRejected(i) => return per_limit(i, 3),
+            Counter::Exempt(i) => return per_limit(i, 4),
+            Counter::OverrideApplied(i) => return per_limit(i, 5),
+            Counter::OverrideInvalid(i) => return per_limit(i, 6),
+            Counter::RedisError(kind) => 7 * limits + kind as usize,
+            Counter::RedisCalls => fixed,
+            Counter::ScriptReloads => fixed + 1,
+            Counter::RedisRetries => fixed + 2,
+            Counter::FailureAllowed => fixed + 3,
+            Counter::FailureDenied => fixed + 4,
+            Counter::FailureLocal => fixed + 5,
+            Counter::LocalAllowed => fixed + 6,
+            Counter::LocalRejected => fixed + 7,
+            Counter::IdemAcquired => fixed + 8,
+            Counter::IdemReplayed => fixed + 9,
+            Counter::IdemConflicts => fixed + 10,
+            Counter::IdemMismatches => fixed + 11,
+            Counter::IdemReleased => fixed + 12,
+            Counter::IdemAbandoned => fixed + 13,
+            Counter::IdemStored => fixed + 14,
+            Counter::IdemStoreFailed => fixed + 15,
+            Counter::IdemTooLarge => fixed + 16,
+            Counter::IdemUnguarded => fixed + 17,
+            Counter::IdemOffloaded => fixed + 18,
+            Counter::IdemOffloadFailed => fixed + 19,
+            Counter::IdemObjectFetched => fixed + 20,
+            Counter::IdemObjectMissing => fixed + 21,
+            Counter::IdemObjectCorrupt => fixed + 22,
+            Counter::IdemObjectFetchFailed => fixed + 23,
+            Counter::CircuitOpened => fixed + 24,
+            Counter::CircuitTripped => fixed + 25,
+            Counter::CircuitClosed => fixed + 26,
+            Counter::CircuitShortCircuited => fixed + 27,
+            Counter::OverLimitCached => fixed + 28,
+            Counter::LeaseSpent => fixed + 29,
+            Counter::LeaseFetched => fixed + 30,
+            Counter::BatchCalls => fixed + 31,
+            Counter::BatchAlone => fixed + 32,
+            Counter::SlotsReleased => fixed + 33,
+            Counter::SlotsAbandoned => fixed + 34,
+            Counter::SlotsRenewed => fixed + 35,
+            Counter::SlotsLost => fixed + 36,
+            Counter::UsageCharged => fixed + 37,
+            Counter::UsageRefunded => fixed + 38,
+            Counter::UsageFallback => fixed + 39,
+            Counter::UsageReserveUnread => fixed + 40,
+            Counter::UsageLost => fixed + 41,
+            Counter::PartInvalid => fixed + 42,
+            Counter::Denied => fixed + 43,
+        })
     }
 
     /// The stats this event moves; `limit_name` names a limit by index.
@@ -365,6 +431,21 @@ mod tests {
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));
+    }
+
+    #[test]
+    fn a_counter_event_indexes_its_place_in_the_list() {
+        for limits in [0, 1, 3] {
+            let all = Counter::all(limits);
+            for (i, c) in all.iter().enumerate() {
+                assert_eq!(c.index(limits), Some(i), "{c:?} of {limits} limits");
+            }
+        }
+        assert_eq!(Counter::Checked(1).index(1), None);
+        assert_eq!(
+            Counter::all(2).len(),
+            14 + ErrorKind::ALL.len() + FIXED.len()
+        );
     }
 
     #[test]

@@ -17,11 +17,37 @@ const LONGEST_CALL: Duration = Duration::from_secs(120);
 /// that timed out at its timeout, give or take its timers' coarseness.
 pub const NONCE_GRACE: Duration = Duration::from_secs(1);
 
+/// Hashes a callout token: a number the host hands out, never a client's,
+/// so a multiplicative hash will do where SipHash (the default, built
+/// against chosen keys) cost each call four hashings (envoy/cost_gate).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TokenHasher(u64);
+
+impl std::hash::Hasher for TokenHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        // Fibonacci hashing: the table reads the product's high bits too.
+        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A table keyed by callout token.
+pub type ByToken<V> = HashMap<u32, V, std::hash::BuildHasherDefault<TokenHasher>>;
+
 #[derive(Debug, Default)]
 pub struct InFlight {
-    sent_at: HashMap<u32, Duration>,
+    sent_at: ByToken<Duration>,
     /// token -> (the latest its reply can come, the nonce).
-    nonces: HashMap<u32, (Duration, String)>,
+    nonces: ByToken<(Duration, String)>,
 }
 
 impl InFlight {
@@ -59,6 +85,23 @@ impl InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_spread_over_a_table() {
+        use std::hash::BuildHasher;
+        let hasher = std::hash::BuildHasherDefault::<TokenHasher>::default();
+        // Consecutive tokens (what Envoy hands out) differ in their top
+        // seven bits (hashbrown's tag) and their low bits (its bucket).
+        let hashes: Vec<u64> = (1u32..=64).map(|t| hasher.hash_one(t)).collect();
+        let tags: std::collections::HashSet<u64> = hashes.iter().map(|h| h >> 57).collect();
+        let buckets: std::collections::HashSet<u64> = hashes.iter().map(|h| h & 63).collect();
+        assert!(
+            tags.len() > 32 && buckets.len() > 32,
+            "{} {}",
+            tags.len(),
+            buckets.len()
+        );
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

@@ -15,8 +15,11 @@ pub const UNDEFINED: u32 = u32::MAX;
 
 #[derive(Default)]
 pub struct Metrics {
-    /// What each counter event moves: (metric id, increment).
-    moves: HashMap<Counter, Vec<(u32, i64)>>,
+    /// What each counter event moves: (metric id, increment), at the
+    /// event's [`Counter::index`] (a count is an index, not a hash).
+    moves: Vec<Vec<(u32, i64)>>,
+    /// The configuration's limits, which [`Counter::index`] needs.
+    limits: usize,
     /// Gauge: workers of this Envoy whose breaker is open (or probing).
     pub circuit_open_workers: u32,
     pub callout_latency_us: u32,
@@ -36,7 +39,7 @@ fn define(kind: MetricType, name: &str) -> u32 {
 impl Metrics {
     pub fn define(config: &Config) -> Metrics {
         let mut ids: HashMap<String, u32> = HashMap::new();
-        let mut moves = HashMap::new();
+        let mut moves = Vec::new();
         let limit_name = |i: usize| {
             config
                 .limits
@@ -45,7 +48,7 @@ impl Metrics {
         };
         for counter in Counter::all(config.limits.len()) {
             let stats = counter.stats(limit_name);
-            let ids_moved = stats
+            let ids_moved: Vec<(u32, i64)> = stats
                 .into_iter()
                 .map(|stat| {
                     let kind = match stat.kind {
@@ -58,7 +61,8 @@ impl Metrics {
                     (id, stat.by)
                 })
                 .collect();
-            moves.insert(counter, ids_moved);
+            // Counter::all's order is Counter::index's.
+            moves.push(ids_moved);
         }
         let circuit_open_workers = ids
             .get("redis_guard.circuit.open_workers")
@@ -70,6 +74,7 @@ impl Metrics {
             .collect();
         Metrics {
             moves,
+            limits: config.limits.len(),
             circuit_open_workers,
             callout_latency_us: define(MetricType::Histogram, CALLOUT_LATENCY_US),
             histograms,
@@ -86,6 +91,9 @@ impl Metrics {
 
     /// The (metric, increment) pairs a counter event moves.
     pub fn updates(&self, counter: Counter) -> &[(u32, i64)] {
-        self.moves.get(&counter).map_or(&[], Vec::as_slice)
+        counter
+            .index(self.limits)
+            .and_then(|i| self.moves.get(i))
+            .map_or(&[], Vec::as_slice)
     }
 }

@@ -163,7 +163,8 @@ impl Shared {
         };
         let n = self.token_counter.get().wrapping_add(1);
         self.token_counter.set(n);
-        let nonce = format!("{:016x}", self.token_seed.hash_one((n, "nonce")));
+        // 16 hex digits, as `{:016x}` wrote them (without the formatter).
+        let nonce = crate::codec::hex(&self.token_seed.hash_one((n, "nonce")).to_be_bytes());
         (
             Some(crate::webdis::insert_nonce(command, at, &nonce)),
             Some(nonce),
@@ -585,11 +586,17 @@ impl Http {
         let Some(shared) = self.shared.as_deref() else {
             return;
         };
+        // Most streams never wait: an empty table is not hashed into (this
+        // runs at on_log and again as the context goes).
         if let Ok(mut waiting) = shared.waiting.try_borrow_mut() {
-            waiting.cancel(self.context_id);
+            if !waiting.is_empty() {
+                waiting.cancel(self.context_id);
+            }
         }
         if let Ok(mut flows) = shared.wakeable.try_borrow_mut() {
-            flows.remove(&self.context_id);
+            if !flows.is_empty() {
+                flows.remove(&self.context_id);
+            }
         }
     }
 

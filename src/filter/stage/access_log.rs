@@ -42,6 +42,10 @@ impl AccessLogStage {
     /// first enforced one that rejected, or the one with the fewest units
     /// left).
     pub fn limits(&mut self, config: &Config, plan: &Plan, outcome: &Outcome) {
+        // Nobody reads a record that is never written.
+        if !config.access_log.enabled {
+            return;
+        }
         let enforced = |i: usize| !config.limits[plan.checks[i].limit].shadow;
         let results = &outcome.results;
         let rejecting = (0..results.len()).find(|&i| enforced(i) && !results[i].allowed);
@@ -61,7 +65,7 @@ impl AccessLogStage {
             self.record.decided_by(
                 &config.limits[check.limit].name,
                 Some(results[i].remaining),
-                &check.key,
+                (&check.key, &check.digest),
                 config.access_log.key,
             );
         }

@@ -71,7 +71,7 @@ pub struct Batcher<W> {
     /// failed batch.
     breakers: Rc<Breakers>,
     groups: HashMap<String, Group<W>>,
-    calls: HashMap<u32, InFlight<W>>,
+    calls: crate::filter::in_flight::ByToken<InFlight<W>>,
     /// Calls refused before they ran, waiting out a pause: (due, call).
     retrying: Vec<(Duration, InFlight<W>)>,
 }
@@ -82,7 +82,7 @@ impl<W: Waiter> Batcher<W> {
             limits,
             breakers,
             groups: HashMap::new(),
-            calls: HashMap::new(),
+            calls: Default::default(),
             retrying: Vec::new(),
         }
     }

@@ -67,7 +67,7 @@ impl LeaseStage {
         let Some(batch) = config.limits[check.limit].lease.map(|l| l.tokens) else {
             return Spend::Strict;
         };
-        let slot = Slot::of(&check.key);
+        let slot = Slot::of_digest(check.digest());
         let now_ms = millis(host.now());
         let fetch_for = millis(config.redis.timeout).saturating_add(1000);
         let mut next = Spend::Strict;

@@ -12,5 +12,6 @@ pub mod fallback;
 pub mod idempotency;
 pub mod lease;
 pub mod overlimit;
+pub mod quota;
 pub mod ratelimit;
 pub mod usage;

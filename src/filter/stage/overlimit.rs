@@ -18,7 +18,7 @@ pub fn cached<H: Host>(host: &mut H, config: &Config, plan: &Plan) -> Option<Loc
         if config.limits[check.limit].shadow {
             continue;
         }
-        let slot = Slot::of(&check.key);
+        let slot = Slot::of_digest(check.digest());
         let (stored, _) = host.shared_get(&slot.shared_key);
         if let Some((retry_ms, remaining)) = slot.rejects(stored.as_deref(), check.cost, now_ms) {
             results.push(LimitResult {
@@ -78,7 +78,7 @@ pub fn remember<H: Host>(
         {
             continue;
         }
-        let slot = Slot::of(&check.key);
+        let slot = Slot::of_digest(check.digest());
         let entry = slot.entry(sent_ms, result.retry_ms, check.cost, result.remaining);
         host.shared_set(&slot.shared_key, &entry.encode(), None);
     }

@@ -23,6 +23,7 @@ impl RateLimit {
         line: &RequestLine,
     ) -> Result<(), LocalReply> {
         self.plan = Plan::build(config, line, host).map_err(|bad| bad_request(&bad.detail))?;
+        super::quota::on_request(host, config, &mut self.plan);
         for (limit, why) in &self.plan.invalid {
             log::debug!(
                 "redis-guard: limit `{}` does not apply: {why}",

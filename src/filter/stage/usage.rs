@@ -32,6 +32,9 @@ struct Owed {
     limit: usize,
     key: Vec<u8>,
     reserved: u64,
+    /// A quota's window edges at the decision (the settlement lands in the
+    /// window that holds Redis' clock then: lua/settle.lua).
+    edges: Option<[i64; 4]>,
     /// Its terms' place in `UsageStage::terms`.
     terms: std::ops::Range<usize>,
     /// Its header's value, once the response's headers are read (for a
@@ -184,6 +187,7 @@ impl UsageStage {
                 limit: check.limit,
                 key: check.key.clone(),
                 reserved: check.cost,
+                edges: check.edges,
                 terms: start..self.terms.len(),
                 header: None,
                 provisional: None,
@@ -354,7 +358,10 @@ impl UsageStage {
             argv.push(alg.as_bytes().to_vec());
             argv.push(a.to_string().into_bytes());
             argv.push(b.to_string().into_bytes());
-            argv.push(c.to_string().into_bytes());
+            argv.push(match limit.algorithm {
+                crate::config::Algorithm::Quota { .. } => crate::ratelimit::edges_arg(owed.edges),
+                _ => c.to_string().into_bytes(),
+            });
             argv.push(delta.to_string().into_bytes());
             argv.push(age.to_string().into_bytes());
             argv.push(block.to_string().into_bytes());

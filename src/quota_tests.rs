@@ -1,0 +1,322 @@
+use chrono::{NaiveDate, Offset, TimeZone};
+
+use super::*;
+
+const H: i64 = 3_600_000;
+const D: i64 = 24 * H;
+
+fn cal(per: Per, zone: &str, anchor: u8) -> Calendar {
+    Calendar {
+        per,
+        zone: super::zone(zone).unwrap(),
+        anchor,
+    }
+}
+
+/// ms of a UTC date-time.
+fn at(y: i32, mo: u32, d: u32, h: u32, mi: u32) -> i64 {
+    NaiveDate::from_ymd_opt(y, mo, d)
+        .unwrap()
+        .and_hms_opt(h, mi, 0)
+        .unwrap()
+        .and_utc()
+        .timestamp_millis()
+}
+
+fn offset_s(c: &Calendar, ms: i64) -> i32 {
+    c.zone
+        .offset_from_utc_datetime(&utc(ms).unwrap())
+        .fix()
+        .local_minus_utc()
+}
+
+#[test]
+fn a_month_in_berlin_renews_at_local_midnight_of_the_first_and_not_a_ms_before() {
+    let c = cal(Per::Month, "Europe/Berlin", 1);
+    // 2027-02-01 00:00 CET is 2027-01-31 23:00 UTC.
+    let renewal = at(2027, 1, 31, 23, 0);
+    let before = c.window(renewal - 1).unwrap();
+    assert_eq!(before.start_ms, at(2026, 12, 31, 23, 0));
+    assert_eq!(before.end_ms, renewal);
+    let after = c.window(renewal).unwrap();
+    assert_eq!(after.start_ms, renewal);
+    // March starts in CET too (DST begins on the 28th).
+    assert_eq!(after.end_ms, at(2027, 2, 28, 23, 0));
+    assert_eq!(
+        c.edges(renewal - 1).unwrap(),
+        [
+            at(2026, 11, 30, 23, 0),
+            before.start_ms,
+            renewal,
+            after.end_ms
+        ]
+    );
+    assert_eq!(
+        crate::ratelimit::edges_arg(c.edges(renewal)),
+        format!(
+            "{},{},{},{}",
+            before.start_ms,
+            renewal,
+            after.end_ms,
+            at(2027, 3, 31, 22, 0)
+        )
+        .into_bytes()
+    );
+}
+
+#[test]
+fn an_anchor_on_the_31st_falls_on_each_shorter_months_last_day_leap_day_included() {
+    let c = cal(Per::Month, "Europe/Berlin", 31);
+    // 2028 is a leap year: the window after 2028-01-31 starts on 02-29.
+    let w = c.window(at(2028, 2, 15, 12, 0)).unwrap();
+    assert_eq!(w.start_ms, at(2028, 1, 30, 23, 0));
+    assert_eq!(w.end_ms, at(2028, 2, 28, 23, 0));
+    let leap = c.window(w.end_ms).unwrap();
+    // 02-29 00:00 CET to 03-31 00:00 CEST (DST began on 03-26).
+    assert_eq!(leap.end_ms, at(2028, 3, 30, 22, 0));
+    // 30-day months: the 30th; the next 31-day month: the 31st again.
+    let april = c.window(leap.end_ms).unwrap();
+    assert_eq!(april.end_ms, at(2028, 4, 29, 22, 0));
+    assert_eq!(
+        c.window(april.end_ms).unwrap().end_ms,
+        at(2028, 5, 30, 22, 0)
+    );
+    // Not a leap year: the 28th.
+    let c29 = cal(Per::Month, "UTC", 29);
+    assert_eq!(
+        c29.window(at(2027, 2, 28, 0, 0)).unwrap(),
+        Window {
+            start_ms: at(2027, 2, 28, 0, 0),
+            end_ms: at(2027, 3, 29, 0, 0)
+        }
+    );
+    assert_eq!(
+        c29.window(at(2027, 2, 27, 23, 59)).unwrap().start_ms,
+        at(2027, 1, 29, 0, 0)
+    );
+}
+
+#[test]
+fn days_across_both_daylight_saving_changes_last_23_and_25_hours() {
+    let c = cal(Per::Day, "Europe/Berlin", 1);
+    let spring = c.window(at(2027, 3, 28, 12, 0)).unwrap();
+    assert_eq!(spring.start_ms, at(2027, 3, 27, 23, 0));
+    assert_eq!(spring.end_ms - spring.start_ms, 23 * H);
+    let autumn = c.window(at(2027, 10, 31, 12, 0)).unwrap();
+    assert_eq!(autumn.start_ms, at(2027, 10, 30, 22, 0));
+    assert_eq!(autumn.end_ms - autumn.start_ms, 25 * H);
+    let ny = cal(Per::Day, "America/New_York", 1);
+    assert_eq!(
+        ny.window(at(2027, 3, 14, 12, 0)).unwrap().end_ms,
+        at(2027, 3, 15, 4, 0)
+    );
+    let w = ny.window(at(2027, 11, 7, 12, 0)).unwrap();
+    assert_eq!(
+        (w.start_ms, w.end_ms),
+        (at(2027, 11, 7, 4, 0), at(2027, 11, 8, 5, 0))
+    );
+}
+
+#[test]
+fn a_repeated_hour_is_one_window_of_two_and_a_skipped_one_none() {
+    let c = cal(Per::Hour, "Europe/Berlin", 1);
+    // 2027-10-31: 03:00 CEST becomes 02:00 CET at 01:00 UTC.
+    let w = c.window(at(2027, 10, 31, 1, 30)).unwrap();
+    assert_eq!(
+        (w.start_ms, w.end_ms),
+        (at(2027, 10, 31, 0, 0), at(2027, 10, 31, 2, 0))
+    );
+    // 2027-03-28: 02:00 CET becomes 03:00 CEST at 01:00 UTC: the 01:00
+    // window ends there and the 03:00 one starts, the 02:00 one is empty.
+    let w = c.window(at(2027, 3, 28, 0, 59)).unwrap();
+    assert_eq!(
+        (w.start_ms, w.end_ms),
+        (at(2027, 3, 28, 0, 0), at(2027, 3, 28, 1, 0))
+    );
+    let e = c.edges(at(2027, 3, 28, 0, 30)).unwrap();
+    assert_eq!(
+        e,
+        [
+            at(2027, 3, 27, 23, 0),
+            at(2027, 3, 28, 0, 0),
+            at(2027, 3, 28, 1, 0),
+            at(2027, 3, 28, 1, 0)
+        ]
+    );
+    // Half-hour zones: hours on the zone's clock, not on UTC's.
+    let k = cal(Per::Hour, "Asia/Kolkata", 1);
+    assert_eq!(
+        k.window(at(2027, 1, 1, 0, 10)).unwrap().start_ms,
+        at(2026, 12, 31, 23, 30)
+    );
+}
+
+#[test]
+fn a_skipped_midnight_starts_the_day_when_the_gap_ends() {
+    // Samoa skipped 2011-12-30 whole: the 29th's window ends when the 31st's
+    // starts, and no window holds the 30th.
+    let apia = cal(Per::Day, "Pacific/Apia", 1);
+    let w = apia.window(at(2011, 12, 30, 9, 0)).unwrap();
+    assert_eq!(w.end_ms, at(2011, 12, 30, 10, 0));
+    let next = apia.window(w.end_ms).unwrap();
+    assert_eq!(next.end_ms - next.start_ms, D);
+    assert_eq!(
+        apia.format(next.start_ms).unwrap(),
+        "2011-12-31T00:00:00+14:00 Pacific/Apia"
+    );
+    // Chile starts daylight saving at midnight: that day starts at 01:00,
+    // the instant the offset changes, and lasts 23 hours.
+    let scl = cal(Per::Day, "America/Santiago", 1);
+    let mut found = 0;
+    let mut t = at(2026, 8, 1, 12, 0);
+    while t < at(2026, 10, 1, 0, 0) {
+        let w = scl.window(t).unwrap();
+        if w.end_ms - w.start_ms == 23 * H {
+            found += 1;
+            assert_ne!(offset_s(&scl, w.start_ms - 1), offset_s(&scl, w.start_ms));
+            assert!(scl.format(w.start_ms).unwrap().contains("T01:00:00-03:00"));
+        }
+        t = w.end_ms;
+    }
+    assert_eq!(found, 1);
+}
+
+#[test]
+fn weeks_start_on_the_anchor_weekday() {
+    // 2027-01-06 is a Wednesday.
+    let mon = cal(Per::Week, "UTC", 1);
+    let w = mon.window(at(2027, 1, 6, 12, 0)).unwrap();
+    assert_eq!(
+        (w.start_ms, w.end_ms),
+        (at(2027, 1, 4, 0, 0), at(2027, 1, 11, 0, 0))
+    );
+    let sun = cal(Per::Week, "America/New_York", 7);
+    let w = sun.window(at(2027, 1, 6, 12, 0)).unwrap();
+    assert_eq!(w.start_ms, at(2027, 1, 3, 5, 0));
+    let wed = cal(Per::Week, "UTC", 3);
+    assert_eq!(
+        wed.window(at(2027, 1, 6, 0, 0)).unwrap().start_ms,
+        at(2027, 1, 6, 0, 0)
+    );
+    assert_eq!(
+        wed.window(at(2027, 1, 6, 0, 0) - 1).unwrap().start_ms,
+        at(2026, 12, 30, 0, 0)
+    );
+}
+
+#[test]
+fn instants_outside_the_range_have_no_window() {
+    let c = cal(Per::Day, "UTC", 1);
+    assert_eq!(c.window(-1), None);
+    assert_eq!(c.window(MAX_MS), None);
+    assert_eq!(c.edges(i64::MAX), None);
+    assert!(c.window(MAX_MS - 30 * D).is_some());
+    assert_eq!(zone("Mars/Olympus"), None);
+    assert_eq!(Per::parse("year"), None);
+}
+
+/// Every window, walked edge to edge over years in zones with every kind
+/// of rule: it holds its own first and last ms, the next starts at its
+/// end, its start is the unit's wall-clock start (or a gap's end), and its
+/// length is the unit's within the zone's shifts.
+#[test]
+fn windows_tile_time_with_calendar_starts_in_many_zones() {
+    let zones = [
+        "UTC",
+        "Europe/Berlin",
+        "America/New_York",
+        "America/Santiago",
+        "Australia/Lord_Howe",
+        "Asia/Kolkata",
+        "Pacific/Chatham",
+        "America/St_Johns",
+        "Pacific/Apia",
+        "Asia/Tehran",
+    ];
+    let mut windows = 0u64;
+    for z in zones {
+        for (per, anchors, from, to) in [
+            (
+                Per::Hour,
+                &[1u8][..],
+                at(2026, 1, 1, 0, 0),
+                at(2028, 1, 1, 0, 0),
+            ),
+            (
+                Per::Day,
+                &[1][..],
+                at(2020, 1, 1, 0, 0),
+                at(2030, 1, 1, 0, 0),
+            ),
+            (
+                Per::Week,
+                &[1, 4, 7][..],
+                at(2020, 1, 1, 0, 0),
+                at(2030, 1, 1, 0, 0),
+            ),
+            (
+                Per::Month,
+                &[1, 15, 28, 29, 30, 31][..],
+                at(2000, 1, 1, 0, 0),
+                at(2040, 1, 1, 0, 0),
+            ),
+        ] {
+            for &anchor in anchors {
+                let c = cal(per, z, anchor);
+                let mut w = c.window(from).unwrap();
+                assert!(w.start_ms <= from && from < w.end_ms);
+                while w.start_ms < to {
+                    windows += 1;
+                    assert_eq!(c.window(w.start_ms), Some(w), "{z} {per:?} {anchor}");
+                    assert_eq!(c.window(w.end_ms - 1), Some(w));
+                    let mid = w.start_ms + (w.end_ms - w.start_ms) / 3;
+                    assert_eq!(c.window(mid), Some(w));
+                    let e = c.edges(mid).unwrap();
+                    assert_eq!((e[1], e[2]), (w.start_ms, w.end_ms));
+                    assert!(e[0] <= e[1] && e[2] <= e[3]);
+                    let len = w.end_ms - w.start_ms;
+                    let (lo, hi) = match per {
+                        // Chatham's clock skips 02:45-03:45: a 45- and a 15-minute hour.
+                        Per::Hour => (H / 4, 2 * H),
+                        Per::Day => (22 * H, 26 * H),
+                        Per::Week => (7 * D - 2 * H, 7 * D + 2 * H),
+                        Per::Month => (28 * D - 2 * H, 31 * D + 2 * H),
+                    };
+                    assert!((lo..=hi).contains(&len), "{z} {per:?} {anchor}: {len} ms");
+                    // The wall clock at the start is the unit's start, or
+                    // the start is where the offset changed (a gap).
+                    let shown = c.format(w.start_ms).unwrap();
+                    let gap = offset_s(&c, w.start_ms - 1) != offset_s(&c, w.start_ms);
+                    let time = if per == Per::Hour {
+                        ":00:00"
+                    } else {
+                        "T00:00:00"
+                    };
+                    assert!(shown.contains(time) || gap, "{shown}");
+                    if per == Per::Month && !gap {
+                        let day: u8 = shown[8..10].parse().unwrap();
+                        assert!(day == anchor || (day >= 28 && day < anchor), "{shown}");
+                    }
+                    let next = c.window(w.end_ms).unwrap();
+                    assert_eq!(next.start_ms, w.end_ms);
+                    w = next;
+                }
+            }
+        }
+    }
+    assert!(windows > 150_000, "{windows}");
+}
+
+#[test]
+fn a_renewal_is_shown_on_the_zones_clock() {
+    let c = cal(Per::Month, "Europe/Berlin", 1);
+    assert_eq!(
+        c.format(at(2027, 1, 31, 23, 0)).unwrap(),
+        "2027-02-01T00:00:00+01:00 Europe/Berlin"
+    );
+    let k = cal(Per::Day, "America/St_Johns", 1);
+    assert_eq!(
+        k.format(at(2027, 1, 1, 3, 30)).unwrap(),
+        "2027-01-01T00:00:00-03:30 America/St_Johns"
+    );
+}
