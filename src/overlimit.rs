@@ -18,7 +18,7 @@
 
 use crate::keys::{record_u64, shared_slot, shared_slot_of};
 
-/// Entries per Envoy (each 40 bytes of shared data).
+/// Entries per Envoy (each 48 bytes of shared data).
 pub const SLOTS: u32 = 4096;
 
 /// The longest an entry answers for Redis. Redis' answer holds until T only
@@ -33,8 +33,14 @@ pub const HOLD_MAX_MS: u64 = 1000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
     digest: [u8; 16],
-    /// Proxy clock, ms: no request of `cost` or more fits before this.
+    /// Proxy clock, ms: the cache answers for Redis until then (at most
+    /// [`HOLD_MAX_MS`] after the call left).
     pub until_ms: u64,
+    /// Proxy clock, ms: no request of `cost` or more fits before this
+    /// (sent + Redis' retry): what a cached 429's `Retry-After` says. It may
+    /// lie hours past `until_ms` (a block, a spent daily budget), and the
+    /// answer must not shrink to the hold's second.
+    pub retry_at_ms: u64,
     pub cost: u64,
     /// Units left when Redis rejected (a lower bound until `until_ms`).
     pub remaining: u64,
@@ -67,34 +73,43 @@ impl Slot {
         Entry {
             digest: self.digest,
             until_ms: sent_ms.saturating_add(retry_ms.saturating_sub(1).min(HOLD_MAX_MS)),
+            retry_at_ms: sent_ms.saturating_add(retry_ms),
             cost,
             remaining,
         }
     }
 
-    /// The wait (ms) before a request of `cost` on this key could fit, if
-    /// the stored bytes say it cannot fit now; `None` when Redis must decide.
+    /// The wait (ms) before a request of `cost` on this key could fit, as
+    /// Redis said it, if the stored bytes say it cannot fit now and the cache
+    /// still answers for Redis; `None` when Redis must decide.
     pub fn rejects(&self, stored: Option<&[u8]>, cost: u64, now_ms: u64) -> Option<(u64, u64)> {
         let entry = Entry::decode(stored?)?;
-        let wait = entry.until_ms.checked_sub(now_ms).filter(|w| *w > 0)?;
+        let hold = entry.until_ms.checked_sub(now_ms).filter(|w| *w > 0)?;
         // More than an entry can hold: the clock stepped back; ignore it.
-        (entry.digest == self.digest && cost >= entry.cost && wait <= HOLD_MAX_MS)
-            .then_some((wait, entry.remaining))
+        (entry.digest == self.digest && cost >= entry.cost && hold <= HOLD_MAX_MS).then(|| {
+            (
+                entry.retry_at_ms.saturating_sub(now_ms).max(hold),
+                entry.remaining,
+            )
+        })
     }
 }
 
 impl Entry {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(40);
+        let mut out = Vec::with_capacity(48);
         out.extend_from_slice(&self.digest);
         out.extend_from_slice(&self.until_ms.to_be_bytes());
         out.extend_from_slice(&self.cost.to_be_bytes());
         out.extend_from_slice(&self.remaining.to_be_bytes());
+        out.extend_from_slice(&self.retry_at_ms.to_be_bytes());
         out
     }
 
     pub fn decode(bytes: &[u8]) -> Option<Entry> {
-        if bytes.len() != 40 {
+        // An older filter's 40-byte entry (shared data outlives a VM's
+        // reload) is no entry: Redis decides.
+        if bytes.len() != 48 {
             return None;
         }
         let mut digest = [0u8; 16];
@@ -104,6 +119,7 @@ impl Entry {
             until_ms: record_u64(bytes, 0),
             cost: record_u64(bytes, 1),
             remaining: record_u64(bytes, 2),
+            retry_at_ms: record_u64(bytes, 3),
         })
     }
 }
@@ -115,10 +131,11 @@ mod tests {
     #[test]
     fn rejects_only_its_own_key_at_or_above_the_cost_before_the_deadline() {
         let slot = Slot::of(b"rg:rl:{t}:a:tb.1.1.1000:1:x");
-        // Sent at 0, Redis said 1001 ms: held until 1000 (1 ms of rounding).
+        // Sent at 0, Redis said 1001 ms: held until 1000 (1 ms of rounding),
+        // the wait counted to Redis' 1001.
         let stored = slot.entry(0, 1_001, 2, 0).encode();
-        assert_eq!(slot.rejects(Some(&stored), 2, 400), Some((600, 0)));
-        assert_eq!(slot.rejects(Some(&stored), 5, 999), Some((1, 0)));
+        assert_eq!(slot.rejects(Some(&stored), 2, 400), Some((601, 0)));
+        assert_eq!(slot.rejects(Some(&stored), 5, 999), Some((2, 0)));
         assert_eq!(slot.rejects(Some(&stored), 2, 1_000), None, "not at T");
         assert_eq!(
             slot.rejects(Some(&stored), 1, 400),
@@ -138,9 +155,9 @@ mod tests {
     #[test]
     fn an_entry_holds_at_most_a_second_and_distrusts_a_clock_that_went_back() {
         let slot = Slot::of(b"k");
-        // Redis said an hour: held one second.
+        // Redis said an hour: held one second, answering the hour's rest.
         let stored = slot.entry(5_000, 3_600_000, 1, 0).encode();
-        assert_eq!(slot.rejects(Some(&stored), 1, 5_999), Some((1, 0)));
+        assert_eq!(slot.rejects(Some(&stored), 1, 5_999), Some((3_599_001, 0)));
         assert_eq!(slot.rejects(Some(&stored), 1, 6_000), None);
         // The clock jumped back 10 s: the entry would claim 11 s: ignored.
         assert_eq!(slot.rejects(Some(&stored), 1, 0), None);
