@@ -160,7 +160,7 @@ test-valkey: rust-deps apt-deps envoy-dep valkey-dep build
 
 deps: rust-deps apt-deps envoy-dep s3-dep grpc-dep wasi-dep compose-schema
 
-test: deps build panic-trigger oci lint test-wasm32
+test: deps build panic-trigger test-clock oci lint test-wasm32
 	cargo test --all-targets --features cli -- --test-threads=$(TEST_THREADS)
 
 unit:
@@ -172,7 +172,7 @@ unit:
 # (a wait on a counter another request still holds, a margin measured on an
 # idle box) shows up here first. .ci/run runs it after make test.
 E2E_SUITES := $(patsubst tests/%.rs,--test %,$(wildcard tests/e2e_*.rs))
-test-load: deps build panic-trigger
+test-load: deps build panic-trigger test-clock
 	cargo test --no-run --features cli $(E2E_SUITES)
 	BUSY_SECONDS=2400 bash tests/support/busy.sh \
 	  cargo test --features cli $(E2E_SUITES) -- --test-threads=$(TEST_THREADS)

@@ -268,13 +268,19 @@ fn usage_settles_into_the_window_that_holds_redis_clock_and_refunds_only_its_own
     let l = cq("t:{k}:cq:u", 100, &c, start + HOUR);
     let key = format!("t:{{k}}:cq:u:{start}");
     // Reserved 10, used 25: 15 more, in the window's key.
-    assert_eq!(one(&mut con, start + HOUR, &l.clone().cost(10)), admits(90, 24 * HOUR));
+    assert_eq!(
+        one(&mut con, start + HOUR, &l.clone().cost(10)),
+        admits(90, 24 * HOUR)
+    );
     assert_eq!(settle(&mut con, start + 2 * HOUR, &l, 15, HOUR), 75);
     assert_eq!(get(&mut con, &key), Some("25".into()));
     // Debt: a use past the amount leaves the count above it (negative left)
     // and the window refuses until its end.
     assert_eq!(settle(&mut con, start + 2 * HOUR, &l, 90, 0), -15);
-    assert_eq!(one(&mut con, start + 3 * HOUR, &l), rejects(0, end - start - 3 * HOUR));
+    assert_eq!(
+        one(&mut con, start + 3 * HOUR, &l),
+        rejects(0, end - start - 3 * HOUR)
+    );
     // A refund never takes the count below zero.
     assert_eq!(settle(&mut con, start + 3 * HOUR, &l, -200, HOUR), 100);
     assert_eq!(get(&mut con, &key), Some("0".into()));
@@ -282,7 +288,13 @@ fn usage_settles_into_the_window_that_holds_redis_clock_and_refunds_only_its_own
     // window (its count was never there).
     assert_eq!(one(&mut con, end - 1, &l.clone().cost(30)), admits(70, 1));
     let next = cq("t:{k}:cq:u", 100, &c, end);
-    assert_eq!(one(&mut con, end, &next.clone().cost(5)), admits(95, 24 * HOUR));
+    assert_eq!(
+        one(&mut con, end, &next.clone().cost(5)),
+        admits(95, 24 * HOUR)
+    );
     assert_eq!(settle(&mut con, end + 10, &next, -30, 11), 95);
-    assert_eq!(get(&mut con, &format!("t:{{k}}:cq:u:{end}")), Some("5".into()));
+    assert_eq!(
+        get(&mut con, &format!("t:{{k}}:cq:u:{end}")),
+        Some("5".into())
+    );
 }
