@@ -104,7 +104,12 @@ if [[ -z "$ONLY" || "$ONLY" == limitador ]]; then
   echo "== limitador-server (Kuadrant/limitador @ $(source_rev "$out/src/limitador"))"
   start=$SECONDS
   # --locked: exactly the dependency versions of the pinned Cargo.lock.
+  # Its build script puts `git rev-parse HEAD` into --version, else
+  # GITHUB_SHA (what its CI sets). The copy is no repository: without the
+  # ceiling git found the one OUT sits in (redis-guard's) and Limitador named
+  # that commit; GITHUB_SHA names the one built.
   (cd "$out/src/limitador" && CARGO_TARGET_DIR="$out/target/limitador" \
+    GIT_CEILING_DIRECTORIES="$out/src" GITHUB_SHA="$(source_rev "$out/src/limitador")" \
     cargo build --release --locked -p limitador-server)
   "$out/target/limitador/release/limitador-server" --version
   echo "limitador-server: $((SECONDS - start)) s"
