@@ -518,7 +518,8 @@ fn the_configuration_reference_is_what_its_generator_writes_from_the_schema() {
 
 /// The date and commit of the run whose part of BENCHMARKS.md starts at
 /// `marker` (the whole file for `make bench`): its `date:` and `commit`
-/// lines for make bench, its "Measured <date> … commit <c>" for bench-tier.
+/// lines for make bench, its "Measured <date> … commit <c>" for bench-tier
+/// and bench-peers.
 fn run_of(benchmarks: &str, which: &str) -> (String, String) {
     if which == "make bench" {
         let part = benchmarks.split("<!-- bench:end").next().unwrap();
@@ -534,14 +535,15 @@ fn run_of(benchmarks: &str, which: &str) -> (String, String) {
             .expect("make bench's commit line");
         (date.to_string(), commit.to_string())
     } else {
+        let marker = format!("<!-- {}:start -->", which.trim_start_matches("make "));
         let part = benchmarks
-            .split("<!-- bench-tier:start -->")
+            .split(marker.as_str())
             .nth(1)
-            .expect("bench-tier's part");
+            .unwrap_or_else(|| panic!("{which}'s part"));
         let line = part
             .lines()
             .find(|l| l.starts_with("Measured "))
-            .expect("bench-tier's Measured line");
+            .unwrap_or_else(|| panic!("{which}'s Measured line"));
         let date = line["Measured ".len()..].split(" on ").next().unwrap();
         let commit = line
             .split("commit ")
@@ -573,6 +575,8 @@ fn stale_quotes(benchmarks: &str, docs: &[(PathBuf, String)]) -> (usize, Vec<Str
                 quotes += 1;
                 let which = if quote.starts_with("make bench-tier") {
                     "make bench-tier"
+                } else if quote.starts_with("make bench-peers") {
+                    "make bench-peers"
                 } else {
                     "make bench"
                 };
@@ -611,7 +615,8 @@ fn every_quoted_figure_names_the_run_benchmarks_md_holds() {
 
 #[test]
 fn benchmarks_md_holds_only_what_its_generators_write() {
-    // bench.py writes up to its end marker; bench_tier.py between its two.
+    // bench.py writes up to its end marker; bench_tier.py between its two,
+    // then envoy/peers/bench_peers.py between its two.
     let text = fs::read_to_string(root().join("BENCHMARKS.md")).unwrap();
     let (_, after) = text
         .split_once("<!-- bench:end")
@@ -623,8 +628,14 @@ fn benchmarks_md_holds_only_what_its_generators_write() {
     let (_, tail) = tail
         .split_once("<!-- bench-tier:end -->")
         .expect("make bench-tier's end marker");
+    let (gap, peers) = tail
+        .split_once("<!-- bench-peers:start -->")
+        .expect("make bench-peers' start marker");
+    let (_, tail) = peers
+        .split_once("<!-- bench-peers:end -->")
+        .expect("make bench-peers' end marker");
     assert!(
-        between.trim().is_empty() && tail.trim().is_empty(),
+        between.trim().is_empty() && gap.trim().is_empty() && tail.trim().is_empty(),
         "BENCHMARKS.md holds text no generator writes (hand notes go to docs/src/notes/)"
     );
 }
