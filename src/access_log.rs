@@ -87,18 +87,7 @@ impl Record {
         }
         if let Some(n) = self.remaining {
             field(&mut out, b"\"remaining\":");
-            let mut digits = [0u8; 20];
-            let mut at = digits.len();
-            let mut n = n;
-            loop {
-                at -= 1;
-                digits[at] = b'0' + (n % 10) as u8;
-                n /= 10;
-                if n == 0 {
-                    break;
-                }
-            }
-            out.extend_from_slice(&digits[at..]);
+            crate::codec::extend_decimal(&mut out, n);
         }
         if let Some(v) = self.verdict {
             field(&mut out, b"\"verdict\":");

@@ -13,22 +13,31 @@ pub fn hex(bytes: &[u8]) -> String {
     s
 }
 
-/// Appends `n` in decimal, without the formatting machinery (the hot
-/// path's keys and headers).
-pub fn push_decimal(out: &mut String, n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
+/// `n`'s decimal digits, written into `buf` without the formatting
+/// machinery or an allocation (the hot path's keys, headers and record).
+fn decimal_digits(n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
     let mut n = n;
     loop {
         at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
+        buf[at] = b'0' + (n % 10) as u8;
         n /= 10;
         if n == 0 {
             break;
         }
     }
+    &buf[at..]
+}
+
+/// Appends `n` in decimal to bytes (the access-log record).
+pub fn extend_decimal(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(decimal_digits(n, &mut [0u8; 20]));
+}
+
+/// Appends `n` in decimal to a string (keys and headers).
+pub fn push_decimal(out: &mut String, n: u64) {
     // ASCII digits: always UTF-8.
-    out.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
+    out.push_str(std::str::from_utf8(decimal_digits(n, &mut [0u8; 20])).unwrap_or_default());
 }
 
 /// `n` in decimal, as bytes (a script call's numbers).
