@@ -342,21 +342,7 @@ fn the_quota_recipe_renews_a_monthly_plan_and_keeps_the_use_when_the_cli_changes
 
 /// `redis-guard` with `--json` against `redis`, on the config at `config`.
 fn cli(redis: &Redis, config: &std::path::Path, args: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_redis-guard"))
-        .env_clear()
-        .arg("--json")
-        .args(args)
-        .args(["--config", config.to_str().unwrap()])
-        .args(["--redis", &redis.admin_url()])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "redis-guard {}: {stdout}",
-        args.join(" ")
-    );
-    serde_json::from_str(&stdout).unwrap()
+    cli_json_on(env!("CARGO_BIN_EXE_redis-guard"), redis, config, args)
 }
 
 #[test]

@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # envoy/: the project's bench helpers
 import bench as B  # noqa: E402
+from bench_stack import tail  # noqa: E402  (a log's last lines, as make bench shows them)
 
 ROOT = B.ROOT
 HOST = B.HOST
@@ -365,14 +366,6 @@ def last_json_line(path):
             except ValueError:
                 continue
     return None
-
-
-def tail(path, n=15):
-    try:
-        lines = Path(path).read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join("    " + line for line in lines[-n:])
 
 
 STATS_RE = (r"^(http\.ingress\.downstream_rq_[0-9]xx|http\.ingress\.downstream_rq_total|"

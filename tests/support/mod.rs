@@ -916,12 +916,17 @@ pub fn hex(b: &[u8]) -> String {
 /// succeed. `bin` is the test's `env!("CARGO_BIN_EXE_redis-guard")`, known
 /// only to the tests built with the `cli` feature.
 pub fn cli_json(bin: &str, stack: &Stack, config: &Path, args: &[&str]) -> serde_json::Value {
+    cli_json_on(bin, &stack.redis, config, args)
+}
+
+/// [`cli_json`] against one Redis of the test's own.
+pub fn cli_json_on(bin: &str, redis: &Redis, config: &Path, args: &[&str]) -> serde_json::Value {
     let out = Command::new(bin)
         .env_clear()
         .arg("--json")
         .args(args)
         .args(["--config", config.to_str().unwrap()])
-        .args(["--redis", &stack.redis.admin_url()])
+        .args(["--redis", &redis.admin_url()])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
