@@ -51,11 +51,21 @@ local function whole(x, lo, hi)
 end
 
 -- An override's figures for a limit of kind `kind` (a token bucket's period
--- `c`), or nil when `text` is not one within the kind's bounds: "tb
--- <capacity> <refill>", "fw <limit>", "swc <limit>", "sw <limit>", "cq
--- <amount>" (decimal,
--- as `redis-guard override set` writes them).
+-- `c`, a quota's edges), or nil when `text` is not one within the kind's
+-- bounds: "tb <capacity> <refill>", "fw <limit>", "swc <limit>", "sw
+-- <limit>", "cq <amount>", "cq <amount> <anchorDay>" (decimal, as
+-- `redis-guard override set` writes them). A quota's anchor day counts only
+-- for edges sent for that day (cq_anchor_wanted() sent the others back).
 local function override_figures(text, kind, c)
+  if kind == 'cq' then
+    local x, d = string.match(text, '^cq (%d+) (%d+)$')
+    if x then
+      if cq_anchoring(c) ~= tonumber(d) then
+        return nil
+      end
+      text = 'cq ' .. x
+    end
+  end
   if kind == 'tb' then
     local x, y = string.match(text, '^tb (%d+) (%d+)$')
     x, y = tonumber(x), tonumber(y)
@@ -197,6 +207,31 @@ local function decide_checked(keys, ko, argv, ao, na)
   -- key): past the request's own values lies the next batch member's.
   local keyed = 2 + 6 * n <= na and argv[ao + 2 + 6 * n] == '1'
 
+  -- A quota whose stored override puts its windows on another anchor day
+  -- than its edges': nothing is decided (nothing read for the idempotency
+  -- key, nothing written), the reply names each such limit and its anchor
+  -- (verdict 5), and the filter sends the request again. The overrides
+  -- read here are kept for the decision below.
+  local texts
+  for i = 1, n do
+    local base = ao + 2 + (i - 1) * 6
+    if argv[base] == 'cq+o' then
+      local okey = override_key(keys[ko + i])
+      local text = okey and redis.pcall('GET', okey)
+      texts = texts or {}
+      texts[i] = text or false
+      local want = cq_anchor_wanted(text, argv[base + 3], tonumber(argv[base + 4]))
+      if want then
+        texts.moved = texts.moved or { 5 }
+        texts.moved[#texts.moved + 1] = i
+        texts.moved[#texts.moved + 1] = want
+      end
+    end
+  end
+  if texts and texts.moved then
+    return texts.moved
+  end
+
   local idem
   if keyed then
     need('idem')
@@ -226,10 +261,13 @@ local function decide_checked(keys, ko, argv, ao, na)
     -- blocked key's verdict says whether an override decides the key.
     local used = 0
     if ov then
-      local okey = override_key(keys[ko + i])
       -- pcall: a key of another type written by hand is an ignored
       -- override, never an error that fails the request.
-      local text = okey and redis.pcall('GET', okey)
+      local text = texts and texts[i]
+      if text == nil then
+        local okey = override_key(keys[ko + i])
+        text = okey and redis.pcall('GET', okey)
+      end
       if type(text) == 'table' then
         used = 4
       elseif text then

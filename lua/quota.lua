@@ -13,7 +13,11 @@ ARGV     the limit's group in ratelimit.lua: "cq", amount (units per
          window, <= 2^50), 0, edges, cost, enforce. `edges` is four
          decimal ms, comma-separated and non-decreasing: the window around
          the filter's clock and one on each side, which the filter computed
-         from the quota's time zone (src/quota.rs)
+         from the quota's time zone (src/quota.rs); for a limit that takes
+         stored overrides (a month or a week), followed by
+         `@<sent>,<default>,<max>`: the anchor day the edges were computed
+         for, the one that applies without a stored anchor, and the largest
+         the unit takes (src/quota.rs Anchoring)
 Returns  cq_check(key, amount, _, edges, cost) -> verdict table with allowed
          (0/1), remaining, retry (ms), reset (ms: until the window ends, its
          renewal); cq_charge(verdict) charges it; cq_flush() writes every
@@ -32,6 +36,14 @@ so a key that outlives its window is never read as the next one's; the
 margin keeps the count a while for a clock that steps back over the edge and
 for an operator's inspection just after the renewal.
 
+Why the anchor is refereed here: a stored override may move a customer's
+windows to its billing day (`cq <amount> <anchorDay>`), but the filter
+computes the windows before this call reads it. cq_anchor_wanted() says
+which anchor the stored override (else the default) puts the windows on
+when it is not the one sent: lua/decide.lua then decides nothing for the
+request and names it, and the filter sends the request again with edges
+for it (and remembers it for the customer's next requests).
+
 What the quota admits: at most `amount` units per window. A cost above the
 amount can never be admitted: a rejection that writes nothing, retry_ms 0
 when the window is empty, else the renewal.
@@ -41,11 +53,30 @@ local cq_seen = {}
 local cq_charged = {}
 local CQ_MARGIN_MS = 60000
 
+-- The anchoring after the edges: sent, default, max, or nil when there is
+-- none; false when it does not parse.
+local function cq_anchoring(edges)
+  local at = string.find(edges, '@', 1, true)
+  if at == nil then
+    return nil
+  end
+  local s, d, m = string.match(string.sub(edges, at + 1), '^(%d%d?),(%d%d?),(%d%d?)$')
+  s, d, m = tonumber(s), tonumber(d), tonumber(m)
+  if s == nil or m > 31 or s < 1 or s > m or d < 1 or d > m then
+    return false
+  end
+  return s, d, m
+end
+
 -- The start and end of the window of `edges` that holds `now`, or nil
 -- when the edges do not parse or none holds it.
 local function cq_window(edges)
-  if type(edges) ~= 'string' or #edges > 80 then
+  if type(edges) ~= 'string' or #edges > 96 or cq_anchoring(edges) == false then
     return nil
+  end
+  local at = string.find(edges, '@', 1, true)
+  if at then
+    edges = string.sub(edges, 1, at - 1)
   end
   local e = {}
   for v in string.gmatch(edges, '[^,]+') do
@@ -74,6 +105,30 @@ end
 -- Why a call's edges cannot be decided on, for malformed().
 local function cq_edges_bad(edges)
   return cq_window(edges) == nil
+end
+
+-- The anchor the request's quota must be decided on when it is not the one
+-- its edges were computed for, else nil. `text` is the stored override (a
+-- string, or nil/false/a table for none or an unreadable one), read as
+-- lua/decide.lua reads it: an override it ignores sets no anchor either.
+local function cq_anchor_wanted(text, edges, cost)
+  local sent, default, max = cq_anchoring(edges)
+  if not sent then
+    return nil
+  end
+  local want = default
+  if type(text) == 'string' then
+    local amount, anchor = string.match(text, '^cq (%d+) (%d+)$')
+    amount, anchor = tonumber(amount), tonumber(anchor)
+    if amount and amount == math.floor(amount) and amount >= 1 and amount <= 2^50
+        and amount >= cost and anchor >= 1 and anchor <= max then
+      want = anchor
+    end
+  end
+  if want ~= sent then
+    return want
+  end
+  return nil
 end
 
 local function cq_check(key, amount, _, edges, cost)

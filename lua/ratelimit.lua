@@ -25,7 +25,9 @@ ARGV per limit i, six values starting at 2 + (i-1)*6:
              gcra: rate (units per period)   cc: lease (ms); cq: 0
   c          tb, gcra: period (ms)           sw, fw, swc: ignored (0)
              cc: the request's slot id (hex; see lua/concurrency.lua)
-             cq: the window edges (four ms, comma-separated)
+             cq: the window edges (four ms, comma-separated), then, for a
+             cq+o limit of a month or a week, `@<sent>,<default>,<max>`:
+             the anchor day they were computed for (lua/quota.lua)
   cost       units this request spends (1 <= cost <= capacity, burst or
              limit; a larger cost is a rejection that writes nothing, see
              each kind's file)
@@ -60,6 +62,11 @@ Returns a flat array (Webdis' raw output cannot carry nested arrays):
           or, for a body in the object store, [3, status, stored headers, "",
           object key, SHA-256 hex, length]
        4  the key was used with another request fingerprint: [4]
+       5  a stored override puts a quota's windows on another anchor day
+          than its edges': [5, limit index (1-based), anchor day, ...] for
+          each such limit; nothing read or written for the idempotency key,
+          nothing charged: the filter sends the request again with edges
+          for that day (answered before 2, 3 and 4)
        (2, 3 and 4 are answered before any limit is looked at: a replay or a
        conflict spends no quota)
   for 0 and 1, then 4 integers per limit, in KEYS order:

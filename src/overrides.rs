@@ -6,10 +6,11 @@
 //! configured one, so its stored level keeps its meaning), `<kind> <limit>`
 //! for a fixed window (`fw`), a sliding-window counter (`swc`), a sliding
 //! window (`sw`) or a calendar quota (`cq`); decimal, one space apart. A
-//! quota's override carried by the request may add the customer's anchor
-//! day, `cq <amount> <anchorDay>`: the filter computes the windows, so only
-//! it can move them (a stored override is read by the script, after the
-//! windows are chosen: its amount only).
+//! quota's override, stored or carried by the request, may add the
+//! customer's anchor day, `cq <amount> <anchorDay>`. The filter computes the
+//! windows before the script reads a stored one: the script checks the
+//! anchor they were computed for against it and names the right one when
+//! they differ (src/quota.rs `Anchoring`, lua/quota.lua).
 
 use crate::config::Algorithm;
 
@@ -28,7 +29,7 @@ pub enum Override {
     },
     /// A window kind's limit (a quota's amount).
     Limit(u64),
-    /// A quota's amount and anchor day (carried by the request only).
+    /// A quota's amount and anchor day.
     Quota {
         amount: u64,
         anchor: u8,
@@ -69,6 +70,21 @@ impl Override {
                 _,
             ) => return Err("a window's override is a limit".to_string()),
             _ => return Err("this kind of limit takes no overrides".to_string()),
+        };
+        o.check(algorithm)?;
+        Ok(o)
+    }
+
+    /// A quota's override moved to anchor day `anchor` (checked against
+    /// the quota's unit, as a carried one is).
+    pub fn with_anchor(self, algorithm: &Algorithm, anchor: u8) -> Result<Override, String> {
+        let o = match self {
+            Override::Limit(amount) | Override::Quota { amount, .. }
+                if matches!(algorithm, Algorithm::Quota { .. }) =>
+            {
+                Override::Quota { amount, anchor }
+            }
+            _ => return Err("only a quota's override takes an anchor day".to_string()),
         };
         o.check(algorithm)?;
         Ok(o)
@@ -188,9 +204,7 @@ impl Override {
         Ok(o)
     }
 
-    /// A quota's `cq <amount> <anchorDay>`, checked: only a request carries
-    /// one (the script reads a stored override after the windows are
-    /// chosen).
+    /// A quota's `cq <amount> <anchorDay>`, checked.
     fn anchored(value: &[u8], algorithm: &Algorithm) -> Option<Override> {
         let text = std::str::from_utf8(value).ok()?;
         let mut words = text.split(' ');
@@ -243,6 +257,15 @@ impl Override {
                 return Err(format!("`{text}`: tb takes a capacity and a refill"))
             }
             (_, [n]) => Override::Limit(*n),
+            (Algorithm::Quota { .. }, [amount, anchor]) => Override::Quota {
+                amount: *amount,
+                anchor: u8::try_from(*anchor).unwrap_or(0),
+            },
+            (Algorithm::Quota { .. }, _) => {
+                return Err(format!(
+                    "`{text}`: cq takes an amount and, for a month or a week, an anchor day"
+                ))
+            }
             _ => return Err(format!("`{text}`: a window takes one limit")),
         };
         o.check(algorithm)?;
@@ -275,7 +298,7 @@ mod tests {
     }
 
     #[test]
-    fn a_request_may_carry_a_quotas_anchor_day_and_a_stored_override_may_not() {
+    fn a_quotas_override_carried_or_stored_may_set_its_anchor_day() {
         let month = Algorithm::Quota {
             amount: 100,
             calendar: crate::quota::Calendar {
@@ -302,7 +325,28 @@ mod tests {
         assert_eq!(o.text(&month), "cq 5000 15");
         assert_eq!(Override::carried(b"cq 7", &month), Ok(Override::Limit(7)));
         assert_eq!(Override::carried(b"7", &month), Ok(Override::Limit(7)));
-        assert!(Override::parse(b"cq 5000 15", &month).is_err());
+        assert_eq!(Override::parse(b"cq 5000 15", &month), Ok(o));
+        assert_eq!(
+            Override::Limit(9).with_anchor(&month, 31),
+            Ok(Override::Quota {
+                amount: 9,
+                anchor: 31
+            })
+        );
+        assert!(Override::Limit(9).with_anchor(&month, 32).is_err());
+        assert!(Override::Limit(9).with_anchor(&FW, 3).is_err());
+        for bad in [
+            &b"cq 5000 32"[..],
+            b"cq 5000 0",
+            b"cq 5000 256",
+            b"cq 5 5 5",
+        ] {
+            assert!(
+                Override::parse(bad, &month).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
         for bad in [
             &b"cq 5000 32"[..],
             b"cq 5000 0",
@@ -331,6 +375,9 @@ mod tests {
             Override::carried(b"cq 5 1", &day).is_err(),
             "a day has no anchor"
         );
+        assert!(Override::parse(b"cq 5 1", &day).is_err());
+        assert!(Override::Limit(5).with_anchor(&day, 1).is_err());
+        assert_eq!(Override::parse(b"cq 5", &day), Ok(Override::Limit(5)));
     }
 
     #[test]

@@ -279,6 +279,85 @@ impl Calendar {
     }
 }
 
+/// Which anchor day a quota's windows were computed for, sent with its
+/// edges (`<edges>@<sent>,<default>,<max>`, lua/quota.lua): the script
+/// reads the customer's stored override in the same call and, when the
+/// anchor it sets (else `default`, the request's or the configuration's)
+/// is not `sent`, decides nothing and names the right one. The filter
+/// cannot read the stored override before it computes the windows, so the
+/// script referees: a changed or deleted override is caught there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Anchoring {
+    /// The anchor the edges were computed for.
+    pub sent: u8,
+    /// The anchor without a stored one: carried by the request, else
+    /// configured (the precedence the amount follows).
+    pub default: u8,
+    /// The largest anchor the unit takes (31 a month, 7 a week): a stored
+    /// one past it is an invalid override, ignored.
+    pub max: u8,
+}
+
+impl Anchoring {
+    /// The anchoring of a calendar whose windows take an anchor (a month
+    /// or a week), for `default` and a stored anchor this Envoy remembers
+    /// (out of range: not used).
+    pub fn of(per: Per, default: u8, remembered: Option<u8>) -> Option<Anchoring> {
+        let range = per.anchors()?;
+        let sent = remembered.filter(|a| range.contains(a)).unwrap_or(default);
+        Some(Anchoring {
+            sent,
+            default,
+            max: *range.end(),
+        })
+    }
+
+    /// What follows the edges in the script's argument.
+    pub fn suffix(&self) -> String {
+        format!("@{},{},{}", self.sent, self.default, self.max)
+    }
+}
+
+/// Entries of an Envoy's anchor table (shared data: no expiry, no deletion,
+/// so a fixed table indexed by the key's digest, as the over-limit cache's).
+pub const ANCHOR_SLOTS: u32 = 4096;
+
+/// Where one quota key's remembered anchor lives in an Envoy's shared data:
+/// a stored override's anchor day, learnt from a script's mismatch reply,
+/// so that the customer's next request is sent with the right windows.
+/// A collision only evicts (one more mismatch); the digest in the entry
+/// keeps another key's anchor from being used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnchorSlot {
+    pub shared_key: String,
+    digest: [u8; 16],
+}
+
+impl AnchorSlot {
+    /// The slot of the key whose SHA-256 is `full`.
+    pub fn of_digest(full: &[u8; 32]) -> AnchorSlot {
+        let (shared_key, digest) =
+            crate::keys::shared_slot_of("redis-guard/anchor", ANCHOR_SLOTS, full);
+        AnchorSlot { shared_key, digest }
+    }
+
+    /// The entry remembering `anchor` (0: none, the default applies).
+    pub fn entry(&self, anchor: u8) -> Vec<u8> {
+        let mut out = Vec::with_capacity(17);
+        out.extend_from_slice(&self.digest);
+        out.push(anchor);
+        out
+    }
+
+    /// The anchor the stored bytes remember for this key, if any.
+    pub fn read(&self, stored: Option<&[u8]>) -> Option<u8> {
+        match stored? {
+            [digest @ .., anchor] if digest == self.digest && *anchor > 0 => Some(*anchor),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 #[path = "quota_tests.rs"]
 mod tests;

@@ -320,3 +320,48 @@ fn a_renewal_is_shown_on_the_zones_clock() {
         "2027-01-01T00:00:00-03:30 America/St_Johns"
     );
 }
+
+#[test]
+fn an_anchoring_sends_the_remembered_anchor_within_the_units_range() {
+    assert_eq!(
+        Anchoring::of(Per::Month, 1, Some(15)),
+        Some(Anchoring {
+            sent: 15,
+            default: 1,
+            max: 31
+        })
+    );
+    assert_eq!(Anchoring::of(Per::Month, 3, None).unwrap().sent, 3);
+    // A week's anchor is a weekday: a remembered 15 is no week's.
+    assert_eq!(
+        Anchoring::of(Per::Week, 2, Some(15)),
+        Some(Anchoring {
+            sent: 2,
+            default: 2,
+            max: 7
+        })
+    );
+    assert_eq!(Anchoring::of(Per::Day, 1, Some(3)), None);
+    assert_eq!(Anchoring::of(Per::Hour, 1, None), None);
+    assert_eq!(
+        Anchoring::of(Per::Month, 1, Some(31)).unwrap().suffix(),
+        "@31,1,31"
+    );
+}
+
+#[test]
+fn an_anchor_slot_answers_only_for_its_own_key() {
+    use sha2::Digest;
+    let full = |k: &[u8]| -> [u8; 32] { sha2::Sha256::digest(k).into() };
+    let a = AnchorSlot::of_digest(&full(b"rg:rl:{t}:plan:cq:acme"));
+    let b = AnchorSlot::of_digest(&full(b"rg:rl:{t}:plan:cq:zeta"));
+    assert!(a.shared_key.starts_with("redis-guard/anchor/"));
+    let entry = a.entry(15);
+    assert_eq!(entry.len(), 17);
+    assert_eq!(a.read(Some(&entry)), Some(15));
+    assert_eq!(b.read(Some(&entry)), None, "another key's entry");
+    assert_eq!(a.read(Some(&a.entry(0))), None, "forgotten");
+    assert_eq!(a.read(None), None);
+    assert_eq!(a.read(Some(&entry[..16])), None, "cut short");
+    assert_eq!(a.read(Some(b"")), None);
+}

@@ -22,6 +22,13 @@ pub struct Check {
     /// A quota's window edges at the proxy's clock (`Plan::set_clock`):
     /// the window around it and one on each side (src/quota.rs).
     pub edges: Option<[i64; 4]>,
+    /// The anchor day this Envoy learnt a stored override sets for a
+    /// quota's key (src/filter/stage/quota.rs): its windows are computed
+    /// for it.
+    pub remembered: Option<u8>,
+    /// Which anchor a quota's edges were computed for, sent with them when
+    /// the limit takes stored overrides (`Plan::set_clock`).
+    pub anchoring: Option<crate::quota::Anchoring>,
     /// The key's SHA-256, once a stage needs it ([`Check::digest`]).
     pub digest: keys::KeyDigest,
 }
@@ -121,6 +128,8 @@ impl Plan {
                 cost,
                 carried,
                 edges: None,
+                remembered: None,
+                anchoring: None,
                 digest: keys::KeyDigest::default(),
             });
         }
@@ -141,16 +150,30 @@ impl Plan {
     /// the script picks the window that holds Redis' (src/quota.rs). A
     /// clock outside the quota's range leaves none: the script refuses the
     /// call and the failure mode decides.
+    ///
+    /// The anchor day: a stored override's, as far as this Envoy knows it
+    /// (`Check::remembered`), else the request's, else the configured one;
+    /// the script checks it against the stored override it reads.
     pub fn set_clock(&mut self, config: &Config, now_ms: i64) {
         for check in &mut self.checks {
+            let Some(limit) = config.limits.get(check.limit) else {
+                continue;
+            };
             // A customer's anchor day carried by the request moves its
             // windows.
-            let algorithm = config
-                .limits
-                .get(check.limit)
-                .map(|l| check.carried.map_or(l.algorithm, |o| o.apply(&l.algorithm)));
-            if let Some(Algorithm::Quota { calendar, .. }) = algorithm {
-                check.edges = calendar.edges(now_ms);
+            let algorithm = check
+                .carried
+                .map_or(limit.algorithm, |o| o.apply(&limit.algorithm));
+            if let Algorithm::Quota { calendar, .. } = algorithm {
+                let anchoring =
+                    crate::quota::Anchoring::of(calendar.per, calendar.anchor, check.remembered);
+                let sent = anchoring.map_or(calendar.anchor, |a| a.sent);
+                check.edges = crate::quota::Calendar {
+                    anchor: sent,
+                    ..calendar
+                }
+                .edges(now_ms);
+                check.anchoring = anchoring.filter(|_| limit.overrides.redis);
             }
         }
     }
@@ -210,7 +233,13 @@ impl Plan {
             // A concurrency limit's third value is the request's slot id.
             let c = match limit.algorithm {
                 Algorithm::Concurrency { .. } => slot.unwrap_or("").as_bytes().to_vec(),
-                Algorithm::Quota { .. } => edges_arg(check.edges),
+                Algorithm::Quota { .. } => {
+                    let mut arg = edges_arg(check.edges);
+                    if let (false, Some(a)) = (arg.is_empty(), check.anchoring) {
+                        arg.extend_from_slice(a.suffix().as_bytes());
+                    }
+                    arg
+                }
                 _ => decimal(c),
             };
             argv.push(alg);
@@ -331,6 +360,10 @@ pub enum Verdict {
     },
     /// The key was used with another request.
     Mismatch,
+    /// Nothing decided: a stored override puts these quotas' windows on
+    /// another anchor day than the one their edges were computed for
+    /// (check index, the anchor day to compute them for).
+    Anchors(Vec<(usize, u8)>),
 }
 
 /// Reads the request script's reply (see the contract in lua/ratelimit.lua).
@@ -385,6 +418,24 @@ pub fn parse_verdict(reply: &Reply, n: usize) -> Result<Verdict, String> {
             })
         }
         (Some(4), 1) => Ok(Verdict::Mismatch),
+        (Some(5), len) if len >= 3 && len % 2 == 1 => items[1..]
+            .chunks_exact(2)
+            .map(|pair| {
+                let i = pair[0]
+                    .as_int()
+                    .and_then(|i| usize::try_from(i).ok())
+                    .filter(|i| (1..=n).contains(i));
+                let anchor = pair[1]
+                    .as_int()
+                    .and_then(|a| u8::try_from(a).ok())
+                    .filter(|a| (1..=31).contains(a));
+                match (i, anchor) {
+                    (Some(i), Some(anchor)) => Ok((i - 1, anchor)),
+                    _ => Err(format!("bad anchor reply {pair:?}")),
+                }
+            })
+            .collect::<Result<_, _>>()
+            .map(Verdict::Anchors),
         _ => Err(format!(
             "unexpected verdict {:?} of {} items",
             code,
@@ -715,6 +766,30 @@ mod tests {
             parse_verdict(&arr(vec![bulk(b"4")]), 0).unwrap(),
             Verdict::Mismatch
         );
+        assert_eq!(
+            parse_verdict(
+                &arr(vec![
+                    bulk(b"5"),
+                    bulk(b"2"),
+                    bulk(b"15"),
+                    bulk(b"1"),
+                    bulk(b"31")
+                ]),
+                2
+            )
+            .unwrap(),
+            Verdict::Anchors(vec![(1, 15), (0, 31)])
+        );
+        for bad in [
+            arr(vec![bulk(b"5")]),
+            arr(vec![bulk(b"5"), bulk(b"3"), bulk(b"15")]),
+            arr(vec![bulk(b"5"), bulk(b"0"), bulk(b"15")]),
+            arr(vec![bulk(b"5"), bulk(b"1"), bulk(b"32")]),
+            arr(vec![bulk(b"5"), bulk(b"1"), bulk(b"0")]),
+            arr(vec![bulk(b"5"), bulk(b"1"), bulk(b"1"), bulk(b"1")]),
+        ] {
+            assert!(parse_verdict(&bad, 2).is_err(), "{bad:?}");
+        }
         assert!(matches!(
             parse_verdict(&arr(vec![bulk(b"1")]), 0).unwrap(),
             Verdict::Limits(Outcome { admitted: true, .. })
@@ -724,7 +799,7 @@ mod tests {
             arr(vec![bulk(b"2"), bulk(b"0")]),
             arr(vec![bulk(b"3"), bulk(b"99"), bulk(b""), bulk(b"")]),
             arr(vec![bulk(b"3"), bulk(b"200"), bulk(b"")]),
-            arr(vec![bulk(b"5")]),
+            arr(vec![bulk(b"6")]),
             arr(vec![]),
         ] {
             assert!(parse_verdict(&bad, 0).is_err(), "{bad:?}");

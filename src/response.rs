@@ -564,6 +564,8 @@ mod tests {
                 limit: i,
                 key: vec![],
                 edges: None,
+                remembered: None,
+                anchoring: None,
                 cost: 1,
                 carried: None,
                 digest: Default::default(),

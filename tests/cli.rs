@@ -770,3 +770,117 @@ fn the_wasm_build_has_none_of_the_clis_dependencies() {
         assert!(!wasm.iter().any(|c| c == dep), "{dep} in the wasm build");
     }
 }
+
+#[test]
+fn an_override_sets_a_quotas_anchor_day_within_its_unit_and_show_reads_it_back() {
+    let redis = Redis::start();
+    let dir = Scratch::new("cli-anchor");
+    let config = config_file(
+        &dir,
+        &filter_config(2000)
+            .field(
+                "limits",
+                r#"[{"name":"month","descriptor":[{"header":"x-user"}],
+                     "quota":{"amount":10,"per":"month","timeZone":"Europe/Berlin"},"overrides":{"redis":true}},
+                    {"name":"week","descriptor":[{"header":"x-user"}],
+                     "quota":{"amount":10,"per":"week","timeZone":"UTC"},"overrides":{"redis":true}},
+                    {"name":"day","descriptor":[{"header":"x-user"}],
+                     "quota":{"amount":10,"per":"day","timeZone":"UTC"},"overrides":{"redis":true}},
+                    {"name":"tb","descriptor":[{"header":"x-user"}],
+                     "tokenBucket":{"capacity":5,"refill":1,"periodMs":1000},"overrides":{"redis":true}}]"#,
+            )
+            .build(),
+    );
+    let url = redis.admin_url();
+    let base = |limit: &'static str| {
+        vec![
+            "--json".to_string(),
+            "override".into(),
+            "set".into(),
+            "--config".into(),
+            config.to_str().unwrap().into(),
+            "--redis".into(),
+            url.clone(),
+            "--limit".into(),
+            limit.into(),
+            "--value".into(),
+            "x-user=acme".into(),
+        ]
+    };
+    let set = |limit: &'static str, more: &[&str]| {
+        let mut args = base(limit);
+        args.extend(more.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run(&args)
+    };
+    let out = set("month", &["--quota", "500", "--anchor-day", "31"]);
+    assert_eq!(code(&out), 0);
+    assert_eq!(
+        json_of(&out)["override"],
+        serde_json::json!({"quota": 500, "anchorDay": 31})
+    );
+    let mut con = redis.conn();
+    let stored: Vec<(String, String)> = ["month", "week"]
+        .iter()
+        .filter_map(|l| {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("rg:ov:*:{l}:*"))
+                .query(&mut con)
+                .unwrap();
+            keys.first().map(|k| {
+                let v: String = redis::cmd("GET").arg(k).query(&mut con).unwrap();
+                (l.to_string(), v)
+            })
+        })
+        .collect();
+    assert_eq!(stored, [("month".to_string(), "cq 500 31".to_string())]);
+    let show = run(&[
+        "--json",
+        "override",
+        "show",
+        "--config",
+        config.to_str().unwrap(),
+        "--redis",
+        &url,
+        "--limit",
+        "month",
+        "--value",
+        "x-user=acme",
+    ]);
+    assert_eq!(
+        (
+            json_of(&show)["valid"].clone(),
+            json_of(&show)["override"].clone()
+        ),
+        (
+            serde_json::json!(true),
+            serde_json::json!({"quota": 500, "anchorDay": 31})
+        )
+    );
+    assert_eq!(
+        code(&set("week", &["--quota", "5", "--anchor-day", "7"])),
+        0
+    );
+    // Out of the unit's days, a unit without anchors, or no quota at all:
+    // refused (exit 4), nothing stored.
+    for (limit, more) in [
+        ("month", &["--quota", "5", "--anchor-day", "32"][..]),
+        ("month", &["--quota", "5", "--anchor-day", "0"][..]),
+        ("week", &["--quota", "5", "--anchor-day", "8"][..]),
+        ("day", &["--quota", "5", "--anchor-day", "1"][..]),
+        (
+            "tb",
+            &["--capacity", "5", "--refill", "1", "--anchor-day", "1"][..],
+        ),
+    ] {
+        let out = set(limit, more);
+        assert_eq!(code(&out), 4, "{limit} {more:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("anchor day") || err.contains("out of bounds"),
+            "{limit} {more:?}: {err}"
+        );
+    }
+    let keys: Vec<String> = redis::cmd("KEYS").arg("rg:ov:*").query(&mut con).unwrap();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+}

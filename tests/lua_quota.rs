@@ -298,3 +298,198 @@ fn usage_settles_into_the_window_that_holds_redis_clock_and_refunds_only_its_own
         Some("5".into())
     );
 }
+
+/// A month quota that takes stored overrides, its edges computed at
+/// `proxy_ms` for anchor day `sent`, `default` applying without a stored
+/// one (`@<sent>,<default>,<max>`, lua/quota.lua).
+fn moved(key: &str, amount: i64, c: &Calendar, proxy_ms: i64, sent: u8, default: u8) -> Limit {
+    let on = Calendar { anchor: sent, ..*c };
+    let max = *c.per.anchors().unwrap().end();
+    let mut l = cq(key, amount, &on, proxy_ms);
+    l.alg = "cq+o";
+    l.c = format!("{}@{sent},{default},{max}", l.c);
+    l
+}
+
+/// One request's raw reply at `now`.
+fn raw(con: &mut Connection, now: i64, limits: &[Limit]) -> redis::Value {
+    script::set_clock(con, now);
+    script::with_limits(script::eval(&RATELIMIT_AT), limits, None)
+        .query(con)
+        .unwrap()
+}
+
+/// A reply's integers as lua/wire.lua hands them over (2^31 and more as
+/// decimal strings).
+fn ints(v: &[i64]) -> redis::Value {
+    let item = |n: i64| {
+        if n >= 1 << 31 {
+            redis::Value::BulkString(n.to_string().into_bytes())
+        } else {
+            redis::Value::Int(n)
+        }
+    };
+    redis::Value::Array(v.iter().map(|n| item(*n)).collect())
+}
+
+fn keys_under(con: &mut Connection, pattern: &str) -> Vec<String> {
+    let mut keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(con).unwrap();
+    keys.sort();
+    keys
+}
+
+#[test]
+fn edges_for_another_day_than_a_stored_anchor_are_named_and_nothing_is_written() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let c = cal(Per::Month, "UTC", 1);
+    let now = utc(2027, 6, 20, 0);
+    let key = "rg:rl:{t}:plan:cq.month.UTC:acme";
+    set_key(&mut con, "rg:ov:{t}:plan:acme", "cq 50 15");
+    // Sent for the configured 1st beside a token bucket: verdict 5 names
+    // limit 2 and the 15th; neither limit is charged, no window key made.
+    let bucket = script::tb("rg:rl:{t}:burst:tb:acme", 5, 1, SECOND);
+    let l = moved(key, 100, &c, now, 1, 1);
+    assert_eq!(
+        raw(&mut con, now, &[bucket.clone(), l.clone()]),
+        ints(&[5, 2, 15])
+    );
+    assert_eq!(keys_under(&mut con, "rg:rl:*"), Vec::<String>::new());
+    // Sent for the 15th: decided in the window from June 15 (the stored
+    // amount, verdict 1 + 2), to July 15.
+    let on15 = moved(key, 100, &c, now, 15, 1);
+    let from = utc(2027, 6, 15, 0);
+    let to = utc(2027, 7, 15, 0);
+    assert_eq!(
+        raw(&mut con, now, std::slice::from_ref(&on15)),
+        ints(&[1, 3, 49, 0, to - now])
+    );
+    assert_eq!(get(&mut con, &format!("{key}:{from}")), Some("1".into()));
+    // 1 ms before the 15th's renewal it is still June's window; at it, a
+    // new key. Edges computed on the proxy's clock a day before hold both.
+    let late = moved(key, 100, &c, to - DAY, 15, 1);
+    assert_eq!(
+        raw(&mut con, to - 1, std::slice::from_ref(&late)),
+        ints(&[1, 3, 48, 0, 1])
+    );
+    assert_eq!(
+        raw(&mut con, to, std::slice::from_ref(&late)),
+        ints(&[1, 3, 49, 0, utc(2027, 8, 15, 0) - to])
+    );
+    assert_eq!(get(&mut con, &format!("{key}:{to}")), Some("1".into()));
+    // The override deleted: edges for the 15th are sent back for the 1st.
+    redis::cmd("DEL")
+        .arg("rg:ov:{t}:plan:acme")
+        .query::<()>(&mut con)
+        .unwrap();
+    let before = keys_under(&mut con, "rg:rl:*");
+    assert_eq!(
+        raw(&mut con, to + 1, std::slice::from_ref(&late)),
+        ints(&[5, 1, 1])
+    );
+    assert_eq!(keys_under(&mut con, "rg:rl:*"), before);
+    assert_eq!(get(&mut con, &format!("{key}:{to}")), Some("1".into()));
+}
+
+#[test]
+fn a_stored_anchor_comes_before_the_requests_and_a_stored_amount_alone_keeps_it() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let c = cal(Per::Month, "UTC", 1);
+    let now = utc(2027, 6, 20, 0);
+    let key = "rg:rl:{t}:plan:cq.month.UTC:acme";
+    // The request carries the 10th (its default): a stored 15th wins.
+    set_key(&mut con, "rg:ov:{t}:plan:acme", "cq 50 15");
+    assert_eq!(
+        raw(&mut con, now, &[moved(key, 100, &c, now, 10, 10)]),
+        ints(&[5, 1, 15])
+    );
+    // A stored amount without a day: the request's day stands, the amount
+    // is the stored one.
+    set_key(&mut con, "rg:ov:{t}:plan:acme", "cq 50");
+    assert_eq!(
+        raw(&mut con, now, &[moved(key, 100, &c, now, 15, 10)]),
+        ints(&[5, 1, 10])
+    );
+    assert_eq!(
+        raw(&mut con, now, &[moved(key, 100, &c, now, 10, 10)]),
+        ints(&[1, 3, 49, 0, utc(2027, 7, 10, 0) - now])
+    );
+    assert!(exists(&mut con, &format!("{key}:{}", utc(2027, 6, 10, 0))));
+    // A stored override the script ignores (a day past the unit's, or an
+    // amount below the request's cost) sets no day either: decided on the
+    // default with the configured amount, reported ignored (0 + 4 + 1).
+    let w = cal(Per::Week, "UTC", 1);
+    let wkey = "rg:rl:{t}:plan:cq.week.UTC:acme";
+    set_key(&mut con, "rg:ov:{t}:plan:acme", "cq 50 9");
+    let d = raw(&mut con, now, &[moved(wkey, 100, &w, now, 1, 1)]);
+    assert_eq!(d, ints(&[1, 5, 99, 0, utc(2027, 6, 21, 0) - now]));
+    set_key(&mut con, "rg:ov:{t}:plan:acme", "cq 1 3");
+    let d = raw(&mut con, now, &[moved(wkey, 100, &w, now, 1, 1).cost(2)]);
+    assert_eq!(d, ints(&[1, 5, 97, 0, utc(2027, 6, 21, 0) - now]));
+    // Anchoring that does not parse is malformed: an error, nothing written.
+    for bad in [
+        "@0,1,31",
+        "@32,1,31",
+        "@9,1,7",
+        "@1,8,7",
+        "@1,1",
+        "@a,1,31",
+        "@1,1,31,4",
+    ] {
+        let mut l = moved(wkey, 100, &w, now, 1, 1);
+        l.c = format!("{}{bad}", l.c.split('@').next().unwrap());
+        script::set_clock(&mut con, now);
+        let r: redis::RedisResult<redis::Value> =
+            script::with_limits(script::eval(&RATELIMIT_AT), &[l], None).query(&mut con);
+        assert!(r.is_err(), "{bad}: {r:?}");
+    }
+}
+
+#[test]
+fn a_batch_member_on_another_day_is_named_and_its_neighbours_are_decided() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let c = cal(Per::Month, "UTC", 1);
+    let now = utc(2027, 6, 20, 0);
+    let from = utc(2027, 6, 1, 0);
+    set_key(&mut con, "rg:ov:{t}:plan:acme", "cq 50 15");
+    let zeta = moved("rg:rl:{t}:plan:cq.month.UTC:zeta", 2, &c, now, 1, 1);
+    let acme = moved("rg:rl:{t}:plan:cq.month.UTC:acme", 2, &c, now, 1, 1);
+    let members = [
+        vec![zeta.clone()],
+        vec![acme],
+        vec![zeta.clone()],
+        vec![zeta],
+    ];
+    let (keys, packed) = script::packed_batch(&members);
+    script::set_clock(&mut con, now);
+    let v: redis::Value = script::eval(&script::BATCH_AT)
+        .arg(keys.len())
+        .arg(&keys)
+        .arg(&packed)
+        .query(&mut con)
+        .unwrap();
+    let parts: Vec<redis::Value> = script::split_batch_reply(v, 4)
+        .into_iter()
+        .map(redis::Value::Array)
+        .collect();
+    let left = utc(2027, 7, 1, 0) - now;
+    assert_eq!(
+        parts,
+        [
+            ints(&[1, 1, 1, 0, left]),
+            ints(&[5, 1, 15]),
+            ints(&[1, 1, 0, 0, left]),
+            ints(&[0, 0, 0, left, left]),
+        ]
+    );
+    assert_eq!(
+        get(
+            &mut con,
+            &format!("rg:rl:{{t}}:plan:cq.month.UTC:zeta:{from}")
+        ),
+        Some("2".into())
+    );
+    assert_eq!(
+        keys_under(&mut con, "rg:rl:{t}:plan:cq.month.UTC:acme*"),
+        Vec::<String>::new()
+    );
+}

@@ -54,6 +54,11 @@ pub struct Figures {
     /// A window's limit (units per configured window).
     #[arg(long)]
     quota: Option<u64>,
+    /// A calendar quota's anchor day for this value (with --quota): a
+    /// month's day (1-31) or a week's ISO weekday (1-7); its windows renew
+    /// on it.
+    #[arg(long)]
+    anchor_day: Option<u8>,
 }
 
 fn target<'a>(
@@ -103,6 +108,10 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
                 redis_guard::config::Cost::Header { max, .. } => *max,
             };
             let o = Override::new(algorithm, figures.capacity, figures.refill, figures.quota)
+                .and_then(|o| match figures.anchor_day {
+                    Some(day) => o.with_anchor(algorithm, day),
+                    None => Ok(o),
+                })
                 .and_then(|o| o.fits(most))
                 .map_err(|why| {
                     Failure::selection(format!("limit `{}`: {why}", target.limit.name))

@@ -151,8 +151,9 @@ impl Store {
         let Algorithm::Quota { amount, calendar } = target.limit.algorithm else {
             return Ok(None);
         };
-        // A stored override the script would apply replaces the amount.
-        let mut amount = amount;
+        // A stored override the script would apply replaces the amount,
+        // and its anchor day the configured one.
+        let (mut amount, mut calendar) = (amount, calendar);
         if target.limit.overrides.redis {
             if let Some(okey) = redis_guard::keys::override_key(&target.key) {
                 let text: Option<Vec<u8>> = redis::cmd("GET")
@@ -160,8 +161,13 @@ impl Store {
                     .query(self.conn.as_mut())
                     .unwrap_or(None);
                 let stored = text.map(|t| Override::parse(&t, &target.limit.algorithm));
-                if let Some(Ok(Override::Limit(n))) = stored {
-                    amount = n;
+                match stored {
+                    Some(Ok(Override::Limit(n))) => amount = n,
+                    Some(Ok(Override::Quota { amount: n, anchor })) => {
+                        amount = n;
+                        calendar.anchor = anchor;
+                    }
+                    _ => {}
                 }
             }
         }
@@ -196,6 +202,8 @@ impl Store {
     pub fn inspect(&mut self, target: &LimitTarget, cost: u64) -> Result<Inspection, Failure> {
         let (alg, a, b, c) = kind_args(&target.limit.algorithm);
         let quota = self.quota_window(target)?;
+        // A quota's amount is a stored override's, as the script's.
+        let a = quota.as_ref().map_or(a, |(_, _, w)| w.amount);
         // A concurrency limit's third value is a slot id: any valid one
         // (nothing is taken); a quota's, its window edges.
         let c = match (&target.limit.algorithm, &quota) {

@@ -230,6 +230,12 @@ impl Flow {
                 }
             }
         }
+        self.send_decision(host, false)
+    }
+
+    /// Sends the request's call (alone or in its worker's batch).
+    fn send_decision<H: Host>(&mut self, host: &mut H, paused: bool) -> Action {
+        let config = Rc::clone(&self.config);
         let budget = Decision::budget(host, &config.redis);
         let call = self.request_call(budget);
         // Keyed requests and lease fetches keep their own call: a keyed
@@ -240,7 +246,7 @@ impl Flow {
         let tag = self.limits.tag().filter(|_| batchable);
         self.slots.asking();
         let step = self.decision.start(host, &config.redis, call, tag);
-        self.on_step(host, step, false)
+        self.on_step(host, step, paused)
     }
 
     /// The request's one script call: a lease fetch, or every limit and the
@@ -346,6 +352,17 @@ impl Flow {
             }
         };
         self.decision.succeeded(host, true);
+        if let Verdict::Anchors(moved) = &verdict {
+            // Nothing was decided: the quota stage moves the windows, the
+            // request goes again.
+            if self.limits.on_anchors(host, &config, moved) {
+                self.send_decision(host, true);
+            } else {
+                let why = format!("a stored override moved a quota's anchor day again: {moved:?}");
+                self.fail(host, (ErrorKind::Reply, why), false, true);
+            }
+            return;
+        }
         match &verdict {
             Verdict::Limits(outcome) => {
                 self.log.limits(&config, self.limits.plan(), outcome);
@@ -386,6 +403,7 @@ impl Flow {
                 self.log.verdict("replayed");
                 self.replay.replay(host, &config, &mut self.calls, stored);
             }
+            Verdict::Anchors(_) => {}
         }
     }
 

@@ -112,6 +112,9 @@ impl Decision {
         tag: Option<&str>,
     ) -> Step {
         self.breaker = self.breakers.for_key(call.first_key());
+        // A request sent again (a quota's anchor moved) may go otherwise
+        // than its first call did.
+        self.batched = false;
         let now = host.now();
         let tripped = self.breaker.tripped();
         if !self.breaker.allow(now) {

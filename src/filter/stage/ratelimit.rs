@@ -10,6 +10,8 @@ use crate::response::{bad_request, rate_limit_headers, too_many_requests, LocalR
 #[derive(Debug, Default)]
 pub struct RateLimit {
     plan: Plan,
+    /// Its quotas' windows.
+    quota: super::quota::QuotaStage,
     /// Added to the response once it starts.
     headers: Vec<(String, String)>,
 }
@@ -23,7 +25,7 @@ impl RateLimit {
         line: &RequestLine,
     ) -> Result<(), LocalReply> {
         self.plan = Plan::build(config, line, host).map_err(|bad| bad_request(&bad.detail))?;
-        super::quota::on_request(host, config, &mut self.plan);
+        self.quota.on_request(host, config, &mut self.plan);
         for (limit, why) in &self.plan.invalid {
             log::debug!(
                 "redis-guard: limit `{}` does not apply: {why}",
@@ -65,6 +67,17 @@ impl RateLimit {
         slot: Option<&str>,
     ) -> ScriptArgs {
         self.plan.script_args(config, idem, slot)
+    }
+
+    /// A stored override moved quotas of the request to other anchor days
+    /// (`Verdict::Anchors`): true when the plan is ready to go again.
+    pub fn on_anchors<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        moved: &[(usize, u8)],
+    ) -> bool {
+        self.quota.on_anchors(host, config, &mut self.plan, moved)
     }
 
     /// The request takes `units` under its check `check` (a usage-based

@@ -12,6 +12,7 @@ mod host_calls;
 mod idempotency;
 mod offload;
 mod overrides;
+mod quota;
 mod ratelimit;
 mod usage;
 
