@@ -23,6 +23,18 @@ per request and CPU us per request of each process (/proc; Redis from INFO
 cpu; wrk from its rusage); per pair (R3/C, R2/C, X/A, ...) the median of the
 per-round ratios; and issue 43's goals, met or missed by how much.
 
+Diagnostics (default on, --no-diagnostics leaves them out): three more Envoys
+in every -c32 round, each right after its base, for the access log's own
+cost (envoy/peers/peers_diag.py): A-noline (A without the access_log),
+R3-recoff (R3 with accessLog.enabled: false, the same line) and R3-noline
+(R3-recoff without the access_log). Never in the goals' ratios; the report
+gives the record's Envoy CPU per request (R3 - R3-recoff, against the goal
+of 2 us) and the line's (R3-recoff - R3-noline, A - A-noline).
+
+--perf S (envoy/peers/peers_perf.py): one extra -c32 round on R3 after the
+measured ones, with perf record -g on R3's Envoy and on Redis for S seconds;
+the top symbols by self % go to target/bench-peers/perf/ and the report.
+
 Writes target/bench-peers/results.json, results.md and the region of
 BENCHMARKS.md between <!-- bench-peers:start --> and <!-- bench-peers:end -->
 (appended at the end when the markers are missing).
@@ -48,6 +60,8 @@ import sys
 import time
 from pathlib import Path
 
+import peers_diag
+import peers_perf
 import peers_stack as S
 from peers_stack import B
 
@@ -145,14 +159,14 @@ def measure(stack, sc, conns, seconds, run_dir):
     }
 
 
-def one_pass(stack, args, label, conns, rounds, seconds, warmup):
-    runs = {sc["id"]: [] for sc in S.SCENARIOS}
+def one_pass(stack, args, label, conns, rounds, seconds, warmup, scs):
+    runs = {sc["id"]: [] for sc in scs}
     if warmup:
         B.log(f"[{label}] warm-up {warmup} s per scenario (wrk -t1 -c{conns})")
-        for sc in S.SCENARIOS:
+        for sc in scs:
             measure(stack, sc, conns, warmup, stack.run)
     for rnd in range(1, rounds + 1):
-        for sc in S.SCENARIOS:
+        for sc in scs:
             x = measure(stack, sc, conns, seconds, stack.run)
             runs[sc["id"]].append(x)
             B.log(f"[{label}] round {rnd} {sc['id']:>2}: {x['rps']:8.0f} req/s 2xx, p50 "
@@ -164,7 +178,9 @@ def one_pass(stack, args, label, conns, rounds, seconds, warmup):
 
 def summarize(runs):
     out = {}
-    for sc in S.SCENARIOS:
+    for sc in S.scenarios(True):
+        if sc["id"] not in runs:
+            continue
         rs = runs[sc["id"]]
         ratios = [x["rps"] / a["rps"] for x, a in zip(rs, runs["A"]) if a["rps"]]
         cpu = {k: median([x["cpu_us_per_req"][k] for x in rs]) for k in PROCS}
@@ -223,11 +239,13 @@ def goals(res_runs, thr):
                     "met": v is not None and v >= want,
                     "missed_by": None if v is None or v >= want else want - v})
     v = thr["R3"]["cpu_us_per_req"]["redis"]
+    lim = thr["C"]["cpu_us_per_req"]["redis"]
     out.append({"goal": "Redis CPU per exact decision in R3 at -c32, µs", "at_most": REDIS_GOAL_US,
                 "value": v, "met": v is not None and v <= REDIS_GOAL_US,
                 "missed_by": None if v is None or v <= REDIS_GOAL_US else v - REDIS_GOAL_US,
-                "limitador_per_check": thr["C"]["cpu_us_per_req"]["redis"]})
-    return out
+                "limitador_per_check": lim, "note": f"Limitador's C: {f(lim, '.1f')} per check"})
+    rec = peers_diag.goal(res_runs["c32"])
+    return out + ([rec] if rec else [])
 
 
 # ---------------------------------------------------------------------------
@@ -246,8 +264,8 @@ def goal_row(g):
     if g["value"] is None:
         return f"| {g['goal']} | — | not measured |"
     if "at_most" in g:
-        target, got = f"≤ {g['at_most']:.1f}", f"{g['value']:.1f} (Limitador's C: " \
-            f"{f(g['limitador_per_check'], '.1f')} per check)"
+        target = f"≤ {g['at_most']:.1f}"
+        got = f"{g['value']:.1f}" + (f" ({g['note']})" if g.get("note") else "")
         verdict = "met" if g["met"] else (f"missed by {g['missed_by']:.1f} µs "
                                           f"(+{g['missed_by'] / g['at_most']:.0%})")
     else:
@@ -293,7 +311,8 @@ def report(res):
         f"{' '.join(m['loadavg_at_start'])}; other work at most {f(m['other_cores_max'])} cores "
         "in a measured run.", "",
         "Every Envoy under test runs `--concurrency 1` in front of the same upstream (an Envoy "
-        "answering `200` itself) and logs the same JSON access line per request "
+        "answering `200` itself) and, the diagnostics below excepted, logs the same JSON "
+        "access line per request "
         "(envoy/envoy.yaml's `access_log`, with the filter's record "
         "`%FILTER_STATE(wasm.redis_guard:PLAIN)%`, empty in A, B and C). B and C send one "
         "descriptor `{user: x-user}` per request; Limitador's limit (1e9 per 60 s) and "
@@ -308,8 +327,9 @@ def report(res):
         "Where the CPU per request goes, each goal's pair at -c32 (µs, by process, "
         "numerator − denominator): "
         + "; ".join(cpu_delta(thr, num, den) for _, num, den, _, _, _ in GOALS[:1] + GOALS[2:])
-        + ". Not measured here: the access-log record's own cost (same-minute on and off) "
-        "and `make bench-tier`'s batched figure.", "",
+        + ". Not measured here: `make bench-tier`'s batched figure"
+        + ("" if "R3-recoff" in thr else "; the access-log record's own cost (same-minute on "
+           "and off: this run left the diagnostics out)") + ".", "",
         *disturbed(res.get("runs", {})),
         "Head to head (req/s ratio; at -c1 also C's p50 over ours: above 1 is faster):", "",
         "| | -c32 | -c1 | -c1 p50 |", "|---|---:|---:|---:|",
@@ -343,6 +363,7 @@ def report(res):
             f"{f(t['batch_alone_per_req'], '.3f')} | "
             + " | ".join(f(c.get(p), ".1f") for p in PROCS)
             + f" | {f(c['total'], '.1f')} | {f(t['busy_cores'])} |")
+    lines += peers_diag.report_lines(res) + peers_perf.report_lines(res)
     lines += ["", "Reproduce: `make bench-peers PEERS_SRC=<the five sources, "
               "envoy/peers/extract.sh>` (envoy/peers/README.md); every round and counter in "
               "`target/bench-peers/results.json`."]
@@ -402,12 +423,14 @@ def check_configs(args, out):
     if run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True)
-    stack = S.Stack(run, args)
+    scs = S.scenarios(True)
+    stack = S.Stack(run, args, scs)
     ports = stack.ports()
-    configs = S.write_configs(run, ports, ports["grpc"], args.wasm_shim)
-    access_log = S.same_access_log({sid: e["config"] for sid, e in configs.items()})
+    configs = S.write_configs(run, ports, ports["grpc"], args.wasm_shim, scs)
+    access_log = S.same_access_log({sid: e["config"] for sid, e in configs.items()}, scs)
     B.log(f"every config has envoy/envoy.yaml's access_log ({len(access_log)} logger): "
-          + ", ".join(configs))
+          + ", ".join(sc["id"] for sc in scs if sc.get("line", True))
+          + "; none: " + ", ".join(sc["id"] for sc in scs if not sc.get("line", True)))
     failed = {}
     for sid, e in [*configs.items(), ("upstream", {"config": run / "upstream" / "envoy.yaml"})]:
         why = S.validate(stack.envoy, e["config"])
@@ -446,6 +469,13 @@ def main():
     ap.add_argument("--envoy-log-level", default="warn")
     ap.add_argument("--quiet-wait", type=int, default=60,
                     help="seconds to wait at most for other work on the machine to stop")
+    ap.add_argument("--no-diagnostics", action="store_true",
+                    help="leave out the access log's on/off rows (A-noline, R3-recoff, "
+                    "R3-noline): about 3 min less")
+    ap.add_argument("--perf", type=int, default=0, metavar="S",
+                    help="one extra -c32 round on R3 with perf record -g on its Envoy and "
+                    "Redis for S seconds (0: none)")
+    ap.add_argument("--perf-bin", default="/usr/bin/perf")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-benchmarks-md", action="store_true",
                     help="do not write BENCHMARKS.md's region (trial runs)")
@@ -466,7 +496,8 @@ def main():
         if not Path(p).exists():
             raise B.BenchError(f"missing {p}: make build (redis_guard.wasm) and "
                                "envoy/peers/build.sh (the peers) make them")
-    for tool in ([] if args.check_configs else ["wrk", "redis-server", "webdis"]):
+    tools = [] if args.check_configs else ["wrk", "redis-server", "webdis"]
+    for tool in tools + ([args.perf_bin] if args.perf and not args.check_configs else []):
         if not shutil.which(tool):
             raise B.BenchError(f"{tool} not found (make bench-deps installs wrk, make deps "
                                "the rest)")
@@ -480,19 +511,24 @@ def main():
         shutil.rmtree(run)
     run.mkdir(parents=True)
     S.set_run_dir(run)
-    stack = S.Stack(run, args)
+    scs = S.scenarios(not args.no_diagnostics and not args.deny_check)
+    if args.perf and not args.deny_check:
+        peers_perf.can_record(args.perf_bin, run)  # before the measured rounds, not after
+    stack = S.Stack(run, args, scs)
     B.log("starting redis-server, webdis, limitador, the upstream Envoy and "
-          f"{len(S.SCENARIOS)} Envoys under test")
+          f"{len(scs)} Envoys under test")
     stack.start()
     if args.deny_check:
         return deny_check(stack)
     machine = machine_info(stack, args)
     machine["busy_cores_before"] = B.wait_quiet(args.quiet_wait)
     runs = {"c32": one_pass(stack, args, "c32", args.connections, args.rounds, args.duration,
-                            args.warmup)}
+                            args.warmup, scs)}
     if args.lat_rounds:
+        # The diagnostics are about CPU per request: -c32 only.
         runs["c1"] = one_pass(stack, args, "c1", 1, args.lat_rounds, args.lat_duration,
-                              args.lat_warmup)
+                              args.lat_warmup, S.HEADLINE)
+    perf = peers_perf.try_perf_round(stack, args, out, runs["c32"]) if args.perf else None
     B.stop_all()
     thr = summarize(runs["c32"])
     machine["other_cores_max"] = max(s["other_cores_max"] for s in thr.values())
@@ -503,13 +539,15 @@ def main():
                      "connections": args.connections, "lat_rounds": args.lat_rounds,
                      "lat_duration_s": args.lat_duration, "lat_warmup_s": args.lat_warmup,
                      "envoy_concurrency": 1, "limitador_args": args.limitador_args,
-                     "path": S.PATH},
-        "filter_configs": {sc["id"]: redact(sc["filter"]) for sc in S.SCENARIOS
-                           if sc.get("filter")},
+                     "path": S.PATH, "diagnostics": not args.no_diagnostics,
+                     "perf_s": args.perf},
+        "filter_configs": {sc["id"]: redact(sc["filter"]) for sc in scs if sc.get("filter")},
         "throughput": thr,
         "latency": summarize(runs["c1"]) if "c1" in runs else {},
         "head_to_head": head_to_head(runs),
         "goals": goals(runs, thr),
+        "access_log_cost": peers_diag.costs(runs["c32"]),
+        "perf": perf,
         "runs": runs,
         "wall_s": time.monotonic() - t0,
     }

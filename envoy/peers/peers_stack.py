@@ -13,7 +13,15 @@ scenario, each with --concurrency 1 and forwarding to that upstream:
   R2  ... (e): a 100-token lease
   X   ... (x): (b)'s filter, requests without x-user (nothing applies)
 
-Every Envoy under test logs the same JSON line per request: envoy/envoy.yaml's
+and, unless --no-diagnostics, three diagnostic Envoys measuring the access
+log's own cost in the same alternating run (each right after its base):
+
+  A-noline   A without the access_log
+  R3-recoff  R3 with the filter's record off (accessLog.enabled: false):
+             the same line, its redis_guard field empty
+  R3-noline  R3-recoff without the access_log
+
+Every headline Envoy logs the same JSON line per request: envoy/envoy.yaml's
 HCM access_log as rendered, put into B and C through their ACCESS_LOG
 placeholder. same_access_log() checks the configs before anything starts, and
 Stack.check_log_lines() the lines each Envoy wrote for its probe.
@@ -52,9 +60,10 @@ WEBDIS_PASSWORD = secrets.token_urlsafe(24)  # Webdis caps user:password at 53 b
 BIG = 1_000_000_000  # never exhausted: 1e9 tokens, refilled 1e9 per second
 
 
-def rg_filter(batch=None, lease=None):
+def rg_filter(batch=None, lease=None, record=True):
     """make bench's filter config for (b), (f), (e), (x): one token bucket per
-    x-user, always under budget; fail closed after 500 ms, as B and C."""
+    x-user, always under budget; fail closed after 500 ms, as B and C.
+    record=False turns the filter's access-log record off."""
     limit = {"name": "bench-tb", "descriptor": [{"header": "x-user"}],
              "tokenBucket": {"capacity": BIG, "refill": BIG, "periodMs": 1000}}
     if lease:
@@ -64,6 +73,8 @@ def rg_filter(batch=None, lease=None):
            "keyPrefix": "rg", "failureMode": "deny", "limits": [limit]}
     if batch is not None:
         cfg["redis"]["batch"] = batch
+    if not record:
+        cfg["accessLog"] = {"enabled": False}
     return cfg
 
 
@@ -87,6 +98,30 @@ SCENARIOS = [
     {"id": "X", "kind": "rg", "filter": rg_filter(batch=SINGLE), "request": "get-anon",
      "what": "redis-guard loaded, nothing applies (make bench's (x))"},
 ]
+HEADLINE = SCENARIOS
+
+# Diagnostics (issue 43: "the access-log record adds <= 2 us of Envoy CPU per
+# request, same-minute on/off"): each runs right after its base ("after") in
+# every -c32 round, never in the goals' ratios. line=False: no access_log.
+DIAGNOSTICS = [
+    {"id": "A-noline", "kind": "rg", "filter": None, "request": "get", "after": "A",
+     "line": False, "what": "A without the access_log"},
+    {"id": "R3-recoff", "kind": "rg", "filter": rg_filter(record=False), "request": "get",
+     "after": "R3", "what": "R3, the filter's record off (accessLog.enabled: false), "
+     "the same line"},
+    {"id": "R3-noline", "kind": "rg", "filter": rg_filter(record=False), "request": "get",
+     "after": "R3", "line": False, "what": "R3, the record off and no access_log"},
+]
+
+
+def scenarios(diagnostics=True):
+    """The alternation's order: the headline scenarios, each diagnostic
+    right after its base (so that a pair is measured seconds apart)."""
+    out = []
+    for sc in HEADLINE:
+        out.append(sc)
+        out += [d for d in DIAGNOSTICS if diagnostics and d["after"] == sc["id"]]
+    return out
 
 
 def set_run_dir(run):
@@ -135,9 +170,9 @@ def drop_wasm(doc):
     return doc
 
 
-def write_configs(run, ports, limitador_port, wasm_shim):
-    """Renders the Envoy configs of every scenario, the upstream's and
-    Webdis'; returns {scenario id: {"config", "port", "admin"}}."""
+def write_configs(run, ports, limitador_port, wasm_shim, scs=HEADLINE):
+    """Renders the Envoy configs of every scenario of scs, the upstream's
+    and Webdis'; returns {scenario id: {"config", "port", "admin"}}."""
     import yaml
 
     sys.path.insert(0, str(ROOT / "envoy"))
@@ -155,7 +190,7 @@ def write_configs(run, ports, limitador_port, wasm_shim):
            {"LISTEN_PORT": ports["upstream"], "ADMIN_PORT": ports["upstream_admin"]})
     (run / "upstream" / "envoy-upstream.yaml").rename(run / "upstream" / "envoy.yaml")
     out = {}
-    for sc in SCENARIOS:
+    for sc in scs:
         if sc["kind"] != "rg":
             continue
         d = run / sc["id"]
@@ -168,16 +203,20 @@ def write_configs(run, ports, limitador_port, wasm_shim):
             "GRPC_UPSTREAM_PORT": ports["unused"], "OBJECT_STORE_HOST": HOST,
             "OBJECT_STORE_PORT": ports["unused"], "WEBDIS_HOST": HOST,
             "WEBDIS_PORT": ports["webdis"], "WASM_PATH": WASM, "WASM_RUNTIME": "v8",
-        }, sc["filter"] or SCENARIOS[3]["filter"], jwks)
-        if sc["filter"] is None:
+        }, sc["filter"] or rg_filter(batch=SINGLE), jwks)
+        if sc["filter"] is None or not sc.get("line", True):
             doc = yaml.safe_load((d / "envoy.yaml").read_text())
-            (d / "envoy.yaml").write_text(yaml.safe_dump(drop_wasm(doc), sort_keys=False))
+            if sc["filter"] is None:
+                drop_wasm(doc)
+            if not sc.get("line", True) and not ingress_hcm(doc).pop("access_log", None):
+                raise B.BenchError("envoy/envoy.yaml has no access_log to remove")
+            (d / "envoy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         out[sc["id"]] = {"config": d / "envoy.yaml", "port": port, "admin": admin}
     a_doc = yaml.safe_load(out["A"]["config"].read_text())
     access_log = ingress_hcm(a_doc).get("access_log")
     if not access_log:
         raise B.BenchError("envoy/envoy.yaml has no access_log: nothing to give B and C")
-    for sc in SCENARIOS:
+    for sc in scs:
         if sc["kind"] != "peer":
             continue
         d = run / sc["id"]
@@ -191,17 +230,20 @@ def write_configs(run, ports, limitador_port, wasm_shim):
         render(d, [HERE / sc["template"]], sets)
         (d / sc["template"]).rename(d / "envoy.yaml")
         out[sc["id"]] = {"config": d / "envoy.yaml", "port": port, "admin": admin}
-    same_access_log({sid: e["config"] for sid, e in out.items()})
+    same_access_log({sid: e["config"] for sid, e in out.items()}, scs)
     return out
 
 
-def same_access_log(configs):
-    """Raises unless every config's ingress access_log is A's, and non-empty."""
+def same_access_log(configs, scs=HEADLINE):
+    """Raises unless every config's ingress access_log is A's, and non-empty
+    (none at all in the diagnostics without a line)."""
     import yaml
 
     logs = {sid: ingress_hcm(yaml.safe_load(Path(p).read_text())).get("access_log")
             for sid, p in configs.items()}
-    differ = [sid for sid, al in logs.items() if al != logs["A"]]
+    noline = {sc["id"] for sc in scs if not sc.get("line", True)}
+    differ = [sid for sid, al in logs.items()
+              if (al is not None if sid in noline else al != logs["A"])]
     if not logs["A"] or differ:
         raise B.BenchError(f"access_log differs from A's in {differ or 'A (none)'}")
     return logs["A"]
@@ -234,25 +276,26 @@ def source_revs():
 
 
 class Stack:
-    def __init__(self, run, args):
-        self.run, self.args = run, args
+    def __init__(self, run, args, scs=HEADLINE):
+        self.run, self.args, self.scenarios = run, args, scs
         self.envoy = B.envoy_binary()
         self.envoys = {}  # scenario id -> {"proc", "port", "admin", "config", "log"}
 
     def ports(self):
         names = ["redis", "webdis", "upstream", "upstream_admin", "unused", "grpc", "http"]
-        got = B.free_ports(len(names) + 2 * len(SCENARIOS))  # all at once: none the same
+        scs = self.scenarios
+        got = B.free_ports(len(names) + 2 * len(scs))  # all at once: none the same
         ports = dict(zip(names, got))
         rest = got[len(names):]
         ports["envoys"] = {sc["id"]: (rest[2 * i], rest[2 * i + 1])
-                           for i, sc in enumerate(SCENARIOS)}
+                           for i, sc in enumerate(scs)}
         return ports
 
     def start(self):
         run, a = self.run, self.args
         p = self.ports()
         self.redis_port = p["redis"]
-        configs = write_configs(run, p, p["grpc"], a.wasm_shim)
+        configs = write_configs(run, p, p["grpc"], a.wasm_shim, self.scenarios)
         self.redis = B.spawn("redis-server", [
             "redis-server", "--port", str(p["redis"]), "--bind", HOST, "--save", "",
             "--appendonly", "no", "--dir", str(run), "--logfile", str(run / "redis.log"),
@@ -274,7 +317,7 @@ class Stack:
         if not B.wait_port(self.limitador, p["grpc"], 30):
             raise B.BenchError(f"limitador did not start:\n{tail(run / 'limitador.log')}")
         B.log(f"limitador up: gRPC :{p['grpc']}")
-        for sc in SCENARIOS:
+        for sc in self.scenarios:
             e = configs[sc["id"]]
             e["log"] = run / sc["id"] / "envoy.log"
             e["proc"] = self.start_envoy(f"envoy ({sc['id']})", e["config"], e["port"], e["log"])
@@ -329,24 +372,42 @@ class Stack:
         return f"probe failed ({last})"
 
     def check_log_lines(self, wait_s=15.0):
-        """Each Envoy under test wrote its probe's access line, with A's fields."""
+        """Each Envoy under test wrote its probe's access line, with A's
+        fields, the filter's record where it decided and has it on; the
+        diagnostics without a line wrote none."""
+        want = {sc["id"] for sc in self.scenarios if sc.get("line", True)}
         lines = {}
         end = time.monotonic() + wait_s
-        while time.monotonic() < end and len(lines) < len(self.envoys):
-            for sid, e in self.envoys.items():
-                if sid not in lines:
-                    line = last_json_line(e["log"])
-                    if line is not None:
-                        lines[sid] = line
+        while time.monotonic() < end and len(lines) < len(want):
+            for sid in want - set(lines):
+                line = last_json_line(self.envoys[sid]["log"])
+                if line is not None:
+                    lines[sid] = line
             time.sleep(0.2)
-        missing = sorted(set(self.envoys) - set(lines))
+        missing = sorted(want - set(lines))
         if missing:
             raise B.BenchError(f"no JSON access-log line in the log of {missing}")
+        # Probed before the last of those lines was written: a line would be there.
+        extra = sorted(sid for sid in set(self.envoys) - want
+                       if last_json_line(self.envoys[sid]["log"]) is not None)
+        if extra:
+            raise B.BenchError(f"an access-log line in the log of {extra}, which has none")
         fields = sorted(lines["A"])
         differ = {sid: sorted(v) for sid, v in lines.items() if sorted(v) != fields}
         if differ:
             raise B.BenchError(f"access-log fields differ from A's {fields}: {differ}")
-        B.log(f"every Envoy under test logs the same line: {', '.join(fields)}")
+        for sc in self.scenarios:
+            if sc["id"] not in lines or not sc.get("filter") or sc["request"] != "get":
+                continue
+            record = lines[sc["id"]].get("redis_guard") not in (None, "", "-")
+            on = sc["filter"].get("accessLog", {}).get("enabled", True)
+            if record != on:
+                raise B.BenchError(f"scenario {sc['id']}: the filter's record is "
+                                   f"{'there' if record else 'missing'} in its line, but "
+                                   f"accessLog.enabled is {on}: {lines[sc['id']]}")
+        B.log(f"every Envoy under test logs the same line: {', '.join(fields)}"
+              + (f" (none in {', '.join(sorted(set(self.envoys) - want))})"
+                 if set(self.envoys) - want else ""))
         return lines
 
 
