@@ -407,11 +407,18 @@ fn the_cli_shows_a_quotas_use_and_next_renewal_in_its_zone_and_resets_it() {
     // The customer's plan set to 4 a month: 1 left of it.
     let set = [&["override", "set", "--quota", "4"][..], &which[..]].concat();
     cli(&redis, &path, &set);
-    let q = &inspect()["quota"];
+    let seen = inspect();
+    let q = &seen["quota"];
     assert_eq!(
         (&q["used"], &q["amount"], &q["left"]),
         (&3.into(), &4.into(), &1.into()),
         "{q}"
+    );
+    // The top-level figures (the script's) follow the stored amount too.
+    assert_eq!(
+        (&seen["allowed"], &seen["remaining"]),
+        (&true.into(), &1.into()),
+        "{seen}"
     );
     // Reset: the window's key goes, the whole amount is back.
     let reset = cli(
@@ -421,6 +428,34 @@ fn the_cli_shows_a_quotas_use_and_next_renewal_in_its_zone_and_resets_it() {
     );
     assert_eq!(reset["deleted"], true);
     assert_eq!(inspect()["quota"]["used"], 0);
+    // The customer's billing day set to the 15th: the renewal shown is the
+    // next 15th at midnight in Berlin.
+    let set = [
+        &["override", "set", "--quota", "4", "--anchor-day", "15"][..],
+        &which[..],
+    ]
+    .concat();
+    cli(&redis, &path, &set);
+    let c15 = Calendar { anchor: 15, ..c };
+    let before = c15.window(redis_now_ms(&mut con)).unwrap();
+    let seen = inspect();
+    let after = c15.window(redis_now_ms(&mut con)).unwrap();
+    let q = &seen["quota"];
+    assert!(
+        [before.end_ms, after.end_ms].contains(&q["renewalMs"].as_i64().unwrap()),
+        "{seen}"
+    );
+    let renewal = q["renewal"].as_str().unwrap();
+    assert!(renewal.contains("-15T00:00:00+0"), "{renewal}");
+    assert_eq!(
+        renewal,
+        c15.format(q["renewalMs"].as_i64().unwrap()).unwrap()
+    );
+    assert_eq!(
+        (&q["amount"], &seen["allowed"], &seen["remaining"]),
+        (&4.into(), &true.into(), &4.into()),
+        "{seen}"
+    );
 }
 
 #[test]
@@ -548,4 +583,111 @@ fn a_daily_token_allowance_reserves_settles_into_its_day_and_renews_at_midnight(
     assert_eq!(r.status, 200, "{r:?}");
     counts(&mut con, "tokens", "acme", midnight, "2");
     counts(&mut con, "tokens", "acme", day, "120");
+}
+
+const STORED: &str = r#"[
+  {"name":"plan","match":{"pathPrefix":"/plan/"},"descriptor":[{"header":"x-api-key"}],
+   "quota":{"amount":2,"per":"month","timeZone":"Europe/Berlin"},
+   "overrides":{"redis":true}}
+]"#;
+
+#[test]
+fn a_stored_anchor_day_moves_one_customers_renewal_and_a_change_is_caught_by_the_script() {
+    let config = filter_config(2000).field("limits", STORED).build();
+    let stack = start(&config, 2);
+    let mut con = stack.redis.conn();
+    let dir = Scratch::new("quota-anchor");
+    let path = dir.0.join("filter.json");
+    std::fs::write(&path, &config).unwrap();
+    let anchor = |day: &str| {
+        let args = [
+            "override",
+            "set",
+            "--limit",
+            "plan",
+            "--value",
+            "x-api-key=acme",
+            "--quota",
+            "2",
+            "--anchor-day",
+            day,
+        ];
+        cli_json(env!("CARGO_BIN_EXE_redis-guard"), &stack, &path, &args)
+    };
+    anchor("15");
+    // Acme renews on the 15th (2027-01-15 00:00 CET): each Envoy first
+    // sends edges for the configured 1st, the script sends them back, the
+    // request goes again for the 15th. Refused 1 ms before, admitted at it.
+    // (A limit a stored override decided is left out of the RateLimit
+    // fields; Retry-After says the renewal.)
+    let (a, b) = (&stack.envoys[0], &stack.envoys[1]);
+    let fifteenth = utc(2027, 1, 14, 23);
+    let from = utc(2027, 1, 2, 0);
+    set_clock(&mut con, from);
+    for _ in 0..2 {
+        assert_eq!(get(a, "/plan/x", "acme", from).status, 200);
+    }
+    assert_eq!(
+        window(&mut con, "plan", "acme", utc(2026, 12, 14, 23)).0,
+        "2"
+    );
+    let r = get(b, "/plan/x", "acme", from);
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(
+        r.header("retry-after"),
+        Some(((fifteenth - from + 999) / 1000).to_string().as_str())
+    );
+    set_clock(&mut con, fifteenth - 1);
+    let r = get(a, "/plan/x", "acme", fifteenth - 1);
+    assert_eq!((r.status, r.header("retry-after")), (429, Some("1")));
+    set_clock(&mut con, fifteenth);
+    poll("acme renewed on the 15th", Duration::from_secs(5), || {
+        (get(b, "/plan/x", "acme", fifteenth).status == 200).then_some(())
+    });
+    assert_eq!(window(&mut con, "plan", "acme", fifteenth).0, "1");
+    // Zeta, without an override, keeps the configured 1st (2027-02-01 CET).
+    let feb1 = utc(2027, 1, 31, 23);
+    cross(
+        &stack,
+        "/plan/x",
+        "zeta",
+        utc(2027, 1, 20, 0),
+        feb1,
+        utc(2027, 2, 28, 23) - feb1,
+        0,
+        None,
+    );
+    // Acme's billing day moves to the 20th mid-window. Both Envoys remember
+    // the 15th: the script catches it and the request is decided in the
+    // window from January 20th (a new key), the 15th's left as it was.
+    anchor("20");
+    let twentieth = utc(2027, 1, 19, 23);
+    let feb20 = utc(2027, 2, 19, 23);
+    let t = utc(2027, 2, 1, 12);
+    set_clock(&mut con, t);
+    // (An Envoy that refused acme within the last second may answer from
+    // its over-limit cache first.)
+    poll("acme admitted on the 20th", Duration::from_secs(5), || {
+        (get(a, "/plan/x", "acme", t).status == 200).then_some(())
+    });
+    assert_eq!(window(&mut con, "plan", "acme", twentieth).0, "1");
+    assert_eq!(window(&mut con, "plan", "acme", fifteenth).0, "1");
+    poll("acme on b", Duration::from_secs(5), || {
+        (get(b, "/plan/x", "acme", t).status == 200).then_some(())
+    });
+    let r = get(a, "/plan/x", "acme", t);
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(
+        r.header("retry-after"),
+        Some(((feb20 - t + 999) / 1000).to_string().as_str())
+    );
+    assert_eq!(window(&mut con, "plan", "acme", twentieth).0, "2");
+    // Renewed on the 20th: refused 1 ms before, admitted at it.
+    set_clock(&mut con, feb20 - 1);
+    assert_eq!(get(b, "/plan/x", "acme", feb20 - 1).status, 429);
+    set_clock(&mut con, feb20);
+    poll("acme renewed on the 20th", Duration::from_secs(5), || {
+        (get(a, "/plan/x", "acme", feb20).status == 200).then_some(())
+    });
+    assert_eq!(window(&mut con, "plan", "acme", feb20).0, "1");
 }
