@@ -35,6 +35,9 @@ direct_response, and one Envoy under test per scenario (envoy/envoy.yaml,
   t, u, v, w        an override stored in Redis, a response-counted limit,
                     each single (against b) and batched (against f): see
                     envoy/bench_abuse.py
+  y  quota + burst  f with the recipe "monthly plan + per-second burst limit":
+                    a monthly quota (never exhausted) beside the bucket, see
+                    envoy/bench_quota.py
   i, j              diagnostics (not in the default run): f with maxInFlight
                     1 and 4
 
@@ -90,7 +93,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="seconds of warm-up per scenario")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="wrk threads")
-    ap.add_argument("--scenarios", default="abcdexfghklmnopqsrtuvw",
+    ap.add_argument("--scenarios", default="abcdexfghklmnopqsrtuvwy",
                     help="which, e.g. 'ab' ((a) is always run); 'x' adds a diagnostic: the "
                     "filter loaded but no limit applying")
     ap.add_argument("--runtimes", default="v8",

@@ -5,6 +5,7 @@ them."""
 import secrets
 
 import bench_abuse
+import bench_quota
 
 # Webdis admits only these (envoy/webdis.json's http_basic_auth), made for
 # this run; every filter config sends them.
@@ -264,3 +265,6 @@ SCENARIOS = [
 
 # Abuse protection and per-customer quotas (envoy/bench_abuse.py).
 SCENARIOS += bench_abuse.scenarios(filter_config, tb, BIG, SINGLE)
+
+# A calendar quota with a per-second burst limit (envoy/bench_quota.py).
+SCENARIOS += bench_quota.scenarios(filter_config, tb, BIG)
