@@ -470,8 +470,8 @@ def main():
     ap.add_argument("--quiet-wait", type=int, default=60,
                     help="seconds to wait at most for other work on the machine to stop")
     ap.add_argument("--no-diagnostics", action="store_true",
-                    help="leave out the access log's on/off rows (A-noline, R3-recoff, "
-                    "R3-noline): about 3 min less")
+                    help="leave out the diagnostic rows (A-noline, R3-recoff, "
+                    "R3-noline, X-noop): about 4 min less")
     ap.add_argument("--perf", type=int, default=0, metavar="S",
                     help="one extra -c32 round on R3 with perf record -g on its Envoy and "
                     "Redis for S seconds (0: none)")

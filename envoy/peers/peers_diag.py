@@ -28,6 +28,9 @@ DELTAS = [
     ("record", "R3", "R3-recoff", "the filter's record (R3 − R3-recoff)"),
     ("line_r3", "R3-recoff", "R3-noline", "the line, record off (R3-recoff − R3-noline)"),
     ("line_a", "A", "A-noline", "the line in A (A − A-noline)"),
+    ("wasm_floor", "X-noop", "A", "a no-op wasm filter in V8 (X-noop − A)"),
+    ("filter_idle", "X", "X-noop", "redis-guard when nothing applies, beyond V8's floor "
+     "(X − X-noop)"),
 ]
 
 
@@ -94,7 +97,7 @@ def report_lines(res):
              "`redis_guard` field empty; the -noline Envoys have no `access_log`):", "",
              "| | setup | req/s (-c32) | ratio to A | envoy µs/req | redis | webdis | "
              "total µs/req |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for sid in ("A", "A-noline", "R3", "R3-recoff", "R3-noline"):
+    for sid in ("A", "A-noline", "R3", "R3-recoff", "R3-noline", "X", "X-noop"):
         t = thr.get(sid)
         if not t:
             continue

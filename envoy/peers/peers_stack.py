@@ -111,7 +111,23 @@ DIAGNOSTICS = [
      "the same line"},
     {"id": "R3-noline", "kind": "rg", "filter": rg_filter(record=False), "request": "get",
      "after": "R3", "line": False, "what": "R3, the record off and no access_log"},
+    # X's Envoy with noop.wat in place of redis_guard.wasm: the floor any
+    # proxy-wasm filter pays in V8 per request (a context, the callbacks'
+    # crossings), so that X - A splits into V8's part and the filter's own.
+    {"id": "X-noop", "kind": "rg", "filter": rg_filter(batch=SINGLE), "request": "get-anon",
+     "after": "X", "wasm": "noop", "what": "X's Envoy with a no-op wasm module (noop.wat)"},
 ]
+
+NOOP_WAT = HERE / "noop.wat"
+
+
+def noop_wasm(run):
+    """noop.wat compiled for this run (wasmtime's wat2wasm, in the venv)."""
+    import wasmtime
+
+    out = run / "noop.wasm"
+    out.write_bytes(wasmtime.wat2wasm(NOOP_WAT.read_text()))
+    return out
 
 
 def scenarios(diagnostics=True):
@@ -202,7 +218,9 @@ def write_configs(run, ports, limitador_port, wasm_shim, scs=HEADLINE):
             # listens on (no config here sends anything there).
             "GRPC_UPSTREAM_PORT": ports["unused"], "OBJECT_STORE_HOST": HOST,
             "OBJECT_STORE_PORT": ports["unused"], "WEBDIS_HOST": HOST,
-            "WEBDIS_PORT": ports["webdis"], "WASM_PATH": WASM, "WASM_RUNTIME": "v8",
+            "WEBDIS_PORT": ports["webdis"],
+            "WASM_PATH": noop_wasm(run) if sc.get("wasm") == "noop" else WASM,
+            "WASM_RUNTIME": "v8",
         }, sc["filter"] or rg_filter(batch=SINGLE), jwks)
         if sc["filter"] is None or not sc.get("line", True):
             doc = yaml.safe_load((d / "envoy.yaml").read_text())
