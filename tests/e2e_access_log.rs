@@ -352,10 +352,12 @@ fn a_completed_key_whose_response_cannot_be_served_logs_why() {
         redis::cmd("KEYS").arg("rg:idem:*").query(con).unwrap()
     };
 
-    // A large response in the object store, then altered there (same
-    // length, one byte flipped), then deleted.
+    // A large response in the object store, replayed from it, then
+    // altered there (same length, one byte flipped), then deleted.
     let first = keyed(&e, "order-1", 512 << 10, "run-1");
     assert_eq!(first.status, 200);
+    let replayed = keyed(&e, "order-1", 512 << 10, "replayed");
+    assert_eq!(replayed.body, first.body);
     let (object, _) = s3.keys().pop().unwrap();
     let mut altered = first.body.clone();
     altered[1000] ^= 0x01;
@@ -391,6 +393,16 @@ fn a_completed_key_whose_response_cannot_be_served_logs_why() {
     assert_eq!(keyed(&e, "order-3", 512 << 10, "unavailable").status, 503);
     assert_eq!(upstream.executed(), 4, "no completed key ran again");
 
+    // The verdict is what the client got: known once the body came back
+    // from the store (or did not), not when Redis said "completed".
+    assert_eq!(
+        logged(&e, "replayed", 200),
+        (
+            200,
+            "redis_guard_idempotent_replay".into(),
+            "replayed".into()
+        )
+    );
     for (id, status, details) in [
         ("corrupt", 502, "redis_guard_stored_response_corrupt"),
         ("missing", 502, "redis_guard_stored_response_missing"),
@@ -410,13 +422,12 @@ fn a_completed_key_whose_response_cannot_be_served_logs_why() {
             "redis_guard_stored_response_unavailable",
         ),
     ] {
-        assert_eq!(logged(&e, id, status).1, details, "{id}");
+        assert_eq!(
+            logged(&e, id, status),
+            (u64::from(status), details.into(), "replay_failed".into()),
+            "{id}"
+        );
     }
-    // A record the decision itself cannot read is `replay_failed`. (The
-    // others log `replayed` although nothing was: the record's verdict is
-    // set before the stored response is fetched or decoded; reported to
-    // the lead, issue 42. Their details above say what happened.)
-    assert_eq!(logged(&e, "unreadable-st", 503).2, "replay_failed");
 }
 
 /// envoy.yaml without its replay route, and with gRPC calls sent to the

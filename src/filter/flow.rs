@@ -342,7 +342,6 @@ impl Flow {
             Err(e) if completed_reply(reply) => {
                 self.decision.succeeded(host, false);
                 self.slots.not_taken();
-                self.log.verdict("replay_failed");
                 return self.replay.unreadable(host, &e);
             }
             Err(e) => {
@@ -400,7 +399,6 @@ impl Flow {
                 object,
             } => {
                 let stored = (status, headers, body, object);
-                self.log.verdict("replayed");
                 self.replay.replay(host, &config, &mut self.calls, stored);
             }
             Verdict::Anchors(_) => {}
@@ -550,6 +548,10 @@ impl Flow {
         self.usage.on_stream_end(host, &config);
         if self.decision.on_stream_end(host) {
             self.lease.abandon(host, self.limits.plan());
+        }
+        // A replay's verdict is what the client got, known only now.
+        if let Some(verdict) = self.replay.verdict() {
+            self.log.verdict(verdict);
         }
         self.log.on_stream_end(host, &config, self.record.outcome());
     }

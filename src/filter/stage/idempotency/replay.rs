@@ -46,9 +46,24 @@ struct Routed {
 pub struct Replay {
     fetch: Option<Fetch>,
     routed: Option<Routed>,
+    /// What the client got, for the access log: known only once the body
+    /// is fetched or the replay route has answered, not when Redis says
+    /// "completed".
+    outcome: Option<&'static str>,
 }
 
 impl Replay {
+    /// The access-log verdict of a replay this stage answered, if any.
+    pub fn verdict(&self) -> Option<&'static str> {
+        self.outcome
+    }
+
+    /// Answers a replay that cannot be served.
+    fn fail<H: Host>(&mut self, host: &mut H, reply: &LocalReply) {
+        self.outcome = Some("replay_failed");
+        host.send_local(reply);
+    }
+
     /// 409: another request holds the key.
     pub fn busy<H: Host>(&self, host: &mut H) {
         host.count(Counter::IdemConflicts);
@@ -64,10 +79,11 @@ impl Replay {
     /// A record that says the key completed, but cannot be read: answering
     /// from the failure mode could forward it, and a completed key is never
     /// run again.
-    pub fn unreadable<H: Host>(&self, host: &mut H, why: &str) {
+    pub fn unreadable<H: Host>(&mut self, host: &mut H, why: &str) {
         log::warn!("redis-guard: unreadable idempotency record: {why}");
         host.count(Counter::RedisError(ErrorKind::Reply));
-        host.send_local(
+        self.fail(
+            host,
             &unavailable("stored idempotent response is unreadable")
                 .with_details("redis_guard_stored_response_unreadable"),
         );
@@ -96,8 +112,7 @@ impl Replay {
         let Some(store) = &config.object_store else {
             log::warn!("redis-guard: record points into an object store, but none is configured");
             host.count(Counter::IdemObjectFetchFailed);
-            host.send_local(&stored_response_unavailable());
-            return;
+            return self.fail(host, &stored_response_unavailable());
         };
         let request = offload::get_headers(store, &object, host.now());
         match host.dispatch_object(store, &request, None, store.timeout) {
@@ -112,7 +127,7 @@ impl Replay {
             Err(e) => {
                 log::warn!("redis-guard: cannot fetch a stored response: {e}");
                 host.count(Counter::IdemObjectFetchFailed);
-                host.send_local(&stored_response_unavailable());
+                self.fail(host, &stored_response_unavailable());
             }
         }
     }
@@ -153,7 +168,7 @@ impl Replay {
             fetch.object.key
         );
         host.count(counter);
-        host.send_local(&reply);
+        self.fail(host, &reply);
     }
 
     /// Answers with the stored response: a local reply, or for a gRPC
@@ -183,6 +198,7 @@ impl Replay {
             return;
         }
         host.count(Counter::IdemReplayed);
+        self.outcome = Some("replayed");
         let text = |v: Vec<u8>| String::from_utf8_lossy(&v).into_owned();
         if grpc {
             // Stored trailers-only (an error status with no message): Envoy
@@ -243,6 +259,7 @@ impl Replay {
                 "redis-guard: gRPC replay needs the replay route ({REPLAY_PATH} with a body and {REPLAY_MARK}); see README \"gRPC\""
             );
             self.routed = None;
+            self.outcome = Some("replay_failed");
             // As gRPC, whatever the content-type says now (this stage
             // rewrote it; Envoy knows the call is gRPC from its start).
             host.send_reply(&crate::response::grpc_reply(&unavailable_without_route(
@@ -258,6 +275,7 @@ impl Replay {
         headers.push(("idempotent-replayed".to_string(), b"true".to_vec()));
         host.set_response_headers(&headers);
         host.count(Counter::IdemReplayed);
+        self.outcome = Some("replayed");
         Some(Action::Continue)
     }
 
