@@ -24,6 +24,8 @@ use crate::response::{
 pub const REPLAY_PATH: &str = "/redis-guard/replay";
 /// The header the replay route's answers carry.
 pub const REPLAY_MARK: &str = "x-redis-guard-replay";
+/// Where Envoy keeps a rewritten request's path.
+const ORIGINAL_PATH: &str = "x-envoy-original-path";
 
 /// A replay waiting for its body from the object store.
 #[derive(Debug, Clone)]
@@ -186,6 +188,12 @@ impl Replay {
             .is_some_and(|ct| crate::grpc::is_grpc(&ct));
         let trailers_only = headers.iter().any(|(n, _)| n == "grpc-status");
         if grpc && !(trailers_only && trailers.is_empty() && body.is_empty()) {
+            // Envoy's convention for a rewritten path, so the access log
+            // (`%REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%`) shows the method called.
+            if host.header(ORIGINAL_PATH).is_none() {
+                let path = host.header(":path").unwrap_or_default();
+                host.set_request_header(ORIGINAL_PATH, Some(&path));
+            }
             host.set_request_header(":path", Some(REPLAY_PATH.as_bytes()));
             host.set_request_header("content-type", Some(b"application/octet-stream"));
             self.routed = Some(Routed {
