@@ -68,9 +68,14 @@ def serve(port):
         "Upload": grpc.stream_unary_rpc_method_handler(upload),
         "Stats": grpc.unary_unary_rpc_method_handler(stats),
     })
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    # grpcio sets SO_REUSEPORT by default: a second server on a port already
+    # taken would then bind silently and share its connections, mixing two
+    # tests' execution counts. Without it a taken port fails at start.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                         options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    if server.add_insecure_port(f"127.0.0.1:{port}") != port:
+        sys.exit(f"grpc_peer: cannot listen on 127.0.0.1:{port}")
     server.start()
     print(f"serving {SERVICE} on 127.0.0.1:{port}", flush=True)
     server.wait_for_termination()
