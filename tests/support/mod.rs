@@ -32,7 +32,12 @@ pub fn root() -> PathBuf {
 /// A free port on 127.0.0.1 for a server to bind. Ports come from below the
 /// kernel's ephemeral range (so no client socket takes one meanwhile), and a
 /// per-process counter hands each out once, so parallel tests never race for
-/// the same port the way two `bind(0)`-then-release calls can.
+/// the same port the way two `bind(0)`-then-release calls can. Another test
+/// process on the machine (a second suite, a CI run beside a developer's)
+/// walks the same range: each port is also claimed by a lock on a file named
+/// after it, held until this process ends (the kernel drops the lock of a
+/// process that died, so no claim goes stale), and a port another process
+/// holds is skipped even while nothing listens on it yet.
 pub fn free_port() -> u16 {
     use std::sync::atomic::AtomicU32;
     const LOW: u32 = 20_000;
@@ -46,11 +51,33 @@ pub fn free_port() -> u16 {
     );
     for _ in 0..SPAN {
         let port = (LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if claim_port(port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return port;
         }
     }
     panic!("no free port on 127.0.0.1");
+}
+
+/// Locks `<tmp>/redis-guard-test-ports/<port>` for the rest of this process
+/// (the open file is kept), or false when another process holds it.
+fn claim_port(port: u16) -> bool {
+    use std::sync::Mutex;
+    static HELD: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
+    let dir = std::env::temp_dir().join("redis-guard-test-ports");
+    let _ = std::fs::create_dir_all(&dir);
+    let Ok(file) = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(port.to_string()))
+    else {
+        return false;
+    };
+    if file.try_lock().is_err() {
+        return false;
+    }
+    HELD.lock().unwrap_or_else(|e| e.into_inner()).push(file);
+    true
 }
 
 pub fn wait_for_port(port: u16, what: &str, deadline: Duration) {
