@@ -27,11 +27,17 @@ use support::{
     write_bucket as set_state,
 };
 
+use std::sync::LazyLock;
+
 use redis::Connection;
-use redis_guard::scripts::{LEASE, RATELIMIT};
+use redis_guard::scripts::{Script, LEASE, LEASE_RETURN, RATELIMIT};
 
 /// One hour: with one credit per ms, a test never refills a whole token.
 const HOUR: i64 = 3_600_000;
+
+/// lua/lease.lua grants at most this share of the whole tokens a charge
+/// leaves (1/SHARE).
+const SHARE: i64 = 4;
 
 /// The script's one error reply, as the client sees it (code, detail).
 const BAD_ARGS: (&str, &str) = ("ERR", "redis-guard lease: one key and five numbers");
@@ -74,7 +80,7 @@ fn expected(
         let retry = ceil_div(need - credits, b.refill);
         return ([0, 0, credits / b.period, retry, retry, 0], None);
     }
-    let granted = lease.min((credits - need) / b.period);
+    let granted = lease.min((credits - need) / b.period / SHARE);
     let left = credits - need - granted * b.period;
     let reset = ceil_div(full - left, b.refill);
     ([1, 1, left / b.period, 0, reset, granted], Some(left))
@@ -82,6 +88,27 @@ fn expected(
 
 // ---------------------------------------------------------------------------
 // Calling the scripts
+
+/// The lease script's reply: the verdict and grant, and the tuple.
+fn split(full: [i64; 9]) -> ([i64; 6], [i64; 3]) {
+    let mut reply = [0; 6];
+    reply.copy_from_slice(&full[..6]);
+    let mut tuple = [0; 3];
+    tuple.copy_from_slice(&full[6..]);
+    (reply, tuple)
+}
+
+/// lua/lease.lua's TTL of the give-back counter (ms).
+const RETURNED_TTL: i64 = 660_000;
+
+/// The bucket's give-back counter (0 when missing).
+fn returned_count(con: &mut Connection, key: &str) -> i64 {
+    let v: Option<i64> = redis::cmd("GET")
+        .arg(format!("{key}:ret"))
+        .query(con)
+        .unwrap();
+    v.unwrap_or(0)
+}
 
 /// EVALSHA by the SHA-1 the filter sends.
 fn evalsha_lease(
@@ -118,7 +145,11 @@ fn strict_cmd(cmd: redis::Cmd, key: &str, b: Bucket, cost: i64) -> redis::Cmd {
 /// A lease call with everything observed around it.
 #[derive(Debug)]
 struct Call {
+    /// The verdict and the grant (the tuple apart).
     reply: [i64; 6],
+    /// The grant's give-back tuple: Redis' now, the level after it
+    /// (credits), the give-back counter.
+    tuple: [i64; 3],
     /// Stored (credits, t) before and after.
     before: Option<(i64, i64)>,
     after: Option<(i64, i64)>,
@@ -149,13 +180,15 @@ fn lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> C
     let before = state(con, key);
     let expire_before = pexpiretime(con, key);
     let t0 = now_ms(con);
-    let reply = eval_lease(con, key, b, cost, lease);
+    let full = eval_lease(con, key, b, cost, lease);
+    let (reply, tuple) = split(full);
     let expire_at = pexpiretime(con, key);
     let ttl = pttl(con, key);
     let t1 = now_ms(con);
     let after = state(con, key);
     let call = Call {
         reply,
+        tuple,
         before,
         after,
         t0,
@@ -178,6 +211,17 @@ fn lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> C
             );
             assert_eq!(Some(c), left, "stored credits: {call:?}");
             assert_expires_at_reset(&call);
+            if call.granted() > 0 {
+                let counted = returned_count(con, key);
+                assert_eq!(call.tuple, [t, c, counted], "the tuple: {call:?}");
+                let ttl = pttl(con, &format!("{key}:ret"));
+                assert!(
+                    600_000 < ttl && ttl <= RETURNED_TTL,
+                    "the counter outlives the longest lease: {ttl}"
+                );
+            } else {
+                assert_eq!(call.tuple, [0, 0, 0], "no grant, no tuple: {call:?}");
+            }
         }
         0 => {
             assert_eq!(after, before, "a rejection must not write: {call:?}");
@@ -204,6 +248,7 @@ fn lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> C
             assert!(reply[3] > 0, "{call:?}");
             assert_eq!(reply[4], reply[3], "a rejection's reset is its retry");
             assert_eq!(reply[5], 0, "a rejection grants nothing");
+            assert_eq!(call.tuple, [0, 0, 0], "a rejection has no tuple");
         }
         _ => panic!("admitted must be 0 or 1: {call:?}"),
     }
@@ -264,47 +309,48 @@ fn strict(con: &mut Connection, key: &str, b: Bucket, cost: i64) -> [i64; 5] {
 // The grant
 
 #[test]
-fn grants_the_full_lease_while_the_bucket_holds_it() {
+fn grants_the_full_lease_while_the_bucket_holds_four_times_it() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:full";
-    let b = hourly(10);
+    let b = hourly(40);
 
-    // A missing key is a full bucket: 10 - 1 charged - 4 granted = 5 left,
-    // 5 tokens (5 hours at 1 credit/ms) until full again. Exact.
+    // A missing key is a full bucket: 40 - 1 charged leaves 39, a quarter of
+    // which (9) holds the lease of 4: 35 left, 5 tokens (5 hours at 1
+    // credit/ms) until full again. Exact.
     let c = lease(&mut con, key, b, 1, 4);
-    assert_eq!(c.reply, [1, 1, 5, 0, 5 * HOUR, 4]);
-    assert_eq!(c.after.unwrap().0, 5 * HOUR);
+    assert_eq!(c.reply, [1, 1, 35, 0, 5 * HOUR, 4]);
+    assert_eq!(c.after.unwrap().0, 35 * HOUR);
 
-    // 5 tokens (plus a few ms of refill) still hold 1 + 4: granted in full,
-    // leaving only those few ms of credits.
+    // 35 tokens (plus a few ms of refill): 34 after the charge, a quarter
+    // (8) still holds the lease.
     let c = lease(&mut con, key, b, 1, 4);
     let (left, t) = c.after.unwrap();
     let elapsed = t - c.before.unwrap().1;
-    assert_eq!(left, elapsed, "5 tokens and the refill, less 5 tokens");
-    assert_eq!(c.reply, [1, 1, 0, 0, 10 * HOUR - elapsed, 4]);
+    assert_eq!(
+        left,
+        30 * HOUR + elapsed,
+        "35 tokens and the refill, less 5"
+    );
+    assert_eq!(c.reply, [1, 1, 30, 0, 10 * HOUR - elapsed, 4]);
 }
 
 #[test]
-fn grants_at_most_the_whole_tokens_left_after_the_charge() {
+fn grants_shrink_with_the_bucket_to_none_near_exhaustion() {
     let (_redis, mut con) = support::Redis::start_with_conn();
-    let key = "t:{x}:lease:partial";
+    let key = "t:{x}:lease:shrink";
     let b = hourly(12);
 
-    let c = lease(&mut con, key, b, 1, 4);
-    assert_eq!(c.reply, [1, 1, 7, 0, 5 * HOUR, 4]);
-    let c = lease(&mut con, key, b, 1, 4);
-    assert_eq!((c.reply[2], c.granted()), (2, 4));
-    // 2 whole tokens (and a few ms of credits): 1 charged, only 1 to grant.
-    let c = lease(&mut con, key, b, 1, 4);
-    assert_eq!(
-        [c.reply[0], c.reply[1], c.reply[2], c.reply[3], c.reply[5]],
-        [1, 1, 0, 0, 1],
-        "partial grant: {c:?}"
-    );
-    let (left, _) = c.after.unwrap();
-    assert!(left < HOUR, "less than a token left: {left}");
-    assert_eq!(c.reply[4], 12 * HOUR - left);
-
+    // (remaining, granted) of each call of cost 1 asking for 4: a quarter
+    // of the whole tokens the charge leaves, then none below 4 (strict).
+    let want = [(9, 2), (6, 2), (4, 1), (3, 0), (2, 0), (1, 0), (0, 0)];
+    for (i, (remaining, granted)) in want.into_iter().enumerate() {
+        let c = lease(&mut con, key, b, 1, 4);
+        assert_eq!(
+            [c.reply[0], c.reply[1], c.reply[2], c.reply[3], c.reply[5]],
+            [1, 1, remaining, 0, granted],
+            "call {i}: {c:?}"
+        );
+    }
     // Less than a token: rejected, nothing granted, nothing written; the
     // wait is the rest of a token (bounded by the refill while it ran).
     let r = lease(&mut con, key, b, 1, 4);
@@ -314,31 +360,46 @@ fn grants_at_most_the_whole_tokens_left_after_the_charge() {
     );
     let (c0, t) = r.before.unwrap();
     assert!(HOUR - c0 - (r.t1 - t) <= r.reply[3] && r.reply[3] <= HOUR - c0 - (r.t0 - t));
+    assert_less_than_a_token_left(&mut con, key, HOUR);
 }
 
 #[test]
-fn admits_with_a_zero_grant_when_the_charge_leaves_no_whole_token() {
+fn the_grant_is_a_quarter_of_the_whole_tokens_left_at_its_boundaries() {
     let (_redis, mut con) = support::Redis::start_with_conn();
-    let key = "t:{x}:lease:zero";
-    let b = hourly(11);
-
-    assert_eq!(lease(&mut con, key, b, 1, 4).reply[..3], [1, 1, 6]);
-    assert_eq!(lease(&mut con, key, b, 1, 4).reply[..3], [1, 1, 1]);
-    // One whole token: the cost fits, nothing spare to lease.
-    let c = lease(&mut con, key, b, 1, 4);
-    let (left, _) = c.after.unwrap();
-    assert_eq!(c.reply, [1, 1, 0, 0, 11 * HOUR - left, 0]);
-    // Only the cost was charged: what is left is the refill since the last call.
-    assert_eq!(
-        left,
-        c.before.unwrap().0 - HOUR + (c.after.unwrap().1 - c.before.unwrap().1)
-    );
-
-    let r = lease(&mut con, key, b, 1, 4);
-    assert_eq!(
-        [r.reply[0], r.reply[1], r.reply[2], r.reply[5]],
-        [0, 0, 0, 0]
-    );
+    let key = "t:{x}:lease:sizing";
+    // capacity 100, 1 token = 1000 credits, no refill (t in the future,
+    // written again before each call): every number exact.
+    let b = bucket(100, 1, 1000);
+    // (credits held, cost, lease, granted)
+    let cases = [
+        (4_999, 1, 10, 0),     // 3.999 spare: strict
+        (5_000, 1, 10, 1),     // 4 spare: one token
+        (5_999, 1, 10, 1),     // 4.999: still one (whole tokens only)
+        (8_999, 1, 10, 1),     // 7.999 spare
+        (9_000, 1, 10, 2),     // 8 spare
+        (40_000, 1, 10, 9),    // 39 spare: a quarter is 9, under the lease
+        (41_000, 1, 10, 10),   // 40 spare: the lease
+        (100_000, 1, 10, 10),  // full: the lease caps it
+        (5_000, 1, 1, 1),      // a lease of 1 at 4 spare
+        (4_000, 1, 1, 0),      // and at 3 spare
+        (100_000, 0, 30, 25),  // a prefetch (cost 0): a quarter of 100
+        (100_000, 100, 10, 0), // the cost takes it all
+    ];
+    for (held, cost, lease_of, granted) in cases {
+        let future = now_ms(&mut con) + HOUR;
+        set_state(&mut con, key, held, future);
+        let c = lease(&mut con, key, b, cost, lease_of);
+        assert_eq!(
+            c.granted(),
+            granted,
+            "{held} credits, cost {cost}, lease {lease_of}: {c:?}"
+        );
+        assert_eq!(
+            c.after.unwrap().0,
+            held - (cost + granted) * 1000,
+            "charged and granted, no more"
+        );
+    }
 }
 
 #[test]
@@ -393,36 +454,36 @@ fn a_rejection_grants_nothing_and_writes_nothing() {
 fn the_cost_is_charged_first_and_the_grant_comes_from_what_is_left() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:cost";
-    // capacity 10, 1 credit/ms, 1 token = 1000 credits; 6.5 tokens held, no
+    // capacity 40, 1 credit/ms, 1 token = 1000 credits; 26.5 tokens held, no
     // refill (t in the future, written again before each call).
-    let b = bucket(10, 1, 1000);
+    let b = bucket(40, 1, 1000);
     let call = |con: &mut Connection, cost: i64, lease_of: i64| {
         let future = now_ms(con) + HOUR;
-        set_state(con, key, 6500, future);
+        set_state(con, key, 26_500, future);
         lease(con, key, b, cost, lease_of)
     };
 
-    // cost 4 > the 2.5 tokens it leaves: 2 granted, 500 credits left,
-    // 9500 ms to full.
+    // cost 4 leaves 22.5: a quarter of 22 is 5, the lease of 5 in full,
+    // 17.5 left, 22500 ms to full.
     let c = call(&mut con, 4, 5);
-    assert_eq!(c.reply, [1, 1, 0, 0, 9500, 2]);
-    assert_eq!(c.after.unwrap().0, 500);
-    // cost 5 leaves 1.5: 1 granted of the 4 asked.
-    let c = call(&mut con, 5, 4);
-    assert_eq!(c.reply, [1, 1, 0, 0, 9500, 1]);
-    assert_eq!(c.after.unwrap().0, 500);
-    // cost 6 leaves 0.5: admitted, nothing to grant.
-    let c = call(&mut con, 6, 4);
-    assert_eq!(c.reply, [1, 1, 0, 0, 9500, 0]);
-    assert_eq!(c.after.unwrap().0, 500);
-    // cost 1 leaves 5.5: a lease of 3 is granted in full, 2.5 left.
+    assert_eq!(c.reply, [1, 1, 17, 0, 22_500, 5]);
+    assert_eq!(c.after.unwrap().0, 17_500);
+    // cost 5 leaves 21.5: 5 granted of the 6 asked.
+    let c = call(&mut con, 5, 6);
+    assert_eq!(c.reply, [1, 1, 16, 0, 23_500, 5]);
+    assert_eq!(c.after.unwrap().0, 16_500);
+    // cost 23 leaves 3.5: admitted, nothing to grant.
+    let c = call(&mut con, 23, 4);
+    assert_eq!(c.reply, [1, 1, 3, 0, 36_500, 0]);
+    assert_eq!(c.after.unwrap().0, 3_500);
+    // cost 1 leaves 25.5: a lease of 3 is granted in full, 22.5 left.
     let c = call(&mut con, 1, 3);
-    assert_eq!(c.reply, [1, 1, 2, 0, 7500, 3]);
-    assert_eq!(c.after.unwrap().0, 2500);
-    // cost 7 > 6.5 held: a lease never makes an unaffordable request fit.
-    let c = call(&mut con, 7, 4);
-    assert_eq!(c.reply, [0, 0, 6, 500, 500, 0]);
-    assert_eq!(c.after.unwrap().0, 6500);
+    assert_eq!(c.reply, [1, 1, 22, 0, 17_500, 3]);
+    assert_eq!(c.after.unwrap().0, 22_500);
+    // cost 27 > 26.5 held: a lease never makes an unaffordable request fit.
+    let c = call(&mut con, 27, 4);
+    assert_eq!(c.reply, [0, 0, 26, 500, 500, 0]);
+    assert_eq!(c.after.unwrap().0, 26_500);
 }
 
 // ---------------------------------------------------------------------------
@@ -445,27 +506,31 @@ fn leased_and_strict_requests_spend_one_budget() {
         assert_eq!(r[..4], [1, 1, left, 0]);
         charged += 1;
     }
-    // 12 - 2 - 5 = 5.
+    // 12 - 2 = 10, a quarter of which is 2 of the 5 asked: 8 left.
     let c = lease(&mut con, key, b, 2, 5);
-    assert_eq!(c.reply[..4], [1, 1, 5, 0]);
-    assert_eq!(c.granted(), 5);
+    assert_eq!(c.reply[..4], [1, 1, 8, 0]);
+    assert_eq!(c.granted(), 2);
     (charged, granted) = (charged + 2, granted + c.granted());
-    let r = strict(&mut con, key, b, 3);
-    assert_eq!(r[..4], [1, 1, 2, 0]);
-    charged += 3;
+    for left in [5, 2] {
+        let r = strict(&mut con, key, b, 3);
+        assert_eq!(r[..4], [1, 1, left, 0]);
+        charged += 3;
+    }
     // 2 < 3: the strict script rejects, as it would without leases.
     let r = strict(&mut con, key, b, 3);
     assert_eq!(r[..3], [0, 0, 2]);
-    // The last 2 tokens: 1 charged, 1 granted (of 4 asked).
-    let c = lease(&mut con, key, b, 1, 4);
-    assert_eq!(c.reply[..4], [1, 1, 0, 0]);
-    assert_eq!(c.granted(), 1);
-    (charged, granted) = (charged + 1, granted + c.granted());
+    // The last 2 tokens go one by one, nothing granted (strict near the end).
+    for left in [1, 0] {
+        let c = lease(&mut con, key, b, 1, 4);
+        assert_eq!(c.reply[..4], [1, 1, left, 0]);
+        assert_eq!(c.granted(), 0);
+        charged += 1;
+    }
     // Empty for both.
     assert_eq!(strict(&mut con, key, b, 1)[..3], [0, 0, 0]);
     assert_eq!(lease(&mut con, key, b, 1, 4).reply[..3], [0, 0, 0]);
 
-    assert_eq!((charged, granted), (10, 10));
+    assert_eq!((charged, granted), (14, 6));
     assert_eq!(
         charged + granted,
         b.capacity,
@@ -534,19 +599,21 @@ fn every_admission_expires_the_key_when_the_bucket_is_full_again() {
     // here the cases where the key's TTL before the call differs.
     let b = bucket(10, 7, 1000);
 
-    // A fresh key: 10 - 2 - 3 = 5 tokens left, 5000 credits at 7/ms -> 715 ms.
+    // A fresh key: 10 - 2 - 2 (a quarter of 8) = 6 tokens left, 4000
+    // credits at 7/ms -> ceil(571.4) = 572 ms.
     let fresh = "t:{x}:lease:ttl-fresh";
     let c = lease(&mut con, fresh, b, 2, 3);
-    assert_eq!(c.reply, [1, 1, 5, 0, 715, 3]);
+    assert_eq!(c.reply, [1, 1, 6, 0, 572, 2]);
 
     // A hand-written key without a TTL gets one.
     let future = now_ms(&mut con) + HOUR;
     let bare = "t:{x}:lease:ttl-bare";
     set_state(&mut con, bare, 7500, future);
     assert_eq!(pttl(&mut con, bare), -1);
-    // 7.5 - 1 - 4 = 2.5 tokens left: 7500 credits at 7/ms -> ceil(1071.4) = 1072 ms.
+    // 7.5 - 1 - 1 (a quarter of 6) = 5.5 tokens left: 4500 credits at 7/ms
+    // -> ceil(642.9) = 643 ms.
     let c = lease(&mut con, bare, b, 1, 4);
-    assert_eq!(c.reply, [1, 1, 2, 0, 1072, 4]);
+    assert_eq!(c.reply, [1, 1, 5, 0, 643, 1]);
 
     // A longer TTL set by hand is replaced, not kept.
     let long = "t:{x}:lease:ttl-long";
@@ -557,13 +624,13 @@ fn every_admission_expires_the_key_when_the_bucket_is_full_again() {
         .query::<()>(&mut con)
         .unwrap();
     let c = lease(&mut con, long, b, 1, 4);
-    assert_eq!(c.reply, [1, 1, 2, 0, 1072, 4]);
+    assert_eq!(c.reply, [1, 1, 5, 0, 643, 1]);
 
-    // A slow bucket: 5 hours to full, the same on the key.
+    // A slow bucket: 3 hours to full, the same on the key.
     let slow = "t:{x}:lease:ttl-slow";
     let c = lease(&mut con, slow, hourly(10), 1, 4);
-    assert_eq!(c.reply, [1, 1, 5, 0, 5 * HOUR, 4]);
-    assert!(c.pttl > 4 * HOUR, "{c:?}");
+    assert_eq!(c.reply, [1, 1, 7, 0, 3 * HOUR, 2]);
+    assert!(c.pttl > 2 * HOUR, "{c:?}");
 }
 
 // ---------------------------------------------------------------------------
@@ -573,32 +640,32 @@ fn every_admission_expires_the_key_when_the_bucket_is_full_again() {
 fn refills_by_redis_time_and_grants_what_the_state_holds() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let key = "t:{x}:lease:refill";
-    // 3 tokens, one every 200 ms (1 credit/ms, 1 token = 200 credits).
-    let b = bucket(3, 1, 200);
+    // 9 tokens, one every 200 ms (1 credit/ms, 1 token = 200 credits).
+    let b = bucket(9, 1, 200);
 
-    // Fresh: 1 charged, 2 granted, empty; 600 ms until full.
+    // Fresh: 1 charged, 2 granted (a quarter of 8), 6 left; 600 ms until full.
     let c = lease(&mut con, key, b, 1, 4);
-    assert_eq!(c.reply, [1, 1, 0, 0, 600, 2]);
+    assert_eq!(c.reply, [1, 1, 6, 0, 600, 2]);
     let (c0, t0) = c.after.unwrap();
-    assert_eq!(c0, 0);
+    assert_eq!(c0, 1200);
 
-    // Wait until Redis has refilled 1.5 tokens: the cost fits, and the grant
-    // is whatever whole token the state holds when the script runs.
+    // Wait until Redis has refilled 1.5 tokens: the grant is a quarter of
+    // whatever whole tokens the state holds when the script runs.
     wait_until(&mut con, t0 + 300);
     let c = lease(&mut con, key, b, 1, 4);
     let (c1, t1) = c.after.unwrap();
-    let credits = (t1 - t0).min(600);
-    assert!(credits >= 300, "{c:?}");
-    let granted = 4.min((credits - 200) / 200);
+    let credits = (c0 + t1 - t0).min(1800);
+    assert!(credits >= 1500, "{c:?}");
+    let granted = 4.min((credits - 200) / 200 / 4);
     assert_eq!(c.granted(), granted);
     assert_eq!(c1, credits - 200 - granted * 200);
-    assert_eq!(c.reply, [1, 1, c1 / 200, 0, 600 - c1, granted]);
+    assert_eq!(c.reply, [1, 1, c1 / 200, 0, 1800 - c1, granted]);
 
-    // Wait until it is full again: capped at 3 tokens, however long it took.
-    wait_until(&mut con, t1 + 600);
+    // Wait until it is full again: capped at 9 tokens, however long it took.
+    wait_until(&mut con, t1 + 1800 - c1);
     let c = lease(&mut con, key, b, 1, 4);
-    assert_eq!(c.reply, [1, 1, 0, 0, 600, 2]);
-    assert_eq!(c.after.unwrap().0, 0);
+    assert_eq!(c.reply, [1, 1, 6, 0, 600, 2]);
+    assert_eq!(c.after.unwrap().0, 1200);
 }
 
 // ---------------------------------------------------------------------------
@@ -710,9 +777,9 @@ fn evalsha_by_the_filters_sha1_behaves_like_eval() {
     // same credits left.
     let future = now_ms(&mut con) + HOUR;
     let cases: [(Option<i64>, i64, i64, [i64; 6]); 5] = [
-        (None, 1, 4, [1, 1, 5, 0, 5000, 4]),        // fresh: full grant
-        (Some(6500), 4, 5, [1, 1, 0, 0, 9500, 2]),  // partial grant
-        (Some(6500), 6, 4, [1, 1, 0, 0, 9500, 0]),  // cost fits, nothing spare
+        (None, 1, 4, [1, 1, 7, 0, 3000, 2]), // fresh: a quarter of 9
+        (Some(6500), 4, 5, [1, 1, 2, 0, 7500, 0]), // 2.5 left: strict
+        (Some(6500), 6, 4, [1, 1, 0, 0, 9500, 0]), // cost fits, nothing spare
         (Some(2500), 3, 4, [0, 0, 2, 500, 500, 0]), // rejected
         (Some(10_000), 10, 4, [1, 1, 0, 0, 10_000, 0]), // cost = capacity
     ];
@@ -727,13 +794,392 @@ fn evalsha_by_the_filters_sha1_behaves_like_eval() {
         }
         let sha_reply = evalsha_lease(&mut con, &by_sha, b, cost, lease_of).unwrap();
         let eval_reply = eval_lease(&mut con, &by_eval, b, cost, lease_of);
-        assert_eq!(sha_reply, want, "EVALSHA, case {i}");
-        assert_eq!(eval_reply, want, "EVAL, case {i}");
+        assert_eq!(sha_reply[..6], want, "EVALSHA, case {i}");
+        assert_eq!(eval_reply[..6], want, "EVAL, case {i}");
+        // The tuple: Redis' now differs between the two calls; the level
+        // and the counter do not.
+        assert_eq!(sha_reply[7..], eval_reply[7..], "case {i}");
         // No refill (t in the future): what is left is the contract's exactly,
         // or what was held, for the rejection.
         let (_, left) = expected(b, cost, lease_of, held.map(|c| (c, future)), future);
         let credits = left.or(held);
         assert_eq!(state(&mut con, &by_sha).map(|s| s.0), credits, "case {i}");
         assert_eq!(state(&mut con, &by_eval).map(|s| s.0), credits, "case {i}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Give-back (lua/lease_return.lua)
+
+/// lua/lease.lua at the test clock, without TTLs (the test clock jumps; a
+/// TTL runs on Redis' own clock).
+static LEASE_AT: LazyLock<Script> =
+    LazyLock::new(|| script::without_expiry(&script::with_test_clock(&LEASE)));
+/// lua/lease_return.lua at the test clock, without TTLs.
+static RETURN_AT: LazyLock<Script> =
+    LazyLock::new(|| script::without_expiry(&script::with_test_clock(&LEASE_RETURN)));
+/// The strict script at the test clock, without TTLs.
+static STRICT_AT: LazyLock<Script> =
+    LazyLock::new(|| script::without_expiry(&script::RATELIMIT_AT));
+
+/// The script's one error reply for a malformed give-back.
+const BAD_RETURN: (&str, &str) = ("ERR", "redis-guard lease return: seven numbers per key");
+
+/// A lease at the test clock: the verdict and grant, and the tuple.
+fn lease_at(
+    con: &mut Connection,
+    key: &str,
+    b: Bucket,
+    cost: i64,
+    lease_of: i64,
+) -> ([i64; 6], [i64; 3]) {
+    let raw: Vec<i64> = script::with_lease(script::eval(&LEASE_AT), key, b, cost, lease_of)
+        .query(con)
+        .unwrap();
+    split(raw.try_into().unwrap())
+}
+
+/// A strict request of `cost` at the test clock; true if admitted.
+fn strict_at(con: &mut Connection, key: &str, b: Bucket, cost: i64) -> bool {
+    let raw: Vec<i64> = strict_cmd(script::eval(&STRICT_AT), key, b, cost)
+        .query(con)
+        .unwrap();
+    raw[0] == 1
+}
+
+/// Gives `tokens` back to `key` with a grant's tuple; the tokens taken back.
+fn give_back(
+    con: &mut Connection,
+    script: &Script,
+    key: &str,
+    b: Bucket,
+    tokens: i64,
+    tuple: [i64; 3],
+) -> i64 {
+    let raw: Vec<i64> = script::eval(script)
+        .arg(1)
+        .arg(key)
+        .arg(b.capacity)
+        .arg(b.refill)
+        .arg(b.period)
+        .arg(tokens)
+        .arg(&tuple[..])
+        .query(con)
+        .unwrap_or_else(|e| panic!("give-back of {tokens} to {key} ({tuple:?}): {e}"));
+    assert_eq!(raw.len(), 1, "one figure per key: {raw:?}");
+    raw[0]
+}
+
+/// The bucket's level (credits) at test-clock instant `now`.
+fn level_at(con: &mut Connection, key: &str, b: Bucket, now: i64) -> i64 {
+    let full = b.capacity * b.period;
+    match state(con, key) {
+        None => full,
+        Some((c, t)) if now > t => full.min(c + (now - t) * b.refill),
+        Some((c, _)) => full.min(c),
+    }
+}
+
+/// What happened to the real bucket, for the reference to replay.
+#[derive(Debug, Clone, Copy)]
+enum Event {
+    /// The clock moved on by this many ms.
+    Step(i64),
+    /// A lease admitted a request of `cost` and granted grant `id`.
+    Take { cost: i64, id: usize },
+    /// A strict request of this cost was admitted.
+    Charge(i64),
+    /// Tokens came back (the reference never took them).
+    Back,
+}
+
+/// One Envoy's slot: tokens held, the tuple kept, and which grants the held
+/// tokens came from (id, tokens still held), oldest first.
+#[derive(Debug, Default)]
+struct Pot {
+    held: i64,
+    tuple: [i64; 3],
+    from: Vec<(usize, i64)>,
+}
+
+/// A small seeded generator: the same sequence on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> i64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n) as i64
+    }
+}
+
+/// Runs a seeded sequence of grants, strict charges, spends, give-backs
+/// and clock steps on a real bucket (three Envoys' slots), then replays it
+/// on a reference bucket that never took the tokens given back, and asserts
+/// the real level never exceeds the reference's. Returns (tokens given
+/// back, give-backs the bound cut).
+fn safety_run(seed: u64, steps: usize, script: &Script) -> (i64, usize) {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let key = "t:{x}:lease:safety";
+    // 30 tokens, one a second: refill matters at the scale of the steps.
+    let b = bucket(30, 1, 1000);
+    let full = b.capacity * b.period;
+    let mut rng = Rng(seed);
+    let mut now = script::T0;
+    script::set_clock(&mut con, now);
+    let mut pots: [Pot; 3] = Default::default();
+    let mut grants: Vec<i64> = Vec::new(); // tokens each grant took
+    let mut kept: Vec<i64> = Vec::new(); // of which never given back
+    let mut log: Vec<(Event, i64)> = Vec::new(); // with the real level after
+    let (mut back_total, mut cut) = (0, 0);
+    for _ in 0..steps {
+        let e = rng.below(3) as usize;
+        let event = match rng.below(100) {
+            0..=29 => {
+                let dt = [0, 1, 7, 120, 900, 4_000, 30_000][rng.below(7) as usize];
+                now += dt;
+                script::set_clock(&mut con, now);
+                Some(Event::Step(dt))
+            }
+            30..=54 => {
+                let cost = rng.below(3);
+                let (reply, tuple) = lease_at(&mut con, key, b, cost, 1 + rng.below(12));
+                (reply[0] == 1).then(|| {
+                    let g = reply[5];
+                    let id = grants.len();
+                    grants.push(g);
+                    kept.push(g);
+                    let pot = &mut pots[e];
+                    if g > 0 {
+                        if pot.held == 0 {
+                            // An empty slot takes the new tuple; one that
+                            // holds tokens keeps the older.
+                            pot.tuple = tuple;
+                        }
+                        pot.held += g;
+                        pot.from.push((id, g));
+                    }
+                    Event::Take { cost, id }
+                })
+            }
+            55..=69 => {
+                let y = 1 + rng.below(4);
+                strict_at(&mut con, key, b, y).then_some(Event::Charge(y))
+            }
+            70..=84 => {
+                // Spends, oldest grant first: no Redis call.
+                let pot = &mut pots[e];
+                let mut k = rng.below(pot.held as u64 + 1);
+                pot.held -= k;
+                while k > 0 {
+                    let first = &mut pot.from[0];
+                    let n = first.1.min(k);
+                    first.1 -= n;
+                    k -= n;
+                    if first.1 == 0 {
+                        pot.from.remove(0);
+                    }
+                }
+                None
+            }
+            _ => {
+                let pot = &mut pots[e];
+                if pot.held == 0 {
+                    None
+                } else {
+                    let x = give_back(&mut con, script, key, b, pot.held, pot.tuple);
+                    assert!((0..=pot.held).contains(&x), "{x} of {}", pot.held);
+                    back_total += x;
+                    if x < pot.held {
+                        cut += 1;
+                    }
+                    // The tokens given back are the newest grants'.
+                    let mut x = x;
+                    for (id, n) in pot.from.iter().rev() {
+                        let m = (*n).min(x);
+                        kept[*id] -= m;
+                        x -= m;
+                    }
+                    *pot = Pot::default();
+                    Some(Event::Back)
+                }
+            }
+        };
+        if let Some(event) = event {
+            log.push((event, level_at(&mut con, key, b, now)));
+        }
+    }
+    // The reference: the same admissions and clock, without the tokens that
+    // came back.
+    let mut reference = full;
+    for (i, (event, real)) in log.iter().enumerate() {
+        match *event {
+            Event::Step(dt) => reference = full.min(reference + dt * b.refill),
+            Event::Take { cost, id } => reference -= (cost + kept[id]) * b.period,
+            Event::Charge(y) => reference -= y * b.period,
+            Event::Back => {}
+        }
+        assert!(
+            *real <= reference,
+            "seed {seed}, event {i} {event:?}: the bucket holds {real} credits, \
+             more than {reference} had the tokens given back never left"
+        );
+    }
+    let _ = grants;
+    (back_total, cut)
+}
+
+#[test]
+fn giving_back_never_leaves_more_than_had_the_tokens_never_left() {
+    let (mut back, mut cut) = (0, 0);
+    for seed in [
+        0x9E37_79B9_7F4A_7C15,
+        0xD1B5_4A32_D192_ED03,
+        0x2545_F491_4F6C_DD1D,
+    ] {
+        let (b, c) = safety_run(seed, 400, &RETURN_AT);
+        back += b;
+        cut += c;
+    }
+    // The runs exercise both sides of the bound: tokens came back, and the
+    // bound held some back.
+    assert!(back > 0 && cut > 0, "given back {back}, cut {cut}");
+}
+
+#[test]
+fn a_give_back_after_the_bucket_refilled_to_the_cap_returns_at_most_c_minus_m() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    // 40 tokens, one a second.
+    let b = bucket(40, 1, 1000);
+    let case = |con: &mut Connection, key: &str, wait: i64| {
+        script::set_clock(con, script::T0);
+        // Full: 1 charged, 8 granted (a quarter of 39 is 9), 31 left.
+        let (reply, tuple) = lease_at(con, key, b, 1, 8);
+        assert_eq!(reply, [1, 1, 31, 0, 9_000, 8]);
+        assert_eq!(tuple, [script::T0, 31_000, 0]);
+        script::set_clock(con, script::T0 + wait);
+        assert!(strict_at(con, key, b, 3));
+        give_back(con, &RETURN_AT, key, b, 8, tuple)
+    };
+    // 9 s later the bucket refilled to the cap while the 8 were out (M = C):
+    // a bucket that never leased them holds 40 - 3 = 37, as this one does
+    // already. The naive give-back (8, capped at 40) would make it 40.
+    assert_eq!(case(&mut con, "t:{x}:lease:cap", 9_000), 0);
+    assert_eq!(
+        level_at(&mut con, "t:{x}:lease:cap", b, script::T0 + 9_000),
+        37_000
+    );
+    // 5 s later it reached 36 (M): C - M = 4 come back, 33 + 4 = 37, what a
+    // bucket that never leased them holds (39 + 5 capped at 40, less 3).
+    assert_eq!(case(&mut con, "t:{x}:lease:part", 5_000), 4);
+    assert_eq!(
+        level_at(&mut con, "t:{x}:lease:part", b, script::T0 + 5_000),
+        37_000
+    );
+    assert_eq!(returned_count(&mut con, "t:{x}:lease:part"), 4);
+    // At once (no refill, no charge between): all 8.
+    script::set_clock(&mut con, script::T0);
+    let (_, tuple) = lease_at(&mut con, "t:{x}:lease:now", b, 1, 8);
+    assert_eq!(
+        give_back(&mut con, &RETURN_AT, "t:{x}:lease:now", b, 8, tuple),
+        8
+    );
+    assert_eq!(level_at(&mut con, "t:{x}:lease:now", b, script::T0), 39_000);
+    // Another Envoy's give-back in between counts as a rise of the level:
+    // grants of 8 and 7 (a quarter of 30), the second given back whole,
+    // then the first judged with those 7 in the counter.
+    let key = "t:{x}:lease:two";
+    let (r1, t1) = lease_at(&mut con, key, b, 1, 8);
+    let (r2, t2) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!((r1[5], r2[5]), (8, 7));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 7, t2), 7);
+    assert_eq!(t1[2], 0);
+    // The first tuple's M' counts the 7 given back: 31 + 7 = 38, so only 2
+    // of its 8 may come back, though the bucket (30) is far from full.
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, t1), 2);
+    assert_eq!(level_at(&mut con, key, b, script::T0), 32_000);
+}
+
+#[test]
+fn the_counter_outlives_every_lease_and_a_stale_or_unknown_tuple_gives_nothing_back() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let key = "t:{x}:lease:counter";
+    let ck = format!("{key}:ret");
+    let b = hourly(40);
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(c.granted(), 4);
+    assert!(pttl(&mut con, &ck) > 600_000);
+    // Given back at once: all 4 (the refill of a few ms is far from a token).
+    assert_eq!(give_back(&mut con, &LEASE_RETURN, key, b, 4, c.tuple), 4);
+    assert_eq!(returned_count(&mut con, key), 4);
+    let ttl = pttl(&mut con, &ck);
+    assert!(
+        600_000 < ttl && ttl <= RETURNED_TTL,
+        "the give-back keeps the TTL: {ttl}"
+    );
+
+    let c = lease(&mut con, key, b, 1, 4);
+    assert_eq!(c.tuple[2], 4, "the next grant carries the counter");
+    let stored = state(&mut con, key);
+    // Older than the longest lease: nothing.
+    let [t0, level, counted] = c.tuple;
+    let stale = [t0 - 600_001, level, counted];
+    assert_eq!(give_back(&mut con, &LEASE_RETURN, key, b, 4, stale), 0);
+    // A counter below the tuple's (it went backwards): nothing.
+    assert_eq!(
+        give_back(&mut con, &LEASE_RETURN, key, b, 4, [t0, level, 5]),
+        0
+    );
+    // A tuple from Redis' future (a clock stepped back): nothing.
+    assert_eq!(
+        give_back(&mut con, &LEASE_RETURN, key, b, 4, [t0 + HOUR, level, 4]),
+        0
+    );
+    // The counter gone: nothing, and it is not created.
+    redis::cmd("DEL").arg(&ck).query::<()>(&mut con).unwrap();
+    assert_eq!(give_back(&mut con, &LEASE_RETURN, key, b, 4, c.tuple), 0);
+    assert!(!exists(&mut con, &ck));
+    assert_eq!(state(&mut con, key), stored, "nothing written");
+}
+
+#[test]
+fn a_give_back_refuses_anything_but_seven_whole_numbers_per_key() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let (a, b) = ("t:{x}:lease:rerr-a", "t:{x}:lease:rerr-b");
+    let good = ["10", "1", "1000", "2", "1700000000000", "5000", "0"];
+    let mut cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (vec![], vec![]),
+        (vec![a], good[..6].to_vec()),
+        (vec![a, b], good.to_vec()),
+        (vec![a], [&good[..], &["1"]].concat()),
+    ];
+    for i in 0..good.len() {
+        for bad in ["nan", "inf", "", "2.5", "-1", "x"] {
+            let mut argv = good.to_vec();
+            argv[i] = bad;
+            cases.push((vec![a], argv));
+        }
+    }
+    // No tokens, or more than the capacity.
+    for tokens in ["0", "11"] {
+        let mut argv = good.to_vec();
+        argv[3] = tokens;
+        cases.push((vec![a], argv));
+    }
+    // A bad second key spoils the first: nothing written.
+    cases.push((vec![a, b], [&good[..], &good[..6], &["-1"]].concat()));
+    for (keys, argv) in &cases {
+        let Err(err) = script::eval_raw(&mut con, &LEASE_RETURN, keys, argv) else {
+            panic!("KEYS {keys:?} ARGV {argv:?} must fail");
+        };
+        assert_eq!(
+            (err.code(), err.detail()),
+            (Some(BAD_RETURN.0), Some(BAD_RETURN.1)),
+            "KEYS {keys:?} ARGV {argv:?}: {err}"
+        );
+    }
+    for k in [a, b] {
+        assert!(!exists(&mut con, k) && !exists(&mut con, &format!("{k}:ret")));
     }
 }

@@ -707,13 +707,14 @@ pub fn with_lease(mut cmd: Cmd, key: &str, b: Bucket, cost: i64, lease: i64) -> 
     cmd
 }
 
-/// EVAL of lua/lease.lua: its six integers.
-pub fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> [i64; 6] {
+/// EVAL of lua/lease.lua: its nine integers (the verdict, the grant and the
+/// grant's give-back tuple).
+pub fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> [i64; 9] {
     let raw: Vec<i64> = with_lease(eval(&LEASE), key, b, cost, lease)
         .query(con)
         .unwrap_or_else(|e| panic!("lease EVAL on {key} ({b:?}, cost {cost}, lease {lease}): {e}"));
     raw.try_into()
-        .unwrap_or_else(|raw| panic!("a lease reply is six integers: {raw:?}"))
+        .unwrap_or_else(|raw| panic!("a lease reply is nine integers: {raw:?}"))
 }
 
 // ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ use crate::filter::deferred::Deferred;
 use crate::filter::flow::Flow;
 use crate::filter::in_flight::InFlight;
 use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
-use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
+use crate::filter::stage::lease::{give_back, on_prefetch_reply, Held, Prefetch};
 use crate::filter::timers::Timers;
 use crate::filter::{Action as FlowAction, CalloutReply};
 use crate::scripts::{BATCH, LEASE, RATELIMIT};
@@ -75,6 +75,9 @@ pub(super) struct Shared {
     /// reply goes to the context that was running when it was sent, and
     /// only the root outlives the request that asked.
     to_prefetch: RefCell<Vec<(Command, Duration, Prefetch)>>,
+    /// The lease slots this worker filled: its tick gives their unspent
+    /// tokens back.
+    leases: RefCell<Held>,
     /// This worker's batches of decisions (None: batching is off). Its calls
     /// are the root's, so a client that leaves cancels none of them.
     batcher: RefCell<Option<Batcher<Stream>>>,
@@ -448,6 +451,7 @@ impl RootContext for Root {
                     in_flight: RefCell::new(InFlight::default()),
                     prefetches: RefCell::new(HashMap::new()),
                     to_prefetch: RefCell::new(Vec::new()),
+                    leases: RefCell::new(Held::default()),
                     batch_queue,
                     wake_pending: std::cell::Cell::new(false),
                     batcher: RefCell::new(batcher),
@@ -489,6 +493,14 @@ impl RootContext for Root {
         Root::with_batcher(&shared, (self.context_id, Some(now)), |b, host, target| {
             b.on_tick(host, target)
         });
+        // Leased tokens due back join the deferred calls sent just below.
+        if let Ok(mut held) = shared.leases.try_borrow_mut() {
+            if !held.is_empty() {
+                let mut host = Root::host_for(&shared, self.context_id, Weak::new(), Some(now));
+                host.via_root = false;
+                give_back(&mut host, &shared.config, &mut held);
+            }
+        }
         if let Ok(mut deferred) = shared.deferred.try_borrow_mut() {
             if deferred.pending() {
                 let mut host = Root::host_for(&shared, self.context_id, Weak::new(), Some(now));
@@ -544,9 +556,11 @@ impl RootContext for Root {
                     .try_borrow()
                     .map_or(true, |b| b.as_ref().is_some_and(Batcher::needs_tick));
                 let deferred_wait = shared.deferred.try_borrow().map_or(true, |d| d.pending());
+                let leases_wait = shared.leases.try_borrow().map_or(true, |h| !h.is_empty());
                 if waiting.is_empty()
                     && !batches_wait
                     && !deferred_wait
+                    && !leases_wait
                     && hostcalls::set_tick_period(Duration::ZERO).is_ok()
                 {
                     shared.ticking.set(false);
