@@ -33,8 +33,9 @@ plus the grant and what the Envoy keeps to give tokens back
   now_ms     Redis' clock at the grant (0 when nothing is granted)
   level      the bucket's credits after the grant (credits: one token is
              `period` credits), rounded up (0 when nothing is granted)
-  returned   the bucket's give-back counter (KEYS[1] .. ':ret') at the grant
-             (0 when nothing is granted)
+  returned   the bucket's give-back count (tokens given back so far, kept at
+             KEYS[1] .. ':ret' by lua/lease_return.lua) at the grant (0
+             when nothing is granted)
 
 Adaptive sizing. A grant takes at most 1/SHARE of the whole tokens the
 charge leaves. Mid-bucket a grant is the full `lease` (one call buys many
@@ -105,9 +106,17 @@ tb_flush()
 local left = r.credits - r.need
 local at, level, returned = 0, 0, 0
 if granted > 0 then
+  -- The give-back record: the count first (a little-endian double), then
+  -- lua/lease_return.lua's peaks. Created here, so it exists from the first
+  -- grant on, and its TTL renewed by every grant.
   local ck = KEYS[1] .. ':ret'
-  returned = redis.call('INCRBY', ck, 0)
-  redis.call('PEXPIRE', ck, RETURNED_TTL)
+  local rec = redis.call('GET', ck)
+  if rec and #rec >= 8 then
+    returned = struct.unpack('<d', rec)
+    redis.call('PEXPIRE', ck, RETURNED_TTL)
+  else
+    redis.call('SET', ck, struct.pack('<d', 0), 'PX', RETURNED_TTL)
+  end
   at, level = now, math.ceil(left)
 end
 return echo({ 1, 1, wire(math.floor(left / period)), 0,

@@ -25,12 +25,25 @@ and shrinks only while L2 is held at C, where it is C - L1. So at the
 give-back (t1), L2 - L1 = min(g, C - M), M the highest level L1 reached in
 [t0, t1], and giving back max(0, min(g, C - M')) for any M' >= M keeps the
 bucket at or below L2. Between t0 and t1, L1 rises only by refill and by
-give-backs (every charge lowers it), so
-  M <= M' = min(C, level(t0) + refill x (t1 - t0) + (returned(t1) - returned(t0)))
-with level(t0) the level lease.lua left and replied, returned(t) the
-bucket's give-back counter in tokens (KEYS[i] .. ':ret', counted here) and
-refill in credits per ms. Nothing on the strict path is touched: the strict
-token bucket reads and writes what it always did. When an Envoy's slot
+give-backs (every charge lowers it): after each such peak (t0's level, or
+the level a give-back left) it climbs by refill alone until the next, so
+  M <= M' = min(C, max(level(t0), P) + refill x (t1 - t0))
+with level(t0) the level lease.lua left and replied, P the highest level a
+give-back after t0 left, and refill in credits per ms. Adding up the
+give-backs instead (level(t0) + all given back since) is also a bound, but
+with two Envoys taking turns it counts every give-back of the other as a
+rise, though charges took the bucket down in between, and strands tokens.
+To know P, the record at KEYS[i] .. ':ret' holds the count of tokens given
+back (the grant's tuple carries it: every give-back after t0 has a higher
+count) and the peaks: (count, level, time) of give-backs, counts rising
+and levels falling, for a peak below a later one's level never decides P
+for any tuple. P is the level of the first peak whose count exceeds the
+tuple's. The record stays small: peaks older than the oldest tuple that
+may come back are dropped (a give-back before t0 has a count <= the
+tuple's), and beyond MAX_PEAKS the oldest two become one with the later
+count and the higher level (never lower than the truth for any tuple).
+Nothing on the strict path is touched: the strict token bucket reads and
+writes what it always did. When an Envoy's slot
 received a second grant while it still held tokens, it keeps the first
 tuple: [t0, t1] then covers both grants, and the gap starts at the first
 grant's part and only grows with the second's, so the bound holds for all
@@ -39,10 +52,11 @@ Several Envoys: each give-back is judged against the real trajectory,
 earlier give-backs included (they are in the counter), so by induction the
 bucket never holds more than it would had every given-back token never been
 taken. Spent tokens are requests a never-leasing bucket would have charged.
-The counter must never restart at 0 while a tuple is out (that would hide
-give-backs from M'): lease.lua sets its TTL to 660 s at every grant, and a
-tuple older than 600 s (the longest lease) gives nothing back here, nor one
-whose counter is missing or went backwards. As every key of the limiter, it
+The record must never start again while a tuple is out (that would hide
+peaks from M'): lease.lua creates it and sets its TTL to 660 s at every
+grant, this script keeps that TTL, and a tuple older than 600 s (the
+longest lease) gives nothing back here, nor one whose record is missing or
+whose count went backwards. As every key of the limiter, it
 assumes Redis does not evict keys. A Redis clock stepped back (failover)
 before t0 gives nothing back.
 ]]
@@ -56,6 +70,27 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- outlives every tuple that young (lua/lease.lua: 660 s after each grant).
 local OLDEST = 600000
 local PER_KEY = 7
+-- Peaks a record keeps at most (24 bytes each).
+local MAX_PEAKS = 32
+
+-- The record: count, then peaks {count, level, time}, counts rising.
+local function read_record(s)
+  local count = struct.unpack('<d', s)
+  local peaks = {}
+  for at = 9, #s - 23, 24 do
+    local c, l, t = struct.unpack('<ddd', s, at)
+    peaks[#peaks + 1] = { c, l, t }
+  end
+  return count, peaks
+end
+
+local function write_record(key, count, peaks)
+  local parts = { struct.pack('<d', count) }
+  for _, p in ipairs(peaks) do
+    parts[#parts + 1] = struct.pack('<ddd', p[1], p[2], p[3])
+  end
+  redis.call('SET', key, table.concat(parts), 'KEEPTTL')
+end
 
 local function whole(v, least)
   local x = tonumber(v)
@@ -93,24 +128,48 @@ for i, g in ipairs(back) do
   local key = KEYS[i]
   local ck = key .. ':ret'
   local given = 0
-  local counted = tonumber(redis.call('GET', ck))
-  if counted and counted >= g.returned and now >= g.t0 and now - g.t0 < OLDEST then
-    local full = g.capacity * g.period
-    local m = math.min(full, g.level + g.refill * (now - g.t0)
-                             + (counted - g.returned) * g.period)
-    given = math.min(g.tokens, math.floor((full - m) / g.period))
-    if given > 0 then
-      local r = tb_check(key, g.capacity, g.refill, g.period, 0)
-      -- r.credits <= M' by the bound, so this never cuts; kept so a bucket
-      -- is never written above full whatever a caller sends.
-      given = math.min(given, math.floor((r.full - r.credits) / g.period))
-      if given > 0 then
-        r.need = -given * g.period
-        tb_charge(r)
-        redis.call('INCRBY', ck, given)
+  local rec = redis.call('GET', ck)
+  if rec and #rec >= 8 and now >= g.t0 and now - g.t0 < OLDEST then
+    local counted, peaks = read_record(rec)
+    if counted >= g.returned then
+      local peak = g.level
+      for _, p in ipairs(peaks) do
+        if p[1] > g.returned then
+          peak = math.max(peak, p[2])
+          break
+        end
       end
+      local full = g.capacity * g.period
+      local m = math.min(full, peak + g.refill * (now - g.t0))
+      given = math.min(g.tokens, math.floor((full - m) / g.period))
+      if given > 0 then
+        local r = tb_check(key, g.capacity, g.refill, g.period, 0)
+        -- r.credits <= M' by the bound, so this never cuts; kept so a
+        -- bucket is never written above full whatever a caller sends.
+        given = math.min(given, math.floor((r.full - r.credits) / g.period))
+        if given > 0 then
+          r.need = -given * g.period
+          tb_charge(r)
+          local left = r.credits + given * g.period
+          counted = counted + given
+          -- A new peak: earlier ones at or below it never decide again.
+          while #peaks > 0 and peaks[#peaks][2] <= left do
+            peaks[#peaks] = nil
+          end
+          peaks[#peaks + 1] = { counted, left, now }
+          -- Peaks before the oldest tuple that may come back: never read.
+          while #peaks > 0 and now - peaks[1][3] >= OLDEST do
+            table.remove(peaks, 1)
+          end
+          if #peaks > MAX_PEAKS then
+            peaks[2] = { peaks[2][1], peaks[1][2], peaks[2][3] }
+            table.remove(peaks, 1)
+          end
+          write_record(ck, counted, peaks)
+        end
+      end
+      given = math.max(0, given)
     end
-    given = math.max(0, given)
   end
   out[i] = wire(given)
 end

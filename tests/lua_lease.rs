@@ -101,13 +101,34 @@ fn split(full: [i64; 9]) -> ([i64; 6], [i64; 3]) {
 /// lua/lease.lua's TTL of the give-back counter (ms).
 const RETURNED_TTL: i64 = 660_000;
 
-/// The bucket's give-back counter (0 when missing).
+/// The bucket's give-back count: the first little-endian double of its
+/// give-back record (0 when missing).
 fn returned_count(con: &mut Connection, key: &str) -> i64 {
-    let v: Option<i64> = redis::cmd("GET")
+    let v: Option<Vec<u8>> = redis::cmd("GET")
         .arg(format!("{key}:ret"))
         .query(con)
         .unwrap();
-    v.unwrap_or(0)
+    v.map_or(0, |b| {
+        let n = f64::from_le_bytes(b[..8].try_into().unwrap());
+        assert_eq!(n.fract(), 0.0, "a whole count: {n}");
+        n as i64
+    })
+}
+
+/// The record's peaks: (count, level, time) of give-backs.
+fn peaks(con: &mut Connection, key: &str) -> Vec<[i64; 3]> {
+    let b: Vec<u8> = redis::cmd("GET")
+        .arg(format!("{key}:ret"))
+        .query(con)
+        .unwrap();
+    assert_eq!((b.len() - 8) % 24, 0, "a count and whole peaks");
+    b[8..]
+        .chunks(24)
+        .map(|p| {
+            let f = |i: usize| f64::from_le_bytes(p[i * 8..i * 8 + 8].try_into().unwrap()) as i64;
+            [f(0), f(1), f(2)]
+        })
+        .collect()
 }
 
 /// EVALSHA by the SHA-1 the filter sends.
@@ -1086,19 +1107,58 @@ fn a_give_back_after_the_bucket_refilled_to_the_cap_returns_at_most_c_minus_m() 
         8
     );
     assert_eq!(level_at(&mut con, "t:{x}:lease:now", b, script::T0), 39_000);
-    // Another Envoy's give-back in between counts as a rise of the level:
-    // grants of 8 and 7 (a quarter of 30), the second given back whole,
-    // then the first judged with those 7 in the counter.
+    // Two Envoys taking turns: grants of 8 and 7 (a quarter of 30), the
+    // second given back whole, leaving 30 (a peak), then a strict request
+    // takes 10. The first is judged against the highest level since its
+    // grant, 31 (its own), not against 31 plus the 7 given back meanwhile
+    // (which would let only 2 come back): all 8, and the bucket holds 28,
+    // exactly what a bucket that never leased holds (40 - 1 - 1 - 10).
     let key = "t:{x}:lease:two";
     let (r1, t1) = lease_at(&mut con, key, b, 1, 8);
     let (r2, t2) = lease_at(&mut con, key, b, 1, 8);
     assert_eq!((r1[5], r2[5]), (8, 7));
     assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 7, t2), 7);
-    assert_eq!(t1[2], 0);
-    // The first tuple's M' counts the 7 given back: 31 + 7 = 38, so only 2
-    // of its 8 may come back, though the bucket (30) is far from full.
-    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, t1), 2);
-    assert_eq!(level_at(&mut con, key, b, script::T0), 32_000);
+    assert_eq!(peaks(&mut con, key), [[7, 30_000, script::T0]]);
+    assert!(strict_at(&mut con, key, b, 10));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, t1), 8);
+    assert_eq!(level_at(&mut con, key, b, script::T0), 28_000);
+    assert_eq!(returned_count(&mut con, key), 15);
+    // The 8 left 28, below the 30 peak: both kept, levels falling.
+    assert_eq!(
+        peaks(&mut con, key),
+        [[7, 30_000, script::T0], [15, 28_000, script::T0]]
+    );
+    // A peak above a grant's level decides its bound: grant A at 28 (cost
+    // 1, 6 granted: 21 left), the strict side takes 5 (16), grant B (cost
+    // 1, 3 granted: 12 left), A gives back 6 (18: a peak above B's 12), and
+    // B's 3 are judged against M' = 18: all 3 come back (21), what a bucket
+    // that never leased holds (28 - 1 - 5 - 1).
+    let (ra, ta) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!((ra[5], ta[1]), (6, 21_000));
+    assert!(strict_at(&mut con, key, b, 5));
+    let (rb, tb) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!((rb[5], tb[1]), (3, 12_000));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 6, ta), 6);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 3, tb), 3);
+    assert_eq!(level_at(&mut con, key, b, script::T0), 21_000);
+    assert_eq!(peaks(&mut con, key).last(), Some(&[24, 21_000, script::T0]));
+
+    // And a peak that lets the refill reach the cap: B takes 8 (31 left),
+    // the strict side 16 (15), A takes 3 at 11, B gives back 8 (19: a
+    // peak), 21 s later the bucket is full, the strict side takes 3 (37).
+    // A's level was 11, 11 + 21 < 40, but the peak's 19 + 21 reached the
+    // cap: nothing comes back (a bucket that never leased holds 37 too).
+    let key = "t:{x}:lease:peak";
+    script::set_clock(&mut con, script::T0);
+    let (rb, tb) = lease_at(&mut con, key, b, 1, 8);
+    assert!(strict_at(&mut con, key, b, 16));
+    let (ra, ta) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!((rb[5], ra[5], ta[1]), (8, 3, 11_000));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, tb), 8);
+    script::set_clock(&mut con, script::T0 + 21_000);
+    assert!(strict_at(&mut con, key, b, 3));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 3, ta), 0);
+    assert_eq!(level_at(&mut con, key, b, script::T0 + 21_000), 37_000);
 }
 
 #[test]
