@@ -24,10 +24,12 @@ pub const SLOTS: u32 = 4096;
 const RECORD: usize = 72;
 
 /// No spend on a key for this long (ms) and its Envoy gives the tokens
-/// back: well above the gaps of steady traffic (10 requests a second per
-/// Envoy and key), well below any lease that is worth having, so tokens an
-/// Envoy no longer spends are back in Redis within a tenth of a second.
-pub const IDLE_MS: u64 = 100;
+/// back: well above the gaps of steady traffic (a request a second per
+/// Envoy and key keeps its lease; a tenth of that would send tokens back
+/// and fetch them again between bursts), short beside the leases worth
+/// having (minutes), so tokens an Envoy stopped spending are back in Redis
+/// about a second later.
+pub const IDLE_MS: u64 = 1_000;
 
 /// A lease this close to its end (ms, at most a quarter of its TTL) gives
 /// its tokens back rather than let them lapse.
@@ -477,9 +479,9 @@ mod tests {
     #[test]
     fn a_slot_keeps_the_oldest_tuple_while_it_holds_tokens_and_takes_a_new_one_when_empty() {
         let slot = Slot::of(b"a");
-        let stored = slot.granted(None, 4, tuple(100), 0, 1_000, 8).unwrap();
+        let stored = slot.granted(None, 4, tuple(100), 0, 10_000, 8).unwrap();
         let stored = slot
-            .granted(Some(&stored), 3, tuple(200), 5, 1_000, 8)
+            .granted(Some(&stored), 3, tuple(200), 5, 10_000, 8)
             .unwrap();
         let (_, back) = slot
             .take_back(Some(&stored), 5 + IDLE_MS, IDLE_MS, ENDING_MS)
@@ -498,7 +500,7 @@ mod tests {
             stored = bytes(slot.step(Some(&stored), 1, 10, 50, 100, false));
         }
         let stored = slot
-            .granted(Some(&stored), 2, tuple(300), 20, 1_000, 8)
+            .granted(Some(&stored), 2, tuple(300), 20, 10_000, 8)
             .unwrap();
         let (_, back) = slot
             .take_back(Some(&stored), 20 + IDLE_MS, IDLE_MS, ENDING_MS)
@@ -513,7 +515,7 @@ mod tests {
         // Lapsed tokens count as none: the next grant's tuple too.
         let stored = slot.granted(None, 2, tuple(400), 0, 100, 8).unwrap();
         let stored = slot
-            .granted(Some(&stored), 2, tuple(500), 100, 1_000, 8)
+            .granted(Some(&stored), 2, tuple(500), 100, 10_000, 8)
             .unwrap();
         let (_, back) = slot
             .take_back(Some(&stored), 100 + IDLE_MS, IDLE_MS, ENDING_MS)

@@ -343,8 +343,8 @@ impl Host for FakeHost {
         self.deferred_scripts.push(kind.script.sha1.clone());
         Ok(())
     }
-    fn lease_held(&mut self, limit_key: &[u8], limit: usize) {
-        self.held.add(limit_key, limit);
+    fn lease_held(&mut self, slot: &crate::lease::Slot, limit_key: &[u8], limit: usize) {
+        self.held.add(slot, limit_key, limit);
     }
     fn unique_token(&mut self) -> String {
         self.tokens += 1;

@@ -230,7 +230,7 @@ fn add_grant<H: Host>(
         slot.granted(stored, granted, tuple, now_ms, expires_ms, batch)
     });
     match update {
-        Update::Written if granted > 0 => host.lease_held(limit_key, limit),
+        Update::Written if granted > 0 => host.lease_held(&slot, limit_key, limit),
         Update::Written => {}
         Update::Declined => {
             log::info!("redis-guard: lease slot taken by another key; {granted} tokens dropped");
@@ -266,18 +266,20 @@ pub const CHECK_MS: u64 = 20;
 /// for a table insert.
 #[derive(Debug, Default)]
 pub struct Held {
-    slots: HashMap<String, (Vec<u8>, usize)>,
+    /// Shared-data key -> the slot (its key's digest: hashed once, when the
+    /// grant landed), the limit key and the limit's index.
+    slots: HashMap<String, (Slot, Vec<u8>, usize)>,
     checked_ms: u64,
 }
 
 impl Held {
     /// Watches `limit_key`'s slot (at most one entry per slot: a key that
     /// took a slot over replaces the one before, whose tokens lapsed).
-    pub fn add(&mut self, limit_key: &[u8], limit: usize) {
-        let slot = Slot::of(limit_key);
-        if self.slots.get(&slot.shared_key).map(|(k, _)| k.as_slice()) != Some(limit_key) {
-            self.slots
-                .insert(slot.shared_key, (limit_key.to_vec(), limit));
+    pub fn add(&mut self, slot: &Slot, limit_key: &[u8], limit: usize) {
+        let known = self.slots.get(&slot.shared_key);
+        if known.map(|(_, k, _)| k.as_slice()) != Some(limit_key) {
+            let entry = (slot.clone(), limit_key.to_vec(), limit);
+            self.slots.insert(slot.shared_key.clone(), entry);
         }
     }
 
@@ -299,13 +301,21 @@ impl Held {
 /// number of keys, up to the deferred calls' 256 a call).
 /// Slots that hold nothing any more are forgotten. A give-back that fails
 /// loses its tokens: under-admission, never over-admission.
-pub fn give_back<H: Host>(host: &mut H, config: &Config, held: &mut Held) {
+///
+/// `slow`: this is the slow tick that runs only for watched slots, which
+/// looks every [`CHECK_MS`]. The millisecond tick that calls wait on (a
+/// batch, a background fetch) looks at most once per [`lease::IDLE_MS`]:
+/// a worker whose fast tick never stops still gives idle tokens back, and
+/// the calls' ticks do not read every watched slot each time (nor, in the
+/// cost gate, at instants that depend on the round's length).
+pub fn give_back<H: Host>(host: &mut H, config: &Config, held: &mut Held, slow: bool) {
     let now_ms = millis(host.now());
-    if now_ms < held.checked_ms.saturating_add(CHECK_MS) {
+    let every = if slow { CHECK_MS } else { lease::IDLE_MS };
+    if now_ms < held.checked_ms.saturating_add(every) {
         return;
     }
     held.checked_ms = now_ms;
-    held.slots.retain(|shared_key, (limit_key, limit)| {
+    held.slots.retain(|shared_key, (slot, limit_key, limit)| {
         let Some(l) = config.limits.get(*limit) else {
             return false;
         };
@@ -321,7 +331,6 @@ pub fn give_back<H: Host>(host: &mut H, config: &Config, held: &mut Held) {
             return false;
         };
         let ending = lease::ENDING_MS.min(millis(lease.ttl) / 4);
-        let slot = Slot::of(limit_key);
         let mut taken = Err(true);
         let update = cas::update(host, shared_key, |stored| {
             taken = slot.take_back(stored, now_ms, lease::IDLE_MS, ending);

@@ -35,11 +35,15 @@ fn fetch(cfg: &Rc<Config>, h: &mut FakeHost) -> Vec<u8> {
         .clone()
 }
 
-/// The root's tick at `ms`, with the worker's watched slots.
+/// The root's slow tick at `ms`, with the worker's watched slots.
 fn tick(cfg: &Config, h: &mut FakeHost, ms: u64) {
+    tick_at(cfg, h, ms, true);
+}
+
+fn tick_at(cfg: &Config, h: &mut FakeHost, ms: u64, slow: bool) {
     h.clock_ms = ms;
     let mut held = std::mem::take(&mut h.held);
-    give_back(h, cfg, &mut held);
+    give_back(h, cfg, &mut held, slow);
     h.held = held;
 }
 
@@ -124,15 +128,16 @@ fn a_spent_out_or_lapsed_slot_is_forgotten_without_a_call_and_a_contended_one_ke
     tick(&cfg, &mut h, 500);
     assert!(h.slot_releases.is_empty() && h.held.is_empty());
 
+    let long = leased(60_000);
     let mut h = FakeHost::get("/x");
-    fetch(&cfg, &mut h);
+    fetch(&long, &mut h);
     // Every compare-and-swap loses its race: kept, tried at the next check.
     h.lose_races = 100;
-    tick(&cfg, &mut h, IDLE_MS);
+    tick(&long, &mut h, IDLE_MS);
     assert!(h.slot_releases.is_empty());
     assert_eq!(h.held.len(), 1);
     h.lose_races = 0;
-    tick(&cfg, &mut h, IDLE_MS + CHECK_MS);
+    tick(&long, &mut h, IDLE_MS + CHECK_MS);
     assert_eq!(h.slot_releases.len(), 1);
 
     let mut h = FakeHost::get("/x");
@@ -145,11 +150,42 @@ fn a_spent_out_or_lapsed_slot_is_forgotten_without_a_call_and_a_contended_one_ke
 #[test]
 fn a_worker_watches_one_entry_per_slot_and_the_give_back_takes_seven_values_a_key() {
     let mut held = Held::default();
-    held.add(b"rg:rl:{t}:a:k1", 0);
-    held.add(b"rg:rl:{t}:a:k1", 0);
+    let (k1, k2) = (b"rg:rl:{t}:a:k1", b"rg:rl:{t}:a:k2");
+    held.add(&lease::Slot::of(k1), k1, 0);
+    held.add(&lease::Slot::of(k1), k1, 0);
     assert_eq!(held.len(), 1);
-    held.add(b"rg:rl:{t}:a:k2", 0);
+    held.add(&lease::Slot::of(k2), k2, 0);
     assert_eq!(held.len(), 2);
     assert_eq!(GIVE_BACK.per_key, 7);
     assert_eq!(GIVE_BACK.script.sha1, LEASE_RETURN.sha1);
+}
+
+#[test]
+fn the_fast_tick_looks_at_watched_slots_once_a_second_at_most() {
+    let cfg = leased(60_000);
+    let mut h = FakeHost::get("/x");
+    fetch(&cfg, &mut h);
+    h.clock_ms = 900;
+    assert_eq!(spend(&cfg, &mut h), Action::Continue);
+    // A fast tick looks (busy: spent at 900).
+    tick_at(&cfg, &mut h, IDLE_MS, false);
+    // Idle by 1900, but a fast tick within IDLE_MS of the last look does
+    // not look again.
+    tick_at(&cfg, &mut h, 900 + IDLE_MS + CHECK_MS, false);
+    assert!(h.slot_releases.is_empty());
+    // The slow tick looks every CHECK_MS: given back.
+    tick_at(&cfg, &mut h, 900 + IDLE_MS + CHECK_MS, true);
+    assert_eq!(h.slot_releases.len(), 1);
+    assert_eq!(h.slot_releases[0].2[3], "2");
+}
+
+#[test]
+fn a_fast_tick_a_second_after_its_last_look_gives_idle_tokens_back() {
+    let cfg = leased(60_000);
+    let mut h = FakeHost::get("/x");
+    fetch(&cfg, &mut h);
+    tick_at(&cfg, &mut h, IDLE_MS - 1, false);
+    assert!(h.slot_releases.is_empty(), "not a second since the start");
+    tick_at(&cfg, &mut h, IDLE_MS, false);
+    assert_eq!(h.slot_releases.len(), 1);
 }

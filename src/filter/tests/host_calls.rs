@@ -260,9 +260,9 @@ impl Host for Counting<'_> {
         self.clock();
         self.host.defer(kind, tag, args, after)
     }
-    fn lease_held(&mut self, limit_key: &[u8], limit: usize) {
+    fn lease_held(&mut self, slot: &crate::lease::Slot, limit_key: &[u8], limit: usize) {
         self.tick_root();
-        self.host.lease_held(limit_key, limit)
+        self.host.lease_held(slot, limit_key, limit)
     }
     fn batch_release(&mut self, tag: &str) {
         // Wakes the root when requests queued behind the lone call.
