@@ -923,6 +923,9 @@ struct Pot {
     from: Vec<(usize, i64)>,
 }
 
+/// The most tokens one simulated Envoy asks for and holds.
+const BATCH: i64 = 12;
+
 /// A small seeded generator: the same sequence on every run.
 struct Rng(u64);
 
@@ -965,13 +968,16 @@ fn safety_run(seed: u64, steps: usize, script: &Script) -> (i64, usize) {
             }
             30..=54 => {
                 let cost = rng.below(3);
-                let (reply, tuple) = lease_at(&mut con, key, b, cost, 1 + rng.below(12));
+                let (reply, tuple) = lease_at(&mut con, key, b, cost, 1 + rng.below(BATCH as u64));
                 (reply[0] == 1).then(|| {
                     let g = reply[5];
                     let id = grants.len();
                     grants.push(g);
                     kept.push(g);
                     let pot = &mut pots[e];
+                    // An Envoy holds at most a batch: what a grant brings
+                    // beyond it is dropped (src/lease.rs), taken for good.
+                    let g = g.min(BATCH - pot.held);
                     if g > 0 {
                         if pot.held == 0 {
                             // An empty slot takes the new tuple; one that
@@ -1054,12 +1060,8 @@ fn safety_run(seed: u64, steps: usize, script: &Script) -> (i64, usize) {
 #[test]
 fn giving_back_never_leaves_more_than_had_the_tokens_never_left() {
     let (mut back, mut cut) = (0, 0);
-    for seed in [
-        0x9E37_79B9_7F4A_7C15,
-        0xD1B5_4A32_D192_ED03,
-        0x2545_F491_4F6C_DD1D,
-    ] {
-        let (b, c) = safety_run(seed, 400, &RETURN_AT);
+    for seed in (1..=16u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) {
+        let (b, c) = safety_run(seed, 600, &RETURN_AT);
         back += b;
         cut += c;
     }
