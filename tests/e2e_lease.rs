@@ -333,3 +333,65 @@ fn a_background_fetch_meeting_noscript_is_dropped_and_the_next_fetching_request_
     assert_eq!(fetching.header("x-ratelimit-remaining"), Some("94"));
     assert_eq!(stack.upstream.executed(), 4);
 }
+
+/// Over Redis Cluster (three masters behind Envoy's redis_proxy): each
+/// tenant's grant and give-back touch its own master, the give-back record
+/// beside the bucket (same hash tag) included; nothing crosses slots.
+#[test]
+fn over_redis_cluster_each_tenants_tokens_go_back_to_its_own_master() {
+    use support::cluster::{placement, tag, tenants, ClusterStack};
+    let cfg = filter_config(3000)
+        .hash_tag(r#"[{"header":"x-tenant"}]"#)
+        .limits(
+            r#"[{"name":"leased","match":{"pathPrefix":"/api/"},
+            "descriptor":[{"header":"x-tenant"}],
+            "tokenBucket":{"capacity":40,"refill":1,"periodMs":3600000},
+            "lease":{"tokens":5,"ttlMs":600000}}]"#,
+        )
+        .build();
+    let stack = ClusterStack::start(&cfg);
+    let tenants = tenants(6);
+    let placed = placement(&stack.cluster, &tenants);
+    let e = &stack.envoys[0];
+    // One request per tenant: each fetches its request plus 5 tokens.
+    for t in &tenants {
+        assert_eq!(get(&e.url("/api/x"), &[("x-tenant", t)]).status, 200);
+    }
+    assert_eq!(e.counter("redis_guard.lease.fetches"), 6);
+    // The Envoy gets no more traffic: every tenant's 5 go back, each to
+    // the master that owns the tenant's slot.
+    let counts = || -> Vec<u64> {
+        tenants
+            .iter()
+            .map(|t| {
+                let node = placed[t];
+                let keys = stack
+                    .cluster
+                    .keys_on(node, &format!("*{{{}}}*:ret", tag(t)));
+                keys.first().map_or(0, |k| {
+                    let record: Vec<u8> = redis::cmd("GET")
+                        .arg(k)
+                        .query(&mut stack.cluster.conn(node))
+                        .unwrap();
+                    f64::from_le_bytes(record[..8].try_into().unwrap()) as u64
+                })
+            })
+            .collect()
+    };
+    poll_eq(
+        "every tenant's 5 given back",
+        vec![5; 6],
+        Duration::from_secs(15),
+        counts,
+    );
+    // The other Envoy admits each tenant's whole bucket but the first request.
+    let other = &stack.envoys[1];
+    for t in &tenants {
+        let ok = (0..45)
+            .filter(|_| get(&other.url("/api/x"), &[("x-tenant", t)]).status == 200)
+            .count();
+        assert_eq!(ok, 39, "tenant {t}");
+    }
+    assert_eq!(stack.upstream.executed(), 6 * 40);
+    stack.assert_clean();
+}
