@@ -122,6 +122,7 @@ fn an_envoy_that_stops_getting_traffic_gives_its_batch_back_and_never_spends_it(
         given_back(&stack.redis, &key)
     });
     assert_eq!(tokens_in_redis(&stack.redis, &key, 40, hourly), 39);
+    assert_eq!(e1.counter("redis_guard.lease.returned"), 5);
     // All other traffic goes to e2, which admits every one of them.
     assert_eq!(until_refused(&[e2], 60), 39);
     // e1 spends nothing it gave back: its requests are Redis' to decide.

@@ -39,7 +39,7 @@ const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
 const KINDS: [&str; 6] = ["timeout", "dispatch", "http", "redis", "reply", "auth"];
 /// Every series without labels, by its name after `redis_guard_`.
-const PLAIN: [&str; 45] = [
+const PLAIN: [&str; 46] = [
     "redis_calls",
     "batch_calls",
     "batch_alone",
@@ -58,6 +58,7 @@ const PLAIN: [&str; 45] = [
     "overlimit_cache_rejected",
     "lease_fetches",
     "lease_spent",
+    "lease_returned",
     "idempotency_acquired",
     "idempotency_replayed",
     "idempotency_conflicted",
@@ -279,6 +280,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     want.verdicts("leased", [3, 3, 0, 0]);
     want.set("lease_fetches", 1);
     want.set("lease_spent", 2);
+    want.set("lease_returned", 2);
     want.set("overlimit_cache_rejected", 1);
     want.set("redis_script_reloads", 5);
     for (stat, n) in [

@@ -346,11 +346,12 @@ pub fn give_back<H: Host>(host: &mut H, config: &Config, held: &mut Held, slow: 
                     (vec![limit_key.clone()], args),
                     Duration::ZERO,
                 );
-                if let Err(why) = sent {
-                    log::warn!(
+                match sent {
+                    Ok(()) => host.count_n(Counter::LeaseReturned, back.tokens),
+                    Err(why) => log::warn!(
                         "redis-guard: cannot give {} leased tokens back (lost): {why}",
                         back.tokens
-                    );
+                    ),
                 }
                 false
             }

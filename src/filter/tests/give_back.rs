@@ -78,6 +78,7 @@ fn an_idle_keys_unspent_tokens_go_back_once_with_the_grants_tuple() {
         )]
     );
     assert_eq!(h.deferred_scripts, std::slice::from_ref(&LEASE_RETURN.sha1));
+    assert_eq!(h.counted_n, [(Counter::LeaseReturned, 1)]);
     assert_eq!(h.release_delays, [Duration::ZERO], "sent this tick");
     assert!(h.held.is_empty(), "nothing held: forgotten");
     // The token went back: the next request goes to Redis (strictly: the
