@@ -18,8 +18,10 @@ ARGV[5]  lease: the most extra tokens to hand out (>= 1)
          anything else is an error reply and nothing is written.
 
 Returns a flat array, the layout of lua/ratelimit.lua's reply for one limit
-plus the grant:
-  [admitted, allowed, remaining, retry_ms, reset_ms, granted]
+plus the grant and what the Envoy keeps to give tokens back
+(lua/lease_return.lua):
+  [admitted, allowed, remaining, retry_ms, reset_ms, granted,
+   now_ms, level, returned]
   admitted = allowed: 1 when the bucket held `cost` tokens (charged), else 0
              (nothing written, granted 0)
   remaining  tokens left in Redis after the charge and the grant
@@ -27,16 +29,35 @@ plus the grant:
   reset_ms   admitted: ms until the bucket is full again (the key's TTL);
              rejected: equal to retry_ms
   granted    tokens taken for the caller beyond `cost`:
-             min(lease, whole tokens left after the charge)
+             min(lease, floor(whole tokens left after the charge / SHARE))
+  now_ms     Redis' clock at the grant (0 when nothing is granted)
+  level      the bucket's credits after the grant (credits: one token is
+             `period` credits), rounded up (0 when nothing is granted)
+  returned   the bucket's give-back count (tokens given back so far, kept at
+             KEYS[1] .. ':ret' by lua/lease_return.lua) at the grant (0
+             when nothing is granted)
+
+Adaptive sizing. A grant takes at most 1/SHARE of the whole tokens the
+charge leaves. Mid-bucket a grant is the full `lease` (one call buys many
+requests); as the bucket empties grants shrink, and once fewer than SHARE
+tokens are left they are 0: every request is decided here, one token at a
+time, exactly as the strict bucket would. SHARE = 4: each grant leaves at
+least 3/4 of the remainder in Redis, so however many Envoys fetch in turn,
+the tokens they hold together are a bounded share of what they took from
+(k grants in a row leave (3/4)^k, and every Envoy gives back what it does
+not spend); 8 would halve the grants mid-bucket (twice the calls) for a
+shortfall that give-back already bounds.
 
 Why this cannot over-admit: every leased token leaves the bucket here, before
-any request spends it; the Envoy only spends what it was granted, and drops
-what is left when its lease ends. The price is under-admission: tokens an
-Envoy holds but does not spend are lost to the others, at most `lease` per
-Envoy and key at a time.
+any request spends it; the Envoy only spends what it was granted, and gives
+back (lua/lease_return.lua) only what the bucket would still hold had those
+tokens never left: see that script's header for the proof. The price is
+under-admission bounded by the tokens actually in flight: held by an Envoy
+that still spends them, on their way back, or lost with a give-back that
+failed.
 
-Composition: src/scripts.rs joins lua/nonce.lua, lua/wire.lua and lua/token_bucket.lua at the marker
-below.
+Composition: src/scripts.rs joins lua/nonce.lua, lua/wire.lua and
+lua/token_bucket.lua at the marker below.
 Clock: Redis TIME, read once.
 ]]
 
@@ -65,15 +86,39 @@ if #KEYS ~= 1 or #ARGV ~= 5 or not (capacity and refill and period and cost and 
   return redis.error_reply('ERR redis-guard lease: one key and five numbers')
 end
 
+-- See the header: each grant at most 1/SHARE of what the charge leaves.
+local SHARE = 4
+-- The give-back counter lives this long after the last grant (ms): longer
+-- than the longest lease (600 s, src/config/limit.rs) by a minute, so it
+-- never expires, nor starts again at 0, while a tuple handed out here may
+-- still come back (lua/lease_return.lua takes none older than 600 s).
+local RETURNED_TTL = 660000
+
 local r = tb_check(KEYS[1], capacity, refill, period, cost)
 if r.allowed == 0 then
-  return echo({ 0, 0, wire(r.remaining), wire(r.retry), wire(r.reset), 0 })
+  return echo({ 0, 0, wire(r.remaining), wire(r.retry), wire(r.reset), 0, 0, 0, 0 })
 end
 local spare = math.floor((r.credits - r.need) / period)
-local granted = math.min(lease, spare)
+local granted = math.min(lease, math.floor(spare / SHARE))
 r.need = r.need + granted * period
 tb_charge(r)
 tb_flush()
 local left = r.credits - r.need
+local at, level, returned = 0, 0, 0
+if granted > 0 then
+  -- The give-back record: the count first (a little-endian double), then
+  -- lua/lease_return.lua's peaks. Created here, so it exists from the first
+  -- grant on, and its TTL renewed by every grant.
+  local ck = KEYS[1] .. ':ret'
+  local rec = redis.call('GET', ck)
+  if rec and #rec >= 8 then
+    returned = struct.unpack('<d', rec)
+    redis.call('PEXPIRE', ck, RETURNED_TTL)
+  else
+    redis.call('SET', ck, struct.pack('<d', 0), 'PX', RETURNED_TTL)
+  end
+  at, level = now, math.ceil(left)
+end
 return echo({ 1, 1, wire(math.floor(left / period)), 0,
-              wire(math.ceil((r.full - left) / refill)), wire(granted) })
+              wire(math.ceil((r.full - left) / refill)), wire(granted),
+              wire(at), wire(level), wire(returned) })

@@ -7,11 +7,43 @@
 //! whether a worker is fetching more. Only one worker fetches at a time; the
 //! others decide their requests in Redis meanwhile (exact, just slower), so an
 //! Envoy holds at most one batch per key: the bound on tokens it can strand.
+//!
+//! Unspent tokens go back to Redis (lua/lease_return.lua) when the lease
+//! is about to end or the key's traffic stopped: taken out of the slot with
+//! the same compare-and-swap the spends use, so a token is spent or given
+//! back, never both. The slot keeps the tuple Redis replied with the grant,
+//! which bounds what Redis may take back (the script's header has the proof).
 
+use crate::codec::decimal;
 use crate::keys::{record_u64, shared_slot, shared_slot_of};
 
-/// Slots per Envoy (each 40 bytes of shared data).
+/// Slots per Envoy (each 72 bytes of shared data).
 pub const SLOTS: u32 = 4096;
+
+/// Bytes of a slot's record.
+const RECORD: usize = 72;
+
+/// No spend on a key for this long (ms) and its Envoy gives the tokens
+/// back: well above the gaps of steady traffic (a request a second per
+/// Envoy and key keeps its lease; a tenth of that would send tokens back
+/// and fetch them again between bursts), short beside the leases worth
+/// having (minutes), so tokens an Envoy stopped spending are back in Redis
+/// about a second later.
+pub const IDLE_MS: u64 = 1_000;
+
+/// A lease this close to its end (ms, at most a quarter of its TTL) gives
+/// its tokens back rather than let them lapse.
+pub const ENDING_MS: u64 = 50;
+
+/// What lua/lease.lua replied with a grant, for giving its tokens back:
+/// Redis' clock (ms), the bucket's level after the grant (credits) and the
+/// bucket's give-back counter then.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tuple {
+    pub at_ms: u64,
+    pub level: u64,
+    pub returned: u64,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct State {
@@ -21,20 +53,34 @@ struct State {
     expires_ms: u64,
     /// Proxy clock, ms: a worker is fetching a lease until then.
     fetching_until_ms: u64,
+    /// Proxy clock, ms: the last spend (or grant) of this key.
+    active_ms: u64,
+    /// The tuple of the oldest grant whose tokens are still held.
+    tuple: Tuple,
 }
 
 impl State {
     fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(40);
+        let mut out = Vec::with_capacity(RECORD);
         out.extend_from_slice(&self.digest);
-        out.extend_from_slice(&self.tokens.to_be_bytes());
-        out.extend_from_slice(&self.expires_ms.to_be_bytes());
-        out.extend_from_slice(&self.fetching_until_ms.to_be_bytes());
+        for v in [
+            self.tokens,
+            self.expires_ms,
+            self.fetching_until_ms,
+            self.active_ms,
+            self.tuple.at_ms,
+            self.tuple.level,
+            self.tuple.returned,
+        ] {
+            out.extend_from_slice(&v.to_be_bytes());
+        }
         out
     }
 
+    /// A record of another length (an older filter's 40 bytes) is no
+    /// record: its tokens are dropped (under-admission only).
     fn decode(bytes: &[u8]) -> Option<State> {
-        if bytes.len() != 40 {
+        if bytes.len() != RECORD {
             return None;
         }
         let mut digest = [0u8; 16];
@@ -44,8 +90,53 @@ impl State {
             tokens: record_u64(bytes, 0),
             expires_ms: record_u64(bytes, 1),
             fetching_until_ms: record_u64(bytes, 2),
+            active_ms: record_u64(bytes, 3),
+            tuple: Tuple {
+                at_ms: record_u64(bytes, 4),
+                level: record_u64(bytes, 5),
+                returned: record_u64(bytes, 6),
+            },
         })
     }
+}
+
+/// Tokens taken out of a slot to go back to Redis, with the tuple that
+/// bounds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Back {
+    pub tokens: u64,
+    pub tuple: Tuple,
+}
+
+impl Back {
+    /// lua/lease_return.lua's seven ARGV values for this give-back to a
+    /// bucket of `capacity`, `refill` per `period_ms`.
+    pub fn args(&self, capacity: u64, refill: u64, period_ms: u64) -> [Vec<u8>; 7] {
+        [
+            capacity,
+            refill,
+            period_ms,
+            self.tokens,
+            self.tuple.at_ms,
+            self.tuple.level,
+            self.tuple.returned,
+        ]
+        .map(decimal)
+    }
+}
+
+/// The hash tag of a rate-limit key (`...{<tag>}...`): give-backs of one
+/// tag go in one call, which Redis Cluster routes to one slot. A key
+/// without one: the empty tag.
+pub fn tag_of(limit_key: &[u8]) -> String {
+    let Some(open) = limit_key.iter().position(|b| *b == b'{') else {
+        return String::new();
+    };
+    let rest = &limit_key[open + 1..];
+    rest.iter()
+        .position(|b| *b == b'}')
+        .map(|close| String::from_utf8_lossy(&rest[..close]).into_owned())
+        .unwrap_or_default()
 }
 
 /// What a request on a leased limit does next.
@@ -112,6 +203,8 @@ impl Slot {
                 tokens: 0,
                 expires_ms: 0,
                 fetching_until_ms: 0,
+                active_ms: 0,
+                tuple: Tuple::default(),
             })
     }
 
@@ -139,6 +232,7 @@ impl Slot {
         if usable >= cost {
             let left = usable - cost;
             s.tokens = left;
+            s.active_ms = now_ms;
             let mut prefetch = None;
             if left < low_water(batch) && !fetching {
                 s.fetching_until_ms = now_ms.saturating_add(fetch_for_ms);
@@ -162,12 +256,15 @@ impl Slot {
 
     /// The fetch answered: `granted` tokens usable until `expires_ms`, added
     /// to whatever is left of the current lease, never more than `batch`;
-    /// the fetch claim ends. `None`: the slot went to another key meanwhile
-    /// (this key's claim lapsed): the grant is dropped, not merged.
+    /// the fetch claim ends. The slot keeps the tuple of the oldest grant it
+    /// still holds tokens of (its bound covers the later grants too).
+    /// `None`: the slot went to another key meanwhile (this key's claim
+    /// lapsed): the grant is dropped, not merged.
     pub fn granted(
         &self,
         stored: Option<&[u8]>,
         granted: u64,
+        tuple: Tuple,
         now_ms: u64,
         expires_ms: u64,
         batch: u64,
@@ -177,10 +274,49 @@ impl Slot {
         }
         let mut s = self.state(stored);
         let left = if now_ms < s.expires_ms { s.tokens } else { 0 };
+        if left == 0 {
+            s.tuple = tuple;
+        }
         s.tokens = left.saturating_add(granted).min(batch);
         s.expires_ms = expires_ms;
         s.fetching_until_ms = 0;
+        s.active_ms = now_ms;
         Some(s.encode())
+    }
+
+    /// Takes every unspent token out of this key's slot to give back, when
+    /// the lease ends within `ending_ms` or nothing was spent for
+    /// `idle_ms`: the record to write (compare-and-swap) and what goes
+    /// back. `Err(true)`: tokens held, not yet to give back; `Err(false)`:
+    /// none held (spent, lapsed, or the slot is another key's): the worker
+    /// may forget the slot.
+    pub fn take_back(
+        &self,
+        stored: Option<&[u8]>,
+        now_ms: u64,
+        idle_ms: u64,
+        ending_ms: u64,
+    ) -> Result<(Vec<u8>, Back), bool> {
+        let s = stored
+            .and_then(State::decode)
+            .filter(|s| s.digest == self.digest);
+        let Some(mut s) = s else {
+            return Err(false);
+        };
+        if now_ms >= s.expires_ms || s.tokens == 0 {
+            return Err(false);
+        }
+        let idle = now_ms.saturating_sub(s.active_ms) >= idle_ms;
+        let ending = s.expires_ms.saturating_sub(now_ms) <= ending_ms;
+        if !idle && !ending {
+            return Err(true);
+        }
+        let back = Back {
+            tokens: s.tokens,
+            tuple: s.tuple,
+        };
+        s.tokens = 0;
+        Ok((s.encode(), back))
     }
 
     /// The fetch failed: release the claim so another worker may try
@@ -209,6 +345,13 @@ impl Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A grant's tuple, when the test does not look at it.
+    const T: Tuple = Tuple {
+        at_ms: 1,
+        level: 2,
+        returned: 3,
+    };
 
     fn bytes(step: Step) -> Vec<u8> {
         match step {
@@ -243,7 +386,7 @@ mod tests {
     #[test]
     fn granted_tokens_are_spent_exactly_once_and_lapse() {
         let slot = Slot::of(b"bucket");
-        let mut stored = slot.granted(None, 3, 0, 100, 3).unwrap();
+        let mut stored = slot.granted(None, 3, T, 0, 100, 3).unwrap();
         let mut spent = 0;
         while let Step::Spend { bytes, .. } = slot.step(Some(&stored), 1, 10, 50, 3, false) {
             stored = bytes;
@@ -251,7 +394,7 @@ mod tests {
         }
         assert_eq!(spent, 3, "exactly the grant");
         assert_eq!(slot.tokens(Some(&stored), 10), 0);
-        let stored = slot.granted(Some(&stored), 5, 20, 100, 5).unwrap();
+        let stored = slot.granted(Some(&stored), 5, T, 20, 100, 5).unwrap();
         assert!(
             matches!(
                 slot.step(Some(&stored), 6, 30, 50, 5, true),
@@ -274,7 +417,7 @@ mod tests {
     fn a_batch_running_low_starts_the_next_fetch_once_and_never_holds_more() {
         let slot = Slot::of(b"bucket");
         // Batch of 8: the low-water mark is 4.
-        let mut stored = slot.granted(None, 8, 0, 1_000, 8).unwrap();
+        let mut stored = slot.granted(None, 8, T, 0, 1_000, 8).unwrap();
         let mut prefetches = Vec::new();
         for _ in 0..8 {
             match slot.step(Some(&stored), 1, 10, 50, 8, true) {
@@ -289,21 +432,25 @@ mod tests {
         assert_eq!(prefetches, vec![5]);
         // While it is out, an empty slot sends requests to Redis.
         assert_eq!(slot.step(Some(&stored), 1, 20, 50, 8, true), Step::Strict);
-        let stored = slot.granted(Some(&stored), 5, 30, 1_000, 8).unwrap();
+        let stored = slot.granted(Some(&stored), 5, T, 30, 1_000, 8).unwrap();
         assert_eq!(slot.tokens(Some(&stored), 30), 5);
     }
 
     #[test]
     fn a_key_whose_slot_holds_another_live_lease_goes_to_redis_and_evicts_nothing() {
         let a = Slot::of(b"a");
-        let stored = a.granted(None, 10, 0, 1_000, 10).unwrap();
+        let stored = a.granted(None, 10, T, 0, 1_000, 10).unwrap();
         let b = Slot {
             shared_key: a.shared_key.clone(),
             digest: [9; 16],
         };
         assert_eq!(b.step(Some(&stored), 1, 10, 50, 10, true), Step::Strict);
         assert_eq!(b.tokens(Some(&stored), 10), 0);
-        assert_eq!(b.granted(Some(&stored), 5, 10, 1_000, 10), None, "no merge");
+        assert_eq!(
+            b.granted(Some(&stored), 5, T, 10, 1_000, 10),
+            None,
+            "no merge"
+        );
         assert_eq!(b.fetch_failed(Some(&stored)), None);
         assert_eq!(a.tokens(Some(&stored), 10), 10, "a's lease intact");
         // Once a's lease lapsed, b may take the slot.
@@ -316,8 +463,147 @@ mod tests {
     #[test]
     fn a_grant_never_lifts_an_envoy_above_one_batch() {
         let slot = Slot::of(b"a");
-        let stored = slot.granted(None, 6, 0, 1_000, 8).unwrap();
-        let stored = slot.granted(Some(&stored), 6, 1, 1_000, 8).unwrap();
+        let stored = slot.granted(None, 6, T, 0, 1_000, 8).unwrap();
+        let stored = slot.granted(Some(&stored), 6, T, 1, 1_000, 8).unwrap();
         assert_eq!(slot.tokens(Some(&stored), 2), 8);
+    }
+
+    fn tuple(at_ms: u64) -> Tuple {
+        Tuple {
+            at_ms,
+            level: 40_000,
+            returned: 7,
+        }
+    }
+
+    #[test]
+    fn a_slot_keeps_the_oldest_tuple_while_it_holds_tokens_and_takes_a_new_one_when_empty() {
+        let slot = Slot::of(b"a");
+        let stored = slot.granted(None, 4, tuple(100), 0, 10_000, 8).unwrap();
+        let stored = slot
+            .granted(Some(&stored), 3, tuple(200), 5, 10_000, 8)
+            .unwrap();
+        let (_, back) = slot
+            .take_back(Some(&stored), 5 + IDLE_MS, IDLE_MS, ENDING_MS)
+            .unwrap();
+        assert_eq!(
+            back,
+            Back {
+                tokens: 7,
+                tuple: tuple(100)
+            },
+            "the older bound covers both"
+        );
+        // Spent to 0, then granted again: the new grant's tuple.
+        let mut stored = stored;
+        for _ in 0..7 {
+            stored = bytes(slot.step(Some(&stored), 1, 10, 50, 100, false));
+        }
+        let stored = slot
+            .granted(Some(&stored), 2, tuple(300), 20, 10_000, 8)
+            .unwrap();
+        let (_, back) = slot
+            .take_back(Some(&stored), 20 + IDLE_MS, IDLE_MS, ENDING_MS)
+            .unwrap();
+        assert_eq!(
+            back,
+            Back {
+                tokens: 2,
+                tuple: tuple(300)
+            }
+        );
+        // Lapsed tokens count as none: the next grant's tuple too.
+        let stored = slot.granted(None, 2, tuple(400), 0, 100, 8).unwrap();
+        let stored = slot
+            .granted(Some(&stored), 2, tuple(500), 100, 10_000, 8)
+            .unwrap();
+        let (_, back) = slot
+            .take_back(Some(&stored), 100 + IDLE_MS, IDLE_MS, ENDING_MS)
+            .unwrap();
+        assert_eq!(back.tuple, tuple(500));
+    }
+
+    #[test]
+    fn tokens_go_back_once_idle_or_ending_and_are_then_neither_spent_nor_given_again() {
+        let slot = Slot::of(b"a");
+        let stored = slot.granted(None, 5, T, 0, 10_000, 8).unwrap();
+        let stored = bytes(slot.step(Some(&stored), 1, 40, 50, 8, false));
+        // Spent at 40: not idle until 40 + IDLE_MS.
+        assert_eq!(
+            slot.take_back(Some(&stored), 40 + IDLE_MS - 1, IDLE_MS, ENDING_MS),
+            Err(true)
+        );
+        let (taken, back) = slot
+            .take_back(Some(&stored), 40 + IDLE_MS, IDLE_MS, ENDING_MS)
+            .unwrap();
+        assert_eq!(back.tokens, 4);
+        assert_eq!(slot.tokens(Some(&taken), 200), 0, "none left to spend");
+        assert_eq!(slot.step(Some(&taken), 1, 200, 50, 8, false), Step::Strict);
+        assert_eq!(
+            slot.take_back(Some(&taken), 300, IDLE_MS, ENDING_MS),
+            Err(false)
+        );
+        // Busy but ending: given back before it lapses.
+        let stored = slot.granted(None, 5, T, 0, 1_000, 8).unwrap();
+        let stored = bytes(slot.step(Some(&stored), 1, 940, 50, 8, false));
+        assert_eq!(
+            slot.take_back(Some(&stored), 949, IDLE_MS, ENDING_MS),
+            Err(true)
+        );
+        assert_eq!(
+            slot.take_back(Some(&stored), 950, IDLE_MS, ENDING_MS)
+                .map(|(_, b)| b.tokens),
+            Ok(4)
+        );
+        // Lapsed: nothing (Redis would refuse nothing, but the Envoy no
+        // longer counts them as held).
+        assert_eq!(
+            slot.take_back(Some(&stored), 1_000, IDLE_MS, ENDING_MS),
+            Err(false)
+        );
+        // Another key's record, or none: nothing, and forget it.
+        let other = Slot::of(b"b").granted(None, 5, T, 0, 1_000, 8).unwrap();
+        assert_eq!(
+            slot.take_back(Some(&other), 500, IDLE_MS, ENDING_MS),
+            Err(false)
+        );
+        assert_eq!(slot.take_back(None, 500, IDLE_MS, ENDING_MS), Err(false));
+    }
+
+    #[test]
+    fn an_older_filters_record_is_no_record() {
+        let slot = Slot::of(b"a");
+        let mut old = slot.granted(None, 5, T, 0, 1_000, 8).unwrap();
+        old.truncate(40);
+        assert_eq!(slot.tokens(Some(&old), 10), 0);
+        assert_eq!(
+            slot.take_back(Some(&old), 500, IDLE_MS, ENDING_MS),
+            Err(false)
+        );
+    }
+
+    #[test]
+    fn a_give_back_names_the_bucket_and_the_tuple_in_the_scripts_order() {
+        let back = Back {
+            tokens: 3,
+            tuple: Tuple {
+                at_ms: 1_764_900_000_123,
+                level: 31_000,
+                returned: 9,
+            },
+        };
+        let args: Vec<String> = back
+            .args(40, 1, 1000)
+            .iter()
+            .map(|a| String::from_utf8(a.clone()).unwrap())
+            .collect();
+        assert_eq!(
+            args,
+            ["40", "1", "1000", "3", "1764900000123", "31000", "9"]
+        );
+        assert_eq!(tag_of(b"rg:rl:{0123abcd}:a:tb2.1:x"), "0123abcd");
+        assert_eq!(tag_of(b"rg:rl:{}:a"), "");
+        assert_eq!(tag_of(b"no-tag"), "");
+        assert_eq!(tag_of(b"rg:{open"), "");
     }
 }

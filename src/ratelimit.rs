@@ -444,23 +444,32 @@ pub fn parse_verdict(reply: &Reply, n: usize) -> Result<Verdict, String> {
     }
 }
 
-/// Reads lua/lease.lua's reply: one limit's outcome, then the tokens granted.
-pub fn parse_lease(reply: &Reply) -> Result<(Outcome, u64), String> {
+/// Reads lua/lease.lua's reply: one limit's outcome, the tokens granted and
+/// the grant's tuple (what bounds their give-back).
+pub fn parse_lease(reply: &Reply) -> Result<(Outcome, u64, crate::lease::Tuple), String> {
     let Reply::Array(Some(items)) = reply else {
         return Err(format!("expected an array, got {reply:?}"));
     };
-    if items.len() != 6 {
-        return Err(format!("expected 6 items, got {}", items.len()));
+    if items.len() != 9 {
+        return Err(format!("expected 9 items, got {}", items.len()));
     }
     let outcome = parse_outcome(&Reply::Array(Some(items[..5].to_vec())), 1)?;
-    let granted = items[5]
-        .as_int()
-        .and_then(|g| u64::try_from(g).ok())
-        .ok_or("bad grant")?;
+    let [granted, at_ms, level, returned] = [5, 6, 7, 8].map(|i| {
+        items[i]
+            .as_int()
+            .and_then(|v| u64::try_from(v).ok())
+            .ok_or("bad grant")
+    });
+    let granted = granted?;
     if granted > 0 && !outcome.admitted {
         return Err("a grant with a rejection".to_string());
     }
-    Ok((outcome, granted))
+    let tuple = crate::lease::Tuple {
+        at_ms: at_ms?,
+        level: level?,
+        returned: returned?,
+    };
+    Ok((outcome, granted, tuple))
 }
 
 /// One limit's verdict, as the script returns it.

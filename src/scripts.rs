@@ -217,6 +217,18 @@ pub static LEASE: LazyLock<Script> = LazyLock::new(|| {
     ))
 });
 
+/// Leased tokens an Envoy gives back, every bucket of one hash tag in one
+/// call (lua/lease_return.lua with the token bucket joined in).
+pub static LEASE_RETURN: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(compose(
+        include_str!("../lua/lease_return.lua"),
+        &[
+            include_str!("../lua/wire.lua"),
+            include_str!("../lua/token_bucket.lua"),
+        ],
+    ))
+});
+
 /// Renews the leases of a running request's concurrency slots
 /// (lua/concurrency_renew.lua with lua/concurrency_slots.lua joined in).
 pub static CC_RENEW: LazyLock<Script> = LazyLock::new(|| {
@@ -397,6 +409,10 @@ mod tests {
         assert!(src.contains("local function tb_check"));
         assert!(src.contains("tb_flush()"));
         assert!(!src.contains("gcra_check") && !src.contains("flush_all"));
+        let back = &LEASE_RETURN.source;
+        assert!(back.find("local function wire") < back.find("local function tb_check"));
+        assert!(back.find("local function tb_check") < back.find("local OLDEST"));
+        assert!(!back.contains(ALGORITHMS) && !back.contains("gcra_check"));
     }
 
     #[test]

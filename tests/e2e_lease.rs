@@ -1,9 +1,10 @@
 //! Token leases end to end, two Envoy processes (two workers each) sharing one
 //! bucket in Redis. A leased token leaves Redis before any request spends it,
-//! so the Envoys together never admit more than the bucket holds; an Envoy
-//! that stops getting traffic strands at most one batch (`tokens`) until its
-//! lease ends. Both bounds are asserted exactly, with no refill during the
-//! test (one token per hour).
+//! so the Envoys together never admit more than the bucket holds; grants
+//! shrink as the bucket empties, and an Envoy that stops getting traffic
+//! gives its unspent tokens back (lua/lease_return.lua), so the other admits
+//! them. Both bounds are asserted, with no refill to speak of during a test
+//! (one token per hour, or 100 a day).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -17,14 +18,82 @@ use support::probe::*;
 use support::*;
 
 fn config(capacity: u64, tokens: u64, ttl_ms: u64) -> String {
+    config_refilled(capacity, (1, 3_600_000), tokens, ttl_ms)
+}
+
+/// A leased bucket refilled `refill` tokens every `period_ms`.
+fn config_refilled(
+    capacity: u64,
+    (refill, period_ms): (u64, u64),
+    tokens: u64,
+    ttl_ms: u64,
+) -> String {
     filter_config(2000)
         .limits(&format!(
             r#"[{{"name":"leased","match":{{"pathPrefix":"/api/"}},
             "descriptor":[{{"header":"x-user"}}],
-            "tokenBucket":{{"capacity":{capacity},"refill":1,"periodMs":3600000}},
+            "tokenBucket":{{"capacity":{capacity},"refill":{refill},"periodMs":{period_ms}}},
             "lease":{{"tokens":{tokens},"ttlMs":{ttl_ms}}}}}]"#
         ))
         .build()
+}
+
+/// The bucket's key, once a grant created its give-back record
+/// (`<key>:ret`, lua/lease.lua).
+fn bucket_key(redis: &Redis) -> String {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:ret")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(keys.len(), 1, "one leased bucket: {keys:?}");
+    keys[0].strip_suffix(":ret").unwrap().to_string()
+}
+
+/// Tokens given back to the bucket so far: the first little-endian double
+/// of its give-back record.
+fn given_back(redis: &Redis, key: &str) -> u64 {
+    let record: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(format!("{key}:ret"))
+        .query(&mut redis.conn())
+        .unwrap();
+    record.map_or(0, |b| f64::from_le_bytes(b[..8].try_into().unwrap()) as u64)
+}
+
+/// Whole tokens the bucket holds in Redis now: `capacity` tokens of
+/// `period_ms` credits, `refill` credits a ms.
+fn tokens_in_redis(
+    redis: &Redis,
+    key: &str,
+    capacity: i64,
+    (refill, period_ms): (i64, i64),
+) -> u64 {
+    let mut con = redis.conn();
+    let now = redis_now_ms(&mut con);
+    let full = capacity * period_ms;
+    let credits = match read_bucket(&mut con, key) {
+        None => full,
+        Some((c, t)) => full.min(c + (now - t).max(0) * refill),
+    };
+    (credits / period_ms) as u64
+}
+
+/// Sends requests to `envoys` in turn until a whole round of them is
+/// refused; returns how many were admitted (bounded: `most` requests).
+fn until_refused(envoys: &[&Envoy], most: usize) -> u64 {
+    let mut admitted = 0;
+    let mut refused_in_a_row = 0;
+    for i in 0..most {
+        if status(envoys[i % envoys.len()]) == 200 {
+            admitted += 1;
+            refused_in_a_row = 0;
+        } else {
+            refused_in_a_row += 1;
+            if refused_in_a_row == envoys.len() {
+                break;
+            }
+        }
+    }
+    admitted
 }
 
 fn status(e: &Envoy) -> u16 {
@@ -36,56 +105,87 @@ fn admitted(e: &Envoy, n: usize) -> usize {
 }
 
 #[test]
-fn an_envoy_that_stops_getting_traffic_strands_exactly_one_batch() {
-    // 20 tokens, batches of 5, leases that outlive the test.
-    let stack = Stack::start(&config(20, 5, 600_000), 2);
+fn an_envoy_that_stops_getting_traffic_gives_its_batch_back_and_never_spends_it() {
+    // 40 tokens, batches of 5, leases that outlive the test.
+    let stack = Stack::start(&config(40, 5, 600_000), 2);
     let (e1, e2) = (&stack.envoys[0], &stack.envoys[1]);
+    let hourly = (1, 3_600_000);
 
-    // e1 fetches: its request plus 5 tokens leave the bucket (14 left).
+    // e1 fetches: its request plus 5 tokens leave the bucket (34 left; a
+    // quarter of 39 holds the batch).
     assert_eq!(admitted(e1, 1), 1);
     assert_eq!(e1.counter("redis_guard.lease.fetches"), 1);
-    // All other traffic goes to e2, which can only get the 14 still in Redis.
-    assert_eq!(admitted(e2, 30), 14);
-    // 20 - 5: e1's unspent batch is the whole shortfall.
-    assert_eq!(stack.upstream.executed(), 15);
-
-    // Traffic back at e1: it spends its batch without deciding a request in
-    // Redis (its only calls are background fetches, which find the bucket
-    // empty), then is refused.
-    let calls = e1.counter("redis_guard.redis.calls");
-    let fetches = e1.counter("redis_guard.lease.fetches");
-    assert_eq!(admitted(e1, 5), 5);
-    assert_eq!(e1.counter("redis_guard.lease.spent"), 5);
-    // A background fetch is counted as a call when queued and as a fetch
-    // when answered: wait (bounded) for the answers before comparing.
-    let start = std::time::Instant::now();
-    let (sent, answered) = loop {
-        let sent = e1.counter("redis_guard.redis.calls") - calls;
-        let answered = e1.counter("redis_guard.lease.fetches") - fetches;
-        if sent == answered || start.elapsed() > Duration::from_secs(3) {
-            break (sent, answered);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(answered >= 1, "the low batch started a fetch");
-    assert_eq!(sent, answered, "every call was a lease fetch");
+    let key = bucket_key(&stack.redis);
+    assert_eq!(given_back(&stack.redis, &key), 0);
+    // e1 gets no more traffic: a second later its 5 go back to Redis.
+    poll_eq("e1's batch given back", 5, Duration::from_secs(10), || {
+        given_back(&stack.redis, &key)
+    });
+    assert_eq!(tokens_in_redis(&stack.redis, &key, 40, hourly), 39);
+    assert_eq!(e1.counter("redis_guard.lease.returned"), 5);
+    // All other traffic goes to e2, which admits every one of them.
+    assert_eq!(until_refused(&[e2], 60), 39);
+    // e1 spends nothing it gave back: its requests are Redis' to decide.
     assert_eq!(admitted(e1, 3), 0);
-    // Exactly the bucket, no more.
-    assert_eq!(stack.upstream.executed(), 20);
+    assert_eq!(e1.counter("redis_guard.lease.spent"), 0);
+    // Exactly the bucket, no more, no less.
+    assert_eq!(stack.upstream.executed(), 40);
 }
 
 #[test]
-fn an_unspent_batch_lapses_with_its_lease_and_is_never_spent_after() {
-    // Leases of 2 s: e1's batch is void before it gets traffic again (and
-    // long enough for e2 to spend its own on a loaded machine).
-    let stack = Stack::start(&config(10, 4, 2_000), 2);
+fn two_envoys_taking_turns_on_a_limit_of_100_admit_at_least_98_and_never_more() {
+    // 100 tokens, 100 a day (a token every 14.4 min: none during the test),
+    // batches of 10, leases that outlive the test.
+    let daily = (100, 86_400_000);
+    let stack = Stack::start(&config_refilled(100, daily, 10, 600_000), 2);
     let (e1, e2) = (&stack.envoys[0], &stack.envoys[1]);
-    assert_eq!(admitted(e1, 1), 1);
-    assert_eq!(admitted(e2, 20), 5, "10 - 1 - 4 held by e1");
-    // Wait out e1's lease (the proxy's clock; no refill in an hour).
-    std::thread::sleep(Duration::from_millis(2_100));
-    assert_eq!(admitted(e1, 5), 0, "the lapsed batch is gone");
-    assert_eq!(stack.upstream.executed(), 6);
+    let redis = &stack.redis;
+    let per_ms = (daily.0 as i64, daily.1 as i64);
+
+    // Turns of 7 requests, five each: every one admitted.
+    let mut ok = 0;
+    for _ in 0..5 {
+        ok += admitted(e1, 7) as u64;
+        ok += admitted(e2, 7) as u64;
+    }
+    assert_eq!(ok, 70);
+    let key = bucket_key(redis);
+    // e1 takes one more turn and stops; what the Envoys hold (or is on its
+    // way to them) is what neither they admitted nor Redis holds.
+    ok += admitted(e1, 7) as u64;
+    assert_eq!(ok, 77);
+    let held = 100 - ok - tokens_in_redis(redis, &key, 100, per_ms);
+    assert!(held > 0, "the Envoys hold tokens after their turns");
+    // Both idle: their tokens come back (the bound may keep at most a
+    // couple back, never more than were held).
+    let back = given_back(redis, &key);
+    poll(
+        "the held tokens given back",
+        Duration::from_secs(10),
+        || (ok + tokens_in_redis(redis, &key, 100, per_ms) >= 98).then_some(()),
+    );
+    assert!(given_back(redis, &key) > back);
+    assert!(ok + tokens_in_redis(redis, &key, 100, per_ms) <= 100);
+    // e2 goes on alone: it admits what came back, e1's included.
+    let in_redis = tokens_in_redis(redis, &key, 100, per_ms);
+    let alone = until_refused(&[e2], 60);
+    assert!(
+        alone >= in_redis,
+        "e2 admits what Redis held: {alone} of {in_redis}"
+    );
+    ok += alone;
+    // Both again, until both are refused with nothing left in Redis (a
+    // refused Envoy holds nothing: it would have spent it).
+    poll(
+        "both refused with the bucket empty",
+        Duration::from_secs(10),
+        || {
+            ok += until_refused(&[e1, e2], 40);
+            (tokens_in_redis(redis, &key, 100, per_ms) == 0).then_some(())
+        },
+    );
+    assert!((98..=100).contains(&ok), "admitted {ok} of 100");
+    assert_eq!(stack.upstream.executed(), ok, "every admission counted");
 }
 
 #[test]
@@ -120,17 +220,20 @@ fn two_envoys_under_concurrent_load_never_admit_more_than_the_bucket() {
     // unspent batch per Envoy.
     assert!(admitted <= capacity, "over-admitted: {admitted}");
     assert!(admitted >= capacity - 2 * 8, "under-admitted: {admitted}");
-    // Whatever was not admitted is held by the Envoys, not lost in Redis:
-    // draining both (sequentially) reaches the bucket exactly.
-    let more = admitted_both(&stack, 40);
-    assert_eq!(admitted + more, capacity);
-}
-
-fn admitted_both(stack: &Stack, n: usize) -> u64 {
-    (0..n)
-        .map(|i| status(&stack.envoys[i % 2]))
-        .filter(|s| *s == 200)
-        .count() as u64
+    // Whatever was not admitted is held by the Envoys or back in Redis:
+    // draining both reaches the bucket, but for at most the couple of
+    // tokens a give-back's bound may keep.
+    let envoys = [&stack.envoys[0], &stack.envoys[1]];
+    let mut more = 0;
+    poll("the rest admitted", Duration::from_secs(10), || {
+        more += until_refused(&envoys, 80);
+        (admitted + more >= capacity - 2).then_some(())
+    });
+    assert!(
+        admitted + more <= capacity,
+        "over-admitted: {admitted} + {more}"
+    );
+    assert_eq!(stack.upstream.executed(), admitted + more);
 }
 
 /// The full set of rate-limit fields a response decided by Redis carries.
@@ -230,4 +333,66 @@ fn a_background_fetch_meeting_noscript_is_dropped_and_the_next_fetching_request_
     // took nothing from the bucket.
     assert_eq!(fetching.header("x-ratelimit-remaining"), Some("94"));
     assert_eq!(stack.upstream.executed(), 4);
+}
+
+/// Over Redis Cluster (three masters behind Envoy's redis_proxy): each
+/// tenant's grant and give-back touch its own master, the give-back record
+/// beside the bucket (same hash tag) included; nothing crosses slots.
+#[test]
+fn over_redis_cluster_each_tenants_tokens_go_back_to_its_own_master() {
+    use support::cluster::{placement, tag, tenants, ClusterStack};
+    let cfg = filter_config(3000)
+        .hash_tag(r#"[{"header":"x-tenant"}]"#)
+        .limits(
+            r#"[{"name":"leased","match":{"pathPrefix":"/api/"},
+            "descriptor":[{"header":"x-tenant"}],
+            "tokenBucket":{"capacity":40,"refill":1,"periodMs":3600000},
+            "lease":{"tokens":5,"ttlMs":600000}}]"#,
+        )
+        .build();
+    let stack = ClusterStack::start(&cfg);
+    let tenants = tenants(6);
+    let placed = placement(&stack.cluster, &tenants);
+    let e = &stack.envoys[0];
+    // One request per tenant: each fetches its request plus 5 tokens.
+    for t in &tenants {
+        assert_eq!(get(&e.url("/api/x"), &[("x-tenant", t)]).status, 200);
+    }
+    assert_eq!(e.counter("redis_guard.lease.fetches"), 6);
+    // The Envoy gets no more traffic: every tenant's 5 go back, each to
+    // the master that owns the tenant's slot.
+    let counts = || -> Vec<u64> {
+        tenants
+            .iter()
+            .map(|t| {
+                let node = placed[t];
+                let keys = stack
+                    .cluster
+                    .keys_on(node, &format!("*{{{}}}*:ret", tag(t)));
+                keys.first().map_or(0, |k| {
+                    let record: Vec<u8> = redis::cmd("GET")
+                        .arg(k)
+                        .query(&mut stack.cluster.conn(node))
+                        .unwrap();
+                    f64::from_le_bytes(record[..8].try_into().unwrap()) as u64
+                })
+            })
+            .collect()
+    };
+    poll_eq(
+        "every tenant's 5 given back",
+        vec![5; 6],
+        Duration::from_secs(15),
+        counts,
+    );
+    // The other Envoy admits each tenant's whole bucket but the first request.
+    let other = &stack.envoys[1];
+    for t in &tenants {
+        let ok = (0..45)
+            .filter(|_| get(&other.url("/api/x"), &[("x-tenant", t)]).status == 200)
+            .count();
+        assert_eq!(ok, 39, "tenant {t}");
+    }
+    assert_eq!(stack.upstream.executed(), 6 * 40);
+    stack.assert_clean();
 }

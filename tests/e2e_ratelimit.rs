@@ -541,7 +541,8 @@ fn figures_of_2_to_the_31_and_more_reach_the_filter_through_webdis() {
         retry > (1 << 31) / 1000 && retry <= period.div_ceil(1000),
         "Retry-After {retry}"
     );
-    // The lease grant itself is above 2^31.
+    // The lease's reply: a grant of a quarter of 3e9 (750 million) and
+    // its tuple, Redis' clock and the level in credits (above 2^31).
     let r = get(&e.url("/leased"), &user);
     assert_eq!(r.status, 200);
     assert_eq!(e.counter("redis_guard.lease.fetches"), 1);

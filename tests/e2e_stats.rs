@@ -39,7 +39,7 @@ const LIMITS: [&str; 4] = ["burst", "trial.v2", "local-two", "leased"];
 const VERDICTS: [&str; 4] = ["checked", "allowed", "rejected", "shadow_rejected"];
 const KINDS: [&str; 6] = ["timeout", "dispatch", "http", "redis", "reply", "auth"];
 /// Every series without labels, by its name after `redis_guard_`.
-const PLAIN: [&str; 45] = [
+const PLAIN: [&str; 46] = [
     "redis_calls",
     "batch_calls",
     "batch_alone",
@@ -58,6 +58,7 @@ const PLAIN: [&str; 45] = [
     "overlimit_cache_rejected",
     "lease_fetches",
     "lease_spent",
+    "lease_returned",
     "idempotency_acquired",
     "idempotency_replayed",
     "idempotency_conflicted",
@@ -257,7 +258,20 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     // an EVAL after the first NOSCRIPT of each script (the decision, shared
     // by lone and keyed requests, the lease, the store, the release) on a
     // fresh Redis.
-    want.set("redis_calls", 6 + 1 + 9 + 4);
+    // The lease's 2 unspent tokens go back to Redis a second after its last
+    // spend (the requests above take longer): one give-back, EVALSHA then
+    // EVAL on this fresh Redis (lua/lease_return.lua).
+    poll(
+        "the lease's unspent tokens given back",
+        Duration::from_secs(10),
+        || {
+            let mut con = redis.conn();
+            let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("*:ret").query(&mut con).ok()?;
+            let record: Vec<u8> = redis::cmd("GET").arg(keys.first()?).query(&mut con).ok()?;
+            (record.get(..8)? == 2f64.to_le_bytes()).then_some(())
+        },
+    );
+    want.set("redis_calls", 6 + 1 + 9 + 4 + 2);
     want.set("batch_calls", 0);
     want.set("batch_alone", 6);
     want.verdicts("burst", [7, 5, 2, 0]);
@@ -266,8 +280,9 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     want.verdicts("leased", [3, 3, 0, 0]);
     want.set("lease_fetches", 1);
     want.set("lease_spent", 2);
+    want.set("lease_returned", 2);
     want.set("overlimit_cache_rejected", 1);
-    want.set("redis_script_reloads", 4);
+    want.set("redis_script_reloads", 5);
     for (stat, n) in [
         ("acquired", 3),
         ("replayed", 1),
@@ -313,7 +328,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     assert_eq!(local, vec![200, 200, 429]);
     // Two more calls (each timed out, each one latency sample), each a
     // request alone: the breaker hears of each.
-    want.set("redis_calls", 20 + 2);
+    want.set("redis_calls", 22 + 2);
     want.set("batch_alone", 6 + 2);
     want.set("failure_mode_local", 3);
     want.set("local_allowed", 2);
@@ -343,7 +358,7 @@ fn prometheus_scrape_counts_every_decision_exactly() {
     assert_eq!(r.status, 200);
     // The probe's call, decided by Redis, closed the breaker: a probe goes
     // alone, not in a batch.
-    want.set("redis_calls", 23);
+    want.set("redis_calls", 25);
     want.set("circuit_closed", 1);
     want.set("circuit_open_workers", 0);
     want.verdicts("burst", [12, 6, 2, 0]);

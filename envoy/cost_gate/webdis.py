@@ -191,12 +191,24 @@ class Redis:
 
     # ---- lua/lease.lua ----------------------------------------------------
 
+    # Redis' clock in the replies that carry one: a constant, as every
+    # figure here is.
+    NOW_MS = 1_764_900_000_000
+
     def _lease(self, _keys, argv, nonce):
         capacity, refill, period, cost, lease = (int(v) for v in argv[:5])
-        granted = min(lease, capacity - cost)
+        # A quarter of the whole tokens the charge leaves (lua/lease.lua).
+        granted = min(lease, (capacity - cost) // 4)
         left = (capacity - cost - granted) * period
         reset = math.ceil((capacity * period - left) / refill)
-        return array([1, 1, left // period, 0, reset, granted], nonce)
+        tuple_ = [self.NOW_MS, left, 0] if granted > 0 else [0, 0, 0]
+        return array([1, 1, left // period, 0, reset, granted] + tuple_, nonce)
+
+    # ---- lua/lease_return.lua ---------------------------------------------
+
+    def _lease_return(self, keys, argv, _nonce):
+        # Every token comes back (the bench's buckets are never near full).
+        return array([int(argv[7 * i + 3]) for i in range(len(keys))])
 
     # ---- lua/idempotency_complete.lua -------------------------------------
 

@@ -68,6 +68,9 @@ pub enum Counter {
     LeaseSpent,
     /// A call that fetched a token lease.
     LeaseFetched,
+    /// Leased tokens a worker sent back to Redis (counted as sent: Redis
+    /// may keep some back, and a failed give-back loses them).
+    LeaseReturned,
     /// A call that carried a batch of decisions (of any size; also counted
     /// in the Redis calls).
     BatchCalls,
@@ -200,7 +203,7 @@ pub const CALLOUT_LATENCY_US: &str = "redis_guard.redis.callout_latency_us";
 
 /// The counter events that name no limit and no error kind, in the order
 /// of [`Counter::all`] (and of [`Counter::index`]).
-const FIXED: [Counter; 44] = [
+const FIXED: [Counter; 45] = [
     Counter::RedisCalls,
     Counter::ScriptReloads,
     Counter::RedisRetries,
@@ -245,12 +248,13 @@ const FIXED: [Counter; 44] = [
     Counter::UsageLost,
     Counter::PartInvalid,
     Counter::Denied,
+    Counter::LeaseReturned,
 ];
 
 impl Counter {
     /// Every counter event a configuration with `limits` limits can raise.
     pub fn all(limits: usize) -> Vec<Counter> {
-        let mut all = Vec::with_capacity(7 * limits + 45);
+        let mut all = Vec::with_capacity(7 * limits + 46);
         for i in 0..limits {
             all.extend([
                 Counter::Checked(i),
@@ -326,6 +330,7 @@ impl Counter {
             Counter::UsageLost => fixed + 41,
             Counter::PartInvalid => fixed + 42,
             Counter::Denied => fixed + 43,
+            Counter::LeaseReturned => fixed + 44,
         })
     }
 
@@ -405,6 +410,7 @@ impl Counter {
             Counter::PartInvalid => fixed("descriptor.invalid"),
             Counter::UsageLost => fixed("usage.lost"),
             Counter::Denied => fixed("denied"),
+            Counter::LeaseReturned => fixed("lease.returned"),
         }
     }
 }
@@ -424,10 +430,10 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 51
+        // The stat list as the README and tests/e2e_stats.rs know it: 52
         // fixed stats (the gauge included) and seven per limit.
-        assert_eq!(names(0).len(), 51);
-        assert_eq!(names(2).len(), 51 + 14);
+        assert_eq!(names(0).len(), 52);
+        assert_eq!(names(2).len(), 52 + 14);
         assert!(names(1).contains("redis_guard.ratelimit.l0.shadow_rejected"));
         assert!(names(0).contains("redis_guard.redis.errors_by_kind.timeout"));
         assert!(names(0).iter().all(|n| n.starts_with("redis_guard.")));

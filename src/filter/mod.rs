@@ -186,6 +186,10 @@ pub trait Host: RequestView {
         args: crate::ratelimit::ScriptArgs,
         after: Duration,
     ) -> Result<(), String>;
+    /// This worker received a grant for `limit_key` (limit `limit`): its
+    /// root watches the slot and gives back the unspent tokens
+    /// ([`stage::lease::give_back`]).
+    fn lease_held(&mut self, slot: &crate::lease::Slot, limit_key: &[u8], limit: usize);
     /// The call [`Host::batch_alone`] allowed is over (answered, failed, or
     /// its stream gone): requests that queued behind it may leave.
     fn batch_release(&mut self, tag: &str);

@@ -88,6 +88,8 @@ pub struct FakeHost {
     pub added_trailers: Vec<(String, Vec<u8>)>,
     /// Filter state set, in order (name, value).
     pub filter_state: Vec<(String, Vec<u8>)>,
+    /// The lease slots this worker watches ([`Host::lease_held`]).
+    pub held: crate::filter::stage::lease::Held,
 }
 
 /// An object-store call's headers and body.
@@ -340,6 +342,9 @@ impl Host for FakeHost {
         self.release_delays.push(after);
         self.deferred_scripts.push(kind.script.sha1.clone());
         Ok(())
+    }
+    fn lease_held(&mut self, slot: &crate::lease::Slot, limit_key: &[u8], limit: usize) {
+        self.held.add(slot, limit_key, limit);
     }
     fn unique_token(&mut self) -> String {
         self.tokens += 1;

@@ -707,13 +707,45 @@ pub fn with_lease(mut cmd: Cmd, key: &str, b: Bucket, cost: i64, lease: i64) -> 
     cmd
 }
 
-/// EVAL of lua/lease.lua: its six integers.
-pub fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> [i64; 6] {
+/// EVAL of lua/lease.lua: its nine integers (the verdict, the grant and the
+/// grant's give-back tuple).
+pub fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> [i64; 9] {
     let raw: Vec<i64> = with_lease(eval(&LEASE), key, b, cost, lease)
         .query(con)
         .unwrap_or_else(|e| panic!("lease EVAL on {key} ({b:?}, cost {cost}, lease {lease}): {e}"));
     raw.try_into()
-        .unwrap_or_else(|raw| panic!("a lease reply is six integers: {raw:?}"))
+        .unwrap_or_else(|raw| panic!("a lease reply is nine integers: {raw:?}"))
+}
+
+/// A leased bucket's give-back count: the first little-endian double of its
+/// give-back record `<key>:ret` (lua/lease.lua, lua/lease_return.lua); 0
+/// when missing.
+pub fn lease_returned(con: &mut Connection, key: &str) -> i64 {
+    let v: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(format!("{key}:ret"))
+        .query(con)
+        .unwrap();
+    v.map_or(0, |b| {
+        let n = f64::from_le_bytes(b[..8].try_into().unwrap());
+        assert_eq!(n.fract(), 0.0, "a whole count: {n}");
+        n as i64
+    })
+}
+
+/// The give-back record's peaks: (count, level, time) of give-backs.
+pub fn lease_peaks(con: &mut Connection, key: &str) -> Vec<[i64; 3]> {
+    let b: Vec<u8> = redis::cmd("GET")
+        .arg(format!("{key}:ret"))
+        .query(con)
+        .unwrap();
+    assert_eq!((b.len() - 8) % 24, 0, "a count and whole peaks");
+    b[8..]
+        .chunks(24)
+        .map(|p| {
+            let f = |i: usize| f64::from_le_bytes(p[i * 8..i * 8 + 8].try_into().unwrap()) as i64;
+            [f(0), f(1), f(2)]
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------

@@ -332,6 +332,20 @@ impl Host for ProxyHost<'_> {
         Ok(())
     }
 
+    fn lease_held(&mut self, slot: &crate::lease::Slot, limit_key: &[u8], limit: usize) {
+        let Some(shared) = self.shared else {
+            return;
+        };
+        // Watched on the root's tick: only once a tick is sure to come.
+        if let Err(e) = shared.tick_slow(self.context_id) {
+            log::warn!("redis-guard: no tick; leased tokens are not given back: {e}");
+            return;
+        }
+        if let Ok(mut held) = shared.leases.try_borrow_mut() {
+            held.add(slot, limit_key, limit);
+        }
+    }
+
     fn unique_token(&mut self) -> String {
         use std::hash::BuildHasher;
         let Some(shared) = self.shared else {

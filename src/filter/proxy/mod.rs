@@ -19,7 +19,7 @@ use crate::filter::deferred::Deferred;
 use crate::filter::flow::Flow;
 use crate::filter::in_flight::InFlight;
 use crate::filter::stage::batch::{Batcher, Verdict as BatchVerdict, Waiter};
-use crate::filter::stage::lease::{on_prefetch_reply, Prefetch};
+use crate::filter::stage::lease::{give_back, on_prefetch_reply, Held, Prefetch};
 use crate::filter::timers::Timers;
 use crate::filter::{Action as FlowAction, CalloutReply};
 use crate::scripts::{BATCH, LEASE, RATELIMIT};
@@ -75,6 +75,9 @@ pub(super) struct Shared {
     /// reply goes to the context that was running when it was sent, and
     /// only the root outlives the request that asked.
     to_prefetch: RefCell<Vec<(Command, Duration, Prefetch)>>,
+    /// The lease slots this worker filled: its tick gives their unspent
+    /// tokens back.
+    leases: RefCell<Held>,
     /// This worker's batches of decisions (None: batching is off). Its calls
     /// are the root's, so a client that leaves cancels none of them.
     batcher: RefCell<Option<Batcher<Stream>>>,
@@ -92,6 +95,9 @@ pub(super) struct Shared {
     /// timer (Envoy re-creates it), so streams that end more often than
     /// once a millisecond would keep the tick from ever firing.
     ticking: std::cell::Cell<bool>,
+    /// The tick runs at [`LEASE_TICK`]: only watched lease slots wait for
+    /// it.
+    slow: std::cell::Cell<bool>,
 }
 
 /// A batch member as the worker knows it: its stream's context and flow.
@@ -111,14 +117,28 @@ impl Shared {
     /// Turns the root's tick on, unless it is on; `me` is the context
     /// running now (the period is the root's to set).
     pub(super) fn tick(&self, me: u32) -> Result<(), String> {
+        if self.ticking.get() && !self.slow.get() {
+            return Ok(());
+        }
+        self.set_tick(me, TICK)
+    }
+
+    /// Turns the root's tick on at [`LEASE_TICK`] at least (any tick that
+    /// runs will do): for watched lease slots, which need no millisecond.
+    pub(super) fn tick_slow(&self, me: u32) -> Result<(), String> {
         if self.ticking.get() {
             return Ok(());
         }
+        self.set_tick(me, LEASE_TICK)
+    }
+
+    fn set_tick(&self, me: u32, period: Duration) -> Result<(), String> {
         let _ = hostcalls::set_effective_context(self.root_id);
-        let set = hostcalls::set_tick_period(TICK);
+        let set = hostcalls::set_tick_period(period);
         let _ = hostcalls::set_effective_context(me);
         set.map_err(|e| format!("{e:?}"))?;
         self.ticking.set(true);
+        self.slow.set(period == LEASE_TICK);
         Ok(())
     }
 
@@ -192,6 +212,12 @@ pub(super) type FlowRef = Weak<RefCell<Flow>>;
 /// How often the root looks at `waiting` while something waits.
 /// Short: a background lease fetch waits for the next tick to be sent.
 pub(super) const TICK: Duration = Duration::from_millis(1);
+
+/// The tick while only watched lease slots wait for it: a millisecond tick
+/// for the minutes a lease lasts would wake every worker a thousand times a
+/// second for nothing.
+pub(super) const LEASE_TICK: Duration =
+    Duration::from_millis(crate::filter::stage::lease::CHECK_MS);
 
 struct Root {
     context_id: u32,
@@ -448,11 +474,13 @@ impl RootContext for Root {
                     in_flight: RefCell::new(InFlight::default()),
                     prefetches: RefCell::new(HashMap::new()),
                     to_prefetch: RefCell::new(Vec::new()),
+                    leases: RefCell::new(Held::default()),
                     batch_queue,
                     wake_pending: std::cell::Cell::new(false),
                     batcher: RefCell::new(batcher),
                     deferred: RefCell::new(Deferred::default()),
                     ticking: std::cell::Cell::new(false),
+                    slow: std::cell::Cell::new(false),
                 }));
                 true
             }
@@ -489,6 +517,14 @@ impl RootContext for Root {
         Root::with_batcher(&shared, (self.context_id, Some(now)), |b, host, target| {
             b.on_tick(host, target)
         });
+        // Leased tokens due back join the deferred calls sent just below.
+        if let Ok(mut held) = shared.leases.try_borrow_mut() {
+            if !held.is_empty() {
+                let mut host = Root::host_for(&shared, self.context_id, Weak::new(), Some(now));
+                host.via_root = false;
+                give_back(&mut host, &shared.config, &mut held, shared.slow.get());
+            }
+        }
         if let Ok(mut deferred) = shared.deferred.try_borrow_mut() {
             if deferred.pending() {
                 let mut host = Root::host_for(&shared, self.context_id, Weak::new(), Some(now));
@@ -544,12 +580,21 @@ impl RootContext for Root {
                     .try_borrow()
                     .map_or(true, |b| b.as_ref().is_some_and(Batcher::needs_tick));
                 let deferred_wait = shared.deferred.try_borrow().map_or(true, |d| d.pending());
+                let leases_wait = shared.leases.try_borrow().map_or(true, |h| !h.is_empty());
+                // Only watched lease slots wait: a slower tick will do.
+                let period = if leases_wait {
+                    LEASE_TICK
+                } else {
+                    Duration::ZERO
+                };
                 if waiting.is_empty()
                     && !batches_wait
                     && !deferred_wait
-                    && hostcalls::set_tick_period(Duration::ZERO).is_ok()
+                    && !(leases_wait && shared.slow.get())
+                    && hostcalls::set_tick_period(period).is_ok()
                 {
-                    shared.ticking.set(false);
+                    shared.ticking.set(leases_wait);
+                    shared.slow.set(leases_wait);
                 }
                 let flows = shared.wakeable.try_borrow().ok();
                 due.into_iter()

@@ -193,7 +193,7 @@ fn leased_with_tokens() -> (Rc<Config>, FakeHost) {
     first.on_callout_reply(
         &mut h,
         1,
-        ok(b"*6\r\n:1\r\n:1\r\n:96\r\n:0\r\n:4000\r\n:3\r\n"),
+        ok(b"*9\r\n:1\r\n:1\r\n:96\r\n:0\r\n:4000\r\n:3\r\n:1000\r\n:96000\r\n:0\r\n"),
     );
     assert_eq!(count(&h, Counter::LeaseFetched), 1);
     (cfg, h)

@@ -260,6 +260,10 @@ impl Host for Counting<'_> {
         self.clock();
         self.host.defer(kind, tag, args, after)
     }
+    fn lease_held(&mut self, slot: &crate::lease::Slot, limit_key: &[u8], limit: usize) {
+        self.tick_root();
+        self.host.lease_held(slot, limit_key, limit)
+    }
     fn batch_release(&mut self, tag: &str) {
         // Wakes the root when requests queued behind the lone call.
         self.note("enqueue_shared_queue (at most)", 1);
@@ -361,7 +365,7 @@ fn an_admitted_request_makes_these_host_calls_in_each_bench_scenario() {
     first.on_callout_reply(
         &mut h,
         1,
-        ok(b"*6\r\n:1\r\n:1\r\n:999999899\r\n:0\r\n:1000\r\n:100\r\n"),
+        ok(b"*9\r\n:1\r\n:1\r\n:999999899\r\n:0\r\n:1000\r\n:100\r\n:1000\r\n:96000\r\n:0\r\n"),
     );
     let e = one_request(&cfg, &mut h, |_, _| ());
     assert_eq!((h.dispatched.len(), count(&h, Counter::LeaseSpent)), (1, 1));

@@ -7,6 +7,7 @@ mod batch;
 mod concurrency;
 mod counted;
 mod envoy_like;
+mod give_back;
 mod grpc;
 mod host_calls;
 mod idempotency;

@@ -456,7 +456,7 @@ fn a_leased_limit_spends_its_grant_locally_and_fetches_one_at_a_time() {
     first.on_callout_reply(
         &mut h,
         1,
-        ok(b"*6\r\n:1\r\n:1\r\n:96\r\n:0\r\n:4000\r\n:3\r\n"),
+        ok(b"*9\r\n:1\r\n:1\r\n:96\r\n:0\r\n:4000\r\n:3\r\n:1000\r\n:96000\r\n:0\r\n"),
     );
     assert_eq!(h.resumed, 1);
     assert_eq!(count(&h, Counter::LeaseFetched), 1);
@@ -481,7 +481,7 @@ fn a_leased_limit_spends_its_grant_locally_and_fetches_one_at_a_time() {
     on_prefetch_reply(
         &mut h,
         &note,
-        ok(b"*6\r\n:1\r\n:1\r\n:92\r\n:0\r\n:8000\r\n:3\r\n"),
+        ok(b"*9\r\n:1\r\n:1\r\n:92\r\n:0\r\n:8000\r\n:3\r\n:1000\r\n:96000\r\n:0\r\n"),
     );
     assert_eq!(count(&h, Counter::LeaseFetched), 2);
     let mut spend = Flow::new(cfg.clone(), test_breaker());
@@ -497,7 +497,7 @@ fn a_leased_limit_spends_its_grant_locally_and_fetches_one_at_a_time() {
     late.on_callout_reply(
         &mut h,
         4,
-        ok(b"*6\r\n:0\r\n:0\r\n:0\r\n:700\r\n:700\r\n:0\r\n"),
+        ok(b"*9\r\n:0\r\n:0\r\n:0\r\n:700\r\n:700\r\n:0\r\n:0\r\n:0\r\n:0\r\n"),
     );
     assert_eq!(h.sent.last().map(|r| r.status), Some(429));
     h.clock_ms = 1_300;
@@ -518,7 +518,7 @@ fn leased_tokens_are_spent_even_when_redis_is_known_to_be_empty() {
     first.on_callout_reply(
         &mut h,
         1,
-        ok(b"*6\r\n:1\r\n:1\r\n:0\r\n:0\r\n:4000\r\n:2\r\n"),
+        ok(b"*9\r\n:1\r\n:1\r\n:0\r\n:0\r\n:4000\r\n:2\r\n:1000\r\n:96000\r\n:0\r\n"),
     );
     // Another worker's strict call learnt the bucket is empty for a while.
     let plan = Plan::build(&cfg, &RequestLine::read(&h), &h).unwrap();
@@ -561,6 +561,7 @@ fn a_worker_that_found_a_key_missing_cannot_overwrite_one_created_meanwhile() {
 fn a_failed_background_fetch_frees_the_claim() {
     let note = Prefetch {
         limit_key: b"k".to_vec(),
+        limit: 0,
         ttl: Duration::from_millis(500),
         sent_at: Duration::ZERO,
         batch: 4,
