@@ -34,10 +34,10 @@ pub fn root() -> PathBuf {
 /// per-process counter hands each out once, so parallel tests never race for
 /// the same port the way two `bind(0)`-then-release calls can. Another test
 /// process on the machine (a second suite, a CI run beside a developer's)
-/// walks the same range: each port is also claimed by a lock on a file named
-/// after it, held until this process ends (the kernel drops the lock of a
-/// process that died, so no claim goes stale), and a port another process
-/// holds is skipped even while nothing listens on it yet.
+/// walks the same range: each port is also claimed by an abstract Unix
+/// socket named after it, held until this process ends (the kernel frees it
+/// with a process that died, so no claim goes stale), and a port another
+/// process holds is skipped even while nothing listens on it yet.
 pub fn free_port() -> u16 {
     use std::sync::atomic::AtomicU32;
     const LOW: u32 = 20_000;
@@ -58,25 +58,23 @@ pub fn free_port() -> u16 {
     panic!("no free port on 127.0.0.1");
 }
 
-/// Locks `<tmp>/redis-guard-test-ports/<port>` for the rest of this process
-/// (the open file is kept), or false when another process holds it.
+/// Binds the abstract Unix socket `redis-guard-test-port-<port>` for the
+/// rest of this process (the listener is kept), or false when another
+/// process holds that name. An abstract name needs no file and the kernel
+/// frees it with the process, however the process ends.
 fn claim_port(port: u16) -> bool {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
     use std::sync::Mutex;
-    static HELD: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
-    let dir = std::env::temp_dir().join("redis-guard-test-ports");
-    let _ = std::fs::create_dir_all(&dir);
-    let Ok(file) = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.join(port.to_string()))
-    else {
+    static HELD: Mutex<Vec<UnixListener>> = Mutex::new(Vec::new());
+    let name = format!("redis-guard-test-port-{port}");
+    let Ok(addr) = UnixAddr::from_abstract_name(name.as_bytes()) else {
         return false;
     };
-    if file.try_lock().is_err() {
+    let Ok(claim) = UnixListener::bind_addr(&addr) else {
         return false;
-    }
-    HELD.lock().unwrap_or_else(|e| e.into_inner()).push(file);
+    };
+    HELD.lock().unwrap_or_else(|e| e.into_inner()).push(claim);
     true
 }
 
