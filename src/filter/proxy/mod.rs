@@ -587,10 +587,12 @@ impl RootContext for Root {
                 } else {
                     Duration::ZERO
                 };
+                // Already at the lease tick with only leases waiting: keep it.
+                let settled = leases_wait && shared.slow.get();
                 if waiting.is_empty()
                     && !batches_wait
                     && !deferred_wait
-                    && !(leases_wait && shared.slow.get())
+                    && !settled
                     && hostcalls::set_tick_period(period).is_ok()
                 {
                     shared.ticking.set(leases_wait);
