@@ -153,7 +153,7 @@ def memory_per_key(stack):
     # full again within a millisecond, so its key expires almost at once.
     if "d" in stack.envoys and "d" not in stack.unavailable:
         hreq(stack.envoys["d"]["port"], "GET", PATH, {"x-user": "mem-tb"})
-        usage(":bench-over:", "token bucket (hash)")
+        usage(":bench-over:", "token bucket (string)")
     for sid, field, what in (("k", "gcra", "GCRA (string)"),
                              ("l", "fixedWindow", "fixed window"),
                              ("m", "slidingWindowCounter", "sliding-window counter")):
