@@ -10,7 +10,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel};
 
 use crate::breaker::Breakers;
 use crate::config::{Config, RedisTarget};
@@ -28,9 +28,11 @@ use crate::webdis::Command;
 mod abi;
 mod host;
 mod metrics;
+mod reply;
 
 use host::{callout_headers, ProxyHost};
 use metrics::{Metrics, UNDEFINED};
+use reply::callout_reply;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -680,68 +682,6 @@ impl Http {
     }
 }
 
-/// Reads the current callout's answer (headers may be absent on failure).
-fn callout_reply(
-    num_headers: usize,
-    body_size: usize,
-    max_body: usize,
-    nonce: Option<&str>,
-) -> CalloutReply {
-    // A failed call (reset, timeout) arrives with no headers, and reading
-    // a missing map makes the SDK panic: do not read what is not there.
-    if num_headers == 0 {
-        return CalloutReply {
-            status: None,
-            from_webdis: false,
-            body: Vec::new(),
-        };
-    }
-    // Bytes, not strings: the SDK unwraps a failed UTF-8 conversion.
-    let header = |name: &str| {
-        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, name)
-            .ok()
-            .flatten()
-    };
-    let status = header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-    let from_webdis = header("server").is_some_and(|s| s.eq_ignore_ascii_case(b"webdis"));
-    let mut body = if body_size == 0 {
-        Vec::new()
-    } else if body_size > max_body {
-        // Larger than the call can legitimately answer (an object fetch
-        // longer than the stored object): not copied into the VM; the flow
-        // sees a body that does not match what it expects.
-        log::warn!("redis-guard: callout reply of {body_size} bytes not read (limit {max_body})");
-        Vec::new()
-    } else {
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default()
-    };
-    // A call sent with a nonce: Webdis' answer must give it back first. One
-    // that does not is another connection's late reply written to this
-    // socket (README, When things fail); this call's own reply is lost, and
-    // the call may have run: it is answered as a call that got no answer.
-    if let Some(nonce) = nonce.filter(|_| status == Some(200) && from_webdis) {
-        if !crate::webdis::strip_nonce(&mut body, nonce) {
-            log::warn!(
-                "redis-guard: Webdis answered with a reply that is not this call's \
-                 (another connection's, written to this one): taken as no answer"
-            );
-            return CalloutReply {
-                status: None,
-                from_webdis: false,
-                body: Vec::new(),
-            };
-        }
-    }
-    CalloutReply {
-        status,
-        from_webdis,
-        body,
-    }
-}
-
 fn action(a: FlowAction) -> Action {
     match a {
         FlowAction::Continue => Action::Continue,
@@ -824,9 +764,10 @@ impl HttpContext for Http {
 #[cfg(feature = "panic-trigger")]
 #[allow(clippy::panic)]
 fn panic_if_asked() {
-    if let Ok(Some(_)) =
-        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "x-redis-guard-test-panic")
-    {
+    if let Ok(Some(_)) = hostcalls::get_map_value_bytes(
+        proxy_wasm::types::MapType::HttpRequestHeaders,
+        "x-redis-guard-test-panic",
+    ) {
         panic!("asked to by x-redis-guard-test-panic");
     }
 }
