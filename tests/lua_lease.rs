@@ -87,15 +87,6 @@ fn expected(
 // ---------------------------------------------------------------------------
 // Calling the scripts
 
-/// The lease script's reply: the verdict and grant, and the tuple.
-fn split(full: [i64; 9]) -> ([i64; 6], [i64; 3]) {
-    let mut reply = [0; 6];
-    reply.copy_from_slice(&full[..6]);
-    let mut tuple = [0; 3];
-    tuple.copy_from_slice(&full[6..]);
-    (reply, tuple)
-}
-
 /// lua/lease.lua's TTL of the give-back counter (ms).
 const RETURNED_TTL: i64 = 660_000;
 
@@ -170,7 +161,7 @@ fn lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> C
     let expire_before = pexpiretime(con, key);
     let t0 = now_ms(con);
     let full = eval_lease(con, key, b, cost, lease);
-    let (reply, tuple) = split(full);
+    let (reply, tuple) = script::split_lease(full);
     let expire_at = pexpiretime(con, key);
     let ttl = pttl(con, key);
     let t1 = now_ms(con);

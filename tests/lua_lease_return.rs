@@ -26,15 +26,6 @@ fn hourly(capacity: i64) -> Bucket {
     bucket(capacity, 1, HOUR)
 }
 
-/// The lease script's reply: the verdict and grant, and the tuple.
-fn split(full: [i64; 9]) -> ([i64; 6], [i64; 3]) {
-    let mut reply = [0; 6];
-    reply.copy_from_slice(&full[..6]);
-    let mut tuple = [0; 3];
-    tuple.copy_from_slice(&full[6..]);
-    (reply, tuple)
-}
-
 /// `cmd` (EVAL of lua/ratelimit.lua) with the bucket as one limit.
 fn strict_cmd(cmd: redis::Cmd, key: &str, b: Bucket, cost: i64) -> redis::Cmd {
     script::with_limits(cmd, &[b.limit(key, cost)], None)
@@ -65,7 +56,7 @@ fn lease_at(
     let raw: Vec<i64> = script::with_lease(script::eval(&LEASE_AT), key, b, cost, lease_of)
         .query(con)
         .unwrap();
-    split(raw.try_into().unwrap())
+    script::split_lease(raw.try_into().unwrap())
 }
 
 /// A strict request of `cost` at the test clock; true if admitted.
@@ -380,7 +371,7 @@ fn the_counter_outlives_every_lease_and_a_stale_or_unknown_tuple_gives_nothing_b
     let key = "t:{x}:lease:counter";
     let ck = format!("{key}:ret");
     let b = hourly(40);
-    let (reply, tuple) = split(eval_lease(&mut con, key, b, 1, 4));
+    let (reply, tuple) = script::split_lease(eval_lease(&mut con, key, b, 1, 4));
     assert_eq!(reply[5], 4);
     assert!(pttl(&mut con, &ck) > 600_000);
     // Given back at once: all 4 (the refill of a few ms is far from a token).
@@ -392,7 +383,7 @@ fn the_counter_outlives_every_lease_and_a_stale_or_unknown_tuple_gives_nothing_b
         "the give-back keeps the TTL: {ttl}"
     );
 
-    let (_, tuple) = split(eval_lease(&mut con, key, b, 1, 4));
+    let (_, tuple) = script::split_lease(eval_lease(&mut con, key, b, 1, 4));
     assert_eq!(tuple[2], 4, "the next grant carries the count");
     let stored = state(&mut con, key);
     // Older than the longest lease: nothing.

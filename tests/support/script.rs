@@ -717,6 +717,15 @@ pub fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: 
         .unwrap_or_else(|raw| panic!("a lease reply is nine integers: {raw:?}"))
 }
 
+/// The lease script's reply: the verdict and grant, and the tuple.
+pub fn split_lease(full: [i64; 9]) -> ([i64; 6], [i64; 3]) {
+    let mut reply = [0; 6];
+    reply.copy_from_slice(&full[..6]);
+    let mut tuple = [0; 3];
+    tuple.copy_from_slice(&full[6..]);
+    (reply, tuple)
+}
+
 /// A leased bucket's give-back count: the first little-endian double of its
 /// give-back record `<key>:ret` (lua/lease.lua, lua/lease_return.lua); 0
 /// when missing.
