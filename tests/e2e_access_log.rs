@@ -27,29 +27,6 @@ fn config() -> String {
         .build()
 }
 
-/// The access-log lines so far, once there are `n` (bounded wait: Envoy
-/// flushes its log every 100 ms in the tests).
-fn lines(e: &Envoy, n: usize) -> Vec<Value> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let got: Vec<Value> = e
-            .log()
-            .lines()
-            .filter(|l| l.starts_with('{'))
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        if got.len() >= n {
-            return got;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} access-log lines, waited for {n}",
-            got.len()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// The filter's record in a line (a JSON string in the JSON line).
 fn record(line: &Value) -> Value {
     serde_json::from_str(line["redis_guard"].as_str().unwrap()).unwrap()
@@ -76,7 +53,7 @@ fn every_answer_has_its_details_and_every_decision_its_record() {
     );
     assert_eq!(pay(e, "k1", b"two").status, 422);
     assert_eq!(pay(e, "", b"one").status, 400);
-    let log = lines(e, 8);
+    let log = e.access_log(8);
     let details: Vec<&str> = log
         .iter()
         .map(|l| l["response_code_details"].as_str().unwrap())
@@ -138,7 +115,7 @@ fn every_answer_has_its_details_and_every_decision_its_record() {
         409
     );
     assert_eq!(first.join().unwrap(), 200);
-    let log = lines(e, 10);
+    let log = e.access_log(10);
     let conflict = log
         .iter()
         .find(|l| l["response_code"] == 409)
@@ -154,7 +131,7 @@ fn every_answer_has_its_details_and_every_decision_its_record() {
     stack.redis.stop();
     let e = stack.envoy();
     assert_eq!(get(&url, &[("x-user", "bob")]).status, 503);
-    let log = lines(e, 11);
+    let log = e.access_log(11);
     assert_eq!(
         log[10]["response_code_details"],
         "redis_guard_failure_mode_denied"
@@ -162,7 +139,7 @@ fn every_answer_has_its_details_and_every_decision_its_record() {
     assert_eq!(record(&log[10])["verdict"], "failure_denied");
     // A request no limit or rule applies to leaves no record.
     assert_eq!(get(&e.url("/public"), &[]).status, 200);
-    let log = lines(e, 12);
+    let log = e.access_log(12);
     assert_eq!(log[11]["redis_guard"], Value::Null);
 }
 
@@ -178,7 +155,7 @@ fn a_plain_key_is_logged_only_when_the_configuration_asks() {
     let stack = Stack::start(&cfg, 1);
     let e = stack.envoy();
     assert_eq!(get(&e.url("/x"), &[("x-user", "alice")]).status, 200);
-    let log = lines(e, 1);
+    let log = e.access_log(1);
     let key = record(&log[0])["key"].as_str().unwrap().to_string();
     assert!(
         key.starts_with("rg:rl:") && key.ends_with(":alice"),

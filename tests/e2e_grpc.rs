@@ -278,28 +278,11 @@ fn a_keyed_call_runs_once_and_its_retry_replays_its_message_and_metadata_exactly
     );
 }
 
-/// An Envoy's JSON access-log lines, once there are `n` (bounded wait:
-/// Envoy flushes its log every 100 ms in the tests).
+/// An Envoy's JSON access-log lines, exactly `n` of them.
 fn access_log(e: &Envoy, n: usize) -> Vec<Value> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let got: Vec<Value> = e
-            .log()
-            .lines()
-            .filter(|l| l.starts_with('{'))
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        if got.len() >= n {
-            assert_eq!(got.len(), n, "{got:?}");
-            return got;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} access-log lines, waited for {n}",
-            got.len()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let got = e.access_log(n);
+    assert_eq!(got.len(), n, "{got:?}");
+    got
 }
 
 #[test]

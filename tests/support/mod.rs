@@ -831,6 +831,29 @@ impl Envoy {
         envoy_log(&self.dir)
     }
 
+    /// The JSON access-log lines so far, once there are at least `n`
+    /// (a bounded wait: Envoy flushes its log every 100 ms in the tests).
+    pub fn access_log(&self, n: usize) -> Vec<serde_json::Value> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got: Vec<serde_json::Value> = self
+                .log()
+                .lines()
+                .filter(|l| l.starts_with('{'))
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            if got.len() >= n {
+                return got;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} access-log lines, waited for {n}",
+                got.len()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Sets every logger to `level` through the admin interface (the
     /// secret-in-the-log tests read Envoy at `debug`).
     pub fn set_log_level(&self, level: &str) {
