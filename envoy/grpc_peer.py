@@ -5,7 +5,7 @@ serve: `demo.Orders`, raw-bytes messages (no generated code needed):
   Create  unary. Answers b"order <n> for <request>" with initial metadata
           x-order-id and trailing metadata x-trace (binary x-sig-bin too).
           A request starting with b"fail" ends INTERNAL (13); b"missing"
-          ends NOT_FOUND (5) before any message; b"slow" waits 0.5 s first.
+          ends NOT_FOUND (5) before any message; b"slow" waits 2 s first.
   Watch   server streaming: three messages.
   Upload  client streaming: counts the messages it got.
   Stats   unary: {"<method>": executions, ...} as JSON (not counted).
@@ -40,7 +40,7 @@ def serve(port):
     def create(request, context):
         n = count("Create")
         if request.startswith(b"slow"):
-            time.sleep(0.5)
+            time.sleep(2.0)
         if request.startswith(b"missing"):
             context.abort(grpc.StatusCode.NOT_FOUND, "no such order")
         context.send_initial_metadata((("x-order-id", str(n)),))

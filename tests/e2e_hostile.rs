@@ -141,7 +141,7 @@ fn concurrent_http2_streams_on_one_connection_execute_once() {
             "-H",
             "idempotency-key: k-h2",
             "-H",
-            "x-upstream-delay-ms: 300",
+            "x-upstream-delay-ms: 2000",
         ])
         .arg("-d")
         .arg(&body_file)

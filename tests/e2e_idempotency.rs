@@ -334,7 +334,7 @@ fn replays_and_conflicts_spend_no_rate_limit_quota() {
     let slow = [
         ("idempotency-key", "q-2"),
         ("x-tenant", "acme"),
-        ("x-upstream-delay-ms", "800"),
+        ("x-upstream-delay-ms", "3000"),
     ];
     std::thread::scope(|s| {
         let running = s.spawn(|| post(e, "/pay/q", &slow, b"x"));

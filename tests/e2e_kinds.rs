@@ -68,8 +68,9 @@ fn now_ms() -> u64 {
 #[test]
 fn each_kind_admits_its_budget_with_its_headers_then_answers_429_with_retry_after() {
     let cfg = config(
-        // 3 at once, then one every 2 s: 6 s from empty to full.
-        r#"{"rate":1,"periodMs":2000,"burst":3}"#,
+        // 3 at once, then one every 20 s: a minute from empty to full (the
+        // fourth request must come before a unit is back, on any machine).
+        r#"{"rate":1,"periodMs":20000,"burst":3}"#,
         &format!(r#"{{"limit":3,"windowMs":{LONG_WINDOW_MS}}}"#),
         &format!(r#"{{"limit":3,"windowMs":{LONG_WINDOW_MS}}}"#),
     );
@@ -78,7 +79,7 @@ fn each_kind_admits_its_budget_with_its_headers_then_answers_429_with_retry_afte
     let mut con = stack.redis.conn();
     let user = [("x-user", "alice")];
     for (path, name, window_s) in [
-        ("/gcra", "g", 6),
+        ("/gcra", "g", 60),
         ("/fw", "f", LONG_WINDOW_MS.div_ceil(1000)),
         ("/swc", "s", LONG_WINDOW_MS.div_ceil(1000)),
     ] {
@@ -101,14 +102,14 @@ fn each_kind_admits_its_budget_with_its_headers_then_answers_429_with_retry_afte
         assert_eq!(r.status, 429, "{path}");
         let retry: i64 = r.header("retry-after").unwrap().parse().unwrap();
         assert_eq!(r.header("x-ratelimit-remaining"), Some("0"), "{path}");
-        // When a unit is back, on Redis' clock. GCRA: 2 s after the first
+        // When a unit is back, on Redis' clock. GCRA: 20 s after the first
         // of the burst (decided at or after `first`, at or before `sent`).
         // The windows: at the end of the current one (the next multiple of
         // 2^40 ms since the epoch), and the counter 1 ms later: its three
         // units weigh less than 3 from 1 ms into the next window
         // (floor(3 (W - 1) / W) = 2).
         let (earliest, latest) = match path {
-            "/gcra" => (first + 2000, sent + 2000),
+            "/gcra" => (first + 20_000, sent + 20_000),
             _ => {
                 let end = i64::try_from((now_ms() / LONG_WINDOW_MS + 1) * LONG_WINDOW_MS).unwrap();
                 let late = i64::from(path == "/swc");

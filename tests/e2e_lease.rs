@@ -116,7 +116,10 @@ fn an_envoy_that_stops_getting_traffic_gives_its_batch_back_and_never_spends_it(
     assert_eq!(admitted(e1, 1), 1);
     assert_eq!(e1.counter("redis_guard.lease.fetches"), 1);
     let key = bucket_key(&stack.redis);
-    assert_eq!(given_back(&stack.redis, &key), 0);
+    // Nothing given back yet, or (on a machine that stalled a second since
+    // the request) the whole batch: never a part of it.
+    let early = given_back(&stack.redis, &key);
+    assert!(early == 0 || early == 5, "{early} given back");
     // e1 gets no more traffic: a second later its 5 go back to Redis.
     poll_eq("e1's batch given back", 5, Duration::from_secs(10), || {
         given_back(&stack.redis, &key)
@@ -156,15 +159,14 @@ fn two_envoys_taking_turns_on_a_limit_of_100_admit_at_least_98_and_never_more() 
     assert_eq!(ok, 77);
     let held = 100 - ok - tokens_in_redis(redis, &key, 100, per_ms);
     assert!(held > 0, "the Envoys hold tokens after their turns");
-    // Both idle: their tokens come back (the bound may keep at most a
-    // couple back, never more than were held).
-    let back = given_back(redis, &key);
+    // Both idle: their tokens come back, given back by the Envoys (the
+    // bound may keep at most a couple back, never more than were held).
     poll(
         "the held tokens given back",
         Duration::from_secs(10),
         || (ok + tokens_in_redis(redis, &key, 100, per_ms) >= 98).then_some(()),
     );
-    assert!(given_back(redis, &key) > back);
+    assert!(given_back(redis, &key) > 0, "no tokens given back");
     assert!(ok + tokens_in_redis(redis, &key, 100, per_ms) <= 100);
     // e2 goes on alone: it admits what came back, e1's included.
     let in_redis = tokens_in_redis(redis, &key, 100, per_ms);

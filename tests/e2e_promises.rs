@@ -110,16 +110,29 @@ const DEFAULT_TIMEOUT: &str = r#"{"redis":{"cluster":"webdis"},"failureMode":"de
 
 #[test]
 fn the_default_timeout_leaves_one_retry_so_one_refusal_costs_no_request_and_two_do() {
-    let redis = Redis::start();
-    load_scripts(&redis);
-    let webdis = Webdis::start(redis.port);
     let upstream = Upstream::start();
     // Refused once, as while Webdis reconnects to a restarted Redis: sent
     // again (after the first pause, or at once if that no longer fits)
-    // and decided.
-    let once = WebdisRefusingFirst::start(webdis.port, 1);
-    let e = Envoy::start(DEFAULT_TIMEOUT, once.port, upstream.port);
-    let r = get(&e.url("/a"), &[]);
+    // and decided. Both calls and the pause share 50 ms: a machine that
+    // stalls past them times the call out (counted as a timeout, never as
+    // a refusal), which says nothing of the retry's room, so that attempt
+    // is run again on fresh servers (at most three attempts).
+    let mut attempt = 0;
+    let (_redis, webdis, once, e, r) = loop {
+        attempt += 1;
+        let redis = Redis::start();
+        load_scripts(&redis);
+        let webdis = Webdis::start(redis.port);
+        let once = WebdisRefusingFirst::start(webdis.port, 1);
+        let e = Envoy::start(DEFAULT_TIMEOUT, once.port, upstream.port);
+        let r = get(&e.url("/a"), &[]);
+        let timed_out = e.counter("redis_guard.redis.errors_by_kind.timeout");
+        if r.status == 503 && timed_out > 0 && attempt < 3 {
+            eprintln!("attempt {attempt}: the 50 ms ran out on this machine; again");
+            continue;
+        }
+        break (redis, webdis, once, e, r);
+    };
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-ratelimit-remaining"), Some("99"));
     assert_eq!(once.calls(), 2, "refused, then decided");

@@ -490,13 +490,14 @@ fn a_stalled_redis_is_given_up_at_the_timeout() {
     assert_eq!(e.counter("redis_guard.redis.errors"), 2);
     assert_eq!(e.counter("redis_guard.redis.retries"), 0);
     // ...and on Envoy's own clock each of the two calls lasted the timeout
-    // (the histogram keeps two significant digits: 1.25 % at 400 ms).
+    // (the histogram keeps two significant digits: 1.25 % at 400 ms; a
+    // loaded machine may fire Envoy's timer late, not early).
     let (_, samples, sum) = scrape_with_samples(e, LATENCY, 4).histogram(LATENCY);
     assert_eq!(samples, 4);
     let stalled_ms = (sum - quick) / 1000.0 / 2.0;
     let floor = 400.0 - ENVOY_TIMER_GRANULARITY.as_millis() as f64;
     assert!(
-        (floor * 0.9875..=400.0 * 1.0125 + 100.0).contains(&stalled_ms),
+        (floor * 0.9875..=400.0 * 1.0125 + 300.0).contains(&stalled_ms),
         "each stalled call took {stalled_ms} ms on Envoy's clock"
     );
 }

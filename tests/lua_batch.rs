@@ -780,10 +780,11 @@ fn a_batch_decides_exactly_as_the_same_members_sent_one_by_one_in_order() {
             let (yes, no) = by_kind.get(kind).copied().unwrap_or_default();
             assert!(yes > 0 && no > 0, "{kind}: {yes} admitted, {no} rejected");
         }
-        // Only a rare case lands on an edge (not, say, every case).
+        // Only a rare case lands on an edge (not, say, every case): one
+        // when the run crosses the top of an hour, and about 1% more.
         let edges = seen.at_an_edge.get();
         assert!(
-            edges * 100 <= runner.config().cases,
+            edges <= 1 + runner.config().cases / 100,
             "{edges} cases at an hour edge"
         );
     }

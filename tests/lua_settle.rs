@@ -16,17 +16,7 @@ use support::script::{
     self, admits, at, eval, fw, gcra, one, rejects, swc, tb, with_test_clock, Limit, HOUR, SECOND,
     T0,
 };
-use support::{key_exists as exists, key_pttl};
-
-/// A TTL set a moment ago (PTTL runs on Redis' real clock, the script on
-/// the test clock): `ms`, less the few ms the test took since.
-fn assert_ttl(con: &mut Connection, key: &str, ms: i64) {
-    let pttl = key_pttl(con, key);
-    assert!(
-        (ms - 50..=ms).contains(&pttl),
-        "{key}: PTTL {pttl}, set to {ms}"
-    );
-}
+use support::{assert_expires_in, key_exists as exists, redis_now_ms};
 
 static SETTLE_AT: LazyLock<Script> = LazyLock::new(|| with_test_clock(&SETTLE));
 
@@ -81,9 +71,10 @@ fn a_token_bucket_charged_past_its_balance_is_in_debt_until_refill_pays_it() {
     assert_eq!(one(&mut con, T0, &l), rejects(0, 15_100));
     // 15.1 s later the debt is paid and one token is back.
     assert!(!one(&mut con, T0 + 15_099, &l).allowed);
+    let t0 = redis_now_ms(&mut con);
     assert_eq!(one(&mut con, T0 + 15_100, &l), admits(0, 10_000));
     // The key lives until the bucket is full again: 10 s from there.
-    assert_ttl(&mut con, &l.key, 10_000);
+    assert_expires_in(&mut con, &l.key, 10_000, t0);
 }
 
 #[test]
@@ -111,11 +102,12 @@ fn gcra_in_debt_admits_again_once_its_arrival_time_is_back_within_the_burst() {
     let back = (71 * SECOND + 2) / 3;
     assert_eq!(one(&mut con, T0, &l), rejects(0, back));
     assert!(!one(&mut con, T0 + back - 1, &l).allowed);
+    let t0 = redis_now_ms(&mut con);
     assert!(one(&mut con, T0 + back, &l).allowed);
     // Its key lives until the arrival time: a backlog of 100 000 credits,
     // less 3 per ms for 23 667 ms, plus the 1000 just charged, is 29 999
     // credits: 10 000 ms at 3 a ms.
-    assert_ttl(&mut con, &l.key, 10_000);
+    assert_expires_in(&mut con, &l.key, 10_000, t0);
     // A refund past now leaves a whole limit: the key is gone.
     assert_eq!(settle(&mut con, T0 + back, &[(&l, -1000)]), [30]);
     assert!(!exists(&mut con, &l.key));
@@ -128,12 +120,13 @@ fn a_fixed_window_in_debt_waits_for_its_next_window_and_a_refund_stops_at_zero()
     assert!(one(&mut con, T0, &l.clone().cost(10)).allowed);
     assert_eq!(settle(&mut con, T0, &[(&l, 140)]), [-50]);
     assert_eq!(one(&mut con, T0 + SECOND, &l), rejects(0, HOUR - SECOND));
+    let t0 = redis_now_ms(&mut con);
     assert!(
         one(&mut con, T0 + HOUR, &l).allowed,
         "a new window, debt gone"
     );
     // The count expires with its window (+2 ms, lua/fixed_window.lua).
-    assert_ttl(&mut con, &l.key, HOUR + 2);
+    assert_expires_in(&mut con, &l.key, HOUR + 2, t0);
     // A refund of a reserve taken in this window comes off this window's
     // count, never below 0.
     assert!(one(&mut con, T0 + HOUR, &l.clone().cost(30)).allowed);
