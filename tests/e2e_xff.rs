@@ -79,13 +79,19 @@ fn a_forged_x_forwarded_for_counts_in_the_real_ipv4_clients_one_budget() {
 }
 
 /// A port nothing listens on at [::1] (a TCP port number is per address
-/// family: 127.0.0.1's free ports say nothing about ::1's).
+/// family: 127.0.0.1's free ports say nothing about ::1's), taken from
+/// `free_port`'s claimed range: an ephemeral port (`[::1]:0`) could be
+/// given to any process' outgoing connection before Envoy binds it.
 fn free_port_v6() -> u16 {
-    TcpListener::bind(("::1", 0))
-        .expect("bind [::1]: the loopback interface has no IPv6 address")
-        .local_addr()
-        .unwrap()
-        .port()
+    for _ in 0..100 {
+        let port = free_port();
+        match TcpListener::bind(("::1", port)) {
+            Ok(_) => return port,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+            Err(e) => panic!("bind [::1]: the loopback interface has no IPv6 address ({e})"),
+        }
+    }
+    panic!("no port free on both 127.0.0.1 and [::1] in 100 tries");
 }
 
 /// envoy.yaml with the public listener also listening on [::1]:`port`
