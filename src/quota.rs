@@ -7,10 +7,13 @@
 //! 00:00 (the hour: :00). A start that the clock skips (a daylight-saving
 //! gap at midnight, Samoa's missing 2011-12-30) is the first instant after
 //! the gap; one it shows twice (a fall-back hour) is the first of the two.
-//! So a day lasts 23, 24 or 25 hours, a month 28 to 31 days, a repeated
-//! wall-clock hour is one window of two hours and a skipped one none. A
-//! month's anchor day past the month's end (the 31st in February) falls on
-//! its last day.
+//! So a day lasts 23, 24 or 25 hours, a month 28 to 31 days, and a skipped
+//! wall-clock hour has no window. A repeated hour lengthens the window it
+//! falls in: the hour before the fall-back lasts until the clock first
+//! shows the next one, two hours where the clock falls back one, three at
+//! Antarctica/Troll, whose clock falls back two (its 02:00 window holds
+//! 02:00 +02, then 01:00 and 02:00 +00). A month's anchor day past the
+//! month's end (the 31st in February) falls on its last day.
 //!
 //! Why the filter sends edges and the script picks one (lua/quota.lua):
 //! Redis' TIME is the clock every decision reads, and Lua has no time-zone
@@ -101,6 +104,10 @@ const MAX_MS: i64 = 1 << 47;
 const SPAN_MS: i64 = 26 * 3_600_000;
 /// 1970-01-01 was a Thursday (ISO weekday 4).
 const EPOCH_WEEKDAY: i64 = 4;
+/// Empty units [`Calendar::edges`] steps over to find a neighbour: more
+/// than any run of skipped units the database holds (a skipped day is 24
+/// hours: Samoa 2011, Kwajalein 1993).
+const MAX_SKIPPED: usize = 48;
 
 /// A zone by its IANA name (`Europe/Berlin`, `UTC`), from the database
 /// compiled into the filter.
@@ -238,17 +245,36 @@ impl Calendar {
         self.unit_at(now_ms).map(|(_, w)| w)
     }
 
-    /// The window holding `now_ms` and one on each side, as their four
-    /// edges (non-decreasing: a skipped hour is an empty window), which
-    /// the script picks from by Redis' TIME.
+    /// The window holding `now_ms` and the calendar's windows just before
+    /// and after it, as their four edges (increasing), which the script
+    /// picks from by Redis' TIME. A neighbour is the nearest window that
+    /// is not empty: a unit the clock skips (a spring-forward hour, two at
+    /// Antarctica/Troll, Samoa's 24 of 2011-12-30) starts and ends at one
+    /// instant, and an empty window sent as the neighbour would leave a
+    /// Redis clock just past the edge no window to count in (an error
+    /// reply for a request whose edges an Envoy computed in the last
+    /// milliseconds before the gap).
     pub fn edges(&self, now_ms: i64) -> Option<[i64; 4]> {
         let (u, w) = self.unit_at(now_ms)?;
-        Some([
-            self.start(u.checked_sub(1)?)?,
-            w.start_ms,
-            w.end_ms,
-            self.start(u.checked_add(2)?)?,
-        ])
+        // The unit before (after) the window, stepped over while empty.
+        let mut before = u.checked_sub(1)?;
+        let mut first = self.start(before)?;
+        let mut after = u.checked_add(2)?;
+        let mut last = self.start(after)?;
+        for _ in 0..MAX_SKIPPED {
+            if first < w.start_ms && last > w.end_ms {
+                return Some([first, w.start_ms, w.end_ms, last]);
+            }
+            if first >= w.start_ms {
+                before = before.checked_sub(1)?;
+                first = self.start(before)?;
+            }
+            if last <= w.end_ms {
+                after = after.checked_add(1)?;
+                last = self.start(after)?;
+            }
+        }
+        None
     }
 
     /// `ms` on the zone's wall clock, with its offset and the zone's name:

@@ -118,7 +118,7 @@ fn days_across_both_daylight_saving_changes_last_23_and_25_hours() {
 }
 
 #[test]
-fn a_repeated_hour_is_one_window_of_two_and_a_skipped_one_none() {
+fn a_repeated_hour_lengthens_its_window_and_a_skipped_one_has_none() {
     let c = cal(Per::Hour, "Europe/Berlin", 1);
     // 2027-10-31: 03:00 CEST becomes 02:00 CET at 01:00 UTC.
     let w = c.window(at(2027, 10, 31, 1, 30)).unwrap();
@@ -133,6 +133,9 @@ fn a_repeated_hour_is_one_window_of_two_and_a_skipped_one_none() {
         (w.start_ms, w.end_ms),
         (at(2027, 3, 28, 0, 0), at(2027, 3, 28, 1, 0))
     );
+    // The neighbour after it is the 03:00 window, not the empty 02:00 one:
+    // edges never send an empty window (a Redis clock just past the gap
+    // must find a window that holds it).
     let e = c.edges(at(2027, 3, 28, 0, 30)).unwrap();
     assert_eq!(
         e,
@@ -140,8 +143,63 @@ fn a_repeated_hour_is_one_window_of_two_and_a_skipped_one_none() {
             at(2027, 3, 27, 23, 0),
             at(2027, 3, 28, 0, 0),
             at(2027, 3, 28, 1, 0),
-            at(2027, 3, 28, 1, 0)
+            at(2027, 3, 28, 2, 0)
         ]
+    );
+    // And the neighbour before the 03:00 window is the 01:00 one.
+    assert_eq!(
+        c.edges(at(2027, 3, 28, 1, 0)).unwrap(),
+        [
+            at(2027, 3, 28, 0, 0),
+            at(2027, 3, 28, 1, 0),
+            at(2027, 3, 28, 2, 0),
+            at(2027, 3, 28, 3, 0)
+        ]
+    );
+    // New York, the Envoy's clock 1 ms before the gap (02:00 EST is 03:00
+    // EDT at 07:00 UTC): the window after 01:00 EST is 03:00 EDT's.
+    let ny = cal(Per::Hour, "America/New_York", 1);
+    assert_eq!(
+        ny.edges(at(2027, 3, 14, 7, 0) - 1).unwrap(),
+        [
+            at(2027, 3, 14, 5, 0),
+            at(2027, 3, 14, 6, 0),
+            at(2027, 3, 14, 7, 0),
+            at(2027, 3, 14, 8, 0)
+        ]
+    );
+    // Antarctica/Troll moves its clock by two hours (+00 to +02 at 01:00
+    // UTC on the last Sunday of March, back at 01:00 UTC on the last of
+    // October): 01:00 and 02:00 are both skipped in spring, and in autumn
+    // the 02:00 window holds its own hour and the repeated 01:00 and 02:00:
+    // one window of three hours.
+    let troll = cal(Per::Hour, "Antarctica/Troll", 1);
+    assert_eq!(
+        troll.edges(at(2027, 3, 28, 1, 0) - 1).unwrap(),
+        [
+            at(2027, 3, 27, 23, 0),
+            at(2027, 3, 28, 0, 0),
+            at(2027, 3, 28, 1, 0),
+            at(2027, 3, 28, 2, 0)
+        ]
+    );
+    assert_eq!(
+        troll.edges(at(2027, 3, 28, 1, 0)).unwrap(),
+        [
+            at(2027, 3, 28, 0, 0),
+            at(2027, 3, 28, 1, 0),
+            at(2027, 3, 28, 2, 0),
+            at(2027, 3, 28, 3, 0)
+        ]
+    );
+    let w = troll.window(at(2027, 10, 31, 1, 30)).unwrap();
+    assert_eq!(
+        (w.start_ms, w.end_ms),
+        (at(2027, 10, 31, 0, 0), at(2027, 10, 31, 3, 0))
+    );
+    assert_eq!(
+        troll.format(w.start_ms).unwrap(),
+        "2027-10-31T02:00:00+02:00 Antarctica/Troll"
     );
     // Half-hour zones: hours on the zone's clock, not on UTC's.
     let k = cal(Per::Hour, "Asia/Kolkata", 1);
@@ -163,6 +221,18 @@ fn a_skipped_midnight_starts_the_day_when_the_gap_ends() {
     assert_eq!(
         apia.format(next.start_ms).unwrap(),
         "2011-12-31T00:00:00+14:00 Pacific/Apia"
+    );
+    // The neighbour after the 29th is the 31st; by the hour, the one after
+    // 23:00 on the 29th is 00:00 on the 31st, 24 empty hours later.
+    assert_eq!(apia.edges(w.end_ms - 1).unwrap()[3], next.end_ms);
+    let hours = cal(Per::Hour, "Pacific/Apia", 1);
+    assert_eq!(
+        hours.edges(w.end_ms - 1).unwrap(),
+        [w.end_ms - 2 * H, w.end_ms - H, w.end_ms, w.end_ms + H]
+    );
+    assert_eq!(
+        hours.edges(w.end_ms).unwrap(),
+        [w.end_ms - H, w.end_ms, w.end_ms + H, w.end_ms + 2 * H]
     );
     // Chile starts daylight saving at midnight: that day starts at 01:00,
     // the instant the offset changes, and lasts 23 hours.
@@ -232,6 +302,7 @@ fn windows_tile_time_with_calendar_starts_in_many_zones() {
         "America/St_Johns",
         "Pacific/Apia",
         "Asia/Tehran",
+        "Antarctica/Troll",
     ];
     let mut windows = 0u64;
     for z in zones {
@@ -271,13 +342,17 @@ fn windows_tile_time_with_calendar_starts_in_many_zones() {
                     assert_eq!(c.window(w.end_ms - 1), Some(w));
                     let mid = w.start_ms + (w.end_ms - w.start_ms) / 3;
                     assert_eq!(c.window(mid), Some(w));
+                    // The neighbours are the windows before and after,
+                    // never an empty one.
                     let e = c.edges(mid).unwrap();
                     assert_eq!((e[1], e[2]), (w.start_ms, w.end_ms));
-                    assert!(e[0] <= e[1] && e[2] <= e[3]);
+                    assert_eq!(c.window(e[0]).map(|p| p.end_ms), Some(e[1]));
+                    assert_eq!(c.window(e[2]).map(|n| n.end_ms), Some(e[3]));
                     let len = w.end_ms - w.start_ms;
                     let (lo, hi) = match per {
-                        // Chatham's clock skips 02:45-03:45: a 45- and a 15-minute hour.
-                        Per::Hour => (H / 4, 2 * H),
+                        // Chatham's clock skips 02:45-03:45: a 45- and a
+                        // 15-minute hour; Troll's falls back two hours.
+                        Per::Hour => (H / 4, 3 * H),
                         Per::Day => (22 * H, 26 * H),
                         Per::Week => (7 * D - 2 * H, 7 * D + 2 * H),
                         Per::Month => (28 * D - 2 * H, 31 * D + 2 * H),
