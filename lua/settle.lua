@@ -21,8 +21,21 @@ ARGV per limit i, seven values starting at 1 + (i-1)*7:
              usage counted (delta >= 0) and leaves less than one unit, the
              key's block starts (lua/keys.lua block_key, SET PX), as a
              rejection starts it for other limits (lua/ratelimit.lua)
-Returns  one integer per limit: the units left after settling (wire()d);
-         negative is debt.
+Returns  one entry per limit: the units left after settling (wire()d),
+         negative is debt; or, for a limit that cannot be settled, the
+         string `ERR redis-guard settle: limit <i> ...` saying why, in its
+         place (never a number: a wire()d figure is digits).
+
+One member, one outcome. The filter joins the settlements of every request
+of a hash tag that ended in one tick into one call (src/filter/deferred.rs):
+they are different requests, often different customers, so one that cannot
+be settled (a quota's edges that no longer hold Redis' clock: its response
+ended more than a window after the decision, or the Envoy's clock is off by
+more than a window; a kind or numbers out of range) is marked in its place
+and the others are applied, as separate calls would be. Each member is
+checked before anything is written, so a marked one writes nothing; only a
+call that does not parse (not seven values per key) is an error for the
+whole call, and then nothing is written.
 
 Debt. The cost comes after the work, so the balance may go below zero: a
 token bucket's credits, a GCRA's theoretical arrival time past the burst, a
@@ -65,8 +78,10 @@ local function whole(x, lo, hi)
   return x ~= nil and x == math.floor(x) and x >= lo and x <= hi
 end
 
--- Every limit is checked before any is written (Redis keeps what a script
--- wrote before an error).
+-- Every limit is checked before any is written: a member that fails is
+-- marked in `failed` (its reply entry) and skipped below, having written
+-- nothing.
+local failed = {}
 for i = 1, n do
   local base = 1 + (i - 1) * 7
   local alg = ARGV[base]
@@ -88,12 +103,17 @@ for i = 1, n do
     ok = whole(tonumber(ARGV[base + 4]), -(2^50 - 1), 2^50 - 1)
       and (block == 0 or whole(block, 1000, 2^42))
       and whole(tonumber(ARGV[base + 5]), 0, 2^53 - 1)
-      and whole(a, 1, 2^50) and not cq_edges_bad(ARGV[base + 3])
+      and whole(a, 1, 2^50)
+    if ok and cq_edges_bad(ARGV[base + 3]) then
+      failed[i] = 'ERR redis-guard settle: limit ' .. i
+          .. ': no window of its edges holds Redis\' clock'
+    end
   else
     ok = false
   end
   if not ok then
-    return redis.error_reply('ERR redis-guard settle: limit ' .. i .. ' has an unknown kind or numbers out of range')
+    failed[i] = 'ERR redis-guard settle: limit ' .. i
+        .. ' has an unknown kind or numbers out of range'
   end
 end
 
@@ -125,7 +145,7 @@ local function gcra_settle(key, burst, rate, period, delta)
 end
 
 local out = {}
-for i = 1, n do
+local function settle(i)
   local base = 1 + (i - 1) * 7
   local key, alg = KEYS[i], ARGV[base]
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
@@ -179,7 +199,10 @@ for i = 1, n do
   if block > 0 and delta >= 0 and left < 1 then
     redis.call('SET', block_key(key), '1', 'PX', block)
   end
-  out[i] = wire(left)
+  return wire(left)
+end
+for i = 1, n do
+  out[i] = failed[i] or settle(i)
 end
 tb_flush()
 fw_flush()

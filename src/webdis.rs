@@ -229,6 +229,17 @@ impl Reply {
         }
     }
 
+    /// Why a script failed one member of a call that decides or settles
+    /// several (lua/batch.lua, lua/settle.lua): the `ERR …` text it replies
+    /// in that member's place, while the others are answered. `None` for
+    /// anything else: a figure is digits, so it never reads as one.
+    pub fn member_failure(&self) -> Option<&str> {
+        match self {
+            Reply::Bulk(Some(b)) if b.starts_with(b"ERR ") => std::str::from_utf8(b).ok(),
+            _ => None,
+        }
+    }
+
     /// The error's first word (`NOSCRIPT`, `BUSY`, `OOM`…), if this is an error.
     pub fn error_kind(&self) -> Option<&str> {
         match self {

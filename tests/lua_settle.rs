@@ -11,6 +11,7 @@ mod support;
 use std::sync::LazyLock;
 
 use redis::{Connection, Value};
+use redis_guard::quota::{zone, Calendar, Per};
 use redis_guard::scripts::{Script, SETTLE};
 use support::script::{
     self, admits, at, eval, fw, gcra, one, rejects, swc, tb, with_test_clock, Limit, HOUR, SECOND,
@@ -28,8 +29,8 @@ fn settle(con: &mut Connection, now: i64, items: &[(&Limit, i64)]) -> Vec<i64> {
 }
 
 /// Settles `(limit, delta, age)`: age is the ms since the decision's call
-/// left, as the filter measures it.
-fn settle_aged(con: &mut Connection, now: i64, items: &[(&Limit, i64, i64)]) -> Vec<i64> {
+/// left, as the filter measures it. The reply as Redis gives it.
+fn settle_raw(con: &mut Connection, now: i64, items: &[(&Limit, i64, i64)]) -> Vec<Value> {
     script::set_clock(con, now);
     let mut cmd = eval(&SETTLE_AT);
     cmd.arg(items.len());
@@ -50,6 +51,11 @@ fn settle_aged(con: &mut Connection, now: i64, items: &[(&Limit, i64, i64)]) -> 
         panic!("{v:?}")
     };
     items
+}
+
+/// [`settle_raw`]'s units left per limit (every member settled).
+fn settle_aged(con: &mut Connection, now: i64, items: &[(&Limit, i64, i64)]) -> Vec<i64> {
+    settle_raw(con, now, items)
         .into_iter()
         .map(|v| match v {
             Value::Int(i) => i,
@@ -211,12 +217,64 @@ fn several_limits_settle_in_one_call_and_a_zero_delta_changes_nothing() {
     assert_eq!(settle(&mut con, T0, &[(&a, 50), (&a, -20)]), [30, 50]);
 }
 
+/// The marker of a member that could not be settled, as lua/settle.lua
+/// replies it in that member's place.
+fn failed(why: &str) -> Value {
+    Value::BulkString(format!("ERR redis-guard settle: {why}").into_bytes())
+}
+
 #[test]
-fn a_kind_that_cannot_settle_or_a_bad_number_is_an_error_and_writes_nothing() {
+fn a_stale_quota_settlement_fails_alone_and_the_one_joined_with_it_is_applied() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    let a = tb("s:{k}:a", 100, 10, SECOND);
+    assert!(one(&mut con, T0, &a.clone().cost(5)).allowed);
+    assert_eq!(settle(&mut con, T0, &[(&a, 0)]), [95]);
+    // Another customer's hourly quota, decided an hour and a second ago:
+    // its edges (computed then) no longer hold Redis' clock. Joined in one
+    // call (one hash tag, one tick), it fails alone; the bucket's 5 more
+    // are charged.
+    let hourly = Calendar {
+        per: Per::Hour,
+        zone: zone("UTC").unwrap(),
+        anchor: 1,
+    };
+    let [e0, e1, e2, e3] = hourly.edges(T0 - HOUR - SECOND).unwrap();
+    let stale = Limit {
+        key: "s:{k}:q".to_string(),
+        alg: "cq",
+        a: 1000,
+        b: 0,
+        c: format!("{e0},{e1},{e2},{e3}"),
+        cost: 1,
+        enforce: true,
+        block: 0,
+    };
+    assert_eq!(
+        settle_raw(&mut con, T0, &[(&a, 5, 0), (&stale, 3, HOUR + SECOND)]),
+        [
+            Value::Int(90),
+            failed("limit 2: no window of its edges holds Redis' clock")
+        ]
+    );
+    assert_eq!(one(&mut con, T0, &a).remaining, 89);
+    let written: Vec<String> = redis::cmd("KEYS").arg("s:{k}:q*").query(&mut con).unwrap();
+    assert_eq!(written, Vec::<String>::new());
+    // First in the call, it fails alone too.
+    assert_eq!(
+        settle_raw(&mut con, T0, &[(&stale, 3, HOUR + SECOND), (&a, -9, 0)]),
+        [
+            failed("limit 1: no window of its edges holds Redis' clock"),
+            Value::Int(98)
+        ]
+    );
+}
+
+#[test]
+fn a_kind_that_cannot_settle_or_a_bad_number_fails_alone_and_writes_nothing() {
     let (_redis, mut con) = support::Redis::start_with_conn();
     let a = tb("s:{k}:a", 100, 10, SECOND);
     assert!(one(&mut con, T0, &a).allowed);
-    let before: Option<Vec<u8>> = redis::cmd("DUMP").arg(&a.key).query(&mut con).unwrap();
+    let mut left = 99;
     for (what, second) in [
         ("a sliding-window log", ["sw", "10", "1000", "0", "1"]),
         ("a concurrency limit", ["cc", "10", "1000", "a1", "1"]),
@@ -230,6 +288,7 @@ fn a_kind_that_cannot_settle_or_a_bad_number_is_an_error_and_writes_nothing() {
             "capacity x period at 2^53",
             ["tb", "9007199254740992", "1", "1", "1"],
         ),
+        ("unreadable quota edges", ["cq", "100", "0", "0", "1"]),
     ] {
         script::set_clock(&mut con, T0);
         let mut cmd = eval(&SETTLE_AT);
@@ -238,10 +297,36 @@ fn a_kind_that_cannot_settle_or_a_bad_number_is_an_error_and_writes_nothing() {
             .arg(&second[..])
             .arg(0)
             .arg(0);
-        let err = cmd.query::<Value>(&mut con).unwrap_err().to_string();
-        assert!(err.contains("redis-guard settle"), "{what}: {err}");
-        let now: Option<Vec<u8>> = redis::cmd("DUMP").arg(&a.key).query(&mut con).unwrap();
-        assert_eq!(now, before, "{what}: the first limit was written");
+        left -= 5;
+        assert_eq!(
+            cmd.query::<Vec<Value>>(&mut con).unwrap(),
+            [
+                Value::Int(left),
+                failed(if second[0] == "cq" {
+                    "limit 2: no window of its edges holds Redis' clock"
+                } else {
+                    "limit 2 has an unknown kind or numbers out of range"
+                })
+            ],
+            "{what}"
+        );
         assert!(!exists(&mut con, "s:{k}:other"), "{what}");
     }
+    // A call that does not parse (not seven values per key) settles
+    // nothing: an error for the whole call.
+    let before: Option<Vec<u8>> = redis::cmd("DUMP").arg(&a.key).query(&mut con).unwrap();
+    script::set_clock(&mut con, T0);
+    let err = eval(&SETTLE_AT)
+        .arg(1)
+        .arg(&a.key)
+        .arg(&["tb", "100", "10", "1000", "5", "0"][..])
+        .query::<Value>(&mut con)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("redis-guard settle: seven values per key"),
+        "{err}"
+    );
+    let now: Option<Vec<u8>> = redis::cmd("DUMP").arg(&a.key).query(&mut con).unwrap();
+    assert_eq!(now, before);
 }

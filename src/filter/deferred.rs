@@ -17,6 +17,7 @@ use crate::filter::stage::decision::pause_before;
 use crate::filter::{CalloutReply, Counter, Host};
 use crate::ratelimit::ScriptArgs;
 use crate::scripts::Script;
+use crate::webdis::Reply;
 
 /// Most keys one call carries: calls due together share one, but a
 /// bounded one.
@@ -35,7 +36,9 @@ pub struct Kind {
     /// What the log calls it when it fails.
     pub what: &'static str,
     /// Counted, per key, when a call is dropped (could not be sent, or
-    /// failed).
+    /// failed), and per key its script marks failed in a reply that
+    /// settles the others (lua/settle.lua): only a kind that counts its
+    /// losses reads its reply.
     pub lost: Option<Counter>,
 }
 
@@ -142,7 +145,11 @@ impl Deferred {
             Answer::Resent(token) => {
                 self.calls.insert(token, (kind, tag, call, tries));
             }
-            Answer::Ran(_) => {}
+            Answer::Ran(reply) => {
+                if let Some(lost) = kind.lost {
+                    count_failed_members(host, &kind, lost, &reply);
+                }
+            }
             Answer::Refused(_) if tries < TRIES => {
                 self.queued.push(Queued {
                     due: host.now() + pause_before(tries - 1),
@@ -161,4 +168,24 @@ impl Deferred {
             }
         }
     }
+}
+
+/// Counts the members a joined call's script could not apply: it marks each
+/// in its place (one stale quota settlement must not lose the settlements of
+/// the other requests of its tick, so the script applies those and names
+/// that one). One log line per call, naming the first.
+fn count_failed_members<H: Host>(host: &mut H, kind: &Kind, lost: Counter, reply: &Reply) {
+    let Reply::Array(Some(items)) = reply else {
+        return;
+    };
+    let mut failed = items.iter().filter_map(Reply::member_failure);
+    let Some(first) = failed.next() else {
+        return;
+    };
+    let n = 1 + failed.count() as u64;
+    log::warn!(
+        "redis-guard: {} failed for {n} of its keys: {first}",
+        kind.what
+    );
+    host.count_n(lost, n);
 }

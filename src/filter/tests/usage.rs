@@ -357,3 +357,62 @@ fn request_trailers_end_the_body_a_reservation_is_read_from() {
     assert_eq!(f.on_request_trailers(&mut h), Action::Pause);
     assert_eq!(decided_cost(&h), "80", "20 × 4");
 }
+
+/// Two requests' settlements, of one hash tag, as a worker's root joins
+/// them in one call of lua/settle.lua.
+fn joined_settlements() -> (
+    crate::filter::deferred::Deferred,
+    FakeHost,
+    crate::config::RedisTarget,
+) {
+    use crate::filter::stage::usage::SETTLE_CALL;
+    let mut d = crate::filter::deferred::Deferred::default();
+    let mut h = FakeHost::get("/");
+    let target = Config::parse(br#"{"redis":{"cluster":"webdis"}}"#)
+        .unwrap()
+        .redis;
+    let settlement = |key: &str, alg: &str, c: &str| {
+        (
+            vec![key.as_bytes().to_vec()],
+            [alg, "100", "10", c, "5", "0", "0"]
+                .iter()
+                .map(|v| v.as_bytes().to_vec())
+                .collect::<Vec<_>>(),
+        )
+    };
+    d.add(
+        SETTLE_CALL,
+        "{t}",
+        settlement("{t}a", "tb", "1000"),
+        Duration::ZERO,
+    );
+    d.add(
+        SETTLE_CALL,
+        "{t}",
+        settlement("{t}q", "cq", "1,2,3,4"),
+        Duration::ZERO,
+    );
+    d.flush(&mut h, &target);
+    assert_eq!(h.dispatched.len(), 1, "one call for the tag");
+    (d, h, target)
+}
+
+#[test]
+fn a_settlement_the_script_marks_failed_is_counted_lost_and_the_others_are_not() {
+    let (mut d, mut h, target) = joined_settlements();
+    // As Webdis hands lua/settle.lua's reply over: the first settled (90
+    // left), the second marked (its edges no longer hold Redis' clock).
+    let why = "ERR redis-guard settle: limit 2: no window of its edges holds Redis' clock";
+    let body = format!("*2\r\n$2\r\n90\r\n${}\r\n{why}\r\n", why.len());
+    d.on_reply(&mut h, &target, 1, &ok(body.as_bytes()));
+    assert_eq!(h.counted_n, [(Counter::UsageLost, 1)]);
+    // Every one settled: nothing counted.
+    let (mut d, mut h, target) = joined_settlements();
+    d.on_reply(
+        &mut h,
+        &target,
+        1,
+        &ok(b"*2\r\n$2\r\n90\r\n$10\r\n2147483648\r\n"),
+    );
+    assert_eq!(h.counted_n, []);
+}
