@@ -1,0 +1,430 @@
+//! Token leases across a fleet: 2 to 8 virtual Envoys, each with its own
+//! shared-data slot driven by the filter's real lease core
+//! (`redis_guard::lease::Slot`), sharing one bucket in a real Redis through
+//! the real lua/lease.lua, lua/lease_return.lua and the strict
+//! lua/ratelimit.lua, at the test clock. Envoys spend, fetch, give back and
+//! send a give-back twice (a reply lost after the call ran); a strict
+//! client charges; an operator resets the limit.
+//!
+//! Reference, from the book's promise (Fast paths: a leased bucket never
+//! holds more than a bucket that never leased once tokens are given back):
+//! a token bucket of the same shape that sees the same strict charges, the
+//! same admitted costs, and of every grant only the tokens that never came
+//! back, at the grant's instant. After every step the real bucket's level
+//! must be at or below the reference's. And a give-back made at the instant
+//! of its slot's grant, nothing between, returns tokens (the grant took them
+//! from the level it replied: they fit).
+
+use std::sync::LazyLock;
+
+use proptest::prelude::*;
+use redis::Connection;
+use redis_guard::keys::{block_key, older_bucket_key};
+use redis_guard::lease::{Slot, Step, Tuple};
+use redis_guard::scripts::{Script, LEASE, LEASE_RETURN};
+
+use crate::engine::{self, Property};
+use crate::support::script::{self, bucket, Bucket};
+
+static LEASE_AT: LazyLock<Script> =
+    LazyLock::new(|| script::without_expiry(&script::with_test_clock(&LEASE)));
+static RETURN_AT: LazyLock<Script> =
+    LazyLock::new(|| script::without_expiry(&script::with_test_clock(&LEASE_RETURN)));
+static STRICT_AT: LazyLock<Script> =
+    LazyLock::new(|| script::without_expiry(&script::RATELIMIT_AT));
+
+const KEY: &str = "t:{sim}:lease";
+/// The most tokens an Envoy holds (the limit's `lease.batch`).
+const BATCH: u64 = 12;
+/// A lease's life (ms): the longest the config allows.
+const LEASE_MS: u64 = 600_000;
+/// Clock steps (ms): none, within a token, a few tokens, past the longest
+/// lease.
+const TICKS: [i64; 9] = [0, 0, 1, 7, 900, 4_000, 30_000, 250_000, 700_000];
+
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// The clock moves on by TICKS[i].
+    Tick(usize),
+    /// Envoy `e` decides a request of `cost` on its lease (spends, or
+    /// fetches with the request, or asks Redis strictly).
+    Request { e: usize, cost: u64 },
+    /// Envoy `e` gives its unspent tokens back now.
+    GiveBack { e: usize },
+    /// Envoy `e`'s last give-back call is delivered again.
+    Resend { e: usize },
+    /// A request decided strictly (an Envoy without a lease).
+    Strict { cost: u64 },
+    /// `redis-guard reset` of the limit.
+    Reset,
+}
+
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    pub envoys: usize,
+    pub capacity: i64,
+    pub ops: Vec<Op>,
+}
+
+/// Kinds of step a run leaves out (`SIM_WITHOUT=reset,resend`): to show
+/// what the rest finds on its own.
+fn without(kind: &str) -> bool {
+    std::env::var("SIM_WITHOUT").is_ok_and(|v| v.split(',').any(|k| k.trim() == kind))
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let w = |kind: &str, weight: u32| if without(kind) { 0 } else { weight };
+    prop_oneof![
+        3 => (0..TICKS.len()).prop_map(Op::Tick),
+        5 => (0..8usize, 0..3u64).prop_map(|(e, cost)| Op::Request { e, cost }),
+        3 => (0..8usize).prop_map(|e| Op::GiveBack { e }),
+        w("resend", 1) => (0..8usize).prop_map(|e| Op::Resend { e }),
+        3 => (1..40u64).prop_map(|cost| Op::Strict { cost }),
+        w("reset", 1) => Just(Op::Reset),
+    ]
+}
+
+pub fn schedules() -> impl Strategy<Value = Schedule> {
+    (
+        2..=8usize,
+        prop::sample::select(vec![20i64, 40, 100]),
+        prop::collection::vec(op(), 1..36),
+    )
+        .prop_map(|(envoys, capacity, ops)| Schedule {
+            envoys,
+            capacity,
+            ops,
+        })
+}
+
+/// What happened to the real bucket, for the reference to replay.
+#[derive(Debug, Clone, Copy)]
+enum Event {
+    Step(i64),
+    /// A lease call admitted `cost` and granted grant `id`.
+    Take {
+        cost: i64,
+        id: usize,
+    },
+    Charge(i64),
+    Back,
+    Reset,
+}
+
+/// One virtual Envoy: its slot's shared data, which grants its tokens came
+/// from (oldest first), and its last give-back call.
+#[derive(Default)]
+struct Envoy {
+    stored: Option<Vec<u8>>,
+    from: Vec<(usize, u64)>,
+    last_back: Option<[String; 7]>,
+    /// Tokens of a grant that landed with nothing after it yet.
+    fresh: u64,
+}
+
+struct World<'a> {
+    con: &'a mut Connection,
+    b: Bucket,
+    now: i64,
+    slot: Slot,
+    envoys: Vec<Envoy>,
+    kept: Vec<i64>,
+    log: Vec<(Event, i64)>,
+}
+
+impl World<'_> {
+    fn level(&mut self) -> i64 {
+        let full = self.b.capacity * self.b.period;
+        match crate::support::read_bucket(self.con, KEY) {
+            None => full,
+            Some((c, t)) if self.now > t => full.min(c + (self.now - t) * self.b.refill),
+            Some((c, _)) => full.min(c),
+        }
+    }
+
+    fn ms(&self) -> u64 {
+        self.now as u64
+    }
+
+    /// Drops what the Envoy's slot no longer holds (lapsed) from the model.
+    fn lapse(&mut self, e: usize) {
+        let held = self
+            .slot
+            .tokens(self.envoys[e].stored.as_deref(), self.ms());
+        let env = &mut self.envoys[e];
+        let mut extra = env
+            .from
+            .iter()
+            .map(|f| f.1)
+            .sum::<u64>()
+            .saturating_sub(held);
+        while extra > 0 {
+            let n = env.from[0].1.min(extra);
+            env.from[0].1 -= n;
+            extra -= n;
+            if env.from[0].1 == 0 {
+                env.from.remove(0);
+            }
+        }
+    }
+
+    fn strict(&mut self, cost: i64) -> bool {
+        let raw: Vec<i64> = script::with_limits(
+            script::evalsha(&STRICT_AT),
+            &[self.b.limit(KEY, cost)],
+            None,
+        )
+        .query(self.con)
+        .unwrap_or_else(|e| panic!("strict call: {e}"));
+        raw[0] == 1
+    }
+
+    /// lua/lease.lua for `cost` and `want`: the grant and its tuple, if
+    /// admitted.
+    fn lease(&mut self, cost: u64, want: u64) -> Option<(u64, Tuple)> {
+        let raw: Vec<i64> = script::with_lease(
+            script::evalsha(&LEASE_AT),
+            KEY,
+            self.b,
+            cost as i64,
+            want as i64,
+        )
+        .query(self.con)
+        .unwrap_or_else(|e| panic!("lease call: {e}"));
+        (raw[0] == 1).then(|| {
+            (
+                raw[5] as u64,
+                Tuple {
+                    at_ms: raw[6] as u64,
+                    level: raw[7] as u64,
+                    returned: raw[8] as u64,
+                },
+            )
+        })
+    }
+
+    fn give_back_call(&mut self, args: &[String; 7]) -> Result<i64, String> {
+        let raw: Vec<i64> = script::evalsha(&RETURN_AT)
+            .arg(1)
+            .arg(KEY)
+            .arg(&args[..])
+            .query(self.con)
+            .map_err(|e| format!("give-back {args:?}: {e}"))?;
+        Ok(raw[0])
+    }
+
+    fn push(&mut self, event: Event) {
+        let level = self.level();
+        self.log.push((event, level));
+        for env in &mut self.envoys {
+            env.fresh = 0;
+        }
+    }
+
+    /// Envoy `e` fetched with a request of `cost` (0: a prefetch).
+    fn fetch(&mut self, e: usize, cost: u64, want: u64) {
+        let Some((granted, tuple)) = self.lease(cost, want) else {
+            let stored = self.envoys[e].stored.clone();
+            if let Some(bytes) = self.slot.fetch_failed(stored.as_deref()) {
+                self.envoys[e].stored = Some(bytes);
+            }
+            return;
+        };
+        let id = self.kept.len();
+        self.kept.push(granted as i64);
+        self.push(Event::Take {
+            cost: cost as i64,
+            id,
+        });
+        let now = self.ms();
+        self.lapse(e);
+        let before = self.slot.tokens(self.envoys[e].stored.as_deref(), now);
+        let stored = self.envoys[e].stored.clone();
+        let written = self.slot.granted(
+            stored.as_deref(),
+            granted,
+            tuple,
+            now,
+            now + LEASE_MS,
+            BATCH,
+        );
+        if let Some(bytes) = written {
+            self.envoys[e].stored = Some(bytes);
+        }
+        let after = self.slot.tokens(self.envoys[e].stored.as_deref(), now);
+        let added = after.saturating_sub(before);
+        if added > 0 {
+            self.envoys[e].from.push((id, added));
+        }
+        self.envoys[e].fresh = added;
+    }
+
+    fn request(&mut self, e: usize, cost: u64) {
+        self.lapse(e);
+        let now = self.ms();
+        let stored = self.envoys[e].stored.clone();
+        match self
+            .slot
+            .step(stored.as_deref(), cost, now, 1_000, BATCH, true)
+        {
+            Step::Spend { bytes, prefetch } => {
+                self.envoys[e].stored = Some(bytes);
+                let env = &mut self.envoys[e];
+                let mut k = cost;
+                while k > 0 {
+                    let n = env.from[0].1.min(k);
+                    env.from[0].1 -= n;
+                    k -= n;
+                    if env.from[0].1 == 0 {
+                        env.from.remove(0);
+                    }
+                }
+                if let Some(want) = prefetch {
+                    self.fetch(e, 0, want);
+                }
+            }
+            Step::Fetch { bytes, want } => {
+                self.envoys[e].stored = Some(bytes);
+                self.fetch(e, cost, want);
+            }
+            Step::Strict => {
+                if self.strict(cost as i64) {
+                    self.push(Event::Charge(cost as i64));
+                }
+            }
+        }
+    }
+
+    fn give_back(&mut self, e: usize) -> Result<(), String> {
+        self.lapse(e);
+        let now = self.ms();
+        let stored = self.envoys[e].stored.clone();
+        let Ok((bytes, back)) = self.slot.take_back(stored.as_deref(), now, 0, 0) else {
+            return Ok(());
+        };
+        self.envoys[e].stored = Some(bytes);
+        let args = back.args(
+            self.b.capacity as u64,
+            self.b.refill as u64,
+            self.b.period as u64,
+        );
+        let args = args.map(|a| String::from_utf8(a).unwrap_or_default());
+        let fresh = self.envoys[e].fresh;
+        let x = self.give_back_call(&args)?;
+        if !(0..=back.tokens as i64).contains(&x) {
+            return Err(format!("a give-back of {} returned {x}", back.tokens));
+        }
+        if fresh > 0 && x == 0 && !without("fresh") {
+            return Err(format!(
+                "envoy {e} gave back {} tokens at the instant its grant of {fresh} landed, \
+                 nothing between, and Redis took none back",
+                back.tokens
+            ));
+        }
+        // The tokens given back are the newest grants'.
+        let mut left = x;
+        let env = &mut self.envoys[e];
+        for (id, n) in env.from.iter().rev() {
+            let m = (*n as i64).min(left);
+            self.kept[*id] -= m;
+            left -= m;
+        }
+        env.from.clear();
+        env.last_back = Some(args);
+        self.push(Event::Back);
+        Ok(())
+    }
+
+    fn resend(&mut self, e: usize) -> Result<(), String> {
+        let Some(args) = self.envoys[e].last_back.clone() else {
+            return Ok(());
+        };
+        // The Envoy sees only this reply; the first's tokens were counted.
+        self.give_back_call(&args)?;
+        self.push(Event::Back);
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        // What `redis-guard reset` deletes for a token bucket.
+        let mut keys = vec![KEY.as_bytes().to_vec(), block_key(KEY.as_bytes())];
+        keys.extend(older_bucket_key(KEY.as_bytes()));
+        for k in crate::reset_keys(KEY.as_bytes()) {
+            keys.push(k);
+        }
+        for k in keys {
+            redis::cmd("DEL").arg(k).query::<()>(self.con).unwrap();
+        }
+        self.push(Event::Reset);
+    }
+
+    /// The reference replayed with what is known now; the first step whose
+    /// real level exceeds it.
+    fn check(&self) -> Result<(), String> {
+        let full = self.b.capacity * self.b.period;
+        let mut reference = full;
+        for (i, (event, real)) in self.log.iter().enumerate() {
+            match *event {
+                Event::Step(dt) => reference = full.min(reference + dt * self.b.refill),
+                Event::Take { cost, id } => reference -= (cost + self.kept[id]) * self.b.period,
+                Event::Charge(y) => reference -= y * self.b.period,
+                Event::Back => {}
+                Event::Reset => reference = full,
+            }
+            if *real > reference {
+                return Err(format!(
+                    "after step {i} ({event:?}) the bucket holds {real} credits, more than the \
+                     {reference} of a bucket that never leased the tokens given back \
+                     (capacity {} tokens of {} credits)",
+                    self.b.capacity, self.b.period
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+pub fn load(con: &mut Connection) {
+    engine::load(con, &[&LEASE_AT, &RETURN_AT, &STRICT_AT]);
+}
+
+pub fn run(con: &mut Connection, s: &Schedule) -> Result<(), String> {
+    engine::fresh(con);
+    let mut w = World {
+        con,
+        b: bucket(s.capacity, 1, 1_000),
+        now: script::T0,
+        slot: Slot::of(KEY.as_bytes()),
+        envoys: (0..s.envoys).map(|_| Envoy::default()).collect(),
+        kept: Vec::new(),
+        log: Vec::new(),
+    };
+    script::set_clock(w.con, w.now);
+    for op in &s.ops {
+        match *op {
+            Op::Tick(i) => {
+                w.now += TICKS[i];
+                script::set_clock(w.con, w.now);
+                if TICKS[i] > 0 {
+                    w.push(Event::Step(TICKS[i]));
+                }
+            }
+            Op::Request { e, cost } => w.request(e % s.envoys, cost),
+            Op::GiveBack { e } => w.give_back(e % s.envoys)?,
+            Op::Resend { e } => w.resend(e % s.envoys)?,
+            Op::Strict { cost } => {
+                if w.strict(cost as i64) {
+                    w.push(Event::Charge(cost as i64));
+                }
+            }
+            Op::Reset => w.reset(),
+        }
+        w.check()?;
+    }
+    Ok(())
+}
+
+pub const PROPERTY: Property = Property {
+    name: "leases_never_hold_more_than_a_bucket_that_never_leased",
+    seed: 0x5EA5_E0B1,
+};
