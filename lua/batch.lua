@@ -42,12 +42,21 @@ ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
 Returns a flat array (Webdis' raw output cannot carry nested arrays):
   [1]  M
   then per member, in order: the length L of its reply, then its L values:
-       the reply lua/ratelimit.lua documents.
+       the reply lua/ratelimit.lua documents; or, for a member its lone
+       call would have answered with an error reply (malformed(): a quota
+       whose edges hold no window of Redis' clock, numbers out of range),
+       L = 1 and that error's text, `ERR redis-guard ratelimit: ...`, as a
+       string (no reply of lua/ratelimit.lua is one string).
 
 Each member's decision reads what the members before it wrote, and a
 rejected member writes nothing, so a batch admits exactly what the same
-calls sent one by one in this order would. A malformed member makes the
-whole batch an error: the filter built it, so it is a bug, not a verdict.
+calls sent one by one in this order would. A member malformed() refuses
+writes nothing either and is answered its lone call's error: it fails
+alone (an Envoy whose clock is off by more than a window sends such quota
+members, and they must not fail the requests batched with them), and the
+others are decided as if it was not there. A batch that does not unpack
+(the packing above broken) is an error for the whole call: the filter
+built it, so it is a bug, not a verdict.
 
 Composition: src/scripts.rs joins lua/nonce.lua, lua/wire.lua, lua/token_bucket.lua, lua/sliding_window.lua,
 lua/gcra.lua, lua/fixed_window.lua, lua/sliding_window_counter.lua,
@@ -196,18 +205,20 @@ if not ok or why then
 end
 -- A member alone[] holds is decided by lone_bucket() (lua/decide.lua): its
 -- figures were unpacked from doubles, so malformed() has nothing to find in
--- them.
+-- them. Every member is checked before any is decided (its kinds are
+-- defined there); one refused is answered its error in its place.
+local refused = {}
 for j = 1, m do
   if not alone[j] then
-    local why = malformed(K, ko[j], nk[j], A, ao[j], na[j])
-    if why then
-      return redis.error_reply(why)
-    end
+    refused[j] = malformed(K, ko[j], nk[j], A, ao[j], na[j])
   end
 end
 local out = { m }
 for j = 1, m do
-  if alone[j] then
+  if refused[j] then
+    out[#out + 1] = 1
+    out[#out + 1] = refused[j]
+  elseif alone[j] then
     local at = ao[j]
     local allowed, remaining, retry, reset =
       lone_bucket(K[ko[j] + 1], A[at + 3], A[at + 4], A[at + 5], A[at + 6])

@@ -253,7 +253,9 @@ fn put_keys(out: &mut Vec<u8>, keys: &[&[u8]]) -> Result<(), String> {
 pub const PACKED_VERSION: u8 = 3;
 
 /// Splits lua/batch.lua's flat reply into each member's own reply, in the
-/// form lua/ratelimit.lua gives it; `m` members were sent.
+/// form lua/ratelimit.lua gives it; `m` members were sent. A member the
+/// script refused (one value, its error's text) is the error reply its lone
+/// call would have had.
 pub fn split_reply(reply: Reply, m: usize) -> Result<Vec<Reply>, String> {
     let Reply::Array(Some(items)) = reply else {
         return Err(format!("expected an array, got {reply:?}"));
@@ -278,7 +280,14 @@ pub fn split_reply(reply: Reply, m: usize) -> Result<Vec<Reply>, String> {
                 part.len()
             ));
         }
-        out.push(Reply::Array(Some(part)));
+        let refused = match part.as_slice() {
+            [only] => only.member_failure().map(str::to_string),
+            _ => None,
+        };
+        out.push(match refused {
+            Some(why) => Reply::Error(why),
+            None => Reply::Array(Some(part)),
+        });
     }
     if items.next().is_some() {
         return Err("values after the last member".to_string());
@@ -447,6 +456,30 @@ mod tests {
             [
                 Reply::Array(Some(vec![int(1), int(1), int(4), int(0), int(1000)])),
                 Reply::Array(Some(vec![int(2), int(150)])),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_member_the_script_refused_is_its_lone_calls_error_reply() {
+        let why = "ERR redis-guard ratelimit: limit 1 has a bad enforce value";
+        let flat = Reply::Array(Some(vec![
+            int(3),
+            int(1),
+            Reply::Bulk(Some(why.as_bytes().to_vec())),
+            int(1),
+            int(4),
+            int(1),
+            Reply::Bulk(Some(b"ERR".to_vec())),
+        ]));
+        let parts = split_reply(flat, 3).unwrap();
+        assert_eq!(
+            parts,
+            [
+                Reply::Error(why.to_string()),
+                Reply::Array(Some(vec![int(4)])),
+                // Not the marker: a string that is not `ERR <why>`.
+                Reply::Array(Some(vec![Reply::Bulk(Some(b"ERR".to_vec()))])),
             ]
         );
     }

@@ -1164,9 +1164,9 @@ const KEYS_AT: usize = MEMBER_AT + MEMBER_LEN;
 
 /// Runs each malformed batch under its own namespace and returns, for every
 /// case that broke the contract, what went wrong: the reply must be an error
-/// `ERR redis-guard batch: ...` (or, for a member that unpacks but whose
-/// numbers `malformed()` refuses, `ERR redis-guard ratelimit: ...`), and no
-/// key may be written.
+/// `ERR redis-guard batch: ...` (a batch that does not unpack; a member that
+/// unpacks but whose numbers `malformed()` refuses fails alone, see
+/// `a_malformed_member_fails_alone_...`), and no key may be written.
 fn malformed_failures(cases: Vec<(&str, Raw)>) -> Vec<String> {
     let redis = support::Redis::start();
     let mut con = redis.conn();
@@ -1190,10 +1190,8 @@ fn malformed_failures(cases: Vec<(&str, Raw)>) -> Vec<String> {
             // The crate splits `ERR <detail>` into the code and the detail.
             Err(e)
                 if e.code() == Some("ERR")
-                    && e.detail().is_some_and(|d| {
-                        d.starts_with("redis-guard batch: ")
-                            || d.starts_with("redis-guard ratelimit: ")
-                    }) => {}
+                    && e.detail()
+                        .is_some_and(|d| d.starts_with("redis-guard batch: ")) => {}
             Err(e) => failures.push(format!(
                 "{what}: error {:?} {:?}, not `ERR redis-guard batch: ...`",
                 e.code(),
@@ -1222,10 +1220,6 @@ fn a_malformed_packed_batch_gives_an_error_reply_and_writes_nothing() {
     let one = || vec![valid_member("NS", "v")];
     let cases = vec![
         ("version 1", edited(&one(), |b| b[0] = 1)),
-        (
-            "an enforce value of 2",
-            edited(&one(), |b| b[28..36].copy_from_slice(&2f64.to_be_bytes())),
-        ),
         ("member count 0", edited(&one(), |b| set_u16(b, M_AT, 0))),
         (
             "member count 2, one member sent",
@@ -1287,10 +1281,11 @@ fn a_malformed_packed_batch_gives_an_error_reply_and_writes_nothing() {
 
 #[test]
 fn a_malformed_member_after_a_valid_one_gives_an_error_reply_and_writes_nothing() {
-    // The filter built the batch, so a malformed member is a bug and the
-    // whole batch an error (lua/batch.lua's header). An error reply tells the
-    // filter nothing was decided; if the valid member before it was charged
-    // anyway, that budget (and any lock it took) is spent for nothing.
+    // A member that does not unpack breaks the packing: the filter built
+    // it, so it is a bug and the whole batch an error (lua/batch.lua's
+    // header). An error reply tells the filter nothing was decided; if the
+    // valid member before it was charged anyway, that budget (and any lock
+    // it took) is spent for nothing.
     let two = || vec![valid_member("NS", "v"), valid_member("NS", "w")];
     let second = MEMBER_AT + MEMBER_LEN;
     let keyed_first = || {
@@ -1326,6 +1321,83 @@ fn a_malformed_member_after_a_valid_one_gives_an_error_reply_and_writes_nothing(
     ];
     let failures = malformed_failures(cases);
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A member's reply entry when the script refused it: the error text its
+/// lone call of lua/ratelimit.lua gets.
+fn refused(why: &str) -> Vec<Value> {
+    vec![Value::BulkString(
+        format!("ERR redis-guard ratelimit: {why}").into_bytes(),
+    )]
+}
+
+#[test]
+fn a_malformed_member_fails_alone_and_the_others_are_decided_as_without_it() {
+    let redis = support::Redis::start();
+    let mut con = redis.conn();
+    // A quota whose edges hold no instant near Redis' clock (edges of
+    // 1970: an Envoy clock off by more than a window), beside a token
+    // bucket in its request, between two requests without a quota.
+    let stale = Limit {
+        key: "t:q".to_string(),
+        alg: "cq",
+        a: 10,
+        b: 0,
+        c: "1000,2000,3000,4000".to_string(),
+        cost: 1,
+        enforce: true,
+        block: 0,
+    };
+    let bucket = |ns: &str, k: &str| tb(&format!("{ns}:{k}"), 3, 1, HOUR);
+    let members = [
+        request(vec![bucket("t", "a")]),
+        request(vec![bucket("t", "b"), stale.clone()]),
+        request(vec![bucket("t", "a")]),
+    ];
+    let why = "limit 2: no window of its edges holds Redis' clock (the proxy's clock is off by more than a window)";
+    let replies = batch(&mut con, &members);
+    assert_eq!(replies[1], refused(why));
+    assert_eq!(
+        [ints(&replies[0]), ints(&replies[2])],
+        [[1, 1, 2, 0, HOUR], [1, 1, 1, 0, 2 * HOUR]]
+    );
+    // Nothing of the refused member written (its bucket neither).
+    assert_eq!(keys_under(&mut con, "t"), ["t:a"]);
+    // The same batch without it decides the others alike.
+    let without = [
+        request(vec![bucket("u", "a")]),
+        request(vec![bucket("u", "a")]),
+    ];
+    assert_eq!(
+        batch_ints(&mut con, &without),
+        [ints(&replies[0]), ints(&replies[2])]
+    );
+    // Its lone call is the same error.
+    let lone = members[1].clone();
+    let err = eval(
+        &redis_guard::scripts::RATELIMIT.source,
+        &lone.keys(),
+        &lone.argv(),
+    )
+    .query::<Value>(&mut con)
+    .unwrap_err();
+    assert_eq!(
+        (err.code(), err.detail()),
+        (Some("ERR"), Some(&*format!("redis-guard ratelimit: {why}")))
+    );
+    // A parameter set every member shares with an enforce value of 2:
+    // each member refused alone, nothing written.
+    let (keys, mut packed) = batch_args(&[valid_member("v", "a"), valid_member("v", "b")]);
+    packed[28..36].copy_from_slice(&2f64.to_be_bytes());
+    let v = batch_raw(&mut con, &keys, &[packed]).unwrap();
+    assert_eq!(
+        script::split_batch_reply(v, 2),
+        [
+            refused("limit 1 has a bad enforce value"),
+            refused("limit 1 has a bad enforce value")
+        ]
+    );
+    assert_eq!(keys_under(&mut con, "v"), Vec::<String>::new());
 }
 
 #[test]

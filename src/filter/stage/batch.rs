@@ -45,9 +45,23 @@ pub trait Waiter: Clone {
 pub enum Verdict {
     /// Its own reply, as its single call would have had it.
     Ran(Reply),
-    /// The batch failed: the member applies its own failure mode. The
-    /// breaker has heard of it once, for the whole batch.
+    /// The batch failed, or the script refused this member alone (its lone
+    /// call would have had an error reply: a quota's edges past Redis'
+    /// clock): the member applies its own failure mode. The breaker has
+    /// heard of a failed batch once, for the whole batch, and of a refused
+    /// member not at all (Redis answered).
     Failed(Failure),
+}
+
+impl Verdict {
+    /// A member's part of the batch's reply: a refused member fails as its
+    /// lone call's error reply would (src/filter/call.rs), others ran.
+    fn of(part: Reply) -> Verdict {
+        match part {
+            Reply::Error(why) => Verdict::Failed((ErrorKind::Redis, format!("redis error: {why}"))),
+            part => Verdict::Ran(part),
+        }
+    }
 }
 
 struct Group<W> {
@@ -188,7 +202,7 @@ impl<W: Waiter> Batcher<W> {
                         .members
                         .into_iter()
                         .zip(parts)
-                        .map(|(w, part)| (w, Verdict::Ran(part)))
+                        .map(|(w, part)| (w, Verdict::of(part)))
                         .collect();
                     verdicts.extend(self.finished(host, target, &flight.tag));
                     return verdicts;

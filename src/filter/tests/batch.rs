@@ -564,3 +564,28 @@ fn a_group_whose_wake_up_was_lost_is_flushed_by_the_timer() {
     assert_eq!(h.dispatched.len(), 1);
     assert!(!b.needs_tick());
 }
+
+#[test]
+fn a_member_the_script_refused_fails_alone_and_spares_the_breaker() {
+    let (mut b, breaker) = batcher(32, 1);
+    let mut h = FakeHost::get("/");
+    join_all(&mut b, &mut h, vec![(stream(1), member("k", 300))]);
+    b.join(stream(2), member("k", 300));
+    b.join(stream(3), member("k", 300));
+    b.on_reply(&mut h, &target(), 1, &batch_admit(1));
+    // lua/batch.lua's reply: member 1 refused (its length 1, the error its
+    // lone call would have had), member 2 admitted.
+    let why = "ERR redis-guard ratelimit: limit 1: no window of its edges holds Redis' clock (the proxy's clock is off by more than a window)";
+    let reply = format!(
+        "*9\r\n:2\r\n:1\r\n${}\r\n{why}\r\n:5\r\n:1\r\n:1\r\n:4\r\n:0\r\n:1000\r\n",
+        why.len()
+    );
+    let verdicts = b.on_reply(&mut h, &target(), 2, &ok(reply.as_bytes()));
+    assert_eq!(ids(&verdicts), [2, 3]);
+    assert_eq!(
+        verdicts[0].1,
+        Verdict::Failed((ErrorKind::Redis, format!("redis error: {why}")))
+    );
+    assert!(matches!(&verdicts[1].1, Verdict::Ran(Reply::Array(Some(v))) if v.len() == 5));
+    assert_eq!(breaker.for_tag(Some("{t}")).consecutive_failures(), 0);
+}
