@@ -17,6 +17,7 @@ mod support;
 mod engine;
 mod flight;
 mod joined;
+mod kinds;
 mod lease;
 mod quota;
 
@@ -77,5 +78,14 @@ fn an_idempotency_key_runs_upstream_at_most_once() {
     flight::load(&mut con);
     engine::holds(&flight::IDEM_PROPERTY, flight::idem_schedules(), |s| {
         flight::run_idem(&mut con, s)
+    });
+}
+
+#[test]
+fn every_kind_keeps_its_bound_over_every_interval() {
+    let (_redis, mut con) = support::Redis::start_with_conn();
+    kinds::load(&mut con);
+    engine::holds(&kinds::PROPERTY, kinds::schedules(), |s| {
+        kinds::run(&mut con, s)
     });
 }
