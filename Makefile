@@ -70,27 +70,38 @@ panic-trigger: rust-deps
 test-clock: rust-deps
 	cargo build --release --lib --target $(WASM_TARGET) --features test-clock --target-dir target/test-clock
 
-rust-deps:
-	@command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup first"; exit 1; }
-	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+# Every prerequisite checked up front (envoy/prereqs.sh: x86_64, Debian,
+# Rust >= 1.85 from rustup with the wasm32 target, a C linker, python3-venv,
+# git), each missing one named with how to get it; as root it installs the
+# Debian packages among them. Every target that builds or runs starts here.
+.PHONY: prereqs
+prereqs:
+	@WASM_TARGET=$(WASM_TARGET) bash envoy/prereqs.sh
 
-apt-deps:
+rust-deps: prereqs
+
+# The Debian packages start their own services where an init system runs
+# (redis-server on :6379, webdis on :7379, prometheus on :9090 and the
+# prometheus-node-exporter it recommends on :9100): said before installing.
+# Tests and the demo run private instances on other ports instead.
+apt-deps: prereqs
 	@missing=""; \
 	for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing:$$missing"; \
+	    echo "installing the Debian packages:$$missing"; \
+	    echo "  (Debian starts their services where an init system runs: redis-server :6379, webdis :7379,"; \
+	    echo "   prometheus :9090, prometheus-node-exporter :9100; nothing here uses them:"; \
+	    echo "   systemctl disable --now redis-server webdis prometheus prometheus-node-exporter stops them)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else \
 	    echo "missing Debian packages:$$missing — run: sudo apt-get install$$missing"; exit 1; \
 	  fi; \
 	fi
-	@# The Debian packages start their own services where an init system runs;
-	@# tests and the demo run private instances on free ports instead.
 
 envoy-dep: $(ENVOY_STAMP)
 
-$(ENVOY_STAMP):
+$(ENVOY_STAMP): | prereqs
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check $(ENVOY_PKG)
 	@touch $@

@@ -4,6 +4,13 @@ the same ones for the CLI and the tests). A state key is
 `<prefix>:rl:{<tag>}:<name>:<signature>:<descriptor>`; the prefix holds no
 brace, names and signatures no `:`. A derived key keeps the hash tag, so it
 lives in the state's slot.
+
+Derived keys the scripts below do not build here: a quota's window
+`<state key>:<window start, ms>` (lua/quota.lua) and a leased token
+bucket's give-back record `<state key>:ret` (lua/lease.lua,
+lua/lease_return.lua, which are not joined with this file; src/keys.rs
+give_back_key() names it for the CLI, whose reset deletes it, and checks
+that both scripts spell that suffix).
 ]]
 
 -- The key of a blocking limit's block: its state key with `:bl:` for `:rl:`

@@ -184,6 +184,33 @@ pub fn block_key(state_key: &[u8]) -> Vec<u8> {
     }
 }
 
+/// The suffix of a leased token bucket's give-back record: `<state key>:ret`
+/// (lua/lease.lua creates it at a grant, lua/lease_return.lua reads and
+/// writes it; same hash tag). It holds the count and peaks of tokens given
+/// back since the grants still out: a reset must delete it with the bucket,
+/// or tokens leased before the reset would be judged against it and come
+/// back into the fresh bucket.
+pub const GIVE_BACK_SUFFIX: &[u8] = b":ret";
+
+/// The give-back record of the token bucket `state_key`
+/// ([`GIVE_BACK_SUFFIX`]).
+pub fn give_back_key(state_key: &[u8]) -> Vec<u8> {
+    [state_key, GIVE_BACK_SUFFIX].concat()
+}
+
+/// Every key a limit's state lives in beside `state_key` itself, that a
+/// reset must delete for the limit to be whole: a token bucket's hash of an
+/// older filter ([`older_bucket_key`]) and its give-back record
+/// ([`give_back_key`]). Not a quota's window keys (which window is current
+/// takes Redis' clock) nor a blocking limit's block ([`block_key`]), which
+/// the CLI reports apart; not the override key, which is configuration,
+/// not state.
+pub fn state_keys_beside(state_key: &[u8]) -> Vec<Vec<u8>> {
+    let mut keys: Vec<Vec<u8>> = older_bucket_key(state_key).into_iter().collect();
+    keys.push(give_back_key(state_key));
+    keys
+}
+
 /// The key of a quota's window that starts at `start_ms`: its state key
 /// and `:<start>` (lua/quota.lua builds it the same way; same hash tag).
 pub fn quota_window_key(state_key: &[u8], start_ms: i64) -> Vec<u8> {
@@ -273,6 +300,30 @@ mod tests {
         let window = rate_limit_key("rg", "abc", ":per-key:fw.5.1000:", b"3:tb2");
         assert_eq!(older_bucket_key(&window), None);
         assert_eq!(older_bucket_key(b"plain:tb2.5.1.1000"), None);
+    }
+
+    #[test]
+    fn the_give_back_record_is_where_the_lease_scripts_keep_it() {
+        let key = rate_limit_key("rg", "abc", ":per-key:tb2.5.1.1000:", b"1:a");
+        assert_eq!(
+            give_back_key(&key),
+            b"rg:rl:{abc}:per-key:tb2.5.1.1000:1:a:ret".to_vec()
+        );
+        // lua/lease.lua and lua/lease_return.lua spell the suffix inline
+        // (they are not joined with lua/keys.lua): they must spell this one.
+        let suffix = format!("'{}'", String::from_utf8_lossy(GIVE_BACK_SUFFIX));
+        for (name, source) in [
+            ("lease.lua", include_str!("../lua/lease.lua")),
+            ("lease_return.lua", include_str!("../lua/lease_return.lua")),
+        ] {
+            assert!(source.contains(&suffix), "{name} has no {suffix}");
+        }
+        assert_eq!(
+            state_keys_beside(&key),
+            [older_bucket_key(&key).unwrap(), give_back_key(&key)]
+        );
+        let window = rate_limit_key("rg", "abc", ":per-key:fw.5.1000:", b"1:a");
+        assert_eq!(state_keys_beside(&window), [give_back_key(&window)]);
     }
 
     #[test]

@@ -392,6 +392,58 @@ fn reset_restores_the_budget_only_when_confirmed() {
 }
 
 #[test]
+fn reset_deletes_a_leased_buckets_give_back_record_so_tokens_leased_before_never_return() {
+    // A bucket of 40 that leases (lua/lease.lua) and gives back
+    // (lua/lease_return.lua), driven by the scripts as an Envoy sends them,
+    // on the key the CLI names.
+    let redis = Redis::start();
+    let dir = Scratch::new("cli-reset-lease");
+    let json = filter_config(3000)
+        .limits(
+            r#"[{"name":"tb","descriptor":[{"header":"x-user"}],
+                 "tokenBucket":{"capacity":40,"refill":1,"periodMs":3600000},
+                 "lease":{"tokens":10,"ttlMs":60000}}]"#,
+        )
+        .build();
+    let config = config_file(&dir, &json);
+    let url = redis.admin_url();
+    let key = inspect(&config, &url, "tb", "erin")["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let b = support::script::bucket(40, 1, 3_600_000);
+    let mut con = redis.conn();
+    // One request admitted and 9 tokens leased (a quarter of the 39 left):
+    // 30 stay in Redis.
+    let (reply, tuple) =
+        support::script::split_lease(support::script::eval_lease(&mut con, &key, b, 1, 10));
+    assert_eq!((reply[0], reply[5]), (1, 9), "{reply:?}");
+    let ret = redis_guard::keys::give_back_key(key.as_bytes());
+    assert!(key_exists(&mut con, std::str::from_utf8(&ret).unwrap()));
+    assert_eq!(reset_tb(&config, &url, "erin")["deleted"], true);
+    // The fresh bucket: a strict request of 20 leaves 20.
+    let strict = support::script::request(&mut con, &[b.limit(&key, 20)], None);
+    let support::script::Reply::Decided(d) = strict else {
+        panic!("{strict:?}")
+    };
+    assert_eq!((d.admitted, d.limits[0].remaining), (true, 20));
+    // The Envoy gives back the 9 it leased before the reset: none may
+    // come back into the fresh bucket, which stays at 20, as a bucket that
+    // never leased would.
+    let back: Vec<i64> = support::script::eval(&redis_guard::scripts::LEASE_RETURN)
+        .arg(1)
+        .arg(&key)
+        .arg(&[40, 1, 3_600_000, 9][..])
+        .arg(&tuple[..])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(back, [0]);
+    assert_eq!(inspect(&config, &url, "tb", "erin")["remaining"], 20);
+    // The reset deleted the record (the give-back found none, so wrote none).
+    assert!(!key_exists(&mut con, std::str::from_utf8(&ret).unwrap()));
+}
+
+#[test]
 fn forget_lets_a_completed_key_run_again_and_refuses_one_in_progress_unless_forced() {
     let (stack, _dir, config, url) = every_kind_stack("cli-forget", 1);
     let e = stack.envoy();

@@ -282,10 +282,13 @@ fn run(command: Command) -> Result<output::Report, Failure> {
             if let Some((key, _, _)) = redis.quota_window(&target)? {
                 deleted |= redis.delete(&key)?;
             }
-            // And an older filter's hash of the bucket, which the scripts
-            // read for a bucket without its string (a rolling upgrade).
-            if let Some(older) = redis_guard::keys::older_bucket_key(&target.key) {
-                deleted |= redis.delete(&older)?;
+            // And every other key of its state (src/keys.rs): an older
+            // filter's hash of the bucket, which the scripts read for a
+            // bucket without its string (a rolling upgrade), and a leased
+            // bucket's give-back record, against which tokens leased before
+            // the reset would otherwise come back into the fresh bucket.
+            for key in redis_guard::keys::state_keys_beside(&target.key) {
+                deleted |= redis.delete(&key)?;
             }
             // A blocking limit's block goes too: a reset makes the key whole.
             let unblocked = match target.limit.block_ms {
