@@ -220,7 +220,7 @@ local function decide_checked(keys, ko, argv, ao, na)
       local text = okey and redis.pcall('GET', okey)
       texts = texts or {}
       texts[i] = text or false
-      local want = cq_anchor_wanted(text, argv[base + 3], tonumber(argv[base + 4]))
+      local want = cq_anchor_wanted(text, argv[base + 3])
       if want then
         texts.moved = texts.moved or { 5 }
         texts.moved[#texts.moved + 1] = i

@@ -29,7 +29,10 @@ is not the one decisions read. The window is the one of `edges` that holds
 Redis' TIME, so a quota renews when Redis' clock crosses its edge, the same
 instant for every Envoy. A call whose edges do not hold Redis' TIME (the
 filter's clock off by more than a window) is malformed: an error reply,
-decided by the failure mode, never a count in a window it cannot place.
+decided by the failure mode, never a count in a window it cannot place (in
+lua/batch.lua, that member alone; in lua/settle.lua, that settlement alone).
+The filter's edges are increasing: a neighbour is never an empty window
+(src/quota.rs Calendar::edges); the script takes non-decreasing ones.
 
 TTL: until the window's end plus CQ_MARGIN_MS. The key carries its window,
 so a key that outlives its window is never read as the next one's; the
@@ -110,8 +113,13 @@ end
 -- The anchor the request's quota must be decided on when it is not the one
 -- its edges were computed for, else nil. `text` is the stored override (a
 -- string, or nil/false/a table for none or an unreadable one), read as
--- lua/decide.lua reads it: an override it ignores sets no anchor either.
-local function cq_anchor_wanted(text, edges, cost)
+-- lua/decide.lua reads it: an override that does not parse within the
+-- bounds sets no anchor either. One whose amount is below this request's
+-- cost still does: the billing day is the customer's whatever a request
+-- costs (decide() then ignores the amount alone, as for every kind), so the
+-- request is counted in the customer's window and the Envoy's remembered
+-- day is not sent back to the default by one large request.
+local function cq_anchor_wanted(text, edges)
   local sent, default, max = cq_anchoring(edges)
   if not sent then
     return nil
@@ -121,7 +129,7 @@ local function cq_anchor_wanted(text, edges, cost)
     local amount, anchor = string.match(text, '^cq (%d+) (%d+)$')
     amount, anchor = tonumber(amount), tonumber(anchor)
     if amount and amount == math.floor(amount) and amount >= 1 and amount <= 2^50
-        and amount >= cost and anchor >= 1 and anchor <= max then
+        and anchor >= 1 and anchor <= max then
       want = anchor
     end
   end

@@ -414,17 +414,29 @@ fn a_stored_anchor_comes_before_the_requests_and_a_stored_amount_alone_keeps_it(
         ints(&[1, 3, 49, 0, utc(2027, 7, 10, 0) - now])
     );
     assert!(exists(&mut con, &format!("{key}:{}", utc(2027, 6, 10, 0))));
-    // A stored override the script ignores (a day past the unit's, or an
-    // amount below the request's cost) sets no day either: decided on the
-    // default with the configured amount, reported ignored (0 + 4 + 1).
+    // A stored override the script ignores (a day past the unit's) sets no
+    // day either: decided on the default with the configured amount,
+    // reported ignored (0 + 4 + 1).
     let w = cal(Per::Week, "UTC", 1);
     let wkey = "rg:rl:{t}:plan:cq.week.UTC:acme";
     set_key(&mut con, "rg:ov:{t}:plan:acme", "cq 50 9");
     let d = raw(&mut con, now, &[moved(wkey, 100, &w, now, 1, 1)]);
     assert_eq!(d, ints(&[1, 5, 99, 0, utc(2027, 6, 21, 0) - now]));
+    // One whose amount is below the request's cost still sets the
+    // customer's day (the amount alone is ignored, as every kind ignores an
+    // override the cost does not fit): edges for the default are sent back
+    // for the 3rd (a Wednesday), and edges for it are decided there with
+    // the configured amount, reported ignored, the Envoy's remembered day
+    // left as it is.
     set_key(&mut con, "rg:ov:{t}:plan:acme", "cq 1 3");
     let d = raw(&mut con, now, &[moved(wkey, 100, &w, now, 1, 1).cost(2)]);
-    assert_eq!(d, ints(&[1, 5, 97, 0, utc(2027, 6, 21, 0) - now]));
+    assert_eq!(d, ints(&[5, 1, 3]));
+    let d = raw(&mut con, now, &[moved(wkey, 100, &w, now, 3, 1).cost(2)]);
+    assert_eq!(d, ints(&[1, 5, 98, 0, utc(2027, 6, 23, 0) - now]));
+    assert_eq!(
+        get(&mut con, &format!("{wkey}:{}", utc(2027, 6, 16, 0))),
+        Some("2".into())
+    );
     // Anchoring that does not parse is malformed: an error, nothing written.
     for bad in [
         "@0,1,31",
