@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::batch::Packed;
 use crate::config::RedisTarget;
+use crate::filter::first_failure;
 use crate::filter::stage::lease::Prefetch;
 use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
 use crate::scripts::{Args, Script};
@@ -223,14 +224,16 @@ impl ScriptCall {
         detached: bool,
     ) -> Result<u32, Failure> {
         let body = self.body();
-        let timeout = self.timeout(host)?;
+        let timeout = self
+            .timeout(host)
+            .map_err(|failure| noted(target, failure))?;
         host.count(Counter::RedisCalls);
         let sent = if detached {
             host.dispatch_redis_detached(target, &body, timeout)
         } else {
             host.dispatch_redis(target, &body, timeout)
         };
-        sent.map_err(|e| (ErrorKind::Dispatch, e))
+        sent.map_err(|e| noted(target, (ErrorKind::Dispatch, e)))
     }
 
     /// Hands the call to the root context, which sends it on its next tick
@@ -259,11 +262,11 @@ impl ScriptCall {
         match transport(reply) {
             Transport::Answered => {}
             Transport::Refused(why) => return Answer::Refused((ErrorKind::Http, why.to_string())),
-            Transport::Failed(failure) => return Answer::Failed(failure),
+            Transport::Failed(failure) => return failed(target, failure),
         }
         let parsed = match parse_reply(&reply.body) {
             Ok(r) => r,
-            Err(e) => return Answer::Failed((ErrorKind::Reply, format!("unreadable reply: {e}"))),
+            Err(e) => return failed(target, (ErrorKind::Reply, format!("unreadable reply: {e}"))),
         };
         let Reply::Error(msg) = &parsed else {
             return Answer::Ran(parsed);
@@ -277,6 +280,15 @@ impl ScriptCall {
                     Err(failure) => Answer::Failed(failure),
                 }
             }
+            // EVAL carries the script's source, so Redis itself never
+            // answers it NOSCRIPT: something between Webdis and Redis does.
+            Some("NOSCRIPT") => failed(
+                target,
+                (
+                    ErrorKind::Redis,
+                    format!("NOSCRIPT even to EVAL, which carries the script: what stands between Webdis and Redis answers for Redis: {msg}"),
+                ),
+            ),
             // Redis Cluster refuses these before the script runs (keys split
             // while a slot migrates, no quorum, a node still loading):
             // nothing was charged, and the condition passes in milliseconds.
@@ -291,19 +303,36 @@ impl ScriptCall {
                 || msg.contains("user executing the script can't")
                 || msg.starts_with("ERR ACL failure in script") =>
             {
-                Answer::Failed((
-                    ErrorKind::Auth,
-                    format!("the Redis user Webdis connects as may not do this: {msg}"),
-                ))
+                failed(
+                    target,
+                    (
+                        ErrorKind::Auth,
+                        format!("the Redis user Webdis connects as may not do this: {msg}"),
+                    ),
+                )
             }
             // Webdis never authenticated to Redis (or to redis_proxy): its
             // redis_auth is missing or wrong. Webdis does not check its
             // AUTH's answer, so every command comes back NOAUTH.
-            _ if msg.starts_with("NOAUTH") || msg.starts_with("WRONGPASS") => Answer::Failed((
-                ErrorKind::Auth,
-                format!("webdis is not authenticated to Redis (its redis_auth): {msg}"),
-            )),
-            _ => Answer::Failed((ErrorKind::Redis, format!("redis error: {msg}"))),
+            _ if msg.starts_with("NOAUTH") || msg.starts_with("WRONGPASS") => failed(
+                target,
+                (
+                    ErrorKind::Auth,
+                    format!("webdis is not authenticated to Redis (its redis_auth): {msg}"),
+                ),
+            ),
+            _ => failed(target, (ErrorKind::Redis, format!("redis error: {msg}"))),
         }
     }
+}
+
+/// A failure, after logging it if it is the first of its kind (failure
+/// branches only: the success path never gets here).
+fn noted(target: &RedisTarget, failure: Failure) -> Failure {
+    first_failure::note(target, failure.0, &failure.1);
+    failure
+}
+
+fn failed(target: &RedisTarget, failure: Failure) -> Answer {
+    Answer::Failed(noted(target, failure))
 }

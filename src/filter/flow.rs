@@ -15,6 +15,7 @@ use std::rc::Rc;
 use crate::breaker::Breakers;
 use crate::config::{Config, FailureMode};
 use crate::filter::call::{Budget, ScriptCall};
+use crate::filter::owner::{Calls, Owner};
 use crate::filter::stage::access_log::AccessLogStage;
 use crate::filter::stage::batch::Verdict as BatchVerdict;
 use crate::filter::stage::concurrency::Concurrency;
@@ -35,37 +36,6 @@ use crate::request::RequestLine;
 use crate::response::{Completion, LocalReply};
 use crate::scripts::RATELIMIT;
 use crate::webdis::Reply;
-
-/// The stage a callout's reply goes to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Owner {
-    Decision,
-    Record,
-    Upload,
-    Replay,
-    /// A renewal of the request's concurrency slots.
-    Slots,
-}
-
-/// Callouts in flight for this request: token -> owning stage. A request
-/// has at most a few at once, so a short list beats a map.
-#[derive(Debug, Default)]
-pub struct Calls(Vec<(u32, Owner)>);
-
-impl Calls {
-    pub fn expect(&mut self, token: u32, owner: Owner) {
-        self.0.push((token, owner));
-    }
-
-    fn owner(&self, token: u32) -> Option<Owner> {
-        self.0.iter().find(|(t, _)| *t == token).map(|(_, o)| *o)
-    }
-
-    fn take(&mut self, token: u32) -> Option<Owner> {
-        let i = self.0.iter().position(|(t, _)| *t == token)?;
-        Some(self.0.swap_remove(i).1)
-    }
-}
 
 pub struct Flow {
     config: Rc<Config>,

@@ -9,8 +9,10 @@ pub mod cas;
 pub mod clock;
 pub mod counter;
 pub mod deferred;
+pub mod first_failure;
 pub mod flow;
 pub mod in_flight;
+pub mod owner;
 #[cfg(target_arch = "wasm32")]
 pub mod proxy;
 pub mod stage;

@@ -12,7 +12,7 @@ use crate::concurrency::Slots;
 use crate::config::Config;
 use crate::filter::call::{Answer, Budget, ScriptCall};
 use crate::filter::deferred::Kind;
-use crate::filter::flow::{Calls, Owner};
+use crate::filter::owner::{Calls, Owner};
 use crate::filter::{Action, CalloutReply, Counter, Host};
 use crate::ratelimit::{Outcome, Plan};
 use crate::scripts::{CC_RELEASE, CC_RENEW};

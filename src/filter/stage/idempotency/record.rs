@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::config::Config;
 use crate::filter::call::{Answer, Budget, ScriptCall};
-use crate::filter::flow::{Calls, Owner};
+use crate::filter::owner::{Calls, Owner};
 use crate::filter::{Action, CalloutReply, Counter, Host};
 use crate::idempotency::{append_trailers, encode_headers};
 use crate::offload::ObjectRef;

@@ -4,7 +4,7 @@
 //! completed key is never run again: whatever fails here is answered.
 
 use crate::config::Config;
-use crate::filter::flow::{Calls, Owner};
+use crate::filter::owner::{Calls, Owner};
 use crate::filter::Action;
 use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
 use crate::idempotency::{decode_response_fields, ResponseFields};

@@ -4,7 +4,7 @@
 
 use crate::codec;
 use crate::config::Config;
-use crate::filter::flow::{Calls, Owner};
+use crate::filter::owner::{Calls, Owner};
 use crate::filter::{Action, CalloutReply, Counter, Host};
 use crate::offload::{self, check_put, ObjectRef};
 
