@@ -97,6 +97,15 @@ pub struct Window {
     pub end_ms: i64,
 }
 
+/// The IANA tz database release compiled into this build (chrono-tz's, pinned
+/// in Cargo.toml). A window's edges come from its rules: two builds with
+/// different releases compute different windows for a zone whose rules
+/// changed between them, and count one customer's window under two keys
+/// (`<state key>:<start>`). So operators can check it: `redis-guard
+/// --version`, the filter's startup log line, and the stat
+/// `redis_guard.tzdb.<release>` (src/filter/counter.rs).
+pub const TZDB_RELEASE: &str = chrono_tz::IANA_TZDB_VERSION;
+
 /// Instants a quota is computed for: 1970 to about year 6400. Outside, no
 /// window (the filter's clock or Redis' is broken).
 const MAX_MS: i64 = 1 << 47;

@@ -440,3 +440,11 @@ fn an_anchor_slot_answers_only_for_its_own_key() {
     assert_eq!(a.read(Some(&entry[..16])), None, "cut short");
     assert_eq!(a.read(Some(b"")), None);
 }
+
+#[test]
+fn the_tz_database_release_is_the_one_the_book_names() {
+    // chrono-tz 0.10.4's. A bump changes the windows of every zone whose
+    // rules changed: the book's calendar-quotas page names the release
+    // and what mixing two does.
+    assert_eq!(TZDB_RELEASE, "2025b");
+}

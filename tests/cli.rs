@@ -791,6 +791,19 @@ fn the_cli_reads_and_resets_a_limit_over_a_redis_cluster() {
 }
 
 #[test]
+fn the_version_names_the_tz_database_release_compiled_in() {
+    let out = run(&["--version"]);
+    assert_eq!(code(&out), 0);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!(
+            "redis-guard {} (tz database 2025b)\n",
+            env!("CARGO_PKG_VERSION")
+        )
+    );
+}
+
+#[test]
 fn the_wasm_build_has_none_of_the_clis_dependencies() {
     let tree = |args: &[&str]| {
         let out = Command::new("cargo")

@@ -131,6 +131,11 @@ impl Expected {
         for name in PLAIN {
             m.insert((format!("redis_guard_{name}"), String::new()), 0);
         }
+        // The tz database release compiled in, an info gauge: always 1.
+        m.insert(
+            ("redis_guard_tzdb".to_string(), "tzdb=\"2025b\"".to_string()),
+            1,
+        );
         Expected(m)
     }
 
@@ -177,6 +182,7 @@ impl Expected {
         assert_eq!(got, self.0);
         assert_eq!(s.type_of(LATENCY), Some("histogram"));
         assert_eq!(s.type_of("redis_guard_circuit_open_workers"), Some("gauge"));
+        assert_eq!(s.type_of("redis_guard_tzdb"), Some("gauge"));
         let (_, samples, sum) = s.histogram(LATENCY);
         assert_eq!(samples, calls, "one latency sample per call");
         assert!(sum > 0.0);

@@ -41,10 +41,22 @@ pub mod exit {
     pub const REFUSED: u8 = 6;
 }
 
+/// `--version`: the crate's version and the tz database release compiled
+/// in (a calendar quota's windows come from its rules; two releases may
+/// place one customer's window differently: the book's calendar-quotas
+/// page).
+static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{} (tz database {})",
+        env!("CARGO_PKG_VERSION"),
+        redis_guard::quota::TZDB_RELEASE
+    )
+});
+
 #[derive(Parser)]
 #[command(
     name = "redis-guard",
-    version,
+    version = VERSION.as_str(),
     about = "Operator's tool for redis-guard: check a filter configuration, inspect and reset limits, show and forget idempotency records",
     after_help = "Exit codes: 0 done, 2 usage, 3 invalid configuration, 4 unknown limit/rule or missing part value, 5 Redis error, 6 refused (reset without --yes, forget in progress without --force)."
 )]

@@ -201,6 +201,15 @@ impl Histogram {
 /// take well under a millisecond, which a ms histogram would show as 0).
 pub const CALLOUT_LATENCY_US: &str = "redis_guard.redis.callout_latency_us";
 
+/// The gauge naming the tz database release compiled in
+/// ([`crate::quota::TZDB_RELEASE`]): `redis_guard.tzdb.<release>`, set to 1
+/// at configuration (an "info" stat: its value says nothing, its name
+/// does; envoy.yaml's `stats_tags` make the release a `tzdb` label). Set
+/// once per configuration, never on a request.
+pub fn tzdb_stat() -> String {
+    format!("redis_guard.tzdb.{}", crate::quota::TZDB_RELEASE)
+}
+
 /// The counter events that name no limit and no error kind, in the order
 /// of [`Counter::all`] (and of [`Counter::index`]).
 const FIXED: [Counter; 45] = [
@@ -467,6 +476,12 @@ mod tests {
             );
         }
         assert_eq!(kinds["redis_guard.circuit.open_workers"], StatKind::Gauge);
+    }
+
+    #[test]
+    fn the_tz_database_gauge_names_the_release() {
+        assert_eq!(tzdb_stat(), "redis_guard.tzdb.2025b");
+        assert!(!names(0).contains(&tzdb_stat()), "not a counter event");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 use crate::config::Config;
-use crate::filter::counter::{StatKind, CALLOUT_LATENCY_US};
+use crate::filter::counter::{tzdb_stat, StatKind, CALLOUT_LATENCY_US};
 use crate::filter::{Counter, Histogram};
 
 /// An id Envoy refused to define: updates to it are skipped.
@@ -72,6 +72,15 @@ impl Metrics {
             .iter()
             .map(|h| (*h, define(MetricType::Histogram, h.name())))
             .collect();
+        // The tz database release, as an info gauge: defined and set here,
+        // once per configuration, so an operator finds it beside the other
+        // stats (each worker sets the same 1).
+        let tzdb = define(MetricType::Gauge, &tzdb_stat());
+        if tzdb != UNDEFINED {
+            if let Err(e) = hostcalls::record_metric(tzdb, 1) {
+                log::warn!("redis-guard: cannot set {}: {e:?}", tzdb_stat());
+            }
+        }
         Metrics {
             moves,
             limits: config.limits.len(),

@@ -438,9 +438,10 @@ impl RootContext for Root {
         match Config::parse(&raw) {
             Ok(config) => {
                 log::info!(
-                    "redis-guard: configured {} limit(s), redis cluster `{}`",
+                    "redis-guard: configured {} limit(s), redis cluster `{}`, tz database {}",
                     config.limits.len(),
-                    config.redis.cluster
+                    config.redis.cluster,
+                    crate::quota::TZDB_RELEASE
                 );
                 // A new configuration brings new breakers: an open old one
                 // no longer counts in the gauge.
