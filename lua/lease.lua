@@ -33,9 +33,9 @@ plus the grant and what the Envoy keeps to give tokens back
   now_ms     Redis' clock at the grant (0 when nothing is granted)
   level      the bucket's credits after the grant (credits: one token is
              `period` credits), rounded up (0 when nothing is granted)
-  returned   the bucket's give-back count (tokens given back so far, kept at
-             KEYS[1] .. ':ret' by lua/lease_return.lua) at the grant (0
-             when nothing is granted)
+  returned   the bucket's give-back count (tokens given back since its
+             give-back record started, kept at KEYS[1] .. ':ret' by
+             lua/lease_return.lua) at the grant (0 when nothing is granted)
 
 Adaptive sizing. A grant takes at most 1/SHARE of the whole tokens the
 charge leaves. Mid-bucket a grant is the full `lease` (one call buys many
@@ -93,6 +93,8 @@ local SHARE = 4
 -- never expires, nor starts again at 0, while a tuple handed out here may
 -- still come back (lua/lease_return.lua takes none older than 600 s).
 local RETURNED_TTL = 660000
+-- The give-back record's layout mark (lua/lease_return.lua).
+local LAYOUT = -2
 
 local r = tb_check(KEYS[1], capacity, refill, period, cost)
 if r.allowed == 0 then
@@ -106,16 +108,23 @@ tb_flush()
 local left = r.credits - r.need
 local at, level, returned = 0, 0, 0
 if granted > 0 then
-  -- The give-back record: the count first (a little-endian double), then
-  -- lua/lease_return.lua's peaks. Created here, so it exists from the first
-  -- grant on, and its TTL renewed by every grant.
+  -- The give-back record (lua/lease_return.lua's layout): the count first,
+  -- a little-endian double, then its layout mark and the instant it
+  -- started. Created here, so it exists from the first grant on, and its
+  -- TTL renewed by every grant. A record of another layout (an older
+  -- filter's) starts again at 0: the give-backs it held are not in this
+  -- layout, and its start refuses every tuple handed out before.
   local ck = KEYS[1] .. ':ret'
   local rec = redis.call('GET', ck)
-  if rec and #rec >= 8 then
-    returned = struct.unpack('<d', rec)
+  local mark = nil
+  if rec and #rec >= 24 and (#rec - 24) % 48 == 0 then
+    returned, mark = struct.unpack('<dd', rec)
+  end
+  if mark == LAYOUT then
     redis.call('PEXPIRE', ck, RETURNED_TTL)
   else
-    redis.call('SET', ck, struct.pack('<d', 0), 'PX', RETURNED_TTL)
+    returned = 0
+    redis.call('SET', ck, struct.pack('<ddd', 0, LAYOUT, now), 'PX', RETURNED_TTL)
   end
   at, level = now, math.ceil(left)
 end

@@ -18,47 +18,70 @@ Why giving back can never over-admit. Naively adding the unspent g tokens
 back (capped at the capacity C) can: the bucket refills to C while they are
 out (refill a never-leased bucket would have wasted at the cap), a strict
 request then takes y, and g more would leave min(C, C - y + g) where a
-bucket that never leased holds C - y. So take L1 = the bucket's real level,
-L2 = the level it would have had the g tokens never left. From the grant
-(t0) on, both see the same charges and the same refill; L2 - L1 starts at g
-and shrinks only while L2 is held at C, where it is C - L1. So at the
-give-back (t1), L2 - L1 = min(g, C - M), M the highest level L1 reached in
-[t0, t1], and giving back max(0, min(g, C - M')) for any M' >= M keeps the
-bucket at or below L2. Between t0 and t1, L1 rises only by refill and by
-give-backs (every charge lowers it): after each such peak (t0's level, or
-the level a give-back left) it climbs by refill alone until the next, so
-  M <= M' = min(C, max(level(t0), P) + refill x (t1 - t0))
-with level(t0) the level lease.lua left and replied, P the highest level a
-give-back after t0 left, and refill in credits per ms. Adding up the
-give-backs instead (level(t0) + all given back since) is also a bound, but
-with two Envoys taking turns it counts every give-back of the other as a
-rise, though charges took the bucket down in between, and strands tokens.
-To know P, the record at KEYS[i] .. ':ret' holds the count of tokens given
-back (the grant's tuple carries it: every give-back after t0 has a higher
-count) and the peaks: (count, level, time) of give-backs, counts rising
-and levels falling, for a peak below a later one's level never decides P
-for any tuple. P is the level of the first peak whose count exceeds the
-tuple's. The record stays small: peaks older than the oldest tuple that
-may come back are dropped (a give-back before t0 has a count <= the
-tuple's), and beyond MAX_PEAKS the oldest two become one with the later
-count and the higher level (never lower than the truth for any tuple).
-Nothing on the strict path is touched: the strict token bucket reads and
-writes what it always did. When an Envoy's slot
-received a second grant while it still held tokens, it keeps the first
-tuple: [t0, t1] then covers both grants, and the gap starts at the first
-grant's part and only grows with the second's, so the bound holds for all
-it holds.
-Several Envoys: each give-back is judged against the real trajectory,
-earlier give-backs included (they are in the counter), so by induction the
-bucket never holds more than it would had every given-back token never been
-taken. Spent tokens are requests a never-leasing bucket would have charged.
-The record must never start again while a tuple is out (that would hide
-peaks from M'): lease.lua creates it and sets its TTL to 660 s at every
-grant, this script keeps that TTL, and a tuple older than 600 s (the
-longest lease) gives nothing back here, nor one whose record is missing or
-whose count went backwards. As every key of the limiter, it
-assumes Redis does not evict keys. A Redis clock stepped back (failover)
-before t0 gives nothing back.
+bucket that never leased holds C - y.
+
+The promise is about CF, the bucket in which every token a give-back was
+ever accepted for was never taken: each charged back at its grant's instant
+instead of returned later. Invariant: the real bucket holds at most CF.
+Accepting a tokens under the tuple (t0, L0, n) of a grant (t0 its instant,
+L0 the level it left, n the give-back count then) makes CF' = CF with those
+a never taken either: from t0 on they sit on top of CF, and only the cap
+can cut them. So if a <= C - max of CF over [t0, now], CF'(now) = CF(now) +
+a >= real + a, and from now on both buckets see the same charges and the
+same refill, so the invariant holds ever after. Redis only has to bound CF
+over [t0, now], from what it knows:
+- At t0. CF is the real bucket with each accepted give-back moved from its
+  instant back to its grant's. Moving tokens earlier raises the level in
+  between by at most them, and never raises it after the give-back (the cap
+  only cuts what came earlier). So right after the grant, CF exceeds L0 by
+  at most S: the tokens accepted by give-backs made after it whose grants
+  were not after it. Give-backs made before are in L0 already; later grants
+  are not yet in CF. Within one ms, grants are ordered by their tuples:
+  between two, only a give-back raises the count, and without one the later
+  grant left a lower level.
+- After t0, CF rises by refill alone: every charge lowers it, and a grant
+  after t0 takes from CF at least what its own give-backs will return.
+So max CF over [t0, now] <= M' = min(C, L0 + S + refill x (now - t0)) (in
+credits: refill per ms, S in tokens x period), and giving back min(tokens,
+floor((C - M') / token)) keeps the invariant; the whole-token floor, and
+the cap at what the bucket can still hold, only give back less. By
+induction over give-backs the real bucket never holds more than one that
+never took any given-back token; spent tokens are requests a bucket that
+never leased would have charged. A tuple may also cover tokens of later
+grants of the same Envoy (an older filter kept its first grant's tuple for
+all it held): the interval from the earlier t0 is longer and its S counts
+more, so the bound is only tighter, and the entry recorded under the
+earlier instant is counted by every tuple that should count it, and more.
+Why not the highest level since t0 (the rule before issue 51): each grant's
+cap was sound against the real levels on its own, but the real levels
+already held the other give-backs, so grants judged against one peak each
+took the slack the others needed (capacity 100: three grants of 10 at one
+instant, 9 back at 1 s, a strict 80 at 15 s, then 5 and 5 back: 24 left
+where a bucket that never leased holds 20). Why not every give-back since
+t0 (the rule before that, also sound): a grant made after t0 lends CF
+nothing at t0, so its give-back is no rise; with two Envoys taking turns,
+counting the other's give-backs stranded tokens.
+
+The record at KEYS[i] .. ':ret' (lua/lease.lua creates it, with the same
+hash tag): the count of tokens given back, the instant it started, then one
+entry per accepted give-back, oldest first: the grant's tuple (t0, level,
+count then), the tokens accepted, the instant, and how many give-backs it
+holds. Every give-back after a grant leaves a count above the grant's, and
+the count after an entry is the record's count less the entries after it,
+so S is the sum over the entries whose count after exceeds the tuple's and
+whose grant was not after the tuple's. The record stays small: an entry
+made OLDEST ago or more was made before every tuple that may still come
+back (none is older), so none counts it and it is dropped; beyond
+MAX_ENTRIES the oldest two become one (tokens summed, the earlier grant's
+tuple, the later instant; its count after is the later one's), counted
+whenever either part would be, so S never shrinks.
+The record must never start again while a tuple it does not know of may
+come back: a tuple older than its start (a record lost, expired, reset, or
+an older filter's layout lease.lua replaced) gives nothing back, as does
+one older than 600 s (the longest lease; the record lives 660 s after the
+last grant), one whose count went backwards, and one from Redis' future (a
+clock stepped back). As every key of the limiter, it assumes Redis does not
+evict keys. Nothing on the strict path is touched.
 ]]
 
 local t = redis.call('TIME')
@@ -66,30 +89,58 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- @@ALGORITHMS@@
 
--- The oldest tuple that may come back (ms): the longest lease. The counter
+-- The oldest tuple that may come back (ms): the longest lease. The record
 -- outlives every tuple that young (lua/lease.lua: 660 s after each grant).
 local OLDEST = 600000
 local PER_KEY = 7
--- Peaks a record keeps at most (24 bytes each).
-local MAX_PEAKS = 32
+-- Entries a record keeps at most (48 bytes each): a few per Envoy that
+-- leases the bucket within the 600 s an entry may count.
+local MAX_ENTRIES = 32
+-- The record's layout mark, its second double (lua/lease.lua writes it):
+-- an older filter's record held a give-back's count (>= 1) there, or
+-- nothing.
+local LAYOUT = -2
+local HEAD = 24
+local ENTRY = 48
 
--- The record: count, then peaks {count, level, time}, counts rising.
+-- The record: count, start, entries {t0, level, returned, tokens, at,
+-- parts}; nil when it is not this layout.
 local function read_record(s)
-  local count = struct.unpack('<d', s)
-  local peaks = {}
-  for at = 9, #s - 23, 24 do
-    local c, l, t = struct.unpack('<ddd', s, at)
-    peaks[#peaks + 1] = { c, l, t }
+  if #s < HEAD or (#s - HEAD) % ENTRY ~= 0 then
+    return nil
   end
-  return count, peaks
+  local count, mark, since = struct.unpack('<ddd', s)
+  if mark ~= LAYOUT then
+    return nil
+  end
+  local entries = {}
+  for at = HEAD + 1, #s - ENTRY + 1, ENTRY do
+    local e = { struct.unpack('<dddddd', s, at) }
+    e[7] = nil
+    entries[#entries + 1] = e
+  end
+  return count, since, entries
 end
 
-local function write_record(key, count, peaks)
-  local parts = { struct.pack('<d', count) }
-  for _, p in ipairs(peaks) do
-    parts[#parts + 1] = struct.pack('<ddd', p[1], p[2], p[3])
+local function write_record(key, count, since, entries)
+  local parts = { struct.pack('<ddd', count, LAYOUT, since) }
+  for _, e in ipairs(entries) do
+    parts[#parts + 1] = struct.pack('<dddddd', e[1], e[2], e[3], e[4], e[5], e[6])
   end
   redis.call('SET', key, table.concat(parts), 'KEEPTTL')
+end
+
+-- Whether grant a (an entry, or a tuple's t0, level, returned) was not
+-- after grant b: the earlier ms, or in one ms the lower count, or the same
+-- count and the higher level (see the header).
+local function not_after(a0, al, an, b0, bl, bn)
+  if a0 ~= b0 then
+    return a0 < b0
+  end
+  if an ~= bn then
+    return an < bn
+  end
+  return al >= bl
 end
 
 local function whole(v, least)
@@ -129,47 +180,52 @@ for i, g in ipairs(back) do
   local ck = key .. ':ret'
   local given = 0
   local rec = redis.call('GET', ck)
-  if rec and #rec >= 8 and now >= g.t0 and now - g.t0 < OLDEST then
-    local counted, peaks = read_record(rec)
-    if counted >= g.returned then
-      local peak = g.level
-      for _, p in ipairs(peaks) do
-        if p[1] > g.returned then
-          peak = math.max(peak, p[2])
-          break
-        end
+  local count, since, entries
+  if rec then
+    count, since, entries = read_record(rec)
+  end
+  if count and g.t0 >= since and now >= g.t0 and now - g.t0 < OLDEST
+      and count >= g.returned then
+    -- S: the entries after the grant (newest first, until the count after
+    -- one is the tuple's) whose grant was not after the tuple's.
+    local s, after = 0, count
+    for k = #entries, 1, -1 do
+      if after <= g.returned then
+        break
       end
-      local full = g.capacity * g.period
-      local m = math.min(full, peak + g.refill * (now - g.t0))
-      given = math.min(g.tokens, math.floor((full - m) / g.period))
-      if given > 0 then
-        local r = tb_check(key, g.capacity, g.refill, g.period, 0)
-        -- r.credits <= M' by the bound, so this never cuts; kept so a
-        -- bucket is never written above full whatever a caller sends.
-        given = math.min(given, math.floor((r.full - r.credits) / g.period))
-        if given > 0 then
-          r.need = -given * g.period
-          tb_charge(r)
-          local left = r.credits + given * g.period
-          counted = counted + given
-          -- A new peak: earlier ones at or below it never decide again.
-          while #peaks > 0 and peaks[#peaks][2] <= left do
-            peaks[#peaks] = nil
-          end
-          peaks[#peaks + 1] = { counted, left, now }
-          -- Peaks before the oldest tuple that may come back: never read.
-          while #peaks > 0 and now - peaks[1][3] >= OLDEST do
-            table.remove(peaks, 1)
-          end
-          if #peaks > MAX_PEAKS then
-            peaks[2] = { peaks[2][1], peaks[1][2], peaks[2][3] }
-            table.remove(peaks, 1)
-          end
-          write_record(ck, counted, peaks)
-        end
+      local e = entries[k]
+      if not_after(e[1], e[2], e[3], g.t0, g.level, g.returned) then
+        s = s + e[4]
       end
-      given = math.max(0, given)
+      after = after - e[4]
     end
+    local full = g.capacity * g.period
+    local m = math.min(full, g.level + g.refill * (now - g.t0) + s * g.period)
+    given = math.min(g.tokens, math.floor((full - m) / g.period))
+    if given > 0 then
+      local r = tb_check(key, g.capacity, g.refill, g.period, 0)
+      -- r.credits <= M' by the bound, so this never cuts; kept so a
+      -- bucket is never written above full whatever a caller sends.
+      given = math.min(given, math.floor((r.full - r.credits) / g.period))
+      if given > 0 then
+        r.need = -given * g.period
+        tb_charge(r)
+        entries[#entries + 1] = { g.t0, g.level, g.returned, given, now, 1 }
+        -- Entries made before every tuple that may still come back.
+        while #entries > 0 and now - entries[1][5] >= OLDEST do
+          table.remove(entries, 1)
+        end
+        if #entries > MAX_ENTRIES then
+          local a, b = entries[1], entries[2]
+          local first = not_after(a[1], a[2], a[3], b[1], b[2], b[3]) and a or b
+          entries[2] = { first[1], first[2], first[3], a[4] + b[4],
+                         math.max(a[5], b[5]), a[6] + b[6] }
+          table.remove(entries, 1)
+        end
+        write_record(ck, count + given, since, entries)
+      end
+    end
+    given = math.max(0, given)
   end
   out[i] = wire(given)
 end

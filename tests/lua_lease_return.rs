@@ -12,7 +12,7 @@ use std::sync::LazyLock;
 
 use redis::Connection;
 use redis_guard::scripts::{Script, LEASE, LEASE_RETURN};
-use support::script::{self, bucket, eval_lease, lease_peaks, lease_returned, Bucket};
+use support::script::{self, bucket, eval_lease, lease_record, lease_returned, Bucket, T0 as T};
 use support::{key_exists as exists, key_pttl as pttl, read_bucket as state};
 
 /// One hour: with one credit per ms, a test never refills a whole token.
@@ -38,9 +38,35 @@ static LEASE_AT: LazyLock<Script> =
 /// lua/lease_return.lua at the test clock, without TTLs.
 static RETURN_AT: LazyLock<Script> =
     LazyLock::new(|| script::without_expiry(&script::with_test_clock(&LEASE_RETURN)));
+/// [`RETURN_AT`] with records of at most two entries, so that a seeded run
+/// merges them often.
+static RETURN_SMALL: LazyLock<Script> = LazyLock::new(|| {
+    let at = &RETURN_AT.source;
+    let from = "local MAX_ENTRIES = 32\n";
+    assert_eq!(at.matches(from).count(), 1, "the record's bound");
+    let source = at.replacen(from, "local MAX_ENTRIES = 2\n", 1);
+    let sha1 = redis::Script::new(&source).get_hash().to_string();
+    Script { source, sha1 }
+});
 /// The strict script at the test clock, without TTLs.
 static STRICT_AT: LazyLock<Script> =
     LazyLock::new(|| script::without_expiry(&script::RATELIMIT_AT));
+
+/// A fresh redis-server with every script this file calls loaded: the
+/// calls go by EVALSHA (the seeded run makes thousands).
+fn start() -> (support::Redis, Connection) {
+    let (redis, mut con) = support::Redis::start_with_conn();
+    for s in [
+        &*LEASE_AT,
+        &*RETURN_AT,
+        &*RETURN_SMALL,
+        &*STRICT_AT,
+        &*LEASE_RETURN,
+    ] {
+        script::load(&mut con, s);
+    }
+    (redis, con)
+}
 
 /// The script's one error reply for a malformed give-back.
 const BAD_RETURN: (&str, &str) = ("ERR", "redis-guard lease return: seven numbers per key");
@@ -53,7 +79,7 @@ fn lease_at(
     cost: i64,
     lease_of: i64,
 ) -> ([i64; 6], [i64; 3]) {
-    let raw: Vec<i64> = script::with_lease(script::eval(&LEASE_AT), key, b, cost, lease_of)
+    let raw: Vec<i64> = script::with_lease(script::evalsha(&LEASE_AT), key, b, cost, lease_of)
         .query(con)
         .unwrap();
     script::split_lease(raw.try_into().unwrap())
@@ -61,7 +87,7 @@ fn lease_at(
 
 /// A strict request of `cost` at the test clock; true if admitted.
 fn strict_at(con: &mut Connection, key: &str, b: Bucket, cost: i64) -> bool {
-    let raw: Vec<i64> = strict_cmd(script::eval(&STRICT_AT), key, b, cost)
+    let raw: Vec<i64> = strict_cmd(script::evalsha(&STRICT_AT), key, b, cost)
         .query(con)
         .unwrap();
     raw[0] == 1
@@ -76,7 +102,7 @@ fn give_back(
     tokens: i64,
     tuple: [i64; 3],
 ) -> i64 {
-    let raw: Vec<i64> = script::eval(script)
+    let raw: Vec<i64> = script::evalsha(script)
         .arg(1)
         .arg(key)
         .arg(b.capacity)
@@ -137,141 +163,296 @@ impl Rng {
     }
 }
 
-/// Runs a seeded sequence of grants, strict charges, spends, give-backs
-/// and clock steps on a real bucket (three Envoys' slots), then replays it
-/// on a reference bucket that never took the tokens given back, and asserts
-/// the real level never exceeds the reference's. Returns (tokens given
-/// back, give-backs the bound cut).
-fn safety_run(seed: u64, steps: usize, script: &Script) -> (i64, usize) {
-    let (_redis, mut con) = support::Redis::start_with_conn();
-    let key = "t:{x}:lease:safety";
-    // 30 tokens, one a second: refill matters at the scale of the steps.
-    let b = bucket(30, 1, 1000);
-    let full = b.capacity * b.period;
-    let mut rng = Rng(seed);
-    let mut now = script::T0;
-    script::set_clock(&mut con, now);
-    let mut pots: [Pot; 3] = Default::default();
-    let mut grants: Vec<i64> = Vec::new(); // tokens each grant took
-    let mut kept: Vec<i64> = Vec::new(); // of which never given back
-    let mut log: Vec<(Event, i64)> = Vec::new(); // with the real level after
-    let (mut back_total, mut cut) = (0, 0);
-    for _ in 0..steps {
-        let e = rng.below(3) as usize;
-        let event = match rng.below(100) {
-            0..=29 => {
-                let dt = [0, 1, 7, 120, 900, 4_000, 30_000][rng.below(7) as usize];
-                now += dt;
-                script::set_clock(&mut con, now);
-                Some(Event::Step(dt))
-            }
-            30..=54 => {
-                let cost = rng.below(3);
-                let (reply, tuple) = lease_at(&mut con, key, b, cost, 1 + rng.below(BATCH as u64));
-                (reply[0] == 1).then(|| {
-                    let g = reply[5];
-                    let id = grants.len();
-                    grants.push(g);
-                    kept.push(g);
-                    let pot = &mut pots[e];
-                    // An Envoy holds at most a batch: what a grant brings
-                    // beyond it is dropped (src/lease.rs), taken for good.
-                    let g = g.min(BATCH - pot.held);
-                    if g > 0 {
-                        if pot.held == 0 {
-                            // An empty slot takes the new tuple; one that
-                            // holds tokens keeps the older.
-                            pot.tuple = tuple;
-                        }
-                        pot.held += g;
-                        pot.from.push((id, g));
-                    }
-                    Event::Take { cost, id }
-                })
-            }
-            55..=69 => {
-                let y = 1 + rng.below(4);
-                strict_at(&mut con, key, b, y).then_some(Event::Charge(y))
-            }
-            70..=84 => {
-                // Spends, oldest grant first: no Redis call.
-                let pot = &mut pots[e];
-                let mut k = rng.below(pot.held as u64 + 1);
-                pot.held -= k;
-                while k > 0 {
-                    let first = &mut pot.from[0];
-                    let n = first.1.min(k);
-                    first.1 -= n;
-                    k -= n;
-                    if first.1 == 0 {
-                        pot.from.remove(0);
-                    }
-                }
-                None
-            }
-            _ => {
-                let pot = &mut pots[e];
-                if pot.held == 0 {
-                    None
-                } else {
-                    let x = give_back(&mut con, script, key, b, pot.held, pot.tuple);
-                    assert!((0..=pot.held).contains(&x), "{x} of {}", pot.held);
-                    back_total += x;
-                    if x < pot.held {
-                        cut += 1;
-                    }
-                    // The tokens given back are the newest grants'.
-                    let mut x = x;
-                    for (id, n) in pot.from.iter().rev() {
-                        let m = (*n).min(x);
-                        kept[*id] -= m;
-                        x -= m;
-                    }
-                    *pot = Pot::default();
-                    Some(Event::Back)
-                }
-            }
-        };
-        if let Some(event) = event {
-            log.push((event, level_at(&mut con, key, b, now)));
-        }
-    }
-    // The reference: the same admissions and clock, without the tokens that
-    // came back.
-    let mut reference = full;
-    for (i, (event, real)) in log.iter().enumerate() {
-        match *event {
-            Event::Step(dt) => reference = full.min(reference + dt * b.refill),
-            Event::Take { cost, id } => reference -= (cost + kept[id]) * b.period,
-            Event::Charge(y) => reference -= y * b.period,
-            Event::Back => {}
-        }
-        assert!(
-            *real <= reference,
-            "seed {seed}, event {i} {event:?}: the bucket holds {real} credits, \
-             more than {reference} had the tokens given back never left"
-        );
-    }
-    let _ = grants;
-    (back_total, cut)
+/// A fleet of Envoys on one real bucket, at the test clock: what each
+/// holds, and the log the reference replays.
+struct Fleet<'a> {
+    con: &'a mut Connection,
+    key: String,
+    /// lua/lease_return.lua as the test calls it.
+    give_back: &'static Script,
+    b: Bucket,
+    now: i64,
+    rng: Rng,
+    pots: Vec<Pot>,
+    /// Per grant: its tokens never given back.
+    kept: Vec<i64>,
+    /// The events, each with the real level after it.
+    log: Vec<(Event, i64)>,
+    /// Tokens given back, and give-backs the bound cut.
+    back: i64,
+    cut: usize,
 }
+
+impl Fleet<'_> {
+    fn logged(&mut self, event: Event) {
+        let level = level_at(self.con, &self.key, self.b, self.now);
+        self.log.push((event, level));
+    }
+
+    /// Envoy `e` fetches: a request of `cost` and a grant of up to `want`.
+    fn take(&mut self, e: usize, cost: i64, want: i64) {
+        let (reply, tuple) = lease_at(self.con, &self.key, self.b, cost, want);
+        if reply[0] == 0 {
+            return;
+        }
+        let id = self.kept.len();
+        self.kept.push(reply[5]);
+        let pot = &mut self.pots[e];
+        // An Envoy holds at most a batch: what a grant brings beyond it is
+        // dropped (src/lease.rs), taken for good.
+        let g = reply[5].min(BATCH - pot.held);
+        if g > 0 {
+            if pot.held == 0 {
+                // An empty slot takes the new tuple; one that holds tokens
+                // keeps the older.
+                pot.tuple = tuple;
+            }
+            pot.held += g;
+            pot.from.push((id, g));
+        }
+        self.logged(Event::Take { cost, id });
+    }
+
+    /// Envoy `e` spends some of its tokens, oldest grant first: no call.
+    fn spend(&mut self, e: usize) {
+        let pot = &mut self.pots[e];
+        let mut k = self.rng.below(pot.held as u64 + 1);
+        pot.held -= k;
+        while k > 0 {
+            let first = &mut pot.from[0];
+            let n = first.1.min(k);
+            first.1 -= n;
+            k -= n;
+            if first.1 == 0 {
+                pot.from.remove(0);
+            }
+        }
+    }
+
+    /// Envoy `e` gives back whatever it holds.
+    fn back(&mut self, e: usize) {
+        let pot = std::mem::take(&mut self.pots[e]);
+        if pot.held == 0 {
+            return;
+        }
+        let x = give_back(
+            self.con,
+            self.give_back,
+            &self.key,
+            self.b,
+            pot.held,
+            pot.tuple,
+        );
+        assert!((0..=pot.held).contains(&x), "{x} of {}", pot.held);
+        self.back += x;
+        self.cut += usize::from(x < pot.held);
+        // The tokens given back are the newest grants'.
+        let mut x = x;
+        for (id, n) in pot.from.iter().rev() {
+            let m = (*n).min(x);
+            self.kept[*id] -= m;
+            x -= m;
+        }
+        self.logged(Event::Back);
+    }
+
+    /// A strict request of `y`, logged if admitted.
+    fn charge(&mut self, y: i64) {
+        if y > 0 && strict_at(self.con, &self.key, self.b, y) {
+            self.logged(Event::Charge(y));
+        }
+    }
+
+    /// The first event after which the real bucket held more than the
+    /// reference: the same admissions and clock, without the tokens that
+    /// came back.
+    fn broken(&self) -> Option<String> {
+        let full = self.b.capacity * self.b.period;
+        let mut reference = full;
+        for (i, (event, real)) in self.log.iter().enumerate() {
+            match *event {
+                Event::Step(dt) => reference = full.min(reference + dt * self.b.refill),
+                Event::Take { cost, id } => {
+                    reference -= (cost + self.kept[id]) * self.b.period;
+                }
+                Event::Charge(y) => reference -= y * self.b.period,
+                Event::Back => {}
+            }
+            if *real > reference {
+                return Some(format!(
+                    "event {i} {event:?}: the bucket holds {real} credits, more than \
+                     {reference} had the tokens given back never left"
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// Runs `steps` seeded events on a real bucket `key` shared by `envoys`
+/// Envoys: fetches (one, or a burst of every empty Envoy at one instant),
+/// spends, give-backs (one, or every Envoy in turn), strict requests
+/// (small, or all but a few of what the bucket holds) and clock steps at
+/// the scale of the bucket's refill. What tells a give-back bound that is
+/// sound per grant but not across grants: several grants out at once,
+/// one given back early, a refill that would have reached the cap, a large
+/// strict request, then the others given back.
+fn safety_run<'a>(
+    con: &'a mut Connection,
+    key: &str,
+    seed: u64,
+    envoys: usize,
+    give_back: &'static Script,
+) -> Fleet<'a> {
+    // 100 tokens, one a second.
+    let b = bucket(100, 1, 1000);
+    let full = b.capacity * b.period;
+    script::set_clock(con, script::T0);
+    let mut f = Fleet {
+        con,
+        key: key.to_string(),
+        give_back,
+        b,
+        now: script::T0,
+        rng: Rng(seed),
+        pots: (0..envoys).map(|_| Pot::default()).collect(),
+        kept: Vec::new(),
+        log: Vec::new(),
+        back: 0,
+        cut: 0,
+    };
+    for _ in 0..600 {
+        let e = f.rng.below(envoys as u64) as usize;
+        match f.rng.below(100) {
+            0..=32 => {
+                let dt = [0, 1, full / 4, full / 6, full / 3, 2 * full][f.rng.below(6) as usize];
+                f.now += dt / b.refill;
+                script::set_clock(f.con, f.now);
+                f.logged(Event::Step(dt / b.refill));
+            }
+            33..=34 => {
+                let (cost, want) = (f.rng.below(3), 1 + f.rng.below(BATCH as u64));
+                f.take(e, cost, want);
+            }
+            35..=44 => {
+                for k in 0..envoys {
+                    if f.pots[k].held == 0 {
+                        f.take(k, 0, BATCH);
+                    }
+                }
+            }
+            45..=56 => {
+                let y = 1 + f.rng.below(4);
+                f.charge(y);
+            }
+            57..=65 => {
+                let level = level_at(f.con, key, b, f.now) / b.period;
+                let y = level - f.rng.below(4);
+                f.charge(y);
+            }
+            66..=67 => f.spend(e),
+            68..=91 => f.back(e),
+            _ => {
+                let mut order: Vec<usize> = (0..envoys).collect();
+                for i in (1..envoys).rev() {
+                    order.swap(i, f.rng.below(i as u64 + 1) as usize);
+                }
+                for k in order {
+                    f.back(k);
+                }
+            }
+        }
+    }
+    f
+}
+
+/// Seeds of the run below, each with 3 to 8 Envoys.
+const SEEDS: u64 = 100;
 
 #[test]
 fn giving_back_never_leaves_more_than_had_the_tokens_never_left() {
-    let (mut back, mut cut) = (0, 0);
-    for seed in (1..=16u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) {
-        let (b, c) = safety_run(seed, 600, &RETURN_AT);
-        back += b;
-        cut += c;
+    let (_redis, mut con) = start();
+    let (mut back, mut cut, mut merged, mut broken) = (0, 0, 0, Vec::new());
+    for i in 1..=SEEDS {
+        let seed = i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let envoys = 3 + (i % 6) as usize;
+        let key = format!("t:{{x}}:lease:safety:{i}");
+        // Every other run with records of two entries: merged ones count
+        // as the header says.
+        let script = if i % 2 == 0 {
+            &RETURN_SMALL
+        } else {
+            &RETURN_AT
+        };
+        let f = safety_run(&mut con, &key, seed, envoys, script);
+        back += f.back;
+        cut += f.cut;
+        if let Some(why) = f.broken() {
+            broken.push(format!("seed {i} ({seed:#x}, {envoys} Envoys): {why}"));
+        }
+        let record = lease_record(f.con, &key);
+        merged += record.map_or(0, |r| r.entries.iter().filter(|e| e[5] > 1).count());
     }
-    // The runs exercise both sides of the bound: tokens came back, and the
-    // bound held some back.
-    assert!(back > 0 && cut > 0, "given back {back}, cut {cut}");
+    assert!(
+        broken.is_empty(),
+        "{} of {SEEDS} runs broke:\n{}",
+        broken.len(),
+        broken.join("\n")
+    );
+    // The runs exercise every side of the bound: tokens came back, the
+    // bound held some back, records merged entries.
+    assert!(
+        back > 0 && cut > 0 && merged > 0,
+        "given back {back}, cut {cut}, merged entries {merged}"
+    );
+}
+
+/// Issue 51's case: three Envoys' grants at one instant, each give-back
+/// capped on its own against the same peak, left 24 tokens where a bucket
+/// that never leased holds 20.
+#[test]
+fn three_envoys_giving_back_never_leave_more_than_a_bucket_that_never_leased() {
+    let (_redis, mut con) = start();
+    let key = "t:{x}:lease:three";
+    // 100 tokens, one a second (a credit a ms).
+    let b = bucket(100, 1, 1000);
+    script::set_clock(&mut con, script::T0);
+    // X, Y and Z fetch 10 each (prefetches: no request rides on them).
+    let (rx, x) = lease_at(&mut con, key, b, 0, 10);
+    let (ry, y) = lease_at(&mut con, key, b, 0, 10);
+    let (rz, z) = lease_at(&mut con, key, b, 0, 10);
+    assert_eq!((rx[5], ry[5], rz[5]), (10, 10, 10));
+    assert_eq!([x[1], y[1], z[1]], [90_000, 80_000, 70_000]);
+    // 1 s later X gives its 10 back: 9 come back (a bucket that never
+    // leased X's 10 would be full already and hold 100 - 20 + 1).
+    script::set_clock(&mut con, script::T0 + 1_000);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 10, x), 9);
+    assert_eq!(level_at(&mut con, key, b, script::T0 + 1_000), 80_000);
+    // At 15 s the bucket holds 94; a strict request takes 80.
+    let at = script::T0 + 15_000;
+    script::set_clock(&mut con, at);
+    assert_eq!(level_at(&mut con, key, b, at), 94_000);
+    assert!(strict_at(&mut con, key, b, 80));
+    // A bucket that never leased the 9 X gave back would hold 19 + 15 of
+    // refill, capped at 100, less 80: 20. Z's 10 had they never left: 6 of
+    // them fit; then Y's: none. Judging each against the same peak took
+    // 5 and 5.
+    let from_z = give_back(&mut con, &RETURN_AT, key, b, 10, z);
+    let from_y = give_back(&mut con, &RETURN_AT, key, b, 10, y);
+    let mut admitted = 0;
+    while strict_at(&mut con, key, b, 1) {
+        admitted += 1;
+    }
+    assert_eq!(
+        (from_z, from_y, admitted),
+        (6, 0, 20),
+        "given back by Z and Y, then admitted in the same ms"
+    );
 }
 
 #[test]
 fn a_give_back_after_the_bucket_refilled_to_the_cap_returns_at_most_c_minus_m() {
-    let (_redis, mut con) = support::Redis::start_with_conn();
+    let (_redis, mut con) = start();
     // 40 tokens, one a second.
     let b = bucket(40, 1, 1000);
     let case = |con: &mut Connection, key: &str, wait: i64| {
@@ -309,65 +490,65 @@ fn a_give_back_after_the_bucket_refilled_to_the_cap_returns_at_most_c_minus_m() 
     );
     assert_eq!(level_at(&mut con, "t:{x}:lease:now", b, script::T0), 39_000);
     // Two Envoys taking turns: grants of 8 and 7 (a quarter of 30), the
-    // second given back whole, leaving 30 (a peak), then a strict request
-    // takes 10. The first is judged against the highest level since its
-    // grant, 31 (its own), not against 31 plus the 7 given back meanwhile
-    // (which would let only 2 come back): all 8, and the bucket holds 28,
-    // exactly what a bucket that never leased holds (40 - 1 - 1 - 10).
+    // second given back whole (30 left), then a strict request takes 10.
+    // The first counts no give-back in its bound: the 7 were granted after
+    // it (in the same ms, at a lower level), so a bucket that never lent
+    // them rises no higher from the first grant on. All 8 come back, and
+    // the bucket holds 28, exactly what a bucket that never leased holds
+    // (40 - 1 - 1 - 10). (Counting every give-back since the grant would
+    // have let 2 come back.)
     let key = "t:{x}:lease:two";
     let (r1, t1) = lease_at(&mut con, key, b, 1, 8);
     let (r2, t2) = lease_at(&mut con, key, b, 1, 8);
     assert_eq!((r1[5], r2[5]), (8, 7));
+    assert_eq!((t1, t2), ([T, 31_000, 0], [T, 23_000, 0]));
     assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 7, t2), 7);
-    assert_eq!(lease_peaks(&mut con, key), [[7, 30_000, script::T0]]);
     assert!(strict_at(&mut con, key, b, 10));
     assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, t1), 8);
-    assert_eq!(level_at(&mut con, key, b, script::T0), 28_000);
-    assert_eq!(lease_returned(&mut con, key), 15);
-    // The 8 left 28, below the 30 peak: both kept, levels falling.
+    assert_eq!(level_at(&mut con, key, b, T), 28_000);
+    let record = lease_record(&mut con, key).unwrap();
+    assert_eq!((record.count, record.since), (15, T));
     assert_eq!(
-        lease_peaks(&mut con, key),
-        [[7, 30_000, script::T0], [15, 28_000, script::T0]]
+        record.entries,
+        [[T, 23_000, 0, 7, T, 1], [T, 31_000, 0, 8, T, 1]],
+        "each give-back: its grant's tuple, the tokens, when"
     );
-    // A peak above a grant's level decides its bound: grant A at 28 (cost
-    // 1, 6 granted: 21 left), the strict side takes 5 (16), grant B (cost
-    // 1, 3 granted: 12 left), A gives back 6 (18: a peak above B's 12), and
-    // B's 3 are judged against M' = 18: all 3 come back (21), what a bucket
-    // that never leased holds (28 - 1 - 5 - 1).
+    // A give-back after a grant, of a grant before it, counts: grant A at
+    // 28 (cost 1, 6 granted: 21 left), the strict side takes 5 (16), grant
+    // B (cost 1, 3 granted: 12 left), A gives back 6 (18), and B's bound
+    // is 12 + 6: all 3 come back (21), what a bucket that never leased
+    // holds (28 - 1 - 5 - 1).
     let (ra, ta) = lease_at(&mut con, key, b, 1, 8);
-    assert_eq!((ra[5], ta[1]), (6, 21_000));
+    assert_eq!((ra[5], ta), (6, [T, 21_000, 15]));
     assert!(strict_at(&mut con, key, b, 5));
     let (rb, tb) = lease_at(&mut con, key, b, 1, 8);
-    assert_eq!((rb[5], tb[1]), (3, 12_000));
+    assert_eq!((rb[5], tb), (3, [T, 12_000, 15]));
     assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 6, ta), 6);
     assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 3, tb), 3);
-    assert_eq!(level_at(&mut con, key, b, script::T0), 21_000);
-    assert_eq!(
-        lease_peaks(&mut con, key).last(),
-        Some(&[24, 21_000, script::T0])
-    );
+    assert_eq!(level_at(&mut con, key, b, T), 21_000);
+    assert_eq!(lease_returned(&mut con, key), 24);
 
-    // And a peak that lets the refill reach the cap: B takes 8 (31 left),
-    // the strict side 16 (15), A takes 3 at 11, B gives back 8 (19: a
-    // peak), 21 s later the bucket is full, the strict side takes 3 (37).
-    // A's level was 11, 11 + 21 < 40, but the peak's 19 + 21 reached the
-    // cap: nothing comes back (a bucket that never leased holds 37 too).
+    // And one that lets the refill reach the cap: B takes 8 (31 left), the
+    // strict side 16 (15), A takes 3 at 11, B gives back 8 (19), 21 s later
+    // the bucket is full, the strict side takes 3 (37). A's level was 11,
+    // 11 + 21 < 40, but with B's 8 never lent the bucket would have reached
+    // the cap: nothing comes back (a bucket that never leased holds 37 too).
     let key = "t:{x}:lease:peak";
-    script::set_clock(&mut con, script::T0);
+    script::set_clock(&mut con, T);
     let (rb, tb) = lease_at(&mut con, key, b, 1, 8);
     assert!(strict_at(&mut con, key, b, 16));
     let (ra, ta) = lease_at(&mut con, key, b, 1, 8);
     assert_eq!((rb[5], ra[5], ta[1]), (8, 3, 11_000));
     assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, tb), 8);
-    script::set_clock(&mut con, script::T0 + 21_000);
+    script::set_clock(&mut con, T + 21_000);
     assert!(strict_at(&mut con, key, b, 3));
     assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 3, ta), 0);
-    assert_eq!(level_at(&mut con, key, b, script::T0 + 21_000), 37_000);
+    assert_eq!(level_at(&mut con, key, b, T + 21_000), 37_000);
 }
 
 #[test]
 fn the_counter_outlives_every_lease_and_a_stale_or_unknown_tuple_gives_nothing_back() {
-    let (_redis, mut con) = support::Redis::start_with_conn();
+    let (_redis, mut con) = start();
     let key = "t:{x}:lease:counter";
     let ck = format!("{key}:ret");
     let b = hourly(40);
@@ -408,8 +589,131 @@ fn the_counter_outlives_every_lease_and_a_stale_or_unknown_tuple_gives_nothing_b
 }
 
 #[test]
+fn a_record_refuses_tuples_older_than_itself_and_keeps_only_entries_that_may_count() {
+    let (_redis, mut con) = start();
+    // 100 tokens, one an hour: no refill to speak of.
+    let b = hourly(100);
+    script::set_clock(&mut con, T);
+    // The record lost after a grant: the next grant starts it again, and
+    // the tuple from before (whose give-backs it no longer knows) gives
+    // nothing back, though its count (0) is not above the new record's.
+    let key = "t:{x}:lease:lost";
+    let (_, before) = lease_at(&mut con, key, b, 1, 8);
+    redis::cmd("DEL")
+        .arg(format!("{key}:ret"))
+        .query::<()>(&mut con)
+        .unwrap();
+    script::set_clock(&mut con, T + 1);
+    let (_, after) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!((before[2], after[2]), (0, 0));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, before), 0);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, after), 8);
+    let record = lease_record(&mut con, key).unwrap();
+    assert_eq!((record.count, record.since), (8, T + 1));
+
+    // An older filter's record (a count of 5 and one peak): the next grant
+    // starts this layout at 0, and every tuple from before gives nothing.
+    let key = "t:{x}:lease:older";
+    let (_, old) = lease_at(&mut con, key, b, 1, 8);
+    let older: Vec<u8> = [5.0f64, 5.0, 30_000.0, T as f64]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    redis::cmd("SET")
+        .arg(format!("{key}:ret"))
+        .arg(older)
+        .query::<()>(&mut con)
+        .unwrap();
+    let old = [old[0], old[1], 5];
+    assert_eq!(
+        give_back(&mut con, &RETURN_AT, key, b, 8, old),
+        0,
+        "not this layout"
+    );
+    script::set_clock(&mut con, T + 2);
+    let (_, new) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!(new[2], 0);
+    assert_eq!(
+        give_back(&mut con, &RETURN_AT, key, b, 8, old),
+        0,
+        "older than the record"
+    );
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, new), 8);
+
+    // A tuple as old as the longest lease (600 s) gives nothing; 1 ms
+    // younger, it does.
+    let key = "t:{x}:lease:oldest";
+    script::set_clock(&mut con, T);
+    let (_, first) = lease_at(&mut con, key, b, 1, 8);
+    let (_, second) = lease_at(&mut con, key, b, 1, 8);
+    script::set_clock(&mut con, T + 600_000);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, first), 0);
+    script::set_clock(&mut con, T + 599_999);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, second), 8);
+
+    // 40 give-backs, one a ms: the record keeps 32 entries, the oldest 9
+    // merged into one under the earliest grant's tuple; an entry made
+    // 600 s before a give-back is dropped by it.
+    let key = "t:{x}:lease:bounded";
+    let mut tuples = Vec::new();
+    for i in 0..40 {
+        script::set_clock(&mut con, T + i);
+        let (reply, tuple) = lease_at(&mut con, key, b, 0, 1);
+        assert_eq!(reply[5], 1);
+        assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 1, tuple), 1);
+        tuples.push(tuple);
+    }
+    let record = lease_record(&mut con, key).unwrap();
+    assert_eq!(record.count, 40);
+    assert_eq!(record.entries.len(), 32);
+    let [t0, level, returned] = tuples[0];
+    assert_eq!(record.entries[0], [t0, level, returned, 9, T + 8, 9]);
+    assert_eq!(record.entries[1][..5], [T + 9, 99 * HOUR, 9, 1, T + 9]);
+    script::set_clock(&mut con, T + 600_010);
+    let (_, late) = lease_at(&mut con, key, b, 0, 1);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 1, late), 1);
+    let record = lease_record(&mut con, key).unwrap();
+    assert_eq!(
+        record.entries.iter().map(|e| e[4]).collect::<Vec<_>>(),
+        [
+            T + 11,
+            T + 12,
+            T + 13,
+            T + 14,
+            T + 15,
+            T + 16,
+            T + 17,
+            T + 18,
+            T + 19,
+            T + 20,
+            T + 21,
+            T + 22,
+            T + 23,
+            T + 24,
+            T + 25,
+            T + 26,
+            T + 27,
+            T + 28,
+            T + 29,
+            T + 30,
+            T + 31,
+            T + 32,
+            T + 33,
+            T + 34,
+            T + 35,
+            T + 36,
+            T + 37,
+            T + 38,
+            T + 39,
+            T + 600_010
+        ],
+        "the entries of the last 600 s"
+    );
+}
+
+#[test]
 fn a_give_back_refuses_anything_but_seven_whole_numbers_per_key() {
-    let (_redis, mut con) = support::Redis::start_with_conn();
+    let (_redis, mut con) = start();
     let (a, b) = ("t:{x}:lease:rerr-a", "t:{x}:lease:rerr-b");
     let good = ["10", "1", "1000", "2", "1700000000000", "5000", "0"];
     let mut cases: Vec<(Vec<&str>, Vec<&str>)> = vec![

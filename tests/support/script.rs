@@ -730,31 +730,49 @@ pub fn split_lease(full: [i64; 9]) -> ([i64; 6], [i64; 3]) {
 /// give-back record `<key>:ret` (lua/lease.lua, lua/lease_return.lua); 0
 /// when missing.
 pub fn lease_returned(con: &mut Connection, key: &str) -> i64 {
-    let v: Option<Vec<u8>> = redis::cmd("GET")
-        .arg(format!("{key}:ret"))
-        .query(con)
-        .unwrap();
-    v.map_or(0, |b| {
-        let n = f64::from_le_bytes(b[..8].try_into().unwrap());
-        assert_eq!(n.fract(), 0.0, "a whole count: {n}");
-        n as i64
-    })
+    lease_record(con, key).map_or(0, |r| r.count)
 }
 
-/// The give-back record's peaks: (count, level, time) of give-backs.
-pub fn lease_peaks(con: &mut Connection, key: &str) -> Vec<[i64; 3]> {
-    let b: Vec<u8> = redis::cmd("GET")
+/// A give-back record (lua/lease_return.lua's layout): the count, the
+/// instant it started, and one entry per accepted give-back (or two
+/// merged), oldest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRecord {
+    pub count: i64,
+    pub since: i64,
+    /// (t0, level, returned, tokens, at, parts): the grant's tuple (of the
+    /// earliest grant, when the entry merged several), the tokens accepted,
+    /// when (the latest), and how many give-backs it holds.
+    pub entries: Vec<[i64; 6]>,
+}
+
+/// The give-back record of a leased bucket, `None` when missing; panics on
+/// any other layout.
+pub fn lease_record(con: &mut Connection, key: &str) -> Option<LeaseRecord> {
+    let b: Option<Vec<u8>> = redis::cmd("GET")
         .arg(format!("{key}:ret"))
         .query(con)
         .unwrap();
-    assert_eq!((b.len() - 8) % 24, 0, "a count and whole peaks");
-    b[8..]
-        .chunks(24)
-        .map(|p| {
-            let f = |i: usize| f64::from_le_bytes(p[i * 8..i * 8 + 8].try_into().unwrap()) as i64;
-            [f(0), f(1), f(2)]
-        })
-        .collect()
+    let b = b?;
+    assert!(
+        b.len() >= 24 && (b.len() - 24) % 48 == 0,
+        "a head and whole entries: {} bytes",
+        b.len()
+    );
+    let whole = |i: usize| {
+        let n = f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+        assert_eq!(n.fract(), 0.0, "whole numbers: {n}");
+        n as i64
+    };
+    assert_eq!(whole(1), -2, "the layout mark");
+    let entries = (0..(b.len() - 24) / 48)
+        .map(|e| [0, 1, 2, 3, 4, 5].map(|f| whole(3 + e * 6 + f)))
+        .collect();
+    Some(LeaseRecord {
+        count: whole(0),
+        since: whole(2),
+        entries,
+    })
 }
 
 // ---------------------------------------------------------------------------
