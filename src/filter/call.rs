@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::batch::Packed;
 use crate::config::RedisTarget;
 use crate::filter::first_failure;
-use crate::filter::stage::lease::Prefetch;
+use crate::filter::handoff::Prefetch;
 use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
 use crate::scripts::{Args, Script};
 use crate::webdis::{parse_reply, Command, Reply};

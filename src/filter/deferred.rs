@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use crate::config::RedisTarget;
 use crate::filter::call::{Answer, Budget, ScriptCall};
-use crate::filter::stage::decision::pause_before;
+use crate::filter::retry::pause_before;
 use crate::filter::{CalloutReply, Counter, Host};
 use crate::ratelimit::ScriptArgs;
 use crate::scripts::Script;

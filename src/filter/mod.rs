@@ -11,10 +11,12 @@ pub mod counter;
 pub mod deferred;
 pub mod first_failure;
 pub mod flow;
+pub mod handoff;
 pub mod in_flight;
 pub mod owner;
 #[cfg(target_arch = "wasm32")]
 pub mod proxy;
+pub mod retry;
 pub mod stage;
 #[cfg(test)]
 pub mod testing;
@@ -118,7 +120,7 @@ pub trait Host: RequestView {
         target: &RedisTarget,
         command: &Command,
         timeout: Duration,
-        note: stage::lease::Prefetch,
+        note: handoff::Prefetch,
     ) -> Result<(), String>;
     /// Sends one request to the object store's cluster (`headers` include
     /// the pseudo-headers); the reply comes to `Flow::on_callout_reply` like
@@ -171,7 +173,7 @@ pub trait Host: RequestView {
     fn join_batch(
         &mut self,
         target: &RedisTarget,
-        member: stage::batch::Member,
+        member: handoff::Member,
     ) -> Result<(), call::Failure>;
     /// True if a request of hash tag `tag` may send its own call now: its
     /// worker has no call of that tag out and none queued. Its call then

@@ -17,22 +17,12 @@ use crate::breaker::Breakers;
 use crate::config::{Batch, RedisTarget};
 use crate::filter::call::{Answer, Budget, Failure, ScriptCall};
 use crate::filter::counter::Histogram;
-use crate::filter::stage::decision::{pause_before, tell_breaker, MAX_PAUSES};
+use crate::filter::handoff::Member;
+use crate::filter::retry::{pause_before, tell_breaker, MAX_PAUSES};
 use crate::filter::{CalloutReply, Counter, ErrorKind, Host};
 use crate::ratelimit::ScriptArgs;
 use crate::scripts::BATCH;
 use crate::webdis::Reply;
-
-/// One request waiting for its decision.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Member {
-    /// Its hash tag: only requests of one tag share a call.
-    pub tag: String,
-    /// Its own KEYS and ARGV for lua/ratelimit.lua.
-    pub args: ScriptArgs,
-    /// When its decision must be in.
-    pub deadline: Duration,
-}
 
 /// Who a member is, for the host: its stream. A stream that is gone is
 /// dropped from the batch it waits for.

@@ -12,6 +12,7 @@ use crate::config::{Algorithm, Config};
 use crate::filter::call::{transport, Budget, ScriptCall, Transport};
 use crate::filter::cas::{self, Update};
 use crate::filter::deferred::Kind;
+use crate::filter::handoff::Prefetch;
 use crate::filter::{millis, CalloutReply, Counter, ErrorKind, Host};
 use crate::lease::{self, Slot, Tuple};
 use crate::ratelimit::{parse_lease, Outcome, Plan};
@@ -28,18 +29,6 @@ pub enum Spend {
     Fetch(u64),
     /// Redis decides (nothing to spend, another worker fetching, contention).
     Strict,
-}
-
-/// A background lease fetch in flight: where its grant goes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Prefetch {
-    pub limit_key: Vec<u8>,
-    /// The limit's index in the configuration.
-    pub limit: usize,
-    pub ttl: Duration,
-    pub sent_at: Duration,
-    /// The lease's batch: an Envoy never holds more.
-    pub batch: u64,
 }
 
 #[derive(Debug, Default)]

@@ -6,7 +6,8 @@ use std::cell::Cell;
 use super::*;
 use crate::batch::pack;
 use crate::config::Batch;
-use crate::filter::stage::batch::{Batcher, Member, Verdict, Waiter};
+use crate::filter::handoff::Member;
+use crate::filter::stage::batch::{Batcher, Verdict, Waiter};
 use crate::filter::Histogram;
 use crate::scripts::{BATCH, RATELIMIT};
 use crate::webdis::{parse_reply, Reply};
@@ -135,7 +136,7 @@ fn keyed_requests_lease_fetches_and_probes_keep_their_own_call() {
     let mut f = Flow::new(batched_config(), breaker.clone());
     f.on_request_headers(&mut h, true);
     f.on_batch_verdict(&mut h, Verdict::Failed((ErrorKind::Timeout, "t".into())));
-    crate::filter::stage::decision::tell_breaker(&mut h, &breaker.for_tag(Some(TAG)));
+    crate::filter::retry::tell_breaker(&mut h, &breaker.for_tag(Some(TAG)));
     h.clock_ms = 150;
     let mut probe = Flow::new(batched_config(), breaker);
     assert_eq!(probe.on_request_headers(&mut h, true), Action::Pause);
