@@ -8,6 +8,10 @@ use serde::Deserialize;
 
 use super::algorithm::Algorithm;
 use super::block::{compile_block, RawBlock};
+use super::bounds::{
+    CONCURRENCY_LEASE_MS, GCRA_EXACT_MAX, LUA_EXACT_MAX, MAX_CONCURRENCY, MAX_COUNTER_LIMIT,
+    MAX_WINDOW_COST,
+};
 use super::matcher::{compile_match, Matcher, RawMatch};
 use super::overrides::{compile_overrides, Overrides, RawOverrides};
 use super::parts::{compile_parts, Part, RawPart};
@@ -15,27 +19,12 @@ use super::quota::{compile_quota, RawQuota};
 use super::usage::{compile_usage, RawUsage, Usage};
 use super::{header_name, valid_name, ConfigError, FailureMode};
 
-/// Largest integer a Lua (double) number holds exactly. The token bucket keeps
-/// `capacity * period_ms` credits, so that product must stay below it.
-const LUA_EXACT_MAX: u64 = 1 << 53;
 /// A tenth of the global budget per Envoy when Redis is down.
 pub const DEFAULT_LOCAL_PER_MILLE: u64 = 100;
-/// Most units one request may spend from a sliding window.
-pub const MAX_WINDOW_COST: u64 = 1000;
-/// Largest limit of a counting kind (fixed window, sliding-window counter):
-/// their state is a count, so any limit a Lua double counts exactly, with
-/// room for one request's cost on top.
-pub const MAX_COUNTER_LIMIT: u64 = 1 << 50;
-/// GCRA keeps its state in units of 1/rate ms and compares `burst * periodMs`
-/// against a difference that can reach twice that: one bit of headroom.
-const GCRA_EXACT_MAX: u64 = 1 << 52;
 
 /// The algorithm fields of a limit, by their JSON names, for its errors.
 const ALGORITHM_FIELDS: &str =
     "`tokenBucket`, `slidingWindow`, `gcra`, `fixedWindow`, `slidingWindowCounter`, `quota` and `concurrency`";
-/// Most requests one concurrency limit lets in flight (one sorted-set member
-/// per slot).
-pub const MAX_CONCURRENCY: u64 = 1_000_000;
 /// A concurrency slot's lease when the config names none: long enough that
 /// its renewals (four per lease) cost nothing to speak of, short enough that
 /// a crashed Envoy's slots come back within a minute.
@@ -45,9 +34,6 @@ pub const DEFAULT_CONCURRENCY_LEASE_MS: u64 = 30_000;
 /// slot, the third landing before the lease ends (config keeps `timeoutMs`
 /// at most a quarter of `leaseMs`, so each renewal is over before the next).
 pub const RENEWALS_PER_LEASE: u32 = 4;
-/// Bounds of a lease: renewed every quarter of it, so not too often; a
-/// crashed Envoy's slots come back within it, so not too long.
-pub const CONCURRENCY_LEASE_MS: std::ops::RangeInclusive<u64> = 300..=3_600_000;
 
 /// One rate limit: exactly one of tokenBucket, slidingWindow, gcra,
 /// fixedWindow, slidingWindowCounter, quota or concurrency.

@@ -9,6 +9,7 @@
 mod access_log;
 mod algorithm;
 mod block;
+mod bounds;
 mod deny;
 mod idempotency;
 mod limit;
@@ -30,15 +31,14 @@ use crate::request::{RequestLine, RequestView};
 
 pub use access_log::{AccessLog, KeyInLog};
 pub use algorithm::Algorithm;
+pub use bounds::{CONCURRENCY_LEASE_MS, MAX_CONCURRENCY, MAX_COUNTER_LIMIT, MAX_WINDOW_COST};
 pub use deny::DenyRule;
 pub use idempotency::{
     Idempotency, DEFAULT_IDEMPOTENCY_HEADER, DEFAULT_LOCK_TTL_MS, DEFAULT_MAX_REQUEST_BODY,
     DEFAULT_MAX_STORED_BODY, DEFAULT_RECORD_TTL_MS, MAX_OFFLOADED_BODY,
 };
 pub use limit::{
-    Cost, Lease, Limit, CONCURRENCY_LEASE_MS, DEFAULT_CONCURRENCY_LEASE_MS,
-    DEFAULT_LOCAL_PER_MILLE, MAX_CONCURRENCY, MAX_COUNTER_LIMIT, MAX_WINDOW_COST,
-    RENEWALS_PER_LEASE,
+    Cost, Lease, Limit, DEFAULT_CONCURRENCY_LEASE_MS, DEFAULT_LOCAL_PER_MILLE, RENEWALS_PER_LEASE,
 };
 pub use matcher::{Condition, Matcher, PathMatch};
 pub use object_store::{

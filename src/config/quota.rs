@@ -5,7 +5,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::algorithm::Algorithm;
-use super::limit::MAX_COUNTER_LIMIT;
+use super::bounds::MAX_COUNTER_LIMIT;
 use super::ConfigError;
 use crate::quota::{zone, Calendar, Per};
 
