@@ -36,11 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench as B  # noqa: E402  (the stack helpers: spawn, ports, Redis client)
 import bench_tier_cluster  # noqa: E402
+from bench_tier_files import CLI, OUT, calls_path  # noqa: E402
 import bench_tier_profile  # noqa: E402
 import bench_tier_valkey  # noqa: E402
 
-OUT = B.ROOT / "target" / "bench-tier"
-CLI = B.ROOT / "target" / "release" / "redis-guard"
 MARK_START = "<!-- bench-tier:start -->"
 MARK_END = "<!-- bench-tier:end -->"
 KEYS = 10_000  # descriptor values the requests spread over
@@ -129,7 +128,7 @@ def cases(members):
 def write_calls(case, calls):
     cfg = OUT / f"{case['id']}.json"
     cfg.write_text(json.dumps(case["config"]))
-    out = OUT / f"{case['id']}.calls"
+    out = calls_path(case["id"])
     args = [str(CLI), "--json", "wire", "--config", str(cfg), "--value", "x-user=u{i}",
             "--value", "path=/", "--value", "method=POST", "--distinct", str(KEYS),
             "--members", str(case["members"]), "--calls", str(calls), "--out", str(out),
@@ -302,12 +301,12 @@ def with_nonce(command, nonce):
 
 
 def measure(tier, case, seconds):
-    calls_file = OUT / f"{case['id']}.calls"
+    calls = calls_path(case["id"])
     tier.r.cmd("FLUSHALL")
     tier.load_scripts()
-    tier.verify(case, calls_file)
-    tier.run(case, calls_file, 1)  # warm-up: keys created, Webdis' connections open
-    sat = tier.run(case, calls_file, seconds)
+    tier.verify(case, calls)
+    tier.run(case, calls, 1)  # warm-up: keys created, Webdis' connections open
+    sat = tier.run(case, calls, seconds)
     paced = []
     for share in (0.5, 0.8):
         # Each of 8 connections sends, waits its pause, sends again: the
@@ -315,7 +314,7 @@ def measure(tier, case, seconds):
         conns = 8
         target = sat["calls_per_s"] * share
         pause = max(0, int(conns * 1000 / target - sat["e2e_p50_us"] / 1000))
-        r = tier.run(case, calls_file, seconds, pause_ms=pause, conns=conns)
+        r = tier.run(case, calls, seconds, pause_ms=pause, conns=conns)
         r["share"] = share
         paced.append(r)
     return {"saturated": sat, "paced": paced}
@@ -510,12 +509,12 @@ def main():
         res["cluster"] = bench_tier_cluster.measure(OUT, CLI, args.seconds, KEYS)
     if not args.no_profile:
         B.log("profile: lua/batch.lua cut short at each step")
-        files = {c["members"]: OUT / f"{c['id']}.calls" for c in todo
+        files = {c["members"]: calls_path(c["id"]) for c in todo
                  if c["id"].startswith("tb-") and c["members"] > 1}
         res["profile"] = bench_tier_profile.profile((OUT / "batch.lua").read_text(), files)
         if any(c["id"] == "tb-1" for c in todo):
             res["single_profile"] = bench_tier_profile.single_profile(
-                (OUT / "ratelimit.lua").read_text(), OUT / "tb-1.calls")
+                (OUT / "ratelimit.lua").read_text(), calls_path("tb-1"))
     res["wall_s"] = time.monotonic() - started
     (OUT / "results.json").write_text(json.dumps(res, indent=2))
     text = markdown(res)

@@ -8,6 +8,7 @@ server's CPU per decision), which is what sizing reads; the paced runs'
 latencies are the Redis table's.
 """
 import bench as B
+from bench_tier_files import calls_path
 
 VALKEY = B.ROOT / ".venv" / "bin" / "valkey-server"
 
@@ -15,8 +16,6 @@ VALKEY = B.ROOT / ".venv" / "bin" / "valkey-server"
 def measure(tier_class, cases, seconds):
     """One row per case of 1 or 8 members (keyed cases too), measured on a
     Tier running valkey-server: a list of dicts carrying the Redis row's id."""
-    import bench_tier  # the measuring code, shared with the Redis rows
-
     if not VALKEY.exists():
         raise B.BenchError(f"{VALKEY} is missing: run make valkey-dep")
     tier = tier_class(str(VALKEY))
@@ -27,12 +26,12 @@ def measure(tier_class, cases, seconds):
             if c["members"] not in (1, 8):
                 continue
             B.log(f"valkey {c['id']}: {c['what']}, {c['members']} per call")
-            calls_file = bench_tier.OUT / f"{c['id']}.calls"
             tier.r.cmd("FLUSHALL")
             tier.load_scripts()
-            tier.verify(c, calls_file)
-            tier.run(c, calls_file, 1)  # warm-up, as for Redis
-            s = tier.run(c, calls_file, seconds)
+            calls = calls_path(c["id"])
+            tier.verify(c, calls)
+            tier.run(c, calls, 1)  # warm-up, as for Redis
+            s = tier.run(c, calls, seconds)
             rows.append({"id": c["id"], "what": c["what"], "members": c["members"],
                          "version": version, "saturated": s})
     finally:
