@@ -222,9 +222,9 @@ pub fn batch_schedules() -> impl Strategy<Value = Vec<BatchOp>> {
         });
     let op = prop_oneof![
         1 => prop::sample::select(vec![1i64, 700, 20 * 60_000]).prop_map(BatchOp::Tick),
-        4 => prop::collection::vec(request, 1..8).prop_map(BatchOp::Batch),
+        4 => prop::collection::vec(request, 1..7).prop_map(BatchOp::Batch),
     ];
-    prop::collection::vec(op, 1..10)
+    prop::collection::vec(op, 1..8)
 }
 
 fn limits(space: &str, r: &Request, now: i64) -> Vec<Limit> {

@@ -19,7 +19,7 @@ use std::sync::LazyLock;
 
 use proptest::prelude::*;
 use redis::Connection;
-use redis_guard::keys::{block_key, older_bucket_key};
+use redis_guard::keys::{block_key, state_keys_beside};
 use redis_guard::lease::{Slot, Step, Tuple};
 use redis_guard::scripts::{Script, LEASE, LEASE_RETURN};
 
@@ -57,6 +57,12 @@ pub enum Op {
     Strict { cost: u64 },
     /// `redis-guard reset` of the limit.
     Reset,
+    /// Envoy `e` fetches, the call runs in Redis, and its reply is lost (a
+    /// timeout after the call ran): the grant is never held.
+    LostFetch { e: usize },
+    /// Envoy `e`'s configuration is reloaded: its slot is dropped with the
+    /// tokens in it (they lapse: under-admission only).
+    Reload { e: usize },
 }
 
 #[derive(Debug, Clone)]
@@ -81,6 +87,8 @@ fn op() -> impl Strategy<Value = Op> {
         w("resend", 1) => (0..8usize).prop_map(|e| Op::Resend { e }),
         3 => (1..40u64).prop_map(|cost| Op::Strict { cost }),
         w("reset", 1) => Just(Op::Reset),
+        1 => (0..8usize).prop_map(|e| Op::LostFetch { e }),
+        1 => (0..8usize).prop_map(|e| Op::Reload { e }),
     ]
 }
 
@@ -346,12 +354,9 @@ impl World<'_> {
     }
 
     fn reset(&mut self) {
-        // What `redis-guard reset` deletes for a token bucket.
+        // What `redis-guard reset` deletes for a token bucket (src/cli/).
         let mut keys = vec![KEY.as_bytes().to_vec(), block_key(KEY.as_bytes())];
-        keys.extend(older_bucket_key(KEY.as_bytes()));
-        for k in crate::reset_keys(KEY.as_bytes()) {
-            keys.push(k);
-        }
+        keys.extend(state_keys_beside(KEY.as_bytes()));
         for k in keys {
             redis::cmd("DEL").arg(k).query::<()>(self.con).unwrap();
         }
@@ -418,6 +423,25 @@ pub fn run(con: &mut Connection, s: &Schedule) -> Result<(), String> {
                 }
             }
             Op::Reset => w.reset(),
+            Op::LostFetch { e } => {
+                let e = e % s.envoys;
+                if let Some((granted, _)) = w.lease(1, BATCH) {
+                    // Redis charged and granted; the Envoy saw nothing.
+                    let id = w.kept.len();
+                    w.kept.push(granted as i64);
+                    w.push(Event::Take { cost: 1, id });
+                    let stored = w.envoys[e].stored.clone();
+                    if let Some(bytes) = w.slot.fetch_failed(stored.as_deref()) {
+                        w.envoys[e].stored = Some(bytes);
+                    }
+                }
+            }
+            Op::Reload { e } => {
+                let env = &mut w.envoys[e % s.envoys];
+                env.stored = None;
+                env.from.clear();
+                env.fresh = 0;
+            }
         }
         w.check()?;
     }

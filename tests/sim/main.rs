@@ -21,12 +21,6 @@ mod kinds;
 mod lease;
 mod quota;
 
-/// Every key `redis-guard reset` deletes for a token bucket's state key,
-/// beyond the key itself, its block and an older filter's hash.
-pub fn reset_keys(_key: &[u8]) -> Vec<Vec<u8>> {
-    Vec::new()
-}
-
 #[test]
 fn leases_never_hold_more_than_a_bucket_that_never_leased() {
     let (_redis, mut con) = support::Redis::start_with_conn();
