@@ -9,7 +9,8 @@ ARGV     seven whole numbers per key, in KEYS' order:
          now_ms, level (credits), returned
          Anything else is an error reply and nothing is written.
 Returns  one integer per key: the tokens given back (0 to `tokens`); the
-         rest are dropped (under-admission, never over-admission).
+         rest are dropped (under-admission, never over-admission). The
+         same give-back sent again answers the same and writes nothing.
 
 Composition: src/scripts.rs joins lua/wire.lua and lua/token_bucket.lua at
 the marker below. Clock: Redis TIME, read once.
@@ -75,6 +76,14 @@ back (none is older), so none counts it and it is dropped; beyond
 MAX_ENTRIES the oldest two become one (tokens summed, the earlier grant's
 tuple, the later instant; its count after is the later one's), counted
 whenever either part would be, so S never shrinks.
+A give-back is idempotent: sent again after it ran (a late reply Webdis
+0.1.9 handed to another request, a 503 after the command ran), it answers
+the same figure and writes nothing. A grant's tuple is unique per bucket
+(in one ms, the order above tells any two apart), so the entry holding it
+is that give-back's; one a merged entry may hold (counted in S) may have
+come back already, so it gives nothing back. A give-back answered 0 keeps
+no entry: its bound only tightens with time (elapsed and S only grow), so
+sent again it is 0 again.
 The record must never start again while a tuple it does not know of may
 come back: a tuple older than its start (a record lost, expired, reset, or
 an older filter's layout lease.lua replaced) gives nothing back, as does
@@ -187,8 +196,10 @@ for i, g in ipairs(back) do
   if count and g.t0 >= since and now >= g.t0 and now - g.t0 < OLDEST
       and count >= g.returned then
     -- S: the entries after the grant (newest first, until the count after
-    -- one is the tuple's) whose grant was not after the tuple's.
-    local s, after = 0, count
+    -- one is the tuple's) whose grant was not after the tuple's. Among
+    -- them, this very grant's, when the call comes again: `seen`, its
+    -- tokens; or 0 when a merged entry may hold it.
+    local s, after, seen = 0, count, nil
     for k = #entries, 1, -1 do
       if after <= g.returned then
         break
@@ -196,13 +207,21 @@ for i, g in ipairs(back) do
       local e = entries[k]
       if not_after(e[1], e[2], e[3], g.t0, g.level, g.returned) then
         s = s + e[4]
+        if e[6] > 1 then
+          seen = seen or 0
+        elseif e[1] == g.t0 and e[2] == g.level and e[3] == g.returned then
+          seen = e[4]
+          break
+        end
       end
       after = after - e[4]
     end
     local full = g.capacity * g.period
     local m = math.min(full, g.level + g.refill * (now - g.t0) + s * g.period)
     given = math.min(g.tokens, math.floor((full - m) / g.period))
-    if given > 0 then
+    if seen then
+      given = seen
+    elseif given > 0 then
       local r = tb_check(key, g.capacity, g.refill, g.period, 0)
       -- r.credits <= M' by the bound, so this never cuts; kept so a
       -- bucket is never written above full whatever a caller sends.

@@ -146,6 +146,8 @@ struct Pot {
     held: i64,
     tuple: [i64; 3],
     from: Vec<(usize, i64)>,
+    /// The last give-back sent (tokens, tuple) and Redis' answer.
+    sent: Option<(i64, [i64; 3], i64)>,
 }
 
 /// The most tokens one simulated Envoy asks for and holds.
@@ -181,6 +183,9 @@ struct Fleet<'a> {
     /// Tokens given back, and give-backs the bound cut.
     back: i64,
     cut: usize,
+    resent: usize,
+    /// The first give-back sent again whose answer changed.
+    wrong: Option<String>,
 }
 
 impl Fleet<'_> {
@@ -232,6 +237,7 @@ impl Fleet<'_> {
     /// Envoy `e` gives back whatever it holds.
     fn back(&mut self, e: usize) {
         let pot = std::mem::take(&mut self.pots[e]);
+        self.pots[e].sent = pot.sent;
         if pot.held == 0 {
             return;
         }
@@ -244,6 +250,7 @@ impl Fleet<'_> {
             pot.tuple,
         );
         assert!((0..=pot.held).contains(&x), "{x} of {}", pot.held);
+        self.pots[e].sent = Some((pot.held, pot.tuple, x));
         self.back += x;
         self.cut += usize::from(x < pot.held);
         // The tokens given back are the newest grants'.
@@ -253,6 +260,25 @@ impl Fleet<'_> {
             self.kept[*id] -= m;
             x -= m;
         }
+        self.logged(Event::Back);
+    }
+
+    /// Envoy `e`'s last give-back delivered again (a reply lost after the
+    /// call ran): the same answer, or none once the record no longer tells
+    /// it (merged, or older than the longest lease), and nothing more in
+    /// the bucket (the reference counts its tokens once).
+    fn resend(&mut self, e: usize) {
+        let Some((tokens, tuple, first)) = self.pots[e].sent else {
+            return;
+        };
+        let x = give_back(self.con, self.give_back, &self.key, self.b, tokens, tuple);
+        if x != first && x != 0 && self.wrong.is_none() {
+            let i = self.log.len();
+            self.wrong = Some(format!(
+                "event {i}: {tuple:?} sent again: {x}, first {first}"
+            ));
+        }
+        self.resent += 1;
         self.logged(Event::Back);
     }
 
@@ -267,6 +293,9 @@ impl Fleet<'_> {
     /// reference: the same admissions and clock, without the tokens that
     /// came back.
     fn broken(&self) -> Option<String> {
+        if self.wrong.is_some() {
+            return self.wrong.clone();
+        }
         let full = self.b.capacity * self.b.period;
         let mut reference = full;
         for (i, (event, real)) in self.log.iter().enumerate() {
@@ -320,6 +349,8 @@ fn safety_run<'a>(
         log: Vec::new(),
         back: 0,
         cut: 0,
+        resent: 0,
+        wrong: None,
     };
     for _ in 0..600 {
         let e = f.rng.below(envoys as u64) as usize;
@@ -351,7 +382,8 @@ fn safety_run<'a>(
                 f.charge(y);
             }
             66..=67 => f.spend(e),
-            68..=91 => f.back(e),
+            68..=87 => f.back(e),
+            88..=91 => f.resend(e),
             _ => {
                 let mut order: Vec<usize> = (0..envoys).collect();
                 for i in (1..envoys).rev() {
@@ -372,7 +404,7 @@ const SEEDS: u64 = 100;
 #[test]
 fn giving_back_never_leaves_more_than_had_the_tokens_never_left() {
     let (_redis, mut con) = start();
-    let (mut back, mut cut, mut merged, mut broken) = (0, 0, 0, Vec::new());
+    let (mut back, mut cut, mut merged, mut resent, mut broken) = (0, 0, 0, 0, Vec::new());
     for i in 1..=SEEDS {
         let seed = i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let envoys = 3 + (i % 6) as usize;
@@ -387,6 +419,7 @@ fn giving_back_never_leaves_more_than_had_the_tokens_never_left() {
         let f = safety_run(&mut con, &key, seed, envoys, script);
         back += f.back;
         cut += f.cut;
+        resent += f.resent;
         if let Some(why) = f.broken() {
             broken.push(format!("seed {i} ({seed:#x}, {envoys} Envoys): {why}"));
         }
@@ -400,10 +433,10 @@ fn giving_back_never_leaves_more_than_had_the_tokens_never_left() {
         broken.join("\n")
     );
     // The runs exercise every side of the bound: tokens came back, the
-    // bound held some back, records merged entries.
+    // bound held some back, records merged entries, give-backs came twice.
     assert!(
-        back > 0 && cut > 0 && merged > 0,
-        "given back {back}, cut {cut}, merged entries {merged}"
+        back > 0 && cut > 0 && merged > 0 && resent > 0,
+        "given back {back}, cut {cut}, merged entries {merged}, sent again {resent}"
     );
 }
 
@@ -586,6 +619,79 @@ fn the_counter_outlives_every_lease_and_a_stale_or_unknown_tuple_gives_nothing_b
     assert_eq!(give_back(&mut con, &LEASE_RETURN, key, b, 4, tuple), 0);
     assert!(!exists(&mut con, &ck));
     assert_eq!(state(&mut con, key), stored, "nothing written");
+}
+
+#[test]
+fn a_give_back_sent_twice_returns_its_tokens_once_and_answers_the_same() {
+    let (_redis, mut con) = start();
+    // 40 tokens, one a second.
+    let b = bucket(40, 1, 1000);
+    script::set_clock(&mut con, T);
+    let key = "t:{x}:lease:twice";
+    // 1 charged, 8 granted: 31 left. Given back whole (39), then the same
+    // call again (a late reply Webdis handed to another request, a 503
+    // after the command ran): the same answer, nothing written. Counted
+    // twice, the bound would have let a ninth token in (40, where a bucket
+    // that never leased holds 39).
+    let (_, tuple) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, tuple), 8);
+    let record = lease_record(&mut con, key);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, tuple), 8);
+    assert_eq!(level_at(&mut con, key, b, T), 39_000);
+    assert_eq!(lease_record(&mut con, key), record, "nothing written");
+    // Later, behind another Envoy's give-back, and cut by the bound: the
+    // cut figure again. Grant A (8: 30 left), grant B (7: 22 left), 5 s
+    // later (27) the strict side takes 20 (7), A gives back (M' = 30 + 5:
+    // 5 of 8 come back, 12), B gives back (M' = 22 + 5 + 5: 7, 19); A's
+    // and B's calls again: 5 and 7, and the bucket holds 19.
+    let (_, ta) = lease_at(&mut con, key, b, 1, 8);
+    let (_, tb) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!((ta[1], tb[1]), (30_000, 22_000));
+    script::set_clock(&mut con, T + 5_000);
+    assert!(strict_at(&mut con, key, b, 20));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, ta), 5);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 7, tb), 7);
+    assert_eq!(level_at(&mut con, key, b, T + 5_000), 19_000);
+    let record = lease_record(&mut con, key);
+    script::set_clock(&mut con, T + 6_000);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, ta), 5);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 7, tb), 7);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, tuple), 8);
+    assert_eq!(
+        level_at(&mut con, key, b, T + 6_000),
+        20_000,
+        "refill alone"
+    );
+    assert_eq!(lease_record(&mut con, key), record, "nothing written");
+    // One answered 0 is not kept: sent again later it is 0 again (its
+    // bound only tightens). C takes 1 and 4 at 20 (15 left), the bucket
+    // refills to the cap 25 s later: nothing comes back, then or later.
+    let (_, tc) = lease_at(&mut con, key, b, 1, 4);
+    assert_eq!(tc[1], 15_000);
+    script::set_clock(&mut con, T + 31_000);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 4, tc), 0);
+    assert!(strict_at(&mut con, key, b, 30));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 4, tc), 0);
+
+    // A give-back merged with another (a record of 2 entries, as in the
+    // seeded run) can no longer be told apart: sent again it gives
+    // nothing back, and writes nothing.
+    let key = "t:{x}:lease:merged";
+    script::set_clock(&mut con, T);
+    let tuples: Vec<_> = (0..3).map(|_| lease_at(&mut con, key, b, 0, 2).1).collect();
+    for t in &tuples {
+        assert_eq!(give_back(&mut con, &RETURN_SMALL, key, b, 2, *t), 2);
+    }
+    let record = lease_record(&mut con, key).unwrap();
+    assert_eq!(
+        record.entries.iter().map(|e| e[5]).collect::<Vec<_>>(),
+        [2, 1]
+    );
+    for (t, again) in tuples.iter().zip([0, 0, 2]) {
+        assert_eq!(give_back(&mut con, &RETURN_SMALL, key, b, 2, *t), again);
+    }
+    assert_eq!(lease_record(&mut con, key), Some(record), "nothing written");
+    assert_eq!(level_at(&mut con, key, b, T), 40_000);
 }
 
 #[test]
