@@ -827,7 +827,7 @@ fn the_wasm_build_has_none_of_the_clis_dependencies() {
     };
     let wasm = crates(&tree(&["--target", "wasm32-wasip1"]));
     let native = crates(&tree(&["--features", "cli"]));
-    for dep in ["redis", "clap"] {
+    for dep in ["redis", "clap", "ureq"] {
         assert!(
             native.iter().any(|c| c == dep),
             "the cli feature brings {dep}"

@@ -12,6 +12,7 @@
 //! key the filter uses. Built only with the `cli` feature, which the wasm
 //! build never enables.
 
+mod doctor;
 mod output;
 mod overrides;
 mod select;
@@ -58,7 +59,7 @@ static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     name = "redis-guard",
     version = VERSION.as_str(),
     about = "Operator's tool for redis-guard: check a filter configuration, inspect and reset limits, show and forget idempotency records",
-    after_help = "Exit codes: 0 done, 2 usage, 3 invalid configuration, 4 unknown limit/rule or missing part value, 5 Redis error, 6 refused (reset without --yes, forget in progress without --force)."
+    after_help = "Exit codes: 0 done, 2 usage, 3 invalid configuration, 4 unknown limit/rule or missing part value, 5 Redis error, 6 refused (reset without --yes, forget in progress without --force); doctor: 0 no problem found, 7 problems found, 8 no Envoy admin at --admin."
 )]
 struct Cli {
     /// Print one JSON document on stdout instead of text (errors included).
@@ -99,6 +100,8 @@ enum Command {
         #[command(subcommand)]
         command: overrides::OverrideCommand,
     },
+    /// Check a running Envoy's filter: loaded, its calls reaching Redis through Webdis and authorised, decisions made or the failure mode answering, which limits fired; prints the fix for each problem.
+    Doctor(doctor::DoctorArgs),
     /// Show or forget one idempotency record.
     Idempotency {
         #[command(subcommand)]
@@ -246,10 +249,15 @@ impl Failure {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let out = Out { json: cli.json };
-    match run(cli.command) {
-        Ok(report) => {
+    // The doctor's exit code says what it found, even when it ran through.
+    let result = match cli.command {
+        Command::Doctor(args) => doctor::run(&args),
+        command => run(command).map(|report| (report, exit::OK)),
+    };
+    match result {
+        Ok((report, code)) => {
             out.report(&report);
-            ExitCode::from(exit::OK)
+            ExitCode::from(code)
         }
         Err(failure) => {
             out.failure(&failure);
@@ -337,6 +345,7 @@ fn run(command: Command) -> Result<output::Report, Failure> {
             Ok(output::wire(calls, members, bytes))
         }
         Command::Override { command } => overrides::run(command),
+        Command::Doctor(args) => doctor::run(&args).map(|(report, _)| report),
         Command::Idempotency { command } => {
             let (args, force, forget) = match command {
                 IdemCommand::Show(args) => (args, false, false),

@@ -43,7 +43,7 @@ fn first(logged: &Cell<u8>, target: &RedisTarget, kind: ErrorKind, why: &str) ->
     }
     logged.set(logged.get() | bit);
     Some(format!(
-        "redis-guard: first failed Redis call since start ({}): {why}. Fix: {}. Until it is fixed every request this filter decides takes its failure mode (allow: forwarded unlimited); `redis-guard doctor --admin <envoy admin>` checks the wiring, {TROUBLESHOOTING} lists each cause",
+        "redis-guard: first failed Redis call since start ({}): {why}. Fix: {}. Until it is fixed every request this filter decides takes its failure mode (allow forwards it unlimited, deny answers 503, local spends this Envoy's own budget); `redis-guard doctor --admin <envoy admin>` checks the wiring, {TROUBLESHOOTING} lists each cause",
         kind.name(),
         fix(target, kind)
     ))
@@ -100,7 +100,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             line,
-            "redis-guard: first failed Redis call since start (dispatch): dispatch to cluster `webdiss` refused: BadArgument. Fix: redis.cluster is `webdiss`: Envoy must have a cluster of exactly that name in front of Webdis (a typo, or a cluster your Envoy configuration does not define). Until it is fixed every request this filter decides takes its failure mode (allow: forwarded unlimited); `redis-guard doctor --admin <envoy admin>` checks the wiring, docs/src/running/troubleshooting.md lists each cause"
+            "redis-guard: first failed Redis call since start (dispatch): dispatch to cluster `webdiss` refused: BadArgument. Fix: redis.cluster is `webdiss`: Envoy must have a cluster of exactly that name in front of Webdis (a typo, or a cluster your Envoy configuration does not define). Until it is fixed every request this filter decides takes its failure mode (allow forwards it unlimited, deny answers 503, local spends this Envoy's own budget); `redis-guard doctor --admin <envoy admin>` checks the wiring, docs/src/running/troubleshooting.md lists each cause"
         );
         assert_eq!(first(&logged, &t, ErrorKind::Dispatch, "again"), None);
         // Another kind still gets its line, once.
