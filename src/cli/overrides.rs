@@ -13,8 +13,10 @@ use crate::output::{printable, Report};
 use crate::select::{self, LimitTarget};
 use crate::{store, Failure, LimitArgs};
 
-/// Overrides expire like every key the filter writes; `set` again renews one.
-const DEFAULT_TTL_DAYS: u64 = 365;
+/// A plan is configuration, not state: it lasts until `unset` (or until
+/// `--expires` days, when the operator asks for that). State keys carry a
+/// TTL so that an idle customer costs nothing; a plan's key is one per
+/// customer who has a plan (`list --count`), whatever their traffic.
 const DAY_MS: u64 = 86_400_000;
 
 #[derive(Subcommand)]
@@ -25,9 +27,10 @@ pub enum OverrideCommand {
         limit: LimitArgs,
         #[command(flatten)]
         figures: Figures,
-        /// Days until the override expires (every key the filter reads has a TTL; set again to renew).
-        #[arg(long, default_value_t = DEFAULT_TTL_DAYS)]
-        ttl_days: u64,
+        /// Days until the override expires; without it, it lasts until `unset`
+        /// (`--ttl-days` is the same, kept for scripts written for it).
+        #[arg(long, alias = "ttl-days", value_name = "DAYS")]
+        expires: Option<u64>,
     },
     /// Show the override stored for one value, and whether the filter can read it.
     Show(LimitArgs),
@@ -38,6 +41,9 @@ pub enum OverrideCommand {
         /// The limit's name.
         #[arg(long)]
         limit: String,
+        /// Only how many there are (what bounds their memory).
+        #[arg(long)]
+        count: bool,
         #[command(flatten)]
         selection: crate::Selection,
     },
@@ -97,7 +103,7 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
         OverrideCommand::Set {
             limit,
             figures,
-            ttl_days,
+            expires,
         } => {
             let config = select::load(&limit.selection.config)?;
             let (target, key) = target(&config, &limit)?;
@@ -116,26 +122,37 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
                 .map_err(|why| {
                     Failure::selection(format!("limit `{}`: {why}", target.limit.name))
                 })?;
-            let ttl_ms = ttl_days
-                .checked_mul(DAY_MS)
-                .filter(|ms| *ms > 0)
-                .ok_or_else(|| Failure::selection("--ttl-days must be from 1 to a few thousand"))?;
+            let ttl_ms = match expires {
+                None => None,
+                Some(days) => Some(
+                    days.checked_mul(DAY_MS)
+                        .filter(|ms| *ms > 0 && *ms < 1 << 53)
+                        .ok_or_else(|| {
+                            Failure::selection("--expires must be from 1 to a few thousand days")
+                        })?,
+                ),
+            };
             let mut redis = store::connect(&limit.selection.redis)?;
-            redis.query::<()>(
-                redis::cmd("SET")
-                    .arg(&key)
-                    .arg(o.text(algorithm))
-                    .arg("PX")
-                    .arg(ttl_ms),
-            )?;
+            // One SET either way: a plan set again without --expires loses
+            // the TTL an earlier --expires gave it.
+            let mut set = redis::cmd("SET");
+            set.arg(&key).arg(o.text(algorithm));
+            if let Some(ms) = ttl_ms {
+                set.arg("PX").arg(ms);
+            }
+            redis.query::<()>(&set)?;
             let (text, figures) = described(&o);
+            let lasts = match expires {
+                Some(days) => format!("expires in {days} days"),
+                None => "until unset".to_string(),
+            };
             Ok(Report {
                 text: format!(
-                    "override `{}` at {}: {text} (expires in {ttl_days} days)\n",
+                    "override `{}` at {}: {text} ({lasts})\n",
                     target.limit.name,
                     printable(&key)
                 ),
-                json: json!({"limit": target.limit.name, "key": printable(&key), "override": figures, "ttlMs": ttl_ms}),
+                json: json!({"limit": target.limit.name, "key": printable(&key), "override": figures, "ttlMs": ttl_ms.map_or(-1, |ms| ms as i64)}),
             })
         }
         OverrideCommand::Show(limit) => {
@@ -175,7 +192,11 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
                 json: json!({"limit": target.limit.name, "key": printable(&key), "deleted": n > 0}),
             })
         }
-        OverrideCommand::List { limit, selection } => {
+        OverrideCommand::List {
+            limit,
+            count,
+            selection,
+        } => {
             if selection.redis.cluster {
                 return Err(Failure::selection(
                     "list scans one server: run it against each master's URL without --cluster",
@@ -199,6 +220,10 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
                         .arg(1000),
                 )?;
                 for key in keys {
+                    if count {
+                        rows.push((String::new(), String::new()));
+                        continue;
+                    }
                     let stored: Option<Vec<u8>> =
                         redis.query(redis::cmd("GET").arg(&key)).unwrap_or(None);
                     let text = stored
@@ -212,6 +237,12 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
                 if cursor == 0 {
                     break;
                 }
+            }
+            if count {
+                return Ok(Report {
+                    text: format!("{}\n", rows.len()),
+                    json: json!({"limit": l.name, "count": rows.len()}),
+                });
             }
             rows.sort();
             let mut text = format!("{} override(s) of `{}`\n", rows.len(), l.name);
@@ -245,7 +276,11 @@ fn show(target: &LimitTarget, key: &[u8], stored: Option<&[u8]>, pttl: i64) -> R
         Ok(o) => {
             let (text, figures) = described(&o);
             Report {
-                text: format!("override `{name}` at {}: {text} (expires in {pttl} ms)\n", printable(key)),
+                text: format!(
+                    "override `{name}` at {}: {text} ({})\n",
+                    printable(key),
+                    if pttl < 0 { "until unset".to_string() } else { format!("expires in {pttl} ms") }
+                ),
                 json: json!({"limit": name, "key": printable(key), "override": figures, "ttlMs": pttl, "valid": true}),
             }
         }
