@@ -1,5 +1,6 @@
 """make bench's calendar-quota scenario (envoy/bench.py joins it in): the
-README recipe's shape, "monthly plan + per-second burst limit"
+book's recipe "monthly plan + per-second burst limit"
+(docs/src/using/recipes.md#monthly-plan-and-a-per-second-burst-limit)
 (envoy/recipes/quota.json), batched as the default is, so its ratio to (f)
 is what the plan's quota adds to a batched request.
 
@@ -32,7 +33,7 @@ def scenarios(filter_config, tb, big):
         "id": "y",
         "name": "batched, quota + burst",
         "what": "f's token bucket as a per-second burst limit plus a monthly quota per x-user "
-        "(Europe/Berlin, renewing on the 1st, overrides from Redis, none stored): the README "
+        "(Europe/Berlin, renewing on the 1st, overrides from Redis, none stored): the book's "
         "recipe's shape, batched (the default); one window key per month, its edges "
         "computed by the filter",
         "filter": filter_config([tb("bench-burst", big, big, 1000),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make's first step for every target that builds or runs something: checks
-# each prerequisite the README's Prerequisites block names, up front, so a
+# each prerequisite README.md#prerequisites names, up front, so a
 # missing one is named with the way to get it instead of surfacing as a
 # cargo, linker or venv error halfway through.
 #
@@ -71,7 +71,7 @@ if [ ${#install[@]} -gt 0 ]; then
 fi
 
 if [ ${#problems[@]} -gt 0 ]; then
-  echo "prereqs: cannot go on; the README's Prerequisites block says what each is for:" >&2
+  echo "prereqs: cannot go on (README.md#prerequisites says what each is for):" >&2
   for p in "${problems[@]}"; do echo "  - $p" >&2; done
   exit 1
 fi

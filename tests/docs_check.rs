@@ -639,3 +639,8 @@ fn benchmarks_md_holds_only_what_its_generators_write() {
         "BENCHMARKS.md holds text no generator writes (hand notes go to docs/src/notes/)"
     );
 }
+
+// Pointers into the docs from envoy/ and src/, issue numbers on user pages,
+// the schema's descriptions and the guide's completeness.
+#[path = "docs_check/pointers.rs"]
+mod pointers;

@@ -164,7 +164,8 @@ def offload(st, v):
     eq(retry[1].get("idempotent-replayed"), "true", "retry's Idempotent-Replayed")
     eq(retry[2], first[2], "replayed 1 MiB body")
     eq(st.upstream_executions(path) - before, 1, "upstream executions")
-    # The README's command for listing the bucket, from inside the stack.
+    # The command docs/src/running/compose.md gives for listing the bucket,
+    # from inside the stack.
     listing = st.compose(
         "run", "--rm", "--entrypoint", "sh", "objectstore-init", "-c",
         '. /rendered/objectstore.env && python3 /src/s3ctl.py --host objectstore list 5000 redis-guard '

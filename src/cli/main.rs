@@ -26,7 +26,7 @@ use clap::{Args, Parser, Subcommand};
 
 use output::Out;
 
-/// Exit codes, as the README's CLI section documents them. Usage errors
+/// Exit codes, as docs/src/running/cli.md documents them. Usage errors
 /// (unknown flags, a missing argument) exit 2, as clap reports them.
 pub mod exit {
     /// Done (for `check`: the configuration is valid).

@@ -21,6 +21,7 @@ pub enum KeyInLog {
     None,
 }
 
+/// The record of each decision the filter leaves for Envoy's access log.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RawAccessLog {

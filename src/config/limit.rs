@@ -63,18 +63,26 @@ pub(super) struct RawLimit {
     /// Parts whose values pick the bucket (one bucket per distinct value list).
     #[serde(default)]
     descriptor: Vec<RawPart>,
+    /// A token bucket (a limit sets exactly one of the seven kinds).
     #[serde(default)]
     token_bucket: Option<RawTokenBucket>,
+    /// A sliding-window log: exact, one entry per admitted unit.
     #[serde(default)]
     sliding_window: Option<RawSlidingWindow>,
+    /// GCRA: the token bucket's promise in one value per key.
     #[serde(default)]
     gcra: Option<RawGcra>,
+    /// A fixed window, aligned to the Unix epoch on Redis' clock.
     #[serde(default)]
     fixed_window: Option<RawFixedWindow>,
+    /// A sliding-window counter: approximate, constant memory.
     #[serde(default)]
     sliding_window_counter: Option<RawSlidingWindowCounter>,
+    /// A calendar quota: an allowance per month, week, day or hour of a
+    /// time zone's wall clock.
     #[serde(default)]
     quota: Option<RawQuota>,
+    /// A concurrency limit: requests in flight at once.
     #[serde(default)]
     concurrency: Option<RawConcurrency>,
     /// Units one request spends (default 1).
@@ -111,6 +119,8 @@ pub(super) struct RawLimit {
     overrides: Option<RawOverrides>,
 }
 
+/// Tokens of a token bucket one Envoy worker takes in one call and spends
+/// without a call per request.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Lease")]
@@ -128,10 +138,13 @@ struct RawLease {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "TokenBucket")]
 struct RawTokenBucket {
+    /// Most units the bucket holds: the largest burst.
     #[schemars(range(min = 1))]
     capacity: u64,
+    /// Units added every `periodMs`, up to `capacity`.
     #[schemars(range(min = 1))]
     refill: u64,
+    /// The refill's period (ms); `capacity` × `periodMs` must stay below 2^53.
     #[schemars(range(min = 1))]
     period_ms: u64,
 }
@@ -141,8 +154,10 @@ struct RawTokenBucket {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "SlidingWindow")]
 struct RawSlidingWindow {
+    /// Most units admitted in any span of `windowMs`.
     #[schemars(range(min = 1, max = 1000000))]
     limit: u64,
+    /// The window's length (ms).
     #[schemars(range(min = 1))]
     window_ms: u64,
 }
@@ -154,10 +169,13 @@ struct RawSlidingWindow {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Gcra")]
 struct RawGcra {
+    /// Units allowed per `periodMs` over time.
     #[schemars(range(min = 1))]
     rate: u64,
+    /// The period `rate` is counted over (ms).
     #[schemars(range(min = 1))]
     period_ms: u64,
+    /// Most units admitted at once; `burst` × `periodMs` must stay below 2^52.
     #[schemars(range(min = 1))]
     burst: u64,
 }
@@ -169,21 +187,25 @@ struct RawGcra {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "FixedWindow")]
 struct RawFixedWindow {
+    /// Most units admitted in one window.
     #[schemars(range(min = 1, max = 1125899906842624_u64))]
     limit: u64,
+    /// The window's length (ms); windows start at multiples of it since the epoch.
     #[schemars(range(min = 1))]
     window_ms: u64,
 }
 
 /// About `limit` units in any `windowMs`: the current and the previous
 /// fixed window, the previous weighted by its overlap with the sliding
-/// window. Constant memory, approximate (see the README for its worst case).
+/// window. Constant memory, approximate (docs/src/using/limits.md gives its worst case).
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "SlidingWindowCounter")]
 struct RawSlidingWindowCounter {
+    /// About this many units in any span of `windowMs`.
     #[schemars(range(min = 1, max = 1125899906842624_u64))]
     limit: u64,
+    /// The window's length (ms).
     #[schemars(range(min = 1))]
     window_ms: u64,
 }
@@ -196,6 +218,7 @@ struct RawSlidingWindowCounter {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Concurrency")]
 struct RawConcurrency {
+    /// Most requests in flight at once (a request of cost k holds k slots).
     #[schemars(range(min = 1, max = 1000000))]
     max: u64,
     /// How long a slot outlives an Envoy that died holding it (ms, default 30000).
@@ -209,7 +232,10 @@ struct RawConcurrency {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "CostHeader")]
 struct RawCostHeader {
+    /// The request header that carries the cost.
     name: String,
+    /// The largest cost the header may ask for (1 to the limit's quota);
+    /// anything else is a 400.
     #[schemars(range(min = 1))]
     max: u64,
 }

@@ -29,6 +29,7 @@ pub(super) struct RawMatch {
     /// :authority, without port, case-insensitive.
     #[serde(default)]
     host: Option<String>,
+    /// Conditions on request headers.
     #[serde(default)]
     headers: Vec<RawHeaderMatch>,
     /// Conditions on descriptor parts' values (a JWT claim, an attribute,
@@ -47,11 +48,15 @@ pub(super) struct RawMatch {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "HeaderMatch")]
 struct RawHeaderMatch {
+    /// The header's name (case-insensitive).
     name: String,
+    /// true: the header is there; false: it is not.
     #[serde(default)]
     present: Option<bool>,
+    /// The value equals this.
     #[serde(default)]
     exact: Option<String>,
+    /// The value starts with this.
     #[serde(default)]
     prefix: Option<String>,
     /// Matched against the whole value, as bytes, in linear time.
@@ -67,11 +72,15 @@ struct RawHeaderMatch {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "ValueMatch")]
 struct RawValueMatch {
+    /// The descriptor part whose value is tested.
     part: RawPart,
+    /// true: the part has a value; false: it has none (or one of the wrong type).
     #[serde(default)]
     present: Option<bool>,
+    /// The value equals this.
     #[serde(default)]
     exact: Option<String>,
+    /// The value starts with this.
     #[serde(default)]
     prefix: Option<String>,
     /// Matched against the whole value, as bytes, in linear time.

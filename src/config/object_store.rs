@@ -59,12 +59,16 @@ pub(super) struct RawObjectStore {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Credentials")]
 struct RawCredentials {
+    /// The AWS access key id.
     #[serde(default)]
     access_key_id: Option<String>,
+    /// Its secret (never logged).
     #[serde(default)]
     secret_access_key: Option<String>,
+    /// A temporary credential's session token (never logged).
     #[serde(default)]
     session_token: Option<String>,
+    /// true: read all three from the VM's environment instead.
     #[serde(default)]
     from_environment: Option<bool>,
 }

@@ -25,10 +25,14 @@ pub const DEFAULT_V6_PREFIX: u8 = 56;
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Part")]
 pub(super) enum RawPart {
+    /// A request header's value by its name, as bytes.
     Header(String),
     /// A query parameter by name: its first value, percent-decoded once.
     Query(String),
+    /// A fixed value: one budget shared by every request the limit covers.
     Literal(String),
+    /// The client's IP address, without port (the connection's peer unless
+    /// Envoy trusts proxy hops of `X-Forwarded-For`).
     ClientAddress,
     /// The client address masked to its network (default /24 and /56).
     ClientPrefix(RawPrefix),
@@ -39,7 +43,9 @@ pub(super) enum RawPart {
     /// `connection.uri_san_peer_certificate` (the mTLS peer's SPIFFE ID
     /// under Istio) or `connection.requested_server_name`.
     Attribute(String),
+    /// The request's path, without the query string.
     Path,
+    /// The request's method.
     Method,
     /// A gRPC call's service (`shop.v1.Orders` of `/shop.v1.Orders/Create`);
     /// missing for a request that is not gRPC.
@@ -48,6 +54,7 @@ pub(super) enum RawPart {
     GrpcMethod,
 }
 
+/// Where in the dynamic metadata the value is, and what it holds.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "MetadataPart")]
@@ -62,15 +69,20 @@ pub(super) struct RawMetadata {
     value_type: Option<RawValueType>,
 }
 
+/// The type a metadata value is read as.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(rename = "ValueType")]
 pub(super) enum RawValueType {
+    /// Text, kept as it is (UTF-8, no control characters).
     String,
+    /// A JSON number, written in decimal (integers without a fraction).
     Number,
+    /// true or false.
     Bool,
 }
 
+/// How many leading bits of the client's address make its network.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "ClientPrefix")]

@@ -17,6 +17,7 @@ use crate::quota::{zone, Calendar, Per};
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Quota")]
 pub(super) struct RawQuota {
+    /// Units allowed per window.
     #[schemars(range(min = 1, max = 1125899906842624_u64))]
     amount: u64,
     /// The window: "month", "week", "day" or "hour".

@@ -57,10 +57,13 @@ pub(super) struct RawRedis {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "WebdisCredentials")]
 struct RawWebdisCredentials {
+    /// The user of Webdis' http_basic_auth.
     #[serde(default)]
     username: Option<String>,
+    /// Its password (never logged).
     #[serde(default)]
     password: Option<String>,
+    /// true: read both from the VM's environment instead.
     #[serde(default)]
     from_environment: Option<bool>,
 }
@@ -79,6 +82,8 @@ impl std::fmt::Debug for WebdisAuth {
     }
 }
 
+/// Batched decisions: while a worker has calls out, its further requests
+/// of one hash tag go to Redis together, each decided exactly (on by default).
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "Batch")]
@@ -103,6 +108,8 @@ pub struct Batch {
     pub max_in_flight: usize,
 }
 
+/// After consecutive failed calls, requests take their failure mode
+/// without a call for a while, then one probes (per worker and slot group).
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "CircuitBreaker")]

@@ -439,7 +439,7 @@ mod tests {
 
     #[test]
     fn every_counter_event_names_the_stats_it_moves() {
-        // The stat list as the README and tests/e2e_stats.rs know it: 52
+        // The stat list as docs/src/running/stats.md and tests/e2e_stats.rs know it: 52
         // fixed stats (the gauge included) and seven per limit.
         assert_eq!(names(0).len(), 52);
         assert_eq!(names(2).len(), 52 + 14);

@@ -1,6 +1,6 @@
 //! A worker's calls in flight: when each was sent (the latency histogram)
-//! and the nonce its reply must give back first (README, When things fail:
-//! Webdis may write another connection's late reply to this one). A stream
+//! and the nonce its reply must give back first (the book, Running it: When
+//! things fail: Webdis may write another connection's late reply to this one). A stream
 //! that ends cancels its call and no reply removes the entries: the tables
 //! are swept, not trusted to empty themselves.
 

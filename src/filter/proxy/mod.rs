@@ -177,8 +177,8 @@ impl Shared {
     }
 
     /// `command` with a fresh nonce first in its ARGV if its script gives
-    /// one back (the scripts whose replies decide requests: README, When
-    /// things fail), and that nonce; `None`s for any other command. The
+    /// one back (the scripts whose replies decide requests: the book, Running
+    /// it: When things fail), and that nonce; `None`s for any other command. The
     /// nonce is unique per worker (a counter) and distinct between workers
     /// and Envoys (this VM's random seed).
     fn with_nonce(&self, command: &Command) -> (Option<Command>, Option<String>) {

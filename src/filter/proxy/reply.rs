@@ -1,5 +1,5 @@
 //! A callout's answer as the flow reads it: status, whether Webdis sent it,
-//! and its body, with the nonce checked (README, When things fail).
+//! and its body, with the nonce checked (the book, Running it: When things fail).
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
@@ -46,7 +46,7 @@ pub(super) fn callout_reply(
     };
     // A call sent with a nonce: Webdis' answer must give it back first. One
     // that does not is another connection's late reply written to this
-    // socket (README, When things fail); this call's own reply is lost, and
+    // socket (the book, Running it: When things fail); this call's own reply is lost, and
     // the call may have run: it is answered as a call that got no answer.
     if let Some(nonce) = nonce.filter(|_| status == Some(200) && from_webdis) {
         if !crate::webdis::strip_nonce(&mut body, nonce) {

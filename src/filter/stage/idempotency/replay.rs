@@ -16,7 +16,7 @@ use crate::response::{
 
 /// Where a gRPC replay goes: a route to a cluster that answers any request
 /// with a non-empty body and the [`REPLAY_MARK`] header (envoy/envoy.yaml,
-/// README "gRPC"). A gRPC client needs its messages and then trailers, and
+/// docs/src/using/grpc.md). A gRPC client needs its messages and then trailers, and
 /// Envoy answers a gRPC request from a filter with trailers only; so the
 /// replay is sent there, and its answer is rewritten into the stored one.
 /// Should the route be missing, the request reaches the upstream on a path
@@ -264,7 +264,7 @@ impl Replay {
             // request went to the upstream on a path it has no method for),
             // or it answered without a body to put the stored one in.
             log::warn!(
-                "redis-guard: gRPC replay needs the replay route ({REPLAY_PATH} with a body and {REPLAY_MARK}); see README \"gRPC\""
+                "redis-guard: gRPC replay needs the replay route ({REPLAY_PATH} with a body and {REPLAY_MARK}); see docs/src/using/grpc.md#grpc-services"
             );
             self.routed = None;
             self.outcome = Some("replay_failed");
