@@ -65,7 +65,7 @@ impl Command {
 /// Where `cmd`'s script ARGV starts (a byte offset into its PUT path, or
 /// its POST body), if it is an `EVALSHA` of one of `echoing`: the SHA-1s of
 /// the scripts that give a nonce put there back first in their reply
-/// (README, *When things fail*, says why). `None` for any other command.
+/// (the book, Running it: When things fail, says why). `None` for any other command.
 /// Reads the command in place: nothing is allocated for the commands that
 /// carry no nonce.
 pub fn nonce_at(cmd: &Command, echoing: &[&str]) -> Option<usize> {
@@ -131,7 +131,7 @@ pub fn insert_nonce(cmd: &Command, at: usize, nonce: &str) -> Command {
 /// as it is and counts as the call's (a script's error, or Redis' own
 /// before the script ran, carries no nonce). Anything else without this
 /// nonce first is not this call's reply (Webdis wrote another connection's
-/// late reply to this one's socket: README, *When things fail*): false.
+/// late reply to this one's socket: the book, Running it: When things fail): false.
 pub fn strip_nonce(body: &mut Vec<u8>, nonce: &str) -> bool {
     if body.first() == Some(&b'-') {
         return true;

@@ -97,7 +97,7 @@ impl Host for ProxyHost<'_> {
         timeout: Duration,
     ) -> Result<u32, String> {
         // The scripts whose replies decide requests carry a nonce their
-        // reply gives back (README, When things fail: Webdis may write
+        // reply gives back (the book, Running it: When things fail: Webdis may write
         // another connection's late reply to this one).
         let (with, nonce) = self.shared.map_or((None, None), |s| s.with_nonce(command));
         let command = with.as_ref().unwrap_or(command);
