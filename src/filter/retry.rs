@@ -1,8 +1,8 @@
 //! After a call is refused or fails: the pause before it goes again, and
-//! the breaker's bookkeeping. The request's own call (`stage::decision`),
-//! the worker's batches (`stage::batch`) and the root's deferred calls
-//! ([`deferred`](crate::filter::deferred)) all follow them, so they sit
-//! below all three.
+//! the breaker's bookkeeping. The request's own call (`stage::decision`)
+//! and the worker's batches (`stage::batch`) follow both, the root's
+//! deferred calls ([`deferred`](crate::filter::deferred)) the pauses, so
+//! they sit below all three.
 
 use std::time::Duration;
 
