@@ -14,9 +14,10 @@
 //! It never prints the filter's configuration: it may hold Webdis'
 //! password (`redis.credentials`).
 
+mod admin;
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::io::Read;
 use std::time::Duration;
 
 use clap::Args;
@@ -26,6 +27,7 @@ use serde_json::{json, Value};
 
 use crate::output::Report;
 use crate::Failure;
+use admin::{admin_base, limit_names_from_stats, read_envoy, send, wiring, Envoy, Wiring};
 
 /// Exit codes of `doctor`, as the book's CLI page documents them.
 pub mod code {
@@ -80,25 +82,6 @@ struct Finding {
     level: Level,
     message: String,
     fix: Option<String>,
-}
-
-/// What the doctor learns from Envoy.
-struct Envoy {
-    /// Every integer stat of `/stats`, by its full name.
-    stats: BTreeMap<String, u64>,
-    /// `/config_dump`, when the admin serves it.
-    dump: Option<Value>,
-}
-
-impl Envoy {
-    fn stat(&self, name: &str) -> u64 {
-        self.stats.get(name).copied().unwrap_or(0)
-    }
-
-    /// One of the filter's counters (Envoy shows them under `wasmcustom.`).
-    fn filter(&self, name: &str) -> u64 {
-        self.stat(&format!("wasmcustom.redis_guard.{name}"))
-    }
 }
 
 /// The filter's counters that the verdicts are drawn from.
@@ -170,21 +153,17 @@ impl Counts {
     }
 }
 
-/// The filter as Envoy holds it: its configuration, parsed by the filter's
-/// own parser, and whether the cluster it names exists and adds credentials.
-struct Wiring {
-    /// `None`: no redis-guard filter in `/config_dump`.
-    config: Option<Result<Config, String>>,
-    /// Every cluster Envoy has, with whether it adds an Authorization header.
-    clusters: BTreeMap<String, bool>,
-}
-
 pub fn run(args: &DoctorArgs) -> Result<(Report, u8), Failure> {
     let admin = admin_base(&args.admin);
     let agent = ureq::AgentBuilder::new()
         .timeout(Duration::from_millis(args.timeout_ms))
         .build();
-    let mut envoy = read_envoy(&agent, &admin)?;
+    let unreachable = |why: String| Failure {
+        code: code::NO_ADMIN,
+        kind: "admin",
+        message: format!("Envoy's admin at {admin} does not answer as one: {why}"),
+    };
+    let mut envoy = read_envoy(&agent, &admin).map_err(unreachable)?;
     let wiring = envoy.dump.as_ref().map(wiring);
     let mut findings = Vec::new();
     let config = wiring.as_ref().and_then(|w| w.config.as_ref());
@@ -206,7 +185,7 @@ pub fn run(args: &DoctorArgs) -> Result<(Report, u8), Failure> {
         let before = Counts::read(&envoy, &limits, cluster.as_deref());
         match send(&agent, url, &args.headers)? {
             Ok(status) => {
-                envoy = read_envoy(&agent, &admin)?;
+                envoy = read_envoy(&agent, &admin).map_err(unreachable)?;
                 let after = Counts::read(&envoy, &limits, cluster.as_deref());
                 let delta = after.since(&before);
                 request = Some(json!({"url": url, "status": status, "calls": delta.calls,
@@ -231,154 +210,6 @@ pub fn run(args: &DoctorArgs) -> Result<(Report, u8), Failure> {
         findings.push(check_redis(url, args.timeout_ms));
     }
     Ok(report(&admin, &findings, request))
-}
-
-/// `http://host:port` from either that or `host:port`, without a trailing `/`.
-fn admin_base(admin: &str) -> String {
-    let base = admin.trim_end_matches('/');
-    if base.contains("://") {
-        base.to_string()
-    } else {
-        format!("http://{base}")
-    }
-}
-
-fn get(agent: &ureq::Agent, url: &str) -> Result<(u16, String), String> {
-    let response = match agent.get(url).call() {
-        Ok(r) => r,
-        Err(ureq::Error::Status(_, r)) => r,
-        Err(e) => return Err(e.to_string()),
-    };
-    let status = response.status();
-    let mut body = String::new();
-    response
-        .into_reader()
-        .read_to_string(&mut body)
-        .map_err(|e| e.to_string())?;
-    Ok((status, body))
-}
-
-fn read_envoy(agent: &ureq::Agent, admin: &str) -> Result<Envoy, Failure> {
-    let unreachable = |why: String| Failure {
-        code: code::NO_ADMIN,
-        kind: "admin",
-        message: format!("Envoy's admin at {admin} does not answer as one: {why}"),
-    };
-    let (status, text) = get(agent, &format!("{admin}/stats")).map_err(unreachable)?;
-    if status != 200 {
-        return Err(unreachable(format!("GET /stats answered HTTP {status}")));
-    }
-    // `name: value` lines; histograms (`name: P0(…) …`) are left out.
-    let stats: BTreeMap<String, u64> = text
-        .lines()
-        .filter_map(|l| l.split_once(": "))
-        .filter_map(|(n, v)| Some((n.to_string(), v.trim().parse().ok()?)))
-        .collect();
-    if !stats.keys().any(|k| k.starts_with("server.")) {
-        return Err(unreachable("its /stats has no server.* stat".to_string()));
-    }
-    let dump = match get(agent, &format!("{admin}/config_dump")) {
-        Ok((200, body)) => serde_json::from_str(&body).ok(),
-        _ => None,
-    };
-    Ok(Envoy { stats, dump })
-}
-
-/// Sends the `--request` GET: its status (any status is an answer), or
-/// why none came; a malformed `--header` is a usage error.
-fn send(
-    agent: &ureq::Agent,
-    url: &str,
-    headers: &[String],
-) -> Result<Result<u16, String>, Failure> {
-    let mut req = agent.get(url);
-    for h in headers {
-        let Some((name, value)) = h.split_once(':') else {
-            return Err(Failure::selection(format!(
-                "--header `{h}` is not NAME:VALUE"
-            )));
-        };
-        req = req.set(name.trim(), value.trim());
-    }
-    Ok(match req.call() {
-        Ok(r) => Ok(r.status()),
-        Err(ureq::Error::Status(s, _)) => Ok(s),
-        Err(e) => Err(e.to_string()),
-    })
-}
-
-/// Every object of `value` (depth first) whose `@type` ends with `ty`.
-fn typed<'a>(value: &'a Value, ty: &str, out: &mut Vec<&'a Value>) {
-    match value {
-        Value::Object(map) => {
-            if map
-                .get("@type")
-                .and_then(Value::as_str)
-                .is_some_and(|t| t.ends_with(ty))
-            {
-                out.push(value);
-            }
-            map.values().for_each(|v| typed(v, ty, out));
-        }
-        Value::Array(items) => items.iter().for_each(|v| typed(v, ty, out)),
-        _ => {}
-    }
-}
-
-/// Whether `value` holds a header named `authorization` to add.
-fn adds_authorization(value: &Value) -> bool {
-    match value {
-        Value::Object(map) => {
-            map.get("key")
-                .and_then(Value::as_str)
-                .is_some_and(|k| k.eq_ignore_ascii_case("authorization"))
-                || map.values().any(adds_authorization)
-        }
-        Value::Array(items) => items.iter().any(adds_authorization),
-        _ => false,
-    }
-}
-
-fn wiring(dump: &Value) -> Wiring {
-    let mut filters = Vec::new();
-    typed(
-        dump,
-        "envoy.extensions.filters.http.wasm.v3.Wasm",
-        &mut filters,
-    );
-    let ours = filters.iter().find_map(|f| {
-        let config = &f["config"];
-        let text = config["configuration"]["value"].as_str().unwrap_or("");
-        let is_ours = config["root_id"].as_str() == Some("redis_guard")
-            || serde_json::from_str::<Value>(text).is_ok_and(|v| v["redis"]["cluster"].is_string());
-        // fromEnvironment credentials are read from Envoy's environment,
-        // which the doctor cannot see: taken as set.
-        is_ours.then(|| {
-            Config::parse_with_env(text.as_bytes(), &|_| Some("set".to_string()))
-                .map_err(|e| e.to_string())
-        })
-    });
-    let mut clusters = Vec::new();
-    typed(dump, "envoy.config.cluster.v3.Cluster", &mut clusters);
-    Wiring {
-        config: ours,
-        clusters: clusters
-            .iter()
-            .filter_map(|c| Some((c["name"].as_str()?.to_string(), adds_authorization(c))))
-            .collect(),
-    }
-}
-
-fn limit_names_from_stats(envoy: &Envoy) -> Vec<String> {
-    let mut names: Vec<String> = envoy
-        .stats
-        .keys()
-        .filter_map(|k| k.strip_prefix("wasmcustom.redis_guard.ratelimit."))
-        .filter_map(|k| k.strip_suffix(".checked"))
-        .map(String::from)
-        .collect();
-    names.dedup();
-    names
 }
 
 /// Whether the filter is loaded; says so, or what is missing.
