@@ -294,7 +294,10 @@ fn undescribed(at: &str, node: &Value, out: &mut Vec<String>) {
     };
     if let Some(props) = node.get("properties").and_then(Value::as_object) {
         for (name, prop) in props {
-            if !described(prop) && !(props.len() == 1 && described(node)) {
+            // An enum variant's wrapper: its one property takes the
+            // variant's description.
+            let variant = props.len() == 1 && described(node);
+            if !(described(prop) || variant) {
                 out.push(format!("{at}.{name}"));
             }
         }
