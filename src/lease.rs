@@ -11,17 +11,28 @@
 //! Unspent tokens go back to Redis (lua/lease_return.lua) when the lease
 //! is about to end or the key's traffic stopped: taken out of the slot with
 //! the same compare-and-swap the spends use, so a token is spent or given
-//! back, never both. The slot keeps the tuple Redis replied with the grant,
-//! which bounds what Redis may take back (the script's header has the proof).
+//! back, never both. Each goes back under the tuple Redis replied with a
+//! grant, which bounds what Redis may take back (the script's header has
+//! the proof). A tuple covers its own grant's tokens and those of later
+//! grants, never an earlier grant's (over-admission: an earlier grant's
+//! tokens may have been out while the bucket refilled to the cap, which
+//! the later tuple's bound does not see). And Redis takes nothing back
+//! under a tuple older than the longest lease (600 s). So the slot keeps
+//! two: the newest grant's, for the tokens it brought, and an older one for
+//! the tokens held from before it, which are spent first. A slot that
+//! never empties thus gives back under its last two grants' tuples, not its
+//! first one's; only grants so small that the older tokens outlast the next
+//! grant keep the older tuple longer (those tokens may then come back to
+//! nothing: under-admission only).
 
 use crate::codec::decimal;
 use crate::keys::{record_u64, shared_slot, shared_slot_of};
 
-/// Slots per Envoy (each 72 bytes of shared data).
+/// Slots per Envoy (each 104 bytes of shared data).
 pub const SLOTS: u32 = 4096;
 
 /// Bytes of a slot's record.
-const RECORD: usize = 72;
+const RECORD: usize = 104;
 
 /// No spend on a key for this long (ms) and its Envoy gives the tokens
 /// back: well above the gaps of steady traffic (a request a second per
@@ -55,8 +66,13 @@ struct State {
     fetching_until_ms: u64,
     /// Proxy clock, ms: the last spend (or grant) of this key.
     active_ms: u64,
-    /// The tuple of the oldest grant whose tokens are still held.
-    tuple: Tuple,
+    /// Of `tokens`, those the newest grant brought (the rest are older, and
+    /// spent first).
+    newest_tokens: u64,
+    /// The newest grant's tuple.
+    newest: Tuple,
+    /// The tuple of the oldest grant whose tokens are among the older ones.
+    older: Tuple,
 }
 
 impl State {
@@ -68,17 +84,28 @@ impl State {
             self.expires_ms,
             self.fetching_until_ms,
             self.active_ms,
-            self.tuple.at_ms,
-            self.tuple.level,
-            self.tuple.returned,
+            self.newest_tokens,
+            self.newest.at_ms,
+            self.newest.level,
+            self.newest.returned,
+            self.older.at_ms,
+            self.older.level,
+            self.older.returned,
         ] {
             out.extend_from_slice(&v.to_be_bytes());
         }
         out
     }
 
-    /// A record of another length (an older filter's 40 bytes) is no
-    /// record: its tokens are dropped (under-admission only).
+    /// Holds `tokens` now: the spends and lapses in between took the older
+    /// ones first.
+    fn hold(&mut self, tokens: u64) {
+        self.tokens = tokens;
+        self.newest_tokens = self.newest_tokens.min(tokens);
+    }
+
+    /// A record of another length (an older filter's 40 or 72 bytes) is
+    /// no record: its tokens are dropped (under-admission only).
     fn decode(bytes: &[u8]) -> Option<State> {
         if bytes.len() != RECORD {
             return None;
@@ -91,10 +118,16 @@ impl State {
             expires_ms: record_u64(bytes, 1),
             fetching_until_ms: record_u64(bytes, 2),
             active_ms: record_u64(bytes, 3),
-            tuple: Tuple {
-                at_ms: record_u64(bytes, 4),
-                level: record_u64(bytes, 5),
-                returned: record_u64(bytes, 6),
+            newest_tokens: record_u64(bytes, 4),
+            newest: Tuple {
+                at_ms: record_u64(bytes, 5),
+                level: record_u64(bytes, 6),
+                returned: record_u64(bytes, 7),
+            },
+            older: Tuple {
+                at_ms: record_u64(bytes, 8),
+                level: record_u64(bytes, 9),
+                returned: record_u64(bytes, 10),
             },
         })
     }
@@ -204,7 +237,9 @@ impl Slot {
                 expires_ms: 0,
                 fetching_until_ms: 0,
                 active_ms: 0,
-                tuple: Tuple::default(),
+                newest_tokens: 0,
+                newest: Tuple::default(),
+                older: Tuple::default(),
             })
     }
 
@@ -231,7 +266,7 @@ impl Slot {
         let fetching = now_ms < s.fetching_until_ms;
         if usable >= cost {
             let left = usable - cost;
-            s.tokens = left;
+            s.hold(left);
             s.active_ms = now_ms;
             let mut prefetch = None;
             if left < low_water(batch) && !fetching {
@@ -246,7 +281,7 @@ impl Slot {
         if fetching || !claim {
             return Step::Strict;
         }
-        s.tokens = usable;
+        s.hold(usable);
         s.fetching_until_ms = now_ms.saturating_add(fetch_for_ms);
         Step::Fetch {
             bytes: s.encode(),
@@ -256,8 +291,10 @@ impl Slot {
 
     /// The fetch answered: `granted` tokens usable until `expires_ms`, added
     /// to whatever is left of the current lease, never more than `batch`;
-    /// the fetch claim ends. The slot keeps the tuple of the oldest grant it
-    /// still holds tokens of (its bound covers the later grants too).
+    /// the fetch claim ends. The grant's tuple becomes the newest, for the
+    /// tokens it brought; the tokens held before become the older ones,
+    /// under the tuple of the oldest grant among them (the older tuple while
+    /// some of its tokens are left, else the newest before this grant).
     /// `None`: the slot went to another key meanwhile (this key's claim
     /// lapsed): the grant is dropped, not merged.
     pub fn granted(
@@ -273,11 +310,19 @@ impl Slot {
             return None;
         }
         let mut s = self.state(stored);
-        let left = if now_ms < s.expires_ms { s.tokens } else { 0 };
-        if left == 0 {
-            s.tuple = tuple;
+        s.hold(if now_ms < s.expires_ms { s.tokens } else { 0 });
+        let left = s.tokens;
+        let held = left.saturating_add(granted).min(batch);
+        // A grant none of whose tokens fit leaves the tuples as they were.
+        let brought = held.saturating_sub(left);
+        if brought > 0 {
+            if s.newest_tokens == left {
+                s.older = s.newest;
+            }
+            s.newest = tuple;
+            s.newest_tokens = brought;
         }
-        s.tokens = left.saturating_add(granted).min(batch);
+        s.hold(held);
         s.expires_ms = expires_ms;
         s.fetching_until_ms = 0;
         s.active_ms = now_ms;
@@ -287,16 +332,19 @@ impl Slot {
     /// Takes every unspent token out of this key's slot to give back, when
     /// the lease ends within `ending_ms` or nothing was spent for
     /// `idle_ms`: the record to write (compare-and-swap) and what goes
-    /// back. `Err(true)`: tokens held, not yet to give back; `Err(false)`:
-    /// none held (spent, lapsed, or the slot is another key's): the worker
-    /// may forget the slot.
-    pub fn take_back(
+    /// back, one give-back per tuple (at most two), the newest grant's
+    /// first: the older one's bound does not count it (its grant came
+    /// later), where the newest's bound would count the older one's.
+    /// `Err(true)`: tokens held, not yet to give back; `Err(false)`: none
+    /// held (spent, lapsed, or the slot is another key's): the worker may
+    /// forget the slot.
+    pub fn take_all_back(
         &self,
         stored: Option<&[u8]>,
         now_ms: u64,
         idle_ms: u64,
         ending_ms: u64,
-    ) -> Result<(Vec<u8>, Back), bool> {
+    ) -> Result<(Vec<u8>, Vec<Back>), bool> {
         let s = stored
             .and_then(State::decode)
             .filter(|s| s.digest == self.digest);
@@ -311,12 +359,33 @@ impl Slot {
         if !idle && !ending {
             return Err(true);
         }
-        let back = Back {
-            tokens: s.tokens,
-            tuple: s.tuple,
-        };
-        s.tokens = 0;
-        Ok((s.encode(), back))
+        let older = s.tokens.saturating_sub(s.newest_tokens);
+        let backs = [(s.newest_tokens, s.newest), (older, s.older)]
+            .into_iter()
+            .filter(|(tokens, _)| *tokens > 0)
+            .map(|(tokens, tuple)| Back { tokens, tuple })
+            .collect();
+        s.hold(0);
+        Ok((s.encode(), backs))
+    }
+
+    /// [`Slot::take_all_back`] for a caller that sends one give-back: every
+    /// unspent token comes out, the newest grant's go back, and the older
+    /// ones, if any, are dropped (under-admission only). The filter sends
+    /// both.
+    pub fn take_back(
+        &self,
+        stored: Option<&[u8]>,
+        now_ms: u64,
+        idle_ms: u64,
+        ending_ms: u64,
+    ) -> Result<(Vec<u8>, Back), bool> {
+        let (bytes, backs) = self.take_all_back(stored, now_ms, idle_ms, ending_ms)?;
+        let first = backs.first().copied().unwrap_or(Back {
+            tokens: 0,
+            tuple: Tuple::default(),
+        });
+        Ok((bytes, first))
     }
 
     /// The fetch failed: release the claim so another worker may try
@@ -477,50 +546,107 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_keeps_the_oldest_tuple_while_it_holds_tokens_and_takes_a_new_one_when_empty() {
+    fn each_grants_tokens_go_back_under_its_tuple_and_older_ones_under_the_oldest() {
         let slot = Slot::of(b"a");
+        let back = |tokens, at| Back {
+            tokens,
+            tuple: tuple(at),
+        };
+        let all_back = |stored: &[u8], now| {
+            slot.take_all_back(Some(stored), now + IDLE_MS, IDLE_MS, ENDING_MS)
+                .map(|(_, backs)| backs)
+        };
+        // 4, then 3 more while the 4 are held: each under its own tuple,
+        // the newest first.
         let stored = slot.granted(None, 4, tuple(100), 0, 10_000, 8).unwrap();
         let stored = slot
             .granted(Some(&stored), 3, tuple(200), 5, 10_000, 8)
             .unwrap();
-        let (_, back) = slot
-            .take_back(Some(&stored), 5 + IDLE_MS, IDLE_MS, ENDING_MS)
+        assert_eq!(all_back(&stored, 5), Ok(vec![back(3, 200), back(4, 100)]));
+        // A third grant while both are held: the older tuple covers the
+        // second grant's tokens too (a tuple covers later grants, never
+        // earlier ones). Spends take the older tokens first.
+        let stored = bytes(slot.step(Some(&stored), 3, 6, 50, 8, false));
+        let stored = slot
+            .granted(Some(&stored), 2, tuple(300), 7, 10_000, 8)
             .unwrap();
-        assert_eq!(
-            back,
-            Back {
-                tokens: 7,
-                tuple: tuple(100)
-            },
-            "the older bound covers both"
-        );
-        // Spent to 0, then granted again: the new grant's tuple.
+        assert_eq!(all_back(&stored, 7), Ok(vec![back(2, 300), back(4, 100)]));
+        // Spent down into the newest grant's tokens: the older ones are
+        // gone, and the next grant's older tuple is that newest one.
+        let stored = bytes(slot.step(Some(&stored), 5, 8, 50, 8, false));
+        assert_eq!(all_back(&stored, 8), Ok(vec![back(1, 300)]));
+        let stored = slot
+            .granted(Some(&stored), 6, tuple(400), 9, 10_000, 8)
+            .unwrap();
+        assert_eq!(all_back(&stored, 9), Ok(vec![back(6, 400), back(1, 300)]));
+        // A grant none of whose tokens fit (the slot holds a batch) leaves
+        // the tuples as they were.
+        let stored = slot
+            .granted(Some(&stored), 5, tuple(500), 10, 10_000, 7)
+            .unwrap();
+        assert_eq!(all_back(&stored, 10), Ok(vec![back(6, 400), back(1, 300)]));
+        // Spent to 0, then granted again: the new grant's tuple alone.
         let mut stored = stored;
         for _ in 0..7 {
-            stored = bytes(slot.step(Some(&stored), 1, 10, 50, 100, false));
+            stored = bytes(slot.step(Some(&stored), 1, 11, 50, 100, false));
         }
         let stored = slot
-            .granted(Some(&stored), 2, tuple(300), 20, 10_000, 8)
+            .granted(Some(&stored), 2, tuple(600), 20, 10_000, 8)
             .unwrap();
-        let (_, back) = slot
-            .take_back(Some(&stored), 20 + IDLE_MS, IDLE_MS, ENDING_MS)
-            .unwrap();
-        assert_eq!(
-            back,
-            Back {
-                tokens: 2,
-                tuple: tuple(300)
-            }
-        );
-        // Lapsed tokens count as none: the next grant's tuple too.
-        let stored = slot.granted(None, 2, tuple(400), 0, 100, 8).unwrap();
+        assert_eq!(all_back(&stored, 20), Ok(vec![back(2, 600)]));
+        // Lapsed tokens count as none: the next grant's tuple alone too.
+        let stored = slot.granted(None, 2, tuple(700), 0, 100, 8).unwrap();
         let stored = slot
-            .granted(Some(&stored), 2, tuple(500), 100, 10_000, 8)
+            .granted(Some(&stored), 2, tuple(800), 100, 10_000, 8)
             .unwrap();
-        let (_, back) = slot
-            .take_back(Some(&stored), 100 + IDLE_MS, IDLE_MS, ENDING_MS)
+        assert_eq!(all_back(&stored, 100), Ok(vec![back(2, 800)]));
+        // Nothing held, or not yet due: as take_back.
+        assert_eq!(
+            all_back(&bytes(slot.step(Some(&stored), 2, 100, 50, 8, false)), 100),
+            Err(false)
+        );
+        assert_eq!(
+            slot.take_all_back(Some(&stored), 101, IDLE_MS, ENDING_MS),
+            Err(true)
+        );
+    }
+
+    #[test]
+    fn a_slot_that_never_empties_gives_back_under_its_last_two_grants_tuples() {
+        // 20 minutes of traffic: every minute 5 spent and 5 more granted,
+        // the slot never empty. Redis takes nothing back under a tuple
+        // older than 600 s.
+        const MINUTE: u64 = 60_000;
+        let slot = Slot::of(b"a");
+        let mut stored = slot.granted(None, 8, tuple(0), 0, 11 * MINUTE, 8).unwrap();
+        for m in 1..=20 {
+            for _ in 0..5 {
+                stored = bytes(slot.step(Some(&stored), 1, m * MINUTE - 1, 50, 8, false));
+            }
+            let (at, until) = (m * MINUTE, (m + 10) * MINUTE);
+            stored = slot
+                .granted(Some(&stored), 5, tuple(at), at, until, 8)
+                .unwrap();
+        }
+        let before = stored.clone();
+        // Idle: the last grant's 5 under its tuple, then the 3 left of the
+        // one before under that one's.
+        let at = 20 * MINUTE + IDLE_MS;
+        let (stored, backs) = slot
+            .take_all_back(Some(&stored), at, IDLE_MS, ENDING_MS)
             .unwrap();
-        assert_eq!(back.tuple, tuple(500));
+        let back = |tokens, at| Back {
+            tokens,
+            tuple: tuple(at),
+        };
+        assert_eq!(backs, [back(5, 20 * MINUTE), back(3, 19 * MINUTE)]);
+        assert_eq!(slot.tokens(Some(&stored), at), 0, "every token out");
+        // A caller that sends one give-back: the newest grant's, the older
+        // tokens dropped.
+        assert_eq!(
+            slot.take_back(Some(&before), at, IDLE_MS, ENDING_MS),
+            Ok((stored, back(5, 20 * MINUTE)))
+        );
     }
 
     #[test]

@@ -102,18 +102,35 @@ fn give_back(
     tokens: i64,
     tuple: [i64; 3],
 ) -> i64 {
-    let raw: Vec<i64> = script::evalsha(script)
-        .arg(1)
-        .arg(key)
-        .arg(b.capacity)
-        .arg(b.refill)
-        .arg(b.period)
-        .arg(tokens)
-        .arg(&tuple[..])
+    give_backs(con, script, key, b, &[(tokens, tuple)])[0]
+}
+
+/// Several give-backs to `key` in one call, in order, as a worker joins
+/// them: (tokens, tuple) each; the tokens taken back of each.
+fn give_backs(
+    con: &mut Connection,
+    script: &Script,
+    key: &str,
+    b: Bucket,
+    parts: &[(i64, [i64; 3])],
+) -> Vec<i64> {
+    let mut cmd = script::evalsha(script);
+    cmd.arg(parts.len());
+    for _ in parts {
+        cmd.arg(key);
+    }
+    for (tokens, tuple) in parts {
+        cmd.arg(b.capacity)
+            .arg(b.refill)
+            .arg(b.period)
+            .arg(tokens)
+            .arg(&tuple[..]);
+    }
+    let raw: Vec<i64> = cmd
         .query(con)
-        .unwrap_or_else(|e| panic!("give-back of {tokens} to {key} ({tuple:?}): {e}"));
-    assert_eq!(raw.len(), 1, "one figure per key: {raw:?}");
-    raw[0]
+        .unwrap_or_else(|e| panic!("give-backs {parts:?} to {key}: {e}"));
+    assert_eq!(raw.len(), parts.len(), "one figure per key: {raw:?}");
+    raw
 }
 
 /// The bucket's level (credits) at test-clock instant `now`.
@@ -139,15 +156,20 @@ enum Event {
     Back,
 }
 
-/// One Envoy's slot: tokens held, the tuple kept, and which grants the held
-/// tokens came from (id, tokens still held), oldest first.
+/// One Envoy's slot as src/lease.rs keeps it: tokens held, of which the
+/// newest grant's, its tuple and the older tokens' (the oldest grant's
+/// among them), and which grants the held tokens came from (id, tokens
+/// still held), oldest first.
 #[derive(Debug, Default)]
 struct Pot {
     held: i64,
-    tuple: [i64; 3],
+    newest_held: i64,
+    newest: [i64; 3],
+    older: [i64; 3],
     from: Vec<(usize, i64)>,
-    /// The last give-back sent (tokens, tuple) and Redis' answer.
-    sent: Option<(i64, [i64; 3], i64)>,
+    /// The last give-back call sent ((tokens, tuple) each) and Redis'
+    /// answers.
+    sent: Option<(Vec<(i64, [i64; 3])>, Vec<i64>)>,
 }
 
 /// The most tokens one simulated Envoy asks for and holds.
@@ -207,11 +229,13 @@ impl Fleet<'_> {
         // dropped (src/lease.rs), taken for good.
         let g = reply[5].min(BATCH - pot.held);
         if g > 0 {
-            if pot.held == 0 {
-                // An empty slot takes the new tuple; one that holds tokens
-                // keeps the older.
-                pot.tuple = tuple;
+            // The tokens held become the older ones: under the older tuple
+            // while some of its grant's are left, else the newest's.
+            if pot.newest_held == pot.held {
+                pot.older = pot.newest;
             }
+            pot.newest = tuple;
+            pot.newest_held = g;
             pot.held += g;
             pot.from.push((id, g));
         }
@@ -223,6 +247,7 @@ impl Fleet<'_> {
         let pot = &mut self.pots[e];
         let mut k = self.rng.below(pot.held as u64 + 1);
         pot.held -= k;
+        pot.newest_held = pot.newest_held.min(pot.held);
         while k > 0 {
             let first = &mut pot.from[0];
             let n = first.1.min(k);
@@ -234,32 +259,39 @@ impl Fleet<'_> {
         }
     }
 
-    /// Envoy `e` gives back whatever it holds.
+    /// Envoy `e` gives back whatever it holds, in one call: the newest
+    /// grant's tokens under its tuple, then the older ones under theirs.
     fn back(&mut self, e: usize) {
         let pot = std::mem::take(&mut self.pots[e]);
         self.pots[e].sent = pot.sent;
-        if pot.held == 0 {
+        let parts: Vec<(i64, [i64; 3])> = [
+            (pot.newest_held, pot.newest),
+            (pot.held - pot.newest_held, pot.older),
+        ]
+        .into_iter()
+        .filter(|(n, _)| *n > 0)
+        .collect();
+        if parts.is_empty() {
             return;
         }
-        let x = give_back(
-            self.con,
-            self.give_back,
-            &self.key,
-            self.b,
-            pot.held,
-            pot.tuple,
-        );
-        assert!((0..=pot.held).contains(&x), "{x} of {}", pot.held);
-        self.pots[e].sent = Some((pot.held, pot.tuple, x));
-        self.back += x;
-        self.cut += usize::from(x < pot.held);
-        // The tokens given back are the newest grants'.
-        let mut x = x;
-        for (id, n) in pot.from.iter().rev() {
-            let m = (*n).min(x);
-            self.kept[*id] -= m;
-            x -= m;
+        let xs = give_backs(self.con, self.give_back, &self.key, self.b, &parts);
+        // The newest grant's tokens are the last grant's held; the older
+        // ones given back are taken as the newest among the rest.
+        let mut from = pot.from.iter().rev();
+        for ((tokens, _), x) in parts.iter().zip(&xs) {
+            assert!((0..=*tokens).contains(x), "{x} of {tokens}");
+            self.back += x;
+            self.cut += usize::from(x < tokens);
+            let (mut x, mut left) = (*x, *tokens);
+            while left > 0 {
+                let Some((id, n)) = from.next() else { break };
+                let m = (*n).min(x);
+                self.kept[*id] -= m;
+                x -= m;
+                left -= n;
+            }
         }
+        self.pots[e].sent = Some((parts, xs));
         self.logged(Event::Back);
     }
 
@@ -268,14 +300,15 @@ impl Fleet<'_> {
     /// it (merged, or older than the longest lease), and nothing more in
     /// the bucket (the reference counts its tokens once).
     fn resend(&mut self, e: usize) {
-        let Some((tokens, tuple, first)) = self.pots[e].sent else {
+        let Some((parts, first)) = self.pots[e].sent.clone() else {
             return;
         };
-        let x = give_back(self.con, self.give_back, &self.key, self.b, tokens, tuple);
-        if x != first && x != 0 && self.wrong.is_none() {
+        let xs = give_backs(self.con, self.give_back, &self.key, self.b, &parts);
+        let same = xs.iter().zip(&first).all(|(x, f)| x == f || *x == 0);
+        if !same && self.wrong.is_none() {
             let i = self.log.len();
             self.wrong = Some(format!(
-                "event {i}: {tuple:?} sent again: {x}, first {first}"
+                "event {i}: {parts:?} sent again: {xs:?}, first {first:?}"
             ));
         }
         self.resent += 1;

@@ -322,25 +322,29 @@ pub fn give_back<H: Host>(host: &mut H, config: &Config, held: &mut Held, slow: 
         let ending = lease::ENDING_MS.min(millis(lease.ttl) / 4);
         let mut taken = Err(true);
         let update = cas::update(host, shared_key, |stored| {
-            taken = slot.take_back(stored, now_ms, lease::IDLE_MS, ending);
+            taken = slot.take_all_back(stored, now_ms, lease::IDLE_MS, ending);
             taken.as_ref().ok().map(|(bytes, _)| bytes.clone())
         });
         match (update, taken) {
-            (Update::Written, Ok((_, back))) => {
-                let args = back.args(capacity, refill, period_ms).to_vec();
+            (Update::Written, Ok((_, backs))) => {
                 let tag = lease::tag_of(limit_key);
-                let sent = host.defer(
-                    GIVE_BACK,
-                    &tag,
-                    (vec![limit_key.clone()], args),
-                    Duration::ZERO,
-                );
-                match sent {
-                    Ok(()) => host.count_n(Counter::LeaseReturned, back.tokens),
-                    Err(why) => log::warn!(
-                        "redis-guard: cannot give {} leased tokens back (lost): {why}",
-                        back.tokens
-                    ),
+                // One give-back per tuple, in the slot's order: the deferred
+                // calls keep it when they join them.
+                for back in backs {
+                    let args = back.args(capacity, refill, period_ms).to_vec();
+                    let sent = host.defer(
+                        GIVE_BACK,
+                        &tag,
+                        (vec![limit_key.clone()], args),
+                        Duration::ZERO,
+                    );
+                    match sent {
+                        Ok(()) => host.count_n(Counter::LeaseReturned, back.tokens),
+                        Err(why) => log::warn!(
+                            "redis-guard: cannot give {} leased tokens back (lost): {why}",
+                            back.tokens
+                        ),
+                    }
                 }
                 false
             }

@@ -119,6 +119,50 @@ fn a_busy_lease_goes_back_just_before_it_ends_and_spent_tokens_never_do() {
 }
 
 #[test]
+fn a_slot_holding_two_grants_gives_each_back_under_its_own_tuple_newest_first() {
+    // A busy slot never empties: its tokens must not all go back under its
+    // first grant's tuple, which Redis refuses once 600 s old.
+    let cfg = leased(60_000);
+    let mut h = FakeHost::get("/x");
+    let key = fetch(&cfg, &mut h);
+    // Two spent: 1 left, below the low-water mark of 2: the second spend
+    // claimed a background fetch of 2, granted at Redis' clock 1000 ms later.
+    assert_eq!(spend(&cfg, &mut h), Action::Continue);
+    h.clock_ms = 10;
+    assert_eq!(spend(&cfg, &mut h), Action::Continue);
+    let (_, note) = h.prefetched[0].clone();
+    on_prefetch_reply(
+        &mut h,
+        &note,
+        ok(b"*9\r\n:1\r\n:1\r\n:92\r\n:0\r\n:8000\r\n:2\r\n$13\r\n1764900001123\r\n:92000\r\n:6\r\n"),
+    );
+    tick(&cfg, &mut h, 10 + IDLE_MS);
+    let tag = lease::tag_of(&key);
+    let want_key = String::from_utf8(key.clone()).unwrap();
+    let back = |tokens: &str, at: &str, level: &str, returned: &str| {
+        (
+            tag.clone(),
+            vec![want_key.clone()],
+            ["100", "1", "1000", tokens, at, level, returned]
+                .map(String::from)
+                .to_vec(),
+        )
+    };
+    assert_eq!(
+        h.slot_releases,
+        [
+            back("2", "1764900001123", "92000", "6"),
+            back("1", "1764900000123", "96000", "5"),
+        ]
+    );
+    assert_eq!(
+        h.counted_n,
+        [(Counter::LeaseReturned, 2), (Counter::LeaseReturned, 1)]
+    );
+    assert!(h.held.is_empty(), "nothing held: forgotten");
+}
+
+#[test]
 fn a_spent_out_or_lapsed_slot_is_forgotten_without_a_call_and_a_contended_one_kept() {
     let cfg = leased(1_000);
     let mut h = FakeHost::get("/x");
