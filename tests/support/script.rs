@@ -7,7 +7,7 @@ use std::sync::LazyLock;
 
 use redis::{Cmd, Connection, Value};
 use redis_guard::scripts::{
-    Script, BATCH, CC_RELEASE, CC_RENEW, IDEM_COMPLETE, IDEM_RELEASE, LEASE, RATELIMIT,
+    Script, BATCH, CC_RELEASE, CC_RENEW, IDEM_COMPLETE, IDEM_RELEASE, RATELIMIT,
 };
 
 // ---------------------------------------------------------------------------
@@ -668,112 +668,12 @@ pub fn release(con: &mut Connection, key: &str, owner: &str) -> i64 {
 }
 
 // ---------------------------------------------------------------------------
-// lua/lease.lua
+// lua/lease.lua and lua/lease_return.lua: in script/lease.rs
 
-/// A token bucket as lua/lease.lua takes it: `capacity` tokens, `refill`
-/// tokens every `period` ms.
-#[derive(Debug, Clone, Copy)]
-pub struct Bucket {
-    pub capacity: i64,
-    pub refill: i64,
-    pub period: i64,
-}
-
-pub fn bucket(capacity: i64, refill: i64, period: i64) -> Bucket {
-    Bucket {
-        capacity,
-        refill,
-        period,
-    }
-}
-
-impl Bucket {
-    /// The same bucket as one enforced lua/ratelimit.lua limit on `key`.
-    pub fn limit(self, key: &str, cost: i64) -> Limit {
-        tb(key, self.capacity, self.refill, self.period).cost(cost)
-    }
-}
-
-/// Appends lua/lease.lua's one key and five numbers: capacity, refill,
-/// period, cost, lease.
-pub fn with_lease(mut cmd: Cmd, key: &str, b: Bucket, cost: i64, lease: i64) -> Cmd {
-    cmd.arg(1)
-        .arg(key)
-        .arg(b.capacity)
-        .arg(b.refill)
-        .arg(b.period)
-        .arg(cost)
-        .arg(lease);
-    cmd
-}
-
-/// EVAL of lua/lease.lua: its nine integers (the verdict, the grant and the
-/// grant's give-back tuple).
-pub fn eval_lease(con: &mut Connection, key: &str, b: Bucket, cost: i64, lease: i64) -> [i64; 9] {
-    let raw: Vec<i64> = with_lease(eval(&LEASE), key, b, cost, lease)
-        .query(con)
-        .unwrap_or_else(|e| panic!("lease EVAL on {key} ({b:?}, cost {cost}, lease {lease}): {e}"));
-    raw.try_into()
-        .unwrap_or_else(|raw| panic!("a lease reply is nine integers: {raw:?}"))
-}
-
-/// The lease script's reply: the verdict and grant, and the tuple.
-pub fn split_lease(full: [i64; 9]) -> ([i64; 6], [i64; 3]) {
-    let mut reply = [0; 6];
-    reply.copy_from_slice(&full[..6]);
-    let mut tuple = [0; 3];
-    tuple.copy_from_slice(&full[6..]);
-    (reply, tuple)
-}
-
-/// A leased bucket's give-back count: the first little-endian double of its
-/// give-back record `<key>:ret` (lua/lease.lua, lua/lease_return.lua); 0
-/// when missing.
-pub fn lease_returned(con: &mut Connection, key: &str) -> i64 {
-    lease_record(con, key).map_or(0, |r| r.count)
-}
-
-/// A give-back record (lua/lease_return.lua's layout): the count, the
-/// instant it started, and one entry per accepted give-back (or two
-/// merged), oldest first.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseRecord {
-    pub count: i64,
-    pub since: i64,
-    /// (t0, level, returned, tokens, at, parts): the grant's tuple (of the
-    /// earliest grant, when the entry merged several), the tokens accepted,
-    /// when (the latest), and how many give-backs it holds.
-    pub entries: Vec<[i64; 6]>,
-}
-
-/// The give-back record of a leased bucket, `None` when missing; panics on
-/// any other layout.
-pub fn lease_record(con: &mut Connection, key: &str) -> Option<LeaseRecord> {
-    let b: Option<Vec<u8>> = redis::cmd("GET")
-        .arg(format!("{key}:ret"))
-        .query(con)
-        .unwrap();
-    let b = b?;
-    assert!(
-        b.len() >= 24 && (b.len() - 24) % 48 == 0,
-        "a head and whole entries: {} bytes",
-        b.len()
-    );
-    let whole = |i: usize| {
-        let n = f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
-        assert_eq!(n.fract(), 0.0, "whole numbers: {n}");
-        n as i64
-    };
-    assert_eq!(whole(1), -2, "the layout mark");
-    let entries = (0..(b.len() - 24) / 48)
-        .map(|e| [0, 1, 2, 3, 4, 5].map(|f| whole(3 + e * 6 + f)))
-        .collect();
-    Some(LeaseRecord {
-        count: whole(0),
-        since: whole(2),
-        entries,
-    })
-}
+mod lease;
+// Every test file takes this module; few call the lease scripts.
+#[allow(unused_imports)]
+pub use lease::*;
 
 // ---------------------------------------------------------------------------
 // lua/concurrency_renew.lua and lua/concurrency_release.lua
