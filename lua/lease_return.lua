@@ -85,11 +85,14 @@ come back already, so it gives nothing back. A give-back answered 0 keeps
 no entry: its bound only tightens with time (elapsed and S only grow), so
 sent again it is 0 again.
 The record must never start again while a tuple it does not know of may
-come back: a tuple older than its start (a record lost, expired, reset, or
-an older filter's layout lease.lua replaced) gives nothing back, as does
-one older than 600 s (the longest lease; the record lives 660 s after the
-last grant), one whose count went backwards, and one from Redis' future (a
-clock stepped back). As every key of the limiter, it assumes Redis does not
+come back: a tuple older than its start (a record lost, expired, or an
+older filter's layout lease.lua replaced) gives nothing back, as does one
+older than 600 s (the longest lease; the record lives 660 s after the last
+grant), one whose count went backwards, and one from Redis' future (a
+clock stepped back). A tuple of the very ms a record started in cannot be
+told from one of the record before, were that one deleted in that ms: so
+a reset must not delete the record but start it after the reset's ms (count
+0, the mark, start = that ms + 1), which refuses every tuple up to then. As every key of the limiter, it assumes Redis does not
 evict keys. Nothing on the strict path is touched.
 ]]
 

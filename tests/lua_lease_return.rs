@@ -337,6 +337,29 @@ fn a_record_refuses_tuples_older_than_itself_and_keeps_only_entries_that_may_cou
     );
     assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, new), 8);
 
+    // What a reset must leave (lua/lease_return.lua's header): a record
+    // started after the reset's ms refuses every tuple up to it, those of
+    // grants made after the reset in that ms too. (A deleted record, started
+    // again by a grant in that ms, could not tell them apart.)
+    let key = "t:{x}:lease:restarted";
+    let (_, before) = lease_at(&mut con, key, b, 1, 8);
+    let restarted: Vec<u8> = [0.0f64, -2.0, (T + 3) as f64]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    redis::cmd("SET")
+        .arg(format!("{key}:ret"))
+        .arg(restarted)
+        .query::<()>(&mut con)
+        .unwrap();
+    let (_, same_ms) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!((before[0], same_ms[0]), (T + 2, T + 2));
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, before), 0);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, same_ms), 0);
+    script::set_clock(&mut con, T + 3);
+    let (_, after) = lease_at(&mut con, key, b, 1, 8);
+    assert_eq!(give_back(&mut con, &RETURN_AT, key, b, 8, after), 8);
+
     // A tuple as old as the longest lease (600 s) gives nothing; 1 ms
     // younger, it does.
     let key = "t:{x}:lease:oldest";
