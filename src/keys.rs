@@ -200,15 +200,31 @@ pub fn give_back_key(state_key: &[u8]) -> Vec<u8> {
 
 /// Every key a limit's state lives in beside `state_key` itself, that a
 /// reset must delete for the limit to be whole: a token bucket's hash of an
-/// older filter ([`older_bucket_key`]) and its give-back record
-/// ([`give_back_key`]). Not a quota's window keys (which window is current
-/// takes Redis' clock) nor a blocking limit's block ([`block_key`]), which
-/// the CLI reports apart; not the override key, which is configuration,
-/// not state.
+/// older filter ([`older_bucket_key`]). Not the give-back record
+/// ([`give_back_key`]), which a reset restarts instead
+/// ([`restarted_give_back_record`]); not a quota's window keys (which window
+/// is current takes Redis' clock) nor a blocking limit's block
+/// ([`block_key`]), which the CLI reports apart; not the override key, which
+/// is configuration, not state.
 pub fn state_keys_beside(state_key: &[u8]) -> Vec<Vec<u8>> {
-    let mut keys: Vec<Vec<u8>> = older_bucket_key(state_key).into_iter().collect();
-    keys.push(give_back_key(state_key));
-    keys
+    older_bucket_key(state_key).into_iter().collect()
+}
+
+/// How long a give-back record lives after its last grant (ms), as
+/// lua/lease.lua sets it: longer than the longest lease (600 s).
+pub const GIVE_BACK_RECORD_TTL_MS: u64 = 660_000;
+
+/// The give-back record a reset leaves (lua/lease_return.lua's header):
+/// count 0, the layout mark, started at `since_ms` (Redis' clock, the ms
+/// after the reset's). Deleting the record is not enough: a grant in the
+/// reset's very ms would start a new record that a tuple from before the
+/// reset, of that same ms, could not be told from; one started after the
+/// reset's ms refuses every tuple up to it.
+pub fn restarted_give_back_record(since_ms: u64) -> Vec<u8> {
+    [0.0f64, -2.0, since_ms as f64]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
 }
 
 /// The key of a quota's window that starts at `start_ms`: its state key
@@ -318,12 +334,21 @@ mod tests {
         ] {
             assert!(source.contains(&suffix), "{name} has no {suffix}");
         }
-        assert_eq!(
-            state_keys_beside(&key),
-            [older_bucket_key(&key).unwrap(), give_back_key(&key)]
-        );
+        assert_eq!(state_keys_beside(&key), [older_bucket_key(&key).unwrap()]);
         let window = rate_limit_key("rg", "abc", ":per-key:fw.5.1000:", b"1:a");
-        assert_eq!(state_keys_beside(&window), [give_back_key(&window)]);
+        assert!(state_keys_beside(&window).is_empty());
+        // The restarted record is the layout both scripts read (count,
+        // mark, start: three little-endian doubles) and lives as long.
+        let lease = include_str!("../lua/lease.lua");
+        let back = include_str!("../lua/lease_return.lua");
+        for (name, source) in [("lease.lua", lease), ("lease_return.lua", back)] {
+            assert!(source.contains("local LAYOUT = -2"), "{name}'s layout mark");
+            assert!(source.contains("struct.pack('<ddd'"), "{name}'s head");
+        }
+        assert!(lease.contains(&format!("local RETURNED_TTL = {GIVE_BACK_RECORD_TTL_MS}")));
+        let record = restarted_give_back_record(1_700_000_000_001);
+        assert_eq!(record.len(), 24);
+        assert_eq!(record[16..], 1_700_000_000_001f64.to_le_bytes());
     }
 
     #[test]

@@ -392,7 +392,7 @@ fn reset_restores_the_budget_only_when_confirmed() {
 }
 
 #[test]
-fn reset_deletes_a_leased_buckets_give_back_record_so_tokens_leased_before_never_return() {
+fn reset_restarts_a_leased_buckets_give_back_record_so_tokens_leased_before_never_return() {
     // A bucket of 40 that leases (lua/lease.lua) and gives back
     // (lua/lease_return.lua), driven by the scripts as an Envoy sends them,
     // on the key the CLI names.
@@ -439,8 +439,22 @@ fn reset_deletes_a_leased_buckets_give_back_record_so_tokens_leased_before_never
         .unwrap();
     assert_eq!(back, [0]);
     assert_eq!(inspect(&config, &url, "tb", "erin")["remaining"], 20);
-    // The reset deleted the record (the give-back found none, so wrote none).
-    assert!(!key_exists(&mut con, std::str::from_utf8(&ret).unwrap()));
+    // The reset restarted the record after its ms (count 0, the layout
+    // mark, a start past the grant's instant), with the record's TTL; the
+    // give-back refused wrote nothing to it. A deleted record would be
+    // started afresh by a grant in the reset's own ms, which an older tuple
+    // of that ms would pass (lua/lease_return.lua's header).
+    let record: Vec<u8> = redis::cmd("GET").arg(&ret).query(&mut con).unwrap();
+    let f = |i: usize| f64::from_le_bytes(record[i * 8..i * 8 + 8].try_into().unwrap());
+    assert_eq!((record.len(), f(0), f(1)), (24, 0.0, -2.0));
+    assert!(
+        f(2) > tuple[0] as f64,
+        "start {} after the grant at {}",
+        f(2),
+        tuple[0]
+    );
+    let ttl = key_pttl(&mut con, std::str::from_utf8(&ret).unwrap());
+    assert!(600_000 < ttl && ttl <= 660_000, "{ttl}");
 }
 
 #[test]

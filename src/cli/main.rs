@@ -304,12 +304,15 @@ fn run(command: Command) -> Result<output::Report, Failure> {
             }
             // And every other key of its state (src/keys.rs): an older
             // filter's hash of the bucket, which the scripts read for a
-            // bucket without its string (a rolling upgrade), and a leased
-            // bucket's give-back record, against which tokens leased before
-            // the reset would otherwise come back into the fresh bucket.
+            // bucket without its string (a rolling upgrade).
             for key in redis_guard::keys::state_keys_beside(&target.key) {
                 deleted |= redis.delete(&key)?;
             }
+            // A leased bucket's give-back record starts again after this
+            // ms, so tokens leased before the reset never come back into
+            // the fresh bucket (deleting it would let a grant in this very
+            // ms start one their tuples pass: lua/lease_return.lua).
+            deleted |= redis.restart_give_back_record(&target.key)?;
             // A blocking limit's block goes too: a reset makes the key whole.
             let unblocked = match target.limit.block_ms {
                 Some(_) => redis.delete(&redis_guard::keys::block_key(&target.key))?,

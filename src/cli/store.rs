@@ -348,6 +348,37 @@ impl Store {
         Ok(n > 0)
     }
 
+    /// Restarts a leased bucket's give-back record after Redis' current ms
+    /// (keys::restarted_give_back_record), if there is one: the tuples of
+    /// grants made before the reset then give nothing back into the fresh
+    /// bucket. Read the clock, then write: a grant between the two at the
+    /// clock's ms is refused too (under-admission, one ms), one after it
+    /// is the fresh bucket's. Whether a record was there.
+    pub fn restart_give_back_record(&mut self, state_key: &[u8]) -> Result<bool, Failure> {
+        let key = redis_guard::keys::give_back_key(state_key);
+        // The clock of the node that owns the key (a Redis Cluster routes
+        // an EVAL by its key; a bare TIME goes to any node).
+        let (s, us): (u64, u64) = redis::cmd("EVAL")
+            .arg("return redis.call('TIME')")
+            .arg(1)
+            .arg(&key)
+            .query(self.conn.as_mut())
+            .map_err(failed)?;
+        let since = s
+            .saturating_mul(1000)
+            .saturating_add(us / 1000)
+            .saturating_add(1);
+        let set: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg(redis_guard::keys::restarted_give_back_record(since))
+            .arg("PX")
+            .arg(redis_guard::keys::GIVE_BACK_RECORD_TTL_MS)
+            .arg("XX")
+            .query(self.conn.as_mut())
+            .map_err(failed)?;
+        Ok(set.is_some())
+    }
+
     pub fn record(&mut self, key: &[u8]) -> Result<Raw, Failure> {
         self.raw(key)
     }

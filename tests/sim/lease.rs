@@ -19,7 +19,7 @@ use std::sync::LazyLock;
 
 use proptest::prelude::*;
 use redis::Connection;
-use redis_guard::keys::{block_key, state_keys_beside};
+use redis_guard::keys::{block_key, give_back_key, restarted_give_back_record, state_keys_beside};
 use redis_guard::lease::{Slot, Step, Tuple};
 use redis_guard::scripts::{Script, LEASE, LEASE_RETURN};
 
@@ -125,7 +125,7 @@ enum Event {
 struct Envoy {
     stored: Option<Vec<u8>>,
     from: Vec<(usize, u64)>,
-    last_back: Option<[String; 7]>,
+    last_back: Option<Vec<String>>,
     /// Tokens of a grant that landed with nothing after it yet.
     fresh: u64,
 }
@@ -138,6 +138,8 @@ struct World<'a> {
     envoys: Vec<Envoy>,
     kept: Vec<i64>,
     log: Vec<(Event, i64)>,
+    /// The instant of the last reset.
+    reset_at: i64,
 }
 
 impl World<'_> {
@@ -211,14 +213,16 @@ impl World<'_> {
         })
     }
 
-    fn give_back_call(&mut self, args: &[String; 7]) -> Result<i64, String> {
-        let raw: Vec<i64> = script::evalsha(&RETURN_AT)
-            .arg(1)
-            .arg(KEY)
-            .arg(&args[..])
+    /// One call giving back to the bucket once per part (seven values each),
+    /// as the root sends a slot's give-backs: the tokens taken back per part.
+    fn give_back_call(&mut self, args: &[String]) -> Result<Vec<i64>, String> {
+        let parts = args.len() / 7;
+        script::evalsha(&RETURN_AT)
+            .arg(parts)
+            .arg(vec![KEY; parts])
+            .arg(args)
             .query(self.con)
-            .map_err(|e| format!("give-back {args:?}: {e}"))?;
-        Ok(raw[0])
+            .map_err(|e| format!("give-back {args:?}: {e}"))
     }
 
     fn push(&mut self, event: Event) {
@@ -264,7 +268,9 @@ impl World<'_> {
         if added > 0 {
             self.envoys[e].from.push((id, added));
         }
-        self.envoys[e].fresh = added;
+        // A grant in the ms of a reset is refused at give-back (the record
+        // starts after that ms: under-admission by design).
+        self.envoys[e].fresh = if self.now > self.reset_at { added } else { 0 };
     }
 
     fn request(&mut self, e: usize, cost: u64) {
@@ -307,30 +313,37 @@ impl World<'_> {
         self.lapse(e);
         let now = self.ms();
         let stored = self.envoys[e].stored.clone();
-        let Ok((bytes, back)) = self.slot.take_back(stored.as_deref(), now, 0, 0) else {
+        let Ok((bytes, backs)) = self.slot.take_all_back(stored.as_deref(), now, 0, 0) else {
             return Ok(());
         };
         self.envoys[e].stored = Some(bytes);
-        let args = back.args(
+        let (c, r, p) = (
             self.b.capacity as u64,
             self.b.refill as u64,
             self.b.period as u64,
         );
-        let args = args.map(|a| String::from_utf8(a).unwrap_or_default());
+        let args: Vec<String> = backs
+            .iter()
+            .flat_map(|b| b.args(c, r, p))
+            .map(|a| String::from_utf8(a).unwrap_or_default())
+            .collect();
         let fresh = self.envoys[e].fresh;
-        let x = self.give_back_call(&args)?;
-        if !(0..=back.tokens as i64).contains(&x) {
-            return Err(format!("a give-back of {} returned {x}", back.tokens));
+        let got = self.give_back_call(&args)?;
+        for (b, x) in backs.iter().zip(&got) {
+            if !(0..=b.tokens as i64).contains(x) {
+                return Err(format!("a give-back of {} returned {x}", b.tokens));
+            }
         }
-        if fresh > 0 && x == 0 && !without("fresh") {
+        // The newest grant's part comes first: right after its grant, with
+        // nothing between, it fits whole.
+        if fresh > 0 && got.first() == Some(&0) && !without("fresh") {
             return Err(format!(
-                "envoy {e} gave back {} tokens at the instant its grant of {fresh} landed, \
-                 nothing between, and Redis took none back",
-                back.tokens
+                "envoy {e} gave back {backs:?} at the instant its grant of {fresh} landed, \
+                 nothing between, and Redis took none back"
             ));
         }
         // The tokens given back are the newest grants'.
-        let mut left = x;
+        let mut left: i64 = got.iter().sum();
         let env = &mut self.envoys[e];
         for (id, n) in env.from.iter().rev() {
             let m = (*n as i64).min(left);
@@ -354,12 +367,20 @@ impl World<'_> {
     }
 
     fn reset(&mut self) {
-        // What `redis-guard reset` deletes for a token bucket (src/cli/).
+        // What `redis-guard reset` does to a token bucket (src/cli/): its
+        // keys deleted, its give-back record started after this ms.
         let mut keys = vec![KEY.as_bytes().to_vec(), block_key(KEY.as_bytes())];
         keys.extend(state_keys_beside(KEY.as_bytes()));
         for k in keys {
             redis::cmd("DEL").arg(k).query::<()>(self.con).unwrap();
         }
+        redis::cmd("SET")
+            .arg(give_back_key(KEY.as_bytes()))
+            .arg(restarted_give_back_record(self.now as u64 + 1))
+            .arg("XX")
+            .query::<()>(self.con)
+            .unwrap();
+        self.reset_at = self.now;
         self.push(Event::Reset);
     }
 
@@ -403,6 +424,7 @@ pub fn run(con: &mut Connection, s: &Schedule) -> Result<(), String> {
         envoys: (0..s.envoys).map(|_| Envoy::default()).collect(),
         kept: Vec::new(),
         log: Vec::new(),
+        reset_at: i64::MIN,
     };
     script::set_clock(w.con, w.now);
     for op in &s.ops {
