@@ -32,6 +32,10 @@ examples, and `redis-guard check` applies them.
 
 A type in *italics* is an object or a choice described in its own section
 below. "null" in a type means the field may be left out (or set to `null`).
+The *default* column is what the filter takes for a field left out (`{}`: an
+object whose fields all take their own defaults); an empty cell means the
+field has no default value: left out, what it configures is off, or (as the
+description says) taken from elsewhere.
 """
 
 

@@ -461,3 +461,195 @@ fn object_store_bounds_match_the_parser_at_and_past_each_edge() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// A schema node's own object or list: through `$ref` (named by its
+/// definition) and `anyOf`/`allOf` (a field that may be null: the other
+/// branch).
+fn resolve<'a>(schema: &'a Value, mut node: &'a Value, mut name: String) -> (&'a Value, String) {
+    for _ in 0..8 {
+        if let Some(r) = node.get("$ref").and_then(Value::as_str) {
+            name = r.trim_start_matches("#/definitions/").to_string();
+            node = &schema["definitions"][name.as_str()];
+        } else if let Some(alts) = node
+            .get("anyOf")
+            .or(node.get("allOf"))
+            .and_then(Value::as_array)
+        {
+            match alts.iter().find(|a| a.get("type") != Some(&json!("null"))) {
+                Some(a) => node = a,
+                None => break,
+            }
+        } else {
+            break;
+        }
+    }
+    (node, name)
+}
+
+/// Every field of `doc` that is left out where the schema states a
+/// default: (JSON pointer of the field, `Definition.field`, the default).
+fn left_out_defaults(
+    schema: &Value,
+    node: &Value,
+    name: String,
+    doc: &Value,
+    at: &str,
+    out: &mut Vec<(String, String, Value)>,
+) {
+    let (node, name) = resolve(schema, node, name);
+    match doc {
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                let items_schema = node.get("items").unwrap_or(&Value::Null);
+                left_out_defaults(
+                    schema,
+                    items_schema,
+                    name.clone(),
+                    item,
+                    &format!("{at}/{i}"),
+                    out,
+                );
+            }
+        }
+        Value::Object(map) => {
+            if let Some(props) = node.get("properties").and_then(Value::as_object) {
+                for (field, sub) in props {
+                    match map.get(field) {
+                        Some(value) => left_out_defaults(
+                            schema,
+                            sub,
+                            format!("{name}.{field}"),
+                            value,
+                            &format!("{at}/{field}"),
+                            out,
+                        ),
+                        None => {
+                            if let Some(d) = sub.get("default").filter(|d| !d.is_null()) {
+                                out.push((
+                                    format!("{at}/{field}"),
+                                    format!("{name}.{field}"),
+                                    d.clone(),
+                                ));
+                            }
+                        }
+                    }
+                }
+            } else if let Some(alts) = node.get("oneOf").and_then(Value::as_array) {
+                // A descriptor part: the alternative whose key this is.
+                for alt in alts {
+                    let required = alt["required"].as_array().cloned().unwrap_or_default();
+                    if !required.is_empty()
+                        && required
+                            .iter()
+                            .all(|k| k.as_str().is_some_and(|k| map.contains_key(k)))
+                    {
+                        left_out_defaults(schema, alt, name.clone(), doc, at, out);
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Every `Definition.field` the schema gives a default (not null).
+fn stated_defaults(schema: &Value) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut add = |name: &str, node: &Value| {
+        for (field, sub) in node["properties"].as_object().into_iter().flatten() {
+            if sub.get("default").is_some_and(|d| !d.is_null()) {
+                out.insert(format!("{name}.{field}"));
+            }
+        }
+    };
+    add("top", schema);
+    for (name, node) in schema["definitions"].as_object().unwrap() {
+        add(name, node);
+    }
+    out
+}
+
+/// The reference's default column comes from the schema (envoy/docs_ref.py),
+/// and the schema's defaults from src/config/defaults.rs. Each must be what
+/// the parser does with the field left out: written into every example
+/// configuration where the field is absent, it leaves the parsed
+/// configuration as it was (or is refused, where writing the field says
+/// something: a `cost` beside `usage`); and every default is seen to do so
+/// at least once.
+#[test]
+fn every_default_the_schema_states_is_what_the_parser_takes_for_the_field_left_out() {
+    let schema = json_schema();
+    let mut docs: Vec<(String, Value)> = example_configs()
+        .into_iter()
+        .map(|(name, bytes)| (name, serde_json::from_slice(&bytes).unwrap()))
+        .collect();
+    docs.push(("base()".into(), base()));
+    docs.push(("base_offload()".into(), base_offload()));
+    docs.push(("defaults' own fixture".into(), defaults_fixture()));
+    let mut confirmed = std::collections::BTreeSet::new();
+    let mut problems = Vec::new();
+    for (doc_name, doc) in &docs {
+        let before =
+            parse(&serde_json::to_vec(doc).unwrap()).unwrap_or_else(|e| panic!("{doc_name}: {e}"));
+        let mut gaps = Vec::new();
+        left_out_defaults(&schema, &schema, "top".into(), doc, "", &mut gaps);
+        for (pointer, field, default) in gaps {
+            let mut with = doc.clone();
+            let (parent, key) = pointer.rsplit_once('/').unwrap();
+            with.pointer_mut(parent).unwrap()[key] = default.clone();
+            match parse(&serde_json::to_vec(&with).unwrap()) {
+                Ok(after) if after == before => {
+                    confirmed.insert(field);
+                }
+                Ok(_) => problems.push(format!(
+                    "{doc_name}: {pointer} = {default} (the schema's default of {field}) parses to another configuration than the field left out"
+                )),
+                Err(_) => {}
+            }
+        }
+    }
+    let stated = stated_defaults(&schema);
+    let unseen: Vec<&String> = stated.difference(&confirmed).collect();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert!(
+        unseen.is_empty(),
+        "defaults no example config confirmed (add the object to defaults_fixture()): {unseen:?}"
+    );
+    assert!(
+        stated.len() >= 50,
+        "the schema states its defaults: {}",
+        stated.len()
+    );
+
+    // The check notices a default that is not the parser's.
+    let mut doc = base();
+    doc["redis"].as_object_mut().unwrap().remove("timeoutMs");
+    let left_out = parse(&serde_json::to_vec(&doc).unwrap()).unwrap();
+    doc["redis"]["timeoutMs"] = json!(51);
+    assert_ne!(parse(&serde_json::to_vec(&doc).unwrap()).unwrap(), left_out);
+}
+
+/// The objects with defaults that no example configuration holds with a
+/// field left out.
+fn defaults_fixture() -> Value {
+    json!({
+        "redis": {"cluster": "webdis", "batch": {}, "circuitBreaker": {},
+                  "credentials": {"username": "u", "password": "p"}},
+        "accessLog": {},
+        "objectStore": {
+            "cluster": "objectstore", "bucket": "redis-guard", "region": "us-east-1",
+            "credentials": {"accessKeyId": "AKIDEXAMPLE", "secretAccessKey": "secret"}
+        },
+        "limits": [
+            {"name": "cc", "concurrency": {"max": 10}},
+            {"name": "q", "quota": {"amount": 100, "per": "month", "timeZone": "UTC"}},
+            {"name": "net", "descriptor": [{"clientPrefix": {}},
+                                           {"metadata": {"namespace": "n", "path": ["sub"]}}],
+             "tokenBucket": {"capacity": 10, "refill": 1, "periodMs": 1000},
+             "overrides": {"request": {"header": "x-plan"}}},
+            {"name": "usage", "tokenBucket": {"capacity": 1000, "refill": 1, "periodMs": 1000},
+             "usage": {"json": [{"pointer": "/usage/total_tokens"}]}}
+        ],
+        "idempotency": [{"name": "pay"}]
+    })
+}

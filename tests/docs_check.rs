@@ -516,6 +516,100 @@ fn the_configuration_reference_is_what_its_generator_writes_from_the_schema() {
     );
 }
 
+/// Each field's default as the reference shows it: (section, field) to the
+/// default cell's JSON, for every field table row with a default.
+fn reference_defaults(page: &str) -> BTreeMap<(String, String), Value> {
+    let mut out = BTreeMap::new();
+    let mut section = String::new();
+    for (_, line) in prose_lines(page) {
+        if let Some(h) = line.strip_prefix("## ") {
+            section = if h == "The top level" {
+                "top".into()
+            } else {
+                h.into()
+            };
+            continue;
+        }
+        let cells: Vec<&str> = line.split(" | ").collect();
+        let Some(field) = cells.first().and_then(|c| c.strip_prefix("| `")) else {
+            continue;
+        };
+        let field = field.split('`').next().unwrap();
+        // | field | type | bounds | default | description |
+        if let Some(cell) = cells.get(3).map(|c| c.trim()).filter(|c| !c.is_empty()) {
+            let json = cell.trim_matches('`');
+            if let Ok(v) = serde_json::from_str::<Value>(json) {
+                out.insert((section.clone(), field.to_string()), v);
+            }
+        }
+    }
+    out
+}
+
+/// What is wrong between the schema's defaults and the reference: a field
+/// whose description names a default value the schema does not state (its
+/// `#[schemars(default = …)]` is missing in src/config/), and a stated
+/// default the reference does not show.
+fn default_problems(schema: &Value, page: &str) -> Vec<String> {
+    let shown = reference_defaults(page);
+    let mut problems = Vec::new();
+    let mut objects = vec![("top".to_string(), schema)];
+    for (name, node) in schema["definitions"].as_object().unwrap() {
+        objects.push((name.clone(), node));
+    }
+    for (name, node) in objects {
+        for (field, sub) in node["properties"].as_object().into_iter().flatten() {
+            let stated = sub.get("default").filter(|d| !d.is_null());
+            let text = sub["description"].as_str().unwrap_or_default();
+            // "(default 50)", "default \"rg\"": a value; "(default: the
+            // cluster name)", "methods default to POST": words, no value.
+            let names_a_value = text.match_indices("default").any(|(at, _)| {
+                let rest = &text[at + "default".len()..];
+                rest.starts_with(' ') && !rest.starts_with(" to ")
+            });
+            if names_a_value && stated.is_none() {
+                problems.push(format!(
+                    "{name}.{field}: its description names a default, the schema states none (add #[schemars(default = …)] in src/config/, then make schema)"
+                ));
+            }
+            if let Some(d) = stated {
+                match shown.get(&(name.clone(), field.clone())) {
+                    Some(v) if v == d => {}
+                    other => problems.push(format!(
+                        "{name}.{field}: the schema's default is {d}, the reference shows {other:?}"
+                    )),
+                }
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_default_the_schema_states_is_in_the_reference() {
+    let schema: Value =
+        serde_json::from_str(&fs::read_to_string(root().join("envoy/filter.schema.json")).unwrap())
+            .unwrap();
+    let page = fs::read_to_string(book_src().join("reference/configuration.md")).unwrap();
+    assert!(
+        reference_defaults(&page).len() >= 50,
+        "the reference's defaults were found"
+    );
+    let problems = default_problems(&schema, &page);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    // The check itself: a default taken out of the schema, and a page
+    // without its default column's values.
+    let mut bare = schema.clone();
+    bare["definitions"]["Redis"]["properties"]["timeoutMs"]["default"] = Value::Null;
+    assert!(default_problems(&bare, &page)
+        .iter()
+        .any(|p| p.starts_with("Redis.timeoutMs: its description")));
+    let blank = page.replace("| `50` |", "|  |");
+    assert!(default_problems(&schema, &blank)
+        .iter()
+        .any(|p| p.starts_with("Redis.timeoutMs: the schema's default is 50")));
+}
+
 /// The date and commit of the run whose part of BENCHMARKS.md starts at
 /// `marker` (the whole file for `make bench`): its `date:` and `commit`
 /// lines for make bench, its "Measured <date> … commit <c>" for bench-tier

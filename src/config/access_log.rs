@@ -3,12 +3,12 @@
 //! `%FILTER_STATE(wasm.redis_guard:PLAIN)%`).
 
 use schemars::JsonSchema;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// How the deciding limit's key appears in the record. A key holds the
 /// descriptor's values (a user, a client address, an API key): personal
 /// data an operator must choose to log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum KeyInLog {
     /// Its SHA-256, 16 hex digits: the same key always logs the same, and
@@ -28,9 +28,11 @@ pub struct RawAccessLog {
     /// Record each decision in the request's filter state (default true):
     /// one host call per request the filter acted on.
     #[serde(default)]
+    #[schemars(default = "super::defaults::on")]
     enabled: Option<bool>,
     /// How the deciding limit's key is logged (default "hash").
     #[serde(default)]
+    #[schemars(default = "super::defaults::access_log_key")]
     key: Option<KeyInLog>,
 }
 

@@ -48,29 +48,36 @@ pub(super) struct RawIdempotency {
     name: String,
     /// Which requests the rule covers (methods default to POST and PATCH).
     #[serde(default, rename = "match")]
+    #[schemars(default = "super::defaults::all_defaults")]
     matcher: RawMatch,
     /// Request header carrying the key (default "idempotency-key").
     #[serde(default)]
+    #[schemars(default = "super::defaults::idempotency_header")]
     header: Option<String>,
     /// Reject (400) a matching request without the header.
     #[serde(default)]
     required: bool,
     /// Parts scoping a key to a tenant (a key of one tenant never replays another's response).
     #[serde(default)]
+    #[schemars(default = "super::defaults::no_items")]
     tenant: Vec<RawPart>,
     /// How long a request in flight holds the key (ms, default 30000); keep it above the upstream timeout.
     #[serde(default)]
     #[schemars(range(min = 100, max = 86400000))]
+    #[schemars(default = "super::defaults::lock_ttl_ms")]
     lock_ttl_ms: Option<u64>,
     /// How long a completed response is replayed (ms, default 86400000, at most 30 days).
     #[serde(default)]
     #[schemars(range(min = 1000, max = 2592000000u64))]
+    #[schemars(default = "super::defaults::record_ttl_ms")]
     record_ttl_ms: Option<u64>,
     /// Statuses whose responses are stored: classes ("2xx" to "5xx") or exact codes ("201"); default ["2xx"].
     #[serde(default)]
+    #[schemars(default = "super::defaults::store_statuses")]
     store_statuses: Option<Vec<String>>,
     /// Response headers stored and replayed (default ["content-type"]).
     #[serde(default)]
+    #[schemars(default = "super::defaults::store_headers")]
     store_headers: Option<Vec<String>>,
     /// gRPC calls: the grpc-status codes, by name, whose responses are
     /// stored and replayed (default OK, INVALID_ARGUMENT, NOT_FOUND,
@@ -78,15 +85,18 @@ pub(super) struct RawIdempotency {
     /// frees the key, so a retry runs again. A gRPC call stores all its
     /// headers and trailers; storeStatuses and storeHeaders do not apply.
     #[serde(default)]
+    #[schemars(default = "super::defaults::grpc_store_statuses")]
     grpc_store_statuses: Option<Vec<String>>,
     /// Largest request body fingerprinted (bytes, default 1 MiB, at most 64 MiB).
     #[serde(default)]
     #[schemars(range(max = 67108864))]
+    #[schemars(default = "super::defaults::max_request_body_bytes")]
     max_request_body_bytes: Option<u64>,
     /// Largest response body stored (bytes, default 64 KiB; at most 8 MiB,
     /// or 64 MiB with offloadAboveBytes).
     #[serde(default)]
     #[schemars(range(max = 67108864))]
+    #[schemars(default = "super::defaults::max_stored_body_bytes")]
     max_stored_body_bytes: Option<u64>,
     /// Overrides the top-level failureMode ("local" is for limits only).
     #[serde(default)]
@@ -98,6 +108,7 @@ pub(super) struct RawIdempotency {
     /// decided on method and path alone (the body is not read, so
     /// maxRequestBodyBytes applies to Content-Length only).
     #[serde(default)]
+    #[schemars(default = "super::defaults::on")]
     fingerprint_body: Option<bool>,
     /// Responses whose body is larger than this many bytes are stored in the
     /// object store (top-level objectStore), Redis keeping only a reference;
@@ -149,7 +160,7 @@ impl Idempotency {
 /// that say the request itself is what they are about (running it again
 /// would give the same answer). Transient, auth and server-side failures
 /// free the key.
-const GRPC_STORED: [&str; 6] = [
+pub(super) const GRPC_STORED: [&str; 6] = [
     "OK",
     "INVALID_ARGUMENT",
     "NOT_FOUND",

@@ -55,6 +55,7 @@ pub(super) struct RawLimit {
     name: String,
     /// Which requests the limit applies to.
     #[serde(default, rename = "match")]
+    #[schemars(default = "super::defaults::all_defaults")]
     matcher: RawMatch,
     /// Requests `match` covers that the limit still skips, without a Redis
     /// call: trusted networks, health checkers, a claim (any `match` condition).
@@ -62,6 +63,7 @@ pub(super) struct RawLimit {
     unless: Option<RawMatch>,
     /// Parts whose values pick the bucket (one bucket per distinct value list).
     #[serde(default)]
+    #[schemars(default = "super::defaults::no_items")]
     descriptor: Vec<RawPart>,
     /// A token bucket (a limit sets exactly one of the seven kinds).
     #[serde(default)]
@@ -88,6 +90,7 @@ pub(super) struct RawLimit {
     /// Units one request spends (default 1).
     #[serde(default)]
     #[schemars(range(min = 1))]
+    #[schemars(default = "super::defaults::one")]
     cost: Option<u64>,
     /// Read the cost from a request header instead.
     #[serde(default)]
@@ -101,6 +104,7 @@ pub(super) struct RawLimit {
     /// With failureMode "local": each Envoy's share of the budget while Redis is down (default 0.1).
     #[serde(default)]
     #[schemars(range(max = 1), extend("exclusiveMinimum" = 0))]
+    #[schemars(default = "super::defaults::local_fraction")]
     local_fraction: Option<f64>,
     /// Token bucket only: each Envoy takes tokens in batches and spends them
     /// without a Redis call. Never admits more than the bucket; may admit
@@ -224,6 +228,7 @@ struct RawConcurrency {
     /// How long a slot outlives an Envoy that died holding it (ms, default 30000).
     #[serde(default)]
     #[schemars(range(min = 300, max = 3600000))]
+    #[schemars(default = "super::defaults::concurrency_lease_ms")]
     lease_ms: Option<u64>,
 }
 

@@ -31,10 +31,12 @@ pub(super) struct RawMatch {
     host: Option<String>,
     /// Conditions on request headers.
     #[serde(default)]
+    #[schemars(default = "super::defaults::no_items")]
     headers: Vec<RawHeaderMatch>,
     /// Conditions on descriptor parts' values (a JWT claim, an attribute,
     /// a query parameter).
     #[serde(default)]
+    #[schemars(default = "super::defaults::no_items")]
     values: Vec<RawValueMatch>,
     /// The client's address is in one of these networks (`192.0.2.0/24`,
     /// `2001:db8::/32`, a single address); an IPv4-mapped IPv6 client counts

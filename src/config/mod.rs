@@ -10,6 +10,7 @@ mod access_log;
 mod algorithm;
 mod block;
 mod bounds;
+mod defaults;
 mod deny;
 mod idempotency;
 mod limit;
@@ -25,7 +26,7 @@ use std::fmt;
 use std::time::Duration;
 
 use schemars::JsonSchema;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::request::{RequestLine, RequestView};
 
@@ -109,27 +110,34 @@ struct RawConfig {
     /// First segment of every Redis key (default "rg"); printable ASCII without '{' or '}'.
     #[serde(default)]
     #[schemars(length(min = 1, max = 64))]
+    #[schemars(default = "defaults::key_prefix")]
     key_prefix: Option<String>,
     /// Parts whose values pick the Redis Cluster hash tag, so every key of one
     /// tenant lives in one slot. Every non-literal part must also be in each
     /// limit's descriptor and each idempotency rule's tenant.
     #[serde(default)]
+    #[schemars(default = "defaults::no_items")]
     hash_tag: Vec<RawPart>,
     /// What a request gets when Redis cannot decide it (default "allow").
     #[serde(default)]
+    #[schemars(default = "defaults::failure_mode")]
     failure_mode: Option<FailureMode>,
     /// Rate-limit header families on responses (default both).
     #[serde(default)]
+    #[schemars(default = "defaults::rate_limit_headers")]
     rate_limit_headers: Option<Vec<HeaderSet>>,
     /// Requests refused `403` before any limit or Redis call (client
     /// networks, keys, claims): the first rule that matches refuses.
     #[serde(default)]
+    #[schemars(default = "defaults::no_items")]
     deny: Vec<RawDenyRule>,
     /// Rate limits; every matching limit is checked in one Redis call.
     #[serde(default)]
+    #[schemars(default = "defaults::no_items")]
     limits: Vec<RawLimit>,
     /// Idempotency-key rules; the first matching rule applies.
     #[serde(default)]
+    #[schemars(default = "defaults::no_items")]
     idempotency: Vec<RawIdempotency>,
     /// S3-compatible object store for large idempotent responses (rules with
     /// offloadAboveBytes): Redis keeps a reference and a checksum, the store the body.
@@ -138,6 +146,7 @@ struct RawConfig {
     /// What each decision leaves in Envoy's access log (filter state
     /// `wasm.redis_guard`).
     #[serde(default)]
+    #[schemars(default = "defaults::all_defaults")]
     access_log: Option<RawAccessLog>,
     /// The schema this file follows (for editors); ignored by the filter.
     #[serde(default, rename = "$schema")]
@@ -146,7 +155,7 @@ struct RawConfig {
 }
 
 /// What to do with a request when Redis cannot decide it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum FailureMode {
     /// Fail open: forward the request without the guarantee.
@@ -160,7 +169,7 @@ pub enum FailureMode {
 }
 
 /// Which families of rate-limit response headers are emitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 pub enum HeaderSet {
     /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers).
     #[serde(rename = "ietf")]

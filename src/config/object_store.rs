@@ -42,10 +42,12 @@ pub(super) struct RawObjectStore {
     /// rule on this prefix removes objects after their records expire.
     #[serde(default)]
     #[schemars(length(max = 256))]
+    #[schemars(default = "super::defaults::object_key_prefix")]
     key_prefix: Option<String>,
     /// Deadline of one upload or fetch (ms, default 5000).
     #[serde(default)]
     #[schemars(range(min = 1, max = 300000))]
+    #[schemars(default = "super::defaults::object_timeout_ms")]
     timeout_ms: Option<u64>,
     /// Access key: given here, or read from the Envoy environment.
     credentials: RawCredentials,
@@ -70,6 +72,7 @@ struct RawCredentials {
     session_token: Option<String>,
     /// true: read all three from the VM's environment instead.
     #[serde(default)]
+    #[schemars(default = "super::defaults::off")]
     from_environment: Option<bool>,
 }
 

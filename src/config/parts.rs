@@ -66,6 +66,7 @@ pub(super) struct RawMetadata {
     /// What the value holds (default `string`): Envoy hands it over
     /// without its type.
     #[serde(default, rename = "type")]
+    #[schemars(default = "super::defaults::metadata_type")]
     value_type: Option<RawValueType>,
 }
 
@@ -90,10 +91,12 @@ pub(super) struct RawPrefix {
     /// Bits of an IPv4 address kept (default 24).
     #[serde(default)]
     #[schemars(range(min = 0, max = 32))]
+    #[schemars(default = "super::defaults::client_prefix_v4")]
     ipv4: Option<u8>,
     /// Bits of an IPv6 address kept (default 56).
     #[serde(default)]
     #[schemars(range(min = 0, max = 128))]
+    #[schemars(default = "super::defaults::client_prefix_v6")]
     ipv6: Option<u8>,
 }
 

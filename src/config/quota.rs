@@ -30,6 +30,7 @@ pub(super) struct RawQuota {
     /// default 1). Not for day or hour.
     #[serde(default)]
     #[schemars(range(min = 1, max = 31))]
+    #[schemars(default = "super::defaults::one")]
     anchor_day: Option<u8>,
 }
 

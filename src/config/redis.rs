@@ -35,13 +35,16 @@ pub(super) struct RawRedis {
     /// Deadline of one Redis decision (ms, default 50).
     #[serde(default)]
     #[schemars(range(min = 1, max = 60000))]
+    #[schemars(default = "super::defaults::timeout_ms")]
     timeout_ms: Option<u64>,
     /// Opens after consecutive failed calls, sending requests to their failure mode without a call.
     #[serde(default)]
+    #[schemars(default = "super::defaults::all_defaults")]
     circuit_breaker: Option<RawBreaker>,
     /// Requests of one Envoy worker decided together: while its calls are
     /// out, further requests queue and leave as one call (group commit).
     #[serde(default)]
+    #[schemars(default = "super::defaults::all_defaults")]
     batch: Option<RawBatch>,
     /// HTTP Basic credentials Webdis' http_basic_auth ACL admits (sent on
     /// every call): given here, or read from the Envoy environment.
@@ -65,6 +68,7 @@ struct RawWebdisCredentials {
     password: Option<String>,
     /// true: read both from the VM's environment instead.
     #[serde(default)]
+    #[schemars(default = "super::defaults::off")]
     from_environment: Option<bool>,
 }
 
@@ -90,14 +94,17 @@ impl std::fmt::Debug for WebdisAuth {
 struct RawBatch {
     /// false: every request sends its own call.
     #[serde(default)]
+    #[schemars(default = "super::defaults::on")]
     enabled: Option<bool>,
     /// Most requests one call decides (default 32).
     #[serde(default)]
     #[schemars(range(min = 1, max = 256))]
+    #[schemars(default = "super::defaults::batch_max_requests")]
     max_requests: Option<u32>,
     /// Calls a worker keeps out at once before requests queue (default 2).
     #[serde(default)]
     #[schemars(range(min = 1, max = 8))]
+    #[schemars(default = "super::defaults::batch_max_in_flight")]
     max_in_flight: Option<u32>,
 }
 
@@ -117,10 +124,12 @@ struct RawBreaker {
     /// Consecutive failed calls that open the circuit (default 5).
     #[serde(default)]
     #[schemars(range(min = 1, max = 1000))]
+    #[schemars(default = "super::defaults::breaker_failures")]
     failures: Option<u32>,
     /// How long it stays open (ms, default 1000).
     #[serde(default)]
     #[schemars(range(min = 10, max = 600000))]
+    #[schemars(default = "super::defaults::breaker_cool_down_ms")]
     cool_down_ms: Option<u64>,
 }
 

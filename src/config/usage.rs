@@ -30,6 +30,7 @@ pub(super) struct RawUsage {
     /// JSON Pointers (RFC 6901) into the response body, or into each event
     /// of a `text/event-stream` body: the cost is their weighted sum.
     #[serde(default)]
+    #[schemars(default = "super::defaults::no_items")]
     json: Vec<RawTerm>,
     /// Count only responses with these statuses (HTTP classes `4xx`,
     /// codes `401`, gRPC names `UNAUTHENTICATED`): a request takes `reserve`
@@ -41,11 +42,13 @@ pub(super) struct RawUsage {
     /// Units a request must find left, taken at admission (default 1).
     #[serde(default)]
     #[schemars(range(min = 1))]
+    #[schemars(default = "super::defaults::one")]
     reserve: Option<u64>,
     /// JSON Pointers into the request's JSON body (e.g. `/max_tokens`):
     /// when the body holds any of them, the request reserves their weighted
     /// sum (at least 1, at most the limit's quota) instead of `reserve`.
     #[serde(default)]
+    #[schemars(default = "super::defaults::no_items")]
     reserve_from: Vec<RawTerm>,
     /// Units charged when the usage never arrives: the client left, the
     /// upstream failed, the body was not JSON (default: what the request
@@ -56,6 +59,7 @@ pub(super) struct RawUsage {
     /// the request body too, for `reserveFrom`.
     #[serde(default)]
     #[schemars(range(min = 1, max = 16777216))]
+    #[schemars(default = "super::defaults::usage_max_body_bytes")]
     max_body_bytes: Option<usize>,
 }
 
@@ -69,6 +73,7 @@ struct RawTerm {
     /// Units per unit it counts (default 1).
     #[serde(default)]
     #[schemars(range(min = 1))]
+    #[schemars(default = "super::defaults::one")]
     weight: Option<u64>,
 }
 
