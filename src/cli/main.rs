@@ -4,6 +4,8 @@
 //!   for users' CI before they deploy.
 //! - `inspect` / `reset`: one limit's state for given descriptor values.
 //! - `override set|show|list|unset`: per-value overrides of a limit.
+//! - `plans import|diff|export`: every customer's override at once, from
+//!   and to a file.
 //! - `idempotency show|forget`: one idempotency record.
 //!
 //! It reaches Redis directly over RESP (the `redis` crate, Redis Cluster
@@ -15,6 +17,7 @@
 mod doctor;
 mod output;
 mod overrides;
+mod plans;
 mod select;
 mod store;
 mod wire;
@@ -29,11 +32,15 @@ use output::Out;
 /// Exit codes, as docs/src/running/cli.md documents them. Usage errors
 /// (unknown flags, a missing argument) exit 2, as clap reports them.
 pub mod exit {
-    /// Done (for `check`: the configuration is valid).
+    /// Done (for `check`: the configuration is valid; for `plans diff`:
+    /// nothing differs).
     pub const OK: u8 = 0;
+    /// `plans diff`: the file and the stored plans differ.
+    pub const DIFFERS: u8 = 1;
     /// The configuration is invalid, or cannot be read.
     pub const CONFIG: u8 = 3;
-    /// No such limit or rule, or a part value missing or malformed.
+    /// No such limit or rule, or a part value missing or malformed (a
+    /// plans file's bad line too).
     pub const SELECTION: u8 = 4;
     /// Redis unreachable, refused the credentials, or answered an error.
     pub const REDIS: u8 = 5;
@@ -59,7 +66,7 @@ static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     name = "redis-guard",
     version = VERSION.as_str(),
     about = "Operator's tool for redis-guard: check a filter configuration, inspect and reset limits, show and forget idempotency records",
-    after_help = "Exit codes: 0 done, 2 usage, 3 invalid configuration, 4 unknown limit/rule or missing part value, 5 Redis error, 6 refused (reset without --yes, forget in progress without --force); doctor: 0 no problem found, 7 problems found, 8 no Envoy admin at --admin."
+    after_help = "Exit codes: 0 done, 2 usage, 3 invalid configuration, 4 unknown limit/rule or missing part value, 5 Redis error, 6 refused (reset without --yes, forget in progress without --force); plans diff: 1 differs; doctor: 0 no problem found, 7 problems found, 8 no Envoy admin at --admin."
 )]
 struct Cli {
     /// Print one JSON document on stdout instead of text (errors included).
@@ -102,6 +109,11 @@ enum Command {
     },
     /// Check a running Envoy's filter: loaded, its calls reaching Redis through Webdis and authorised, decisions made or the failure mode answering, which limits fired; prints the fix for each problem.
     Doctor(doctor::DoctorArgs),
+    /// Import, diff or export every plan (override) of a file at once: JSON lines or CSV.
+    Plans {
+        #[command(subcommand)]
+        command: plans::PlansCommand,
+    },
     /// Show or forget one idempotency record.
     Idempotency {
         #[command(subcommand)]
@@ -252,6 +264,7 @@ fn main() -> ExitCode {
     // The doctor's exit code says what it found, even when it ran through.
     let result = match cli.command {
         Command::Doctor(args) => doctor::run(&args),
+        Command::Plans { command } => plans::run(command),
         command => run(command).map(|report| (report, exit::OK)),
     };
     match result {
@@ -349,6 +362,7 @@ fn run(command: Command) -> Result<output::Report, Failure> {
         }
         Command::Override { command } => overrides::run(command),
         Command::Doctor(args) => doctor::run(&args).map(|(report, _)| report),
+        Command::Plans { command } => plans::run(command).map(|(report, _)| report),
         Command::Idempotency { command } => {
             let (args, force, forget) = match command {
                 IdemCommand::Show(args) => (args, false, false),
