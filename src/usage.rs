@@ -436,6 +436,45 @@ data: {\"type\":\"message_stop\"}\r\n\r\n";
         }
     }
 
+    /// An Anthropic Messages answer that is not streamed: one JSON body,
+    /// its usage at the top level.
+    const ANTHROPIC_JSON: &[u8] = br#"{"id":"msg_01","type":"message","role":"assistant",
+        "content":[{"type":"text","text":"Hi"}],"stop_reason":"end_turn",
+        "usage":{"input_tokens":25,"output_tokens":40}}"#;
+
+    /// The book's usage page: each Anthropic answer has its own pointers;
+    /// the other's find only the output tokens, and listing both input
+    /// pointers counts the input twice when a `message_delta` also reports it.
+    #[test]
+    fn anthropic_states_its_input_tokens_at_another_pointer_when_it_streams() {
+        let json = terms(&[("/usage/input_tokens", 1), ("/usage/output_tokens", 5)]);
+        let streamed = terms(&[
+            ("/message/usage/input_tokens", 1),
+            ("/usage/output_tokens", 5),
+        ]);
+        let mut body = JsonBody::new(4096);
+        body.feed(ANTHROPIC_JSON);
+        assert_eq!(body.cost(&json), Ok(25 + 5 * 40));
+        assert_eq!(body.cost(&streamed), Ok(5 * 40));
+        assert_eq!(scan(ANTHROPIC_SSE, &streamed, 7, 1024), Ok(25 + 5 * 40));
+        assert_eq!(scan(ANTHROPIC_SSE, &json, 7, 1024), Ok(5 * 40));
+        // Both input pointers: right for either answer while no message_delta
+        // reports input tokens, twice the input once one does.
+        let both = terms(&[
+            ("/usage/input_tokens", 1),
+            ("/message/usage/input_tokens", 1),
+            ("/usage/output_tokens", 5),
+        ]);
+        assert_eq!(body.cost(&both), Ok(25 + 5 * 40));
+        assert_eq!(scan(ANTHROPIC_SSE, &both, 7, 1024), Ok(25 + 5 * 40));
+        let reporting = b"event: message_start\n\
+data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n\
+event: message_delta\n\
+data: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":25,\"output_tokens\":40}}\n\n";
+        assert_eq!(scan(reporting, &both, 7, 1024), Ok(2 * 25 + 5 * 40));
+        assert_eq!(scan(reporting, &json, 7, 1024), Ok(25 + 5 * 40));
+    }
+
     #[test]
     fn events_split_over_lines_and_a_last_event_without_its_blank_line_count() {
         let t = terms(&[("/usage/total_tokens", 1)]);
