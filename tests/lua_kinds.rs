@@ -1092,8 +1092,9 @@ fn each_new_kind_keeps_one_small_key_per_limit() {
 
 /// The token bucket's state as the docs give it (docs/src/using/limits.md,
 /// the kinds' table): "one string: credits and last update (ms), two
-/// little-endian doubles; 136 bytes", the bytes being `MEMORY USAGE` on
-/// Redis 7.0.15 with a key name of 56 bytes.
+/// little-endian doubles", and its `MEMORY USAGE` on Redis 7.0.15 with a
+/// key name of 56 bytes: 136, as `make bench` measured the filter's own
+/// (docs/src/running/sizing.md, memory per key).
 #[test]
 fn a_token_bucket_is_sixteen_bytes_of_two_doubles_and_its_key_136_bytes_on_redis() {
     let (_redis, mut con) = support::Redis::start_with_conn();
