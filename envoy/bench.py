@@ -148,7 +148,7 @@ def main():
         if rt not in ("v8", "wasmtime", "wamr"):
             raise BenchError(f"--runtimes: no runtime {rt} (v8, wasmtime, wamr)")
     # Scenario ids name directories and table rows; "b.wamr" reads as (b) under WAMR.
-    # No goal for the copies: the goals are V8's; these only compare runtimes.
+    # No design share for the copies: those are V8's; these only compare runtimes.
     scenarios += [dict(sc, id=f"{sc['id']}.{rt}", name=f"{sc['name']} ({rt})", runtime=rt,
                        goal=None)
                   for rt in runtimes if rt != "v8"

@@ -28,13 +28,11 @@ def scenarios(filter_config, tb, big, single):
         "redis_setup": [(OVERRIDE_KEY, OVERRIDE)],
         # The run is void unless the override decided wrk's requests.
         "expect_stat": "wasmcustom.redis_guard.ratelimit.bench-ov.override_applied",
-        "goal_vs_ratio": 0.9,
     }
     common_counted = {
         "request": "get",
         "expect": "2xx",
         "expect_stat": "wasmcustom.redis_guard.usage.refunded_units",
-        "goal_vs_ratio": 0.9,
     }
     return [
         dict(common_over, id="t", name="strict, override",

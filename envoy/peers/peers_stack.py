@@ -102,7 +102,7 @@ HEADLINE = SCENARIOS
 
 # Diagnostics (issue 43: "the access-log record adds <= 2 us of Envoy CPU per
 # request, same-minute on/off"): each runs right after its base ("after") in
-# every -c32 round, never in the goals' ratios. line=False: no access_log.
+# every -c32 round, never in the head-to-head ratios. line=False: no access_log.
 DIAGNOSTICS = [
     {"id": "A-noline", "kind": "rg", "filter": None, "request": "get", "after": "A",
      "line": False, "what": "A without the access_log"},
