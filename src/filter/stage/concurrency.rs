@@ -361,6 +361,7 @@ pub const RELEASE: Kind = Kind {
     per_key: 2,
     what: "the release of concurrency slots",
     lost: None,
+    resend_for: None,
 };
 
 /// How long past its timeout a decision's call is still taken to be able to

@@ -241,6 +241,7 @@ pub const GIVE_BACK: Kind = Kind {
     per_key: 7,
     what: "a lease give-back",
     lost: None,
+    resend_for: None,
 };
 
 /// How often (ms) a worker's root looks at the slots it watches: often

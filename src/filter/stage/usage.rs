@@ -24,6 +24,7 @@ pub const SETTLE_CALL: Kind = Kind {
     per_key: 7,
     what: "the settlement of usage-based costs",
     lost: Some(Counter::UsageLost),
+    resend_for: None,
 };
 
 /// A limit the request took its reserve from.

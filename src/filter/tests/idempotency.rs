@@ -348,26 +348,53 @@ fn a_store_meeting_noscript_is_sent_once_more_as_eval() {
 }
 
 #[test]
-fn a_failed_store_releases_the_key_before_the_response_ends() {
-    for reply in [ok(b"-ERR oops\r\n"), no_answer()] {
-        let cfg = idem_config("deny");
-        let mut f = Flow::new(cfg.clone(), test_breaker());
-        let mut h = FakeHost::post("/pay", b"abc-123");
-        let key = admitted(&mut f, &mut h, &cfg);
-        h.respond(&[(":status", "201")]);
-        assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
-        h.response_chunks = vec![b"done".to_vec()];
-        assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
-        assert_eq!(h.dispatched.len(), 2);
-        assert!(h.dispatched[1].starts_with("EVALSHA/"));
-        f.on_callout_reply(&mut h, 2, reply.clone());
-        assert_eq!(h.dispatched.len(), 3, "{reply:?}");
-        release_lands(&mut f, &mut h, &key);
-        assert_eq!(count(&h, Counter::IdemStoreFailed), 1);
-        assert!(!h.counters.contains(&Counter::IdemStored));
-        f.on_stream_end(&mut h);
-        assert!(h.detached.is_empty());
-    }
+fn a_store_redis_answers_with_an_error_releases_the_key_before_the_response_ends() {
+    // Redis ran the script and said no: sent again it would say the same.
+    let cfg = idem_config("deny");
+    let mut f = Flow::new(cfg.clone(), test_breaker());
+    let mut h = FakeHost::post("/pay", b"abc-123");
+    let key = admitted(&mut f, &mut h, &cfg);
+    h.respond(&[(":status", "201")]);
+    assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+    h.response_chunks = vec![b"done".to_vec()];
+    assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
+    assert_eq!(h.dispatched.len(), 2);
+    assert!(h.dispatched[1].starts_with("EVALSHA/"));
+    f.on_callout_reply(&mut h, 2, ok(b"-ERR oops\r\n"));
+    assert_eq!(h.dispatched.len(), 3);
+    release_lands(&mut f, &mut h, &key);
+    assert_eq!(count(&h, Counter::IdemStoreFailed), 1);
+    assert!(!h.counters.contains(&Counter::IdemStored));
+    f.on_stream_end(&mut h);
+    assert!(h.detached.is_empty());
+    assert!(h.deferred_scripts.is_empty());
+}
+
+#[test]
+fn a_store_whose_outcome_is_unknown_is_the_roots_to_deliver_and_the_key_stays_locked() {
+    // No answer (a timeout, Redis stopped, Webdis gone): the store may not
+    // have run. Released, a retry would run the request again; so the
+    // worker's root sends the same completion until it lands (owner-checked:
+    // twice changes nothing) and the response goes out at once.
+    let cfg = idem_config("deny");
+    let mut f = Flow::new(cfg.clone(), test_breaker());
+    let mut h = FakeHost::post("/pay", b"abc-123");
+    let key = admitted(&mut f, &mut h, &cfg);
+    h.respond(&[(":status", "201")]);
+    assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+    h.response_chunks = vec![b"done".to_vec()];
+    assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
+    f.on_callout_reply(&mut h, 2, no_answer());
+    assert_eq!(h.dispatched.len(), 2, "no release");
+    assert_eq!(h.deferred_scripts, std::slice::from_ref(&IDEM_COMPLETE.sha1));
+    let (_, keys, argv) = &h.slot_releases[0];
+    assert_eq!(keys, &[String::from_utf8_lossy(&key).into_owned()]);
+    assert_eq!((argv[1].as_str(), argv[3].as_str()), ("201", "done"));
+    assert_eq!(h.response_resumed, 1);
+    assert!(!h.counters.contains(&Counter::IdemReleased));
+    assert!(!h.counters.contains(&Counter::IdemStoreFailed));
+    f.on_stream_end(&mut h);
+    assert!(h.detached.is_empty());
 }
 
 #[test]
@@ -515,18 +542,17 @@ fn redis_failure_on_a_keyed_request_follows_the_rule_failure_mode() {
     assert!(h.sent.is_empty());
     assert_eq!(count(&h, Counter::IdemUnguarded), 1);
     assert!(h.counters.contains(&Counter::FailureAllowed));
-    assert_eq!(
-        h.detached.len(),
-        1,
-        "release of a lock the call may have taken"
-    );
+    // The release of a lock the call may have taken: the root's to
+    // deliver (the fault that lost the answer would lose a lone release).
+    assert_eq!(h.deferred_scripts, std::slice::from_ref(&IDEM_RELEASE.sha1));
+    assert!(h.detached.is_empty());
     h.respond(&[(":status", "200")]);
     assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
     h.response_chunks = vec![b"ok".to_vec()];
     assert_eq!(f.on_response_body(&mut h, 2, true), Action::Continue);
     f.on_stream_end(&mut h);
     assert_eq!(h.dispatched.len(), 1);
-    assert_eq!(h.detached.len(), 1, "released once");
+    assert_eq!(h.deferred_scripts.len(), 1, "released once");
 
     // deny: 503, not forwarded; the possible lock is released too.
     let (mut f, mut h) = keyed_in_flight("deny");
@@ -536,7 +562,7 @@ fn redis_failure_on_a_keyed_request_follows_the_rule_failure_mode() {
     assert_eq!(h.sent[0].status, 503);
     assert!(!h.counters.contains(&Counter::IdemUnguarded));
     f.on_stream_end(&mut h);
-    assert_eq!(h.detached.len(), 1);
+    assert_eq!(h.deferred_scripts, std::slice::from_ref(&IDEM_RELEASE.sha1));
 
     // A dispatch that fails after the body was read decides in the callback.
     let mut f = idem_flow("allow");

@@ -6,6 +6,7 @@ mod access_log;
 mod batch;
 mod concurrency;
 mod counted;
+mod delivered;
 mod envoy_like;
 mod give_back;
 mod grpc;

@@ -283,6 +283,19 @@ fn a_record_that_fails_after_the_upload_releases_the_key() {
 }
 
 #[test]
+fn a_record_whose_outcome_is_unknown_after_the_upload_is_the_roots_to_deliver() {
+    // No answer: the object is stored, the record maybe not; the root
+    // sends it until it lands, the key stays locked.
+    let (mut f, mut h, _key) = uploading();
+    f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, object_reply(200, b""));
+    f.on_callout_reply(&mut h, 2, no_answer());
+    assert_eq!(h.dispatched.len(), 2, "no release");
+    assert_eq!(h.deferred_scripts, std::slice::from_ref(&IDEM_COMPLETE.sha1));
+    assert_eq!(h.response_resumed, 1);
+    assert_eq!(count(&h, Counter::IdemStoreFailed), 0);
+}
+
+#[test]
 fn only_object_replies_are_read_up_to_a_limit() {
     let (f, _, _) = offload_holding();
     assert_eq!(f.reply_limit(2), usize::MAX, "a Redis reply is read whole");

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use crate::config::Config;
 use crate::filter::call::{Answer, Budget, ScriptCall};
+use crate::filter::deferred::Kind;
 use crate::filter::owner::{Calls, Owner};
-use crate::filter::{Action, CalloutReply, Counter, Host};
+use crate::filter::{Action, CalloutReply, Counter, ErrorKind, Host};
 use crate::idempotency::{append_trailers, encode_headers};
 use crate::offload::ObjectRef;
 use crate::scripts::{IDEM_COMPLETE, IDEM_RELEASE};
@@ -379,6 +380,12 @@ impl Record {
                 Action::Pause
             }
             Err((_, e)) => {
+                // Kept as the root's until it lands: the lock stays ours
+                // meanwhile, so a retry waits (409) and is then replayed.
+                if self.deliver(host, config, Delivered::Store, call.into_args()) {
+                    self.lock = Lock::Finished;
+                    return Action::Continue;
+                }
                 log::warn!("redis-guard: cannot store idempotent response: {e}");
                 host.count(Counter::IdemStoreFailed);
                 self.outcome.get_or_insert("store_failed");
@@ -386,6 +393,50 @@ impl Record {
                 self.release(host, config, true);
                 Action::Continue
             }
+        }
+    }
+
+    /// Hands a completion or a release to the worker's root, which sends
+    /// it until it lands or the lock's TTL has passed (both are
+    /// owner-checked: sent twice, the second finds the record done or not
+    /// ours and changes nothing). `false`: no worker took it.
+    fn deliver<H: Host>(
+        &mut self,
+        host: &mut H,
+        config: &Config,
+        what: Delivered,
+        args: crate::ratelimit::ScriptArgs,
+    ) -> bool {
+        let Some(keyed) = &self.keyed else {
+            return false;
+        };
+        let ttl = Duration::from_millis(config.idempotency[keyed.rule].lock_ttl_ms);
+        let kind = match what {
+            Delivered::Store => Kind {
+                script: &IDEM_COMPLETE,
+                per_key: 0,
+                what: "the store of an idempotent response",
+                lost: Some(Counter::IdemStoreFailed),
+                resend_for: Some(ttl),
+            },
+            Delivered::Release => Kind {
+                script: &IDEM_RELEASE,
+                per_key: 1,
+                what: "the release of an idempotency lock",
+                lost: None,
+                resend_for: Some(ttl),
+            },
+        };
+        let tag = crate::lease::tag_of(&keyed.args.key);
+        match host.defer(kind, &tag, args, Duration::ZERO) {
+            Ok(()) => {
+                log::info!(
+                    "redis-guard: {} failed; its worker sends it again",
+                    kind.what
+                );
+                true
+            }
+            Err(_) => false,
         }
     }
 
@@ -426,19 +477,47 @@ impl Record {
                         }
                         _ => self.store_failed(host, config, calls, reply.status),
                     },
-                    Answer::Refused(_) | Answer::Failed(_) => {
+                    Answer::Failed((ErrorKind::Redis, _)) => {
+                        // Redis ran it and said no: sent again, it would
+                        // say the same. Free the key.
                         self.store_failed(host, config, calls, reply.status)
+                    }
+                    Answer::Refused(_) | Answer::Failed(_) => {
+                        // Refused, or its outcome unknown: the root sends it
+                        // until it lands; the response goes out now.
+                        let Lock::Completing { call, .. } =
+                            std::mem::replace(&mut self.lock, Lock::Finished)
+                        else {
+                            return;
+                        };
+                        if self.deliver(host, config, Delivered::Store, call.into_args()) {
+                            host.resume_response();
+                        } else {
+                            self.store_failed(host, config, calls, reply.status);
+                        }
                     }
                 }
             }
             Lock::Releasing { call, held, .. } => {
                 let held = *held;
-                if let Answer::Resent(token) = call.answer(host, &config.redis, reply) {
-                    // Redis lost its scripts since: once more as EVAL.
-                    calls.expect(token, Owner::Record);
+                let failed = match call.answer(host, &config.redis, reply) {
+                    Answer::Resent(token) => {
+                        // Redis lost its scripts since: once more as EVAL.
+                        calls.expect(token, Owner::Record);
+                        return;
+                    }
+                    Answer::Ran(_) | Answer::Failed((ErrorKind::Redis, _)) => false,
+                    Answer::Refused(_) | Answer::Failed(_) => true,
+                };
+                let Lock::Releasing { call, .. } =
+                    std::mem::replace(&mut self.lock, Lock::Finished)
+                else {
                     return;
+                };
+                if failed {
+                    // Still ours, maybe: the root frees it once Redis answers.
+                    self.deliver(host, config, Delivered::Release, call.into_args());
                 }
-                self.lock = Lock::Finished;
                 if held {
                     host.resume_response();
                 }
@@ -520,6 +599,12 @@ impl Record {
             vec![keyed.args.key.clone()],
             vec![keyed.args.owner.as_bytes().to_vec()],
         );
+        // A release nobody waits for is the root's to deliver: sent until it
+        // lands or the lock's TTL passes (the fault that lost the acquire's
+        // answer would lose a lone release too).
+        if detached && self.deliver(host, config, Delivered::Release, args.clone()) {
+            return None;
+        }
         let call = ScriptCall::new(&IDEM_RELEASE, args, Budget::Each(config.redis.timeout));
         // EVALSHA when a reply will come back to fall back on after a
         // NOSCRIPT; a detached release gets no reply, so it carries the script.
@@ -532,6 +617,12 @@ impl Record {
         };
         match sent {
             Ok(token) => Some((token, call)),
+            Err(_)
+                if !detached
+                    && self.deliver(host, config, Delivered::Release, call.into_args()) =>
+            {
+                None
+            }
             Err((_, e)) => {
                 log::warn!(
                     "redis-guard: cannot release idempotency lock (it expires by itself): {e}"
@@ -562,6 +653,13 @@ impl Record {
             self.lock = Lock::Finished;
         }
     }
+}
+
+/// A call after the decision that the root delivers.
+#[derive(Debug, Clone, Copy)]
+enum Delivered {
+    Store,
+    Release,
 }
 
 /// What a gRPC response's headers carry that a replay must carry too: all
