@@ -285,7 +285,10 @@ def main():
         for name, trace in traces:
             case_id = trace["case"] if trace else name
             finding, case = run_case(compiled, seeds, case_id, trace)
-            print(f"{name}: {case.steps} steps, {'FINDING: ' + finding if finding else 'clean'}")
+            # A trace whose steps no longer all apply proves less than it did.
+            whole = f" of {len(trace['steps'])}" if trace else ""
+            print(f"{name}: {case.steps}{whole} steps, "
+                  f"{'FINDING: ' + finding if finding else 'clean'}")
             if finding and trace is None:
                 print(f"  trace: {save(case_id, finding, case)}")
             bad += bool(finding)

@@ -51,6 +51,10 @@ pub struct Flow {
     log: AccessLogStage,
     /// When the client has the whole response.
     response: Completion,
+    /// The stream is over (`on_stream_end` ran): Envoy may still hand a
+    /// reply to its context until it deletes it, but the decision was given
+    /// up and nothing may touch the stream any more.
+    ended: bool,
 }
 
 impl Flow {
@@ -68,7 +72,13 @@ impl Flow {
             replay: Replay::default(),
             log: AccessLogStage::default(),
             response: Completion::default(),
+            ended: false,
         }
+    }
+
+    /// The stream is over: the host drops whatever would change it.
+    pub fn ended(&self) -> bool {
+        self.ended
     }
 
     pub fn on_request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
@@ -377,6 +387,9 @@ impl Flow {
 
     /// The verdict of the batch this request rode.
     pub fn on_batch_verdict<H: Host>(&mut self, host: &mut H, verdict: BatchVerdict) {
+        if self.ended {
+            return;
+        }
         let step = self.decision.on_batch_verdict(verdict);
         self.on_step(host, step, true);
     }
@@ -384,6 +397,9 @@ impl Flow {
     /// A wake-up the request asked for: the pause after a refusal is over
     /// (send the call again), or its slots' leases are due for renewal.
     pub fn on_wake<H: Host>(&mut self, host: &mut H) {
+        if self.ended {
+            return;
+        }
         let config = Rc::clone(&self.config);
         if let Some(step) = self.decision.on_retry_due(host, &config.redis) {
             self.on_step(host, step, true);
@@ -392,10 +408,14 @@ impl Flow {
     }
 
     /// Hands a callout's reply to the stage that sent the call; replies to
-    /// calls this request no longer waits for are dropped.
+    /// calls this request no longer waits for are dropped, and so is a
+    /// decision that comes after the stream ended: it was given up then
+    /// (the lease's claim, the breaker's probe), and read now it would count
+    /// as Redis' failure or answer a stream that is gone.
     pub fn on_callout_reply<H: Host>(&mut self, host: &mut H, token: u32, reply: CalloutReply) {
         let config = Rc::clone(&self.config);
         match self.calls.take(token) {
+            Some(Owner::Decision) if self.ended => {}
             Some(Owner::Decision) => {
                 let step = self.decision.on_reply(host, &config.redis, &reply);
                 self.on_step(host, step, true);
@@ -524,6 +544,7 @@ impl Flow {
             self.log.verdict(verdict);
         }
         self.log.on_stream_end(host, &config, self.record.outcome());
+        self.ended = true;
     }
 }
 

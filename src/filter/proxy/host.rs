@@ -27,6 +27,10 @@ pub(super) struct ProxyHost<'a> {
     pub via_root: bool,
     /// The clock, read once per callback (see [`CallbackClock`]).
     pub clock: CallbackClock,
+    /// The stream ended (`Flow::ended`): Envoy may still hand its context a
+    /// reply until it deletes it, but the stream itself is gone, so nothing
+    /// resumes it, answers it or edits its headers or body any more.
+    pub ended: bool,
 }
 
 pub(super) fn callout_headers<'a>(
@@ -216,6 +220,9 @@ impl Host for ProxyHost<'_> {
     }
 
     fn resume_response(&mut self) {
+        if self.ended {
+            return;
+        }
         if let Err(e) = hostcalls::resume_http_response() {
             log::warn!("redis-guard: cannot resume response: {e:?}");
         }
@@ -359,6 +366,9 @@ impl Host for ProxyHost<'_> {
     }
 
     fn send_reply(&mut self, reply: &LocalReply) {
+        if self.ended {
+            return;
+        }
         let headers: Vec<(&str, &[u8])> = reply
             .headers
             .iter()
@@ -384,12 +394,18 @@ impl Host for ProxyHost<'_> {
     }
 
     fn set_request_header(&mut self, name: &str, value: Option<&[u8]>) {
+        if self.ended {
+            return;
+        }
         if let Err(e) = abi::set_value(MapType::HttpRequestHeaders, name, value) {
             log::warn!("redis-guard: cannot set request header {name}: {e:?}");
         }
     }
 
     fn set_response_headers(&mut self, headers: &[(String, Vec<u8>)]) {
+        if self.ended {
+            return;
+        }
         let pairs: Vec<(&str, &[u8])> = headers
             .iter()
             .map(|(n, v)| (n.as_str(), v.as_slice()))
@@ -400,24 +416,36 @@ impl Host for ProxyHost<'_> {
     }
 
     fn set_response_body(&mut self, size: usize, body: &[u8]) {
+        if self.ended {
+            return;
+        }
         if let Err(e) = abi::set_buffer(BufferType::HttpResponseBody, size, body) {
             log::warn!("redis-guard: cannot set the response body: {e:?}");
         }
     }
 
     fn add_response_trailer(&mut self, name: &str, value: &[u8]) {
+        if self.ended {
+            return;
+        }
         if let Err(e) = abi::add_value(MapType::HttpResponseTrailers, name, value) {
             log::warn!("redis-guard: cannot add response trailer {name}: {e:?}");
         }
     }
 
     fn resume_request(&mut self) {
+        if self.ended {
+            return;
+        }
         if let Err(e) = hostcalls::resume_http_request() {
             log::warn!("redis-guard: cannot resume request: {e:?}");
         }
     }
 
     fn add_response_header(&mut self, name: &str, value: &str) {
+        if self.ended {
+            return;
+        }
         if let Err(e) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value) {
             log::warn!("redis-guard: cannot add response header {name}: {e:?}");
         }

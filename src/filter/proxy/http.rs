@@ -73,9 +73,13 @@ impl Http {
             me: Rc::downgrade(rc),
             via_root: false,
             clock: CallbackClock::new(clock),
+            ended: false,
         };
         match rc.try_borrow_mut() {
-            Ok(mut flow) => f(&mut flow, &mut host),
+            Ok(mut flow) => {
+                host.ended = flow.ended();
+                f(&mut flow, &mut host)
+            }
             Err(_) => default,
         }
     }

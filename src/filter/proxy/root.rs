@@ -46,6 +46,7 @@ impl Root {
             me,
             via_root: true,
             clock: CallbackClock::new(clock),
+            ended: false,
         }
     }
 }
@@ -69,6 +70,7 @@ impl Root {
         let borrowed = rc.try_borrow_mut();
         if let Ok(mut flow) = borrowed {
             let mut host = Root::host_for(shared, context_id, Rc::downgrade(&rc), clock);
+            host.ended = flow.ended();
             f(&mut flow, &mut host);
         };
     }
@@ -92,6 +94,7 @@ impl Root {
             me: Weak::new(),
             via_root: false,
             clock: CallbackClock::new(clock),
+            ended: false,
         };
         // The members' hosts share the batcher's clock: one read for all.
         let clock = Some(host.clock());
