@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 
 use crate::ratelimit::ScriptArgs;
-use crate::webdis::Reply;
+use crate::webdis::{Reply, Shown};
 
 /// The limit kinds' codes in a packed batch, in lua/batch.lua's order.
 const KINDS: [&[u8]; 7] = [b"tb", b"sw", b"gcra", b"fw", b"swc", b"cc", b"cq"];
@@ -258,7 +258,7 @@ pub const PACKED_VERSION: u8 = 3;
 /// call would have had.
 pub fn split_reply(reply: Reply, m: usize) -> Result<Vec<Reply>, String> {
     let Reply::Array(Some(items)) = reply else {
-        return Err(format!("expected an array, got {reply:?}"));
+        return Err(format!("expected an array, got {}", Shown(&reply)));
     };
     let mut items = items.into_iter();
     let count = items.next().as_ref().and_then(Reply::as_int);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::config::{Algorithm, Config, RENEWALS_PER_LEASE};
 use crate::ratelimit::{Outcome, Plan, ScriptArgs};
-use crate::webdis::Reply;
+use crate::webdis::{Reply, Shown};
 
 /// Hex digits of a slot id: 64 bits, so two requests in flight at once
 /// never share one (and the member stays short: it is stored per slot).
@@ -110,7 +110,7 @@ impl Slots {
     /// drops the slots that were gone and returns the limits they were in.
     pub fn on_renewed(&mut self, reply: &Reply) -> Result<Vec<usize>, String> {
         let Reply::Array(Some(items)) = reply else {
-            return Err(format!("unexpected renewal reply: {reply:?}"));
+            return Err(format!("unexpected renewal reply: {}", Shown(reply)));
         };
         if items.len() != self.held.len() {
             return Err(format!(
@@ -124,7 +124,7 @@ impl Slots {
             match item.as_int() {
                 Some(1) => still.push(true),
                 Some(0) => still.push(false),
-                _ => return Err(format!("unexpected renewal reply: {item:?}")),
+                _ => return Err(format!("unexpected renewal reply: {}", Shown(item))),
             }
         }
         let lost = self

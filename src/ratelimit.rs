@@ -7,7 +7,7 @@ use crate::keys;
 use crate::offload::ObjectRef;
 use crate::overrides::Override;
 use crate::request::{RequestLine, RequestView};
-use crate::webdis::Reply;
+use crate::webdis::{Reply, Shown};
 
 /// One limit that applies to this request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -369,13 +369,14 @@ pub enum Verdict {
 /// Reads the request script's reply (see the contract in lua/ratelimit.lua).
 pub fn parse_verdict(reply: &Reply, n: usize) -> Result<Verdict, String> {
     let Reply::Array(Some(items)) = reply else {
-        return Err(format!("expected an array, got {reply:?}"));
+        return Err(format!("expected an array, got {}", Shown(reply)));
     };
     let code = items.first().and_then(Reply::as_int);
     let bulk = |i: usize| match items.get(i) {
         Some(Reply::Bulk(Some(b))) => Ok(b.clone()),
         Some(Reply::Bulk(None)) => Ok(Vec::new()),
-        other => Err(format!("expected a string, got {other:?}")),
+        Some(other) => Err(format!("expected a string, got {}", Shown(other))),
+        None => Err("expected a string, got nothing".to_string()),
     };
     match (code, items.len()) {
         (Some(0 | 1), _) => parse_outcome(reply, n).map(Verdict::Limits),
@@ -431,7 +432,11 @@ pub fn parse_verdict(reply: &Reply, n: usize) -> Result<Verdict, String> {
                     .filter(|a| (1..=31).contains(a));
                 match (i, anchor) {
                     (Some(i), Some(anchor)) => Ok((i - 1, anchor)),
-                    _ => Err(format!("bad anchor reply {pair:?}")),
+                    _ => {
+                        let shown: Vec<String> =
+                            pair.iter().map(|r| Shown(r).to_string()).collect();
+                        Err(format!("bad anchor reply {}", shown.join(", ")))
+                    }
                 }
             })
             .collect::<Result<_, _>>()
@@ -448,7 +453,7 @@ pub fn parse_verdict(reply: &Reply, n: usize) -> Result<Verdict, String> {
 /// the grant's tuple (what bounds their give-back).
 pub fn parse_lease(reply: &Reply) -> Result<(Outcome, u64, crate::lease::Tuple), String> {
     let Reply::Array(Some(items)) = reply else {
-        return Err(format!("expected an array, got {reply:?}"));
+        return Err(format!("expected an array, got {}", Shown(reply)));
     };
     if items.len() != 9 {
         return Err(format!("expected 9 items, got {}", items.len()));
@@ -505,7 +510,7 @@ pub struct Outcome {
 /// Reads the script's flat reply: `[admitted, (allowed, remaining, retry_ms, reset_ms) × n]`.
 pub fn parse_outcome(reply: &Reply, n: usize) -> Result<Outcome, String> {
     let Reply::Array(Some(items)) = reply else {
-        return Err(format!("expected an array, got {reply:?}"));
+        return Err(format!("expected an array, got {}", Shown(reply)));
     };
     if items.len() != 1 + 4 * n {
         return Err(format!(
@@ -518,7 +523,7 @@ pub fn parse_outcome(reply: &Reply, n: usize) -> Result<Outcome, String> {
     for item in items {
         let v = item
             .as_int()
-            .ok_or_else(|| format!("expected an integer, got {item:?}"))?;
+            .ok_or_else(|| format!("expected an integer, got {}", Shown(item)))?;
         ints.push(v);
     }
     let flag = |v: i64| match v {
