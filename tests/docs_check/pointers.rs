@@ -237,13 +237,10 @@ fn issue_numbers(text: &str) -> Vec<(usize, String)> {
     out
 }
 
-/// User pages that still name an issue, each by its page and the words:
-/// pages other work owns, being rewritten there. Each must still hold its
-/// words (so the entry goes when the page is fixed).
-const KNOWN: [(&str, &str); 1] = [(
-    "docs/src/using/leases.md",
-    "Issue 43 asked whether large token-bucket and GCRA limits should lease by default.",
-)];
+/// User pages that still name an issue, each by its page and the words.
+/// Each must still hold its words (so the entry goes when the page is
+/// fixed). None left.
+const KNOWN: [(&str, &str); 0] = [];
 
 #[test]
 fn no_user_page_names_an_issue_number() {
