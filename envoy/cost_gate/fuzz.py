@@ -55,6 +55,11 @@ OUT = ROOT / "target" / "fuzz"
 # ticks (a lease's slow tick runs as long as a lease is held).
 DRAIN_STEPS = 600
 DEFAULT_FUEL_BASE = fuzz_host.FUEL_BASE
+# Where a case's clock may start (ns since the epoch, UTC): 2026-01-31
+# 23:59:59.9, 2028-02-29 12:00, 2026-03-29 00:59:59 (Europe's spring
+# change), 2026-11-01 05:59:59 (New York's fall change), 2026-06-15 09:59:59.
+T0 = [1_769_903_999_900_000_000, 1_835_438_400_000_000_000, 1_774_745_999_000_000_000,
+      1_793_512_799_000_000_000, 1_781_517_599_000_000_000]
 DRAIN_TICKS = 100
 
 
@@ -67,12 +72,17 @@ class Live:
     def __init__(self, rng, seeds):
         self.rng = rng
         self.seeds = seeds
-        self.budget = rng.choice([10, 30, 60, 120, 250])
-        self.streams = rng.choice([1, 2, 3, 5, 8])
+        self.budget = rng.choice([20, 60, 120, 250, 400])
+        self.streams = rng.choice([1, 2, 4, 8, 16])
 
     def first(self):
         origin, raw = fuzz_config.draw(self.rng, self.seeds)
-        return {"op": "config", "raw": fi.enc(raw), "origin": origin}
+        step = {"op": "config", "raw": fi.enc(raw), "origin": origin}
+        if self.rng.random() < 0.3:
+            # The clock starts elsewhere than 2026-01-01: a month's last
+            # day, a leap day, a daylight-saving change, the top of an hour.
+            step["t0"] = self.rng.choice(T0)
+        return step
 
     def candidates(self, case, drain):
         """(weight, make step, op) of every step that applies now."""
@@ -114,7 +124,8 @@ class Live:
                 add(0.5 if not drain else 0.1, "retire", lambda r=root: {"op": "retire",
                                                                           "root": r})
         if not drain:
-            add(0.5, "advance", lambda: {"op": "advance", "ns": rng.choice([1, 10**6, 10**9])})
+            add(0.5, "advance", lambda: {"op": "advance", "ns": rng.choice(
+                [1, 10**6, 10**9, 30 * 10**9, 3600 * 10**9])})
             add(0.1, "refuse", lambda: {"op": "refuse", "on": not h.refuse})
             if case.configured and rng.random() < 0.02:
                 add(1, "config", lambda: {"op": "config", "raw": fi.enc(
