@@ -99,9 +99,9 @@ fn settlement() -> impl Strategy<Value = Settlement> {
 pub fn settle_schedules() -> impl Strategy<Value = Vec<SettleOp>> {
     let op = prop_oneof![
         1 => prop::sample::select(vec![1i64, 500, 20_000, HOUR]).prop_map(SettleOp::Tick),
-        4 => prop::collection::vec(settlement(), 1..6).prop_map(SettleOp::Settle),
+        4 => prop::collection::vec(settlement(), 1..5).prop_map(SettleOp::Settle),
     ];
-    prop::collection::vec(op, 1..12)
+    prop::collection::vec(op, 1..10)
 }
 
 /// lua/settle.lua's seven values for a member at `now`, keyed under `space`.

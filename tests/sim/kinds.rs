@@ -63,7 +63,7 @@ pub fn schedules() -> impl Strategy<Value = Vec<KindOp>> {
         3 => req.clone().prop_map(|(kind, cost)| KindOp::One { kind, cost }),
         2 => prop::collection::vec(req, 1..8).prop_map(KindOp::Batch),
     ];
-    prop::collection::vec(op, 1..32)
+    prop::collection::vec(op, 1..24)
 }
 
 /// Whether the admissions `(instant, cost)` of `kind` keep its bound.
