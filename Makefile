@@ -182,7 +182,7 @@ unit:
 # SIM_CASES more of each from another seed (both fixed, so a run is
 # repeatable; a violation prints the seed and the shrunk schedule).
 .PHONY: sim
-SIM_CASES ?= 40000
+SIM_CASES ?= 20000
 SIM_SEED  ?= 0x51
 sim: rust-deps apt-deps envoy-dep
 	SIM_CASES=$(SIM_CASES) SIM_SEED=$(SIM_SEED) cargo test --features cli --test sim -- \
