@@ -36,6 +36,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -202,6 +203,12 @@ def run_case(compiled, seeds, case_id, trace=None):
             case.play(step)
     except Finding as e:
         return str(e), case
+    except Exception as e:  # noqa: BLE001 (a fuzzer's own error: reported, the run goes on)
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return (f"harness error (a defect of the fuzzer, not necessarily of the filter): "
+                f"{type(e).__name__}: {e} at {Path(where.filename).name}:{where.lineno}"), case
+    finally:
+        case.host.close()
 
 
 def kind(finding):
