@@ -142,7 +142,7 @@ impl HttpContext for Http {
 #[cfg(feature = "panic-trigger")]
 #[allow(clippy::panic)]
 fn panic_if_asked() {
-    if let Ok(Some(_)) = hostcalls::get_map_value_bytes(
+    if let Ok(Some(_)) = proxy_wasm::hostcalls::get_map_value_bytes(
         proxy_wasm::types::MapType::HttpRequestHeaders,
         "x-redis-guard-test-panic",
     ) {
