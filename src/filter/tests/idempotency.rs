@@ -386,7 +386,10 @@ fn a_store_whose_outcome_is_unknown_is_the_roots_to_deliver_and_the_key_stays_lo
     assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
     f.on_callout_reply(&mut h, 2, no_answer());
     assert_eq!(h.dispatched.len(), 2, "no release");
-    assert_eq!(h.deferred_scripts, std::slice::from_ref(&IDEM_COMPLETE.sha1));
+    assert_eq!(
+        h.deferred_scripts,
+        std::slice::from_ref(&IDEM_COMPLETE.sha1)
+    );
     let (_, keys, argv) = &h.slot_releases[0];
     assert_eq!(keys, &[String::from_utf8_lossy(&key).into_owned()]);
     assert_eq!((argv[1].as_str(), argv[3].as_str()), ("201", "done"));

@@ -290,7 +290,10 @@ fn a_record_whose_outcome_is_unknown_after_the_upload_is_the_roots_to_deliver() 
     f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, object_reply(200, b""));
     f.on_callout_reply(&mut h, 2, no_answer());
     assert_eq!(h.dispatched.len(), 2, "no release");
-    assert_eq!(h.deferred_scripts, std::slice::from_ref(&IDEM_COMPLETE.sha1));
+    assert_eq!(
+        h.deferred_scripts,
+        std::slice::from_ref(&IDEM_COMPLETE.sha1)
+    );
     assert_eq!(h.response_resumed, 1);
     assert_eq!(count(&h, Counter::IdemStoreFailed), 0);
 }
