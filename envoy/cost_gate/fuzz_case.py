@@ -107,7 +107,7 @@ class Case:
         except (ValueError, RecursionError):
             cfg = None
         h = self.host
-        if self.root is None and not self.failed_plugin:
+        if not self.steps:
             before = h.store.get_fuel()
             h.now_ns = self.t0 = step.get("t0", h.now_ns)
             h.exports["_initialize"](h.store)
