@@ -506,10 +506,13 @@ fn every_dashboard_query_and_alert_expression_returns_series_under_traffic() {
 #[test]
 fn redis_down_fires_the_unreachable_alert_and_every_alert_expression_holds() {
     const TIMEOUT_MS: u64 = 200;
+    // A store that meets a dead Redis is delivered until the lock's TTL
+    // passes, then counted failed: a 2 s lock (above the upstream's 1.5 s)
+    // so the count comes within the poll below.
     let config = filter_config(TIMEOUT_MS)
         .circuit_breaker(3, 1000)
         .limits(LIMITS)
-        .idempotency(IDEMPOTENCY)
+        .idempotency(r#"[{"name": "pay", "match": {"pathPrefix": "/pay"}, "lockTtlMs": 2000}]"#)
         .build();
     let mut stack = stack(&config);
     let rules = rules(TIMEOUT_MS);
