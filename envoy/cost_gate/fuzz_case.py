@@ -366,6 +366,11 @@ class Case:
             details = event[2]
             self.stats["local " + details] += 1
             if s is not None:
+                if s.passed and s.local is None and step["op"] != "response":
+                    # Only the response may still be answered locally (the
+                    # replay route's): a request already upstream has run.
+                    raise Finding(f"local reply {details} to stream {s.idx} after its "
+                                  "request went upstream")
                 if s.resp_passed and s.local is None:
                     raise Finding(f"local reply {details} to stream {s.idx} after its "
                                   "response's headers went to the client")

@@ -172,8 +172,13 @@ impl Flow {
         answer_locally(host, reply)
     }
 
+    /// What a body piece or trailers get once nothing reads them: held
+    /// while the decision is out, and while a replay fetches its stored
+    /// body (a key that completed is answered, never run again: a Continue
+    /// here would send the request upstream, since Envoy continues a
+    /// stopped request when a later piece says so).
     fn waiting_for_decision(&self) -> Action {
-        if self.decision.pending() {
+        if self.decision.pending() || self.replay.fetching() {
             Action::Pause
         } else {
             Action::Continue

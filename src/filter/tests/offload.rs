@@ -199,6 +199,47 @@ fn an_offloaded_record_is_replayed_from_the_object_store() {
     assert_eq!(h.resumed, 0);
 }
 
+/// The fuzzer's finding (envoy/cost_gate/fuzz_corpus/
+/// replay-fetch-lets-body-through.json): a rule that does not fingerprint
+/// the body decides at the headers, so the body streams on while the
+/// replay's body is fetched; a piece of it answered Continue would make
+/// Envoy send the stopped request upstream, running a completed key again.
+#[test]
+fn a_body_piece_during_a_replays_fetch_is_held() {
+    let config = OFFLOAD_CONFIG.replace(
+        r#""name":"pay","#,
+        r#""name":"pay","fingerprintBody":false,"#,
+    );
+    let cfg = Rc::new(Config::parse(config.as_bytes()).unwrap());
+    let mut f = Flow::new(cfg, test_breaker());
+    let mut h = FakeHost::post("/pay", b"abc-123");
+    h.clock_ms = 1_796_232_360_000;
+    assert_eq!(f.on_request_headers(&mut h, false), Action::Pause);
+    assert_eq!(h.dispatched.len(), 1, "decided at the headers");
+    let body = b"0123456789 a large body";
+    let stored = encode_headers(&[("content-type".to_string(), b"text/plain".to_vec())]);
+    let sha = codec::sha256_hex(body);
+    let len = body.len().to_string();
+    let record = resp(&[
+        b"3",
+        b"201",
+        &stored,
+        b"",
+        b"t/pay/20261203T172604Z/d-o",
+        sha.as_bytes(),
+        len.as_bytes(),
+    ]);
+    f.on_callout_reply(&mut h, 1, ok(&record));
+    assert_eq!(h.objects.len(), 1, "the fetch is out");
+    assert_eq!(f.on_request_body(&mut h, 3, false), Action::Pause);
+    assert_eq!(f.on_request_body(&mut h, 4, true), Action::Pause);
+    f.on_callout_reply(&mut h, OBJECT_TOKENS + 1, object_reply(200, body));
+    assert_eq!(h.sent.len(), 1);
+    assert_eq!(h.sent[0].status, 201);
+    assert_eq!(h.sent[0].body, body);
+    assert_eq!(h.resumed, 0, "never forwarded");
+}
+
 #[test]
 fn a_lost_corrupt_or_unreachable_object_is_an_error_never_a_rerun() {
     let body = b"0123456789 a large body";

@@ -134,6 +134,12 @@ impl Replay {
         }
     }
 
+    /// A replay waits for its body from the object store: the request is
+    /// answered when it comes, and must not go on meanwhile.
+    pub fn fetching(&self) -> bool {
+        self.fetch.is_some()
+    }
+
     /// How much of the fetch's answer to read: exactly the stored length (a
     /// longer answer is not the object, and is not copied).
     pub fn reply_limit(&self) -> usize {
