@@ -11,7 +11,7 @@ KEYS     one key: the batch's first (its key table's first entry). The
          same slot, as the block and override keys lua/keys.lua derives are.
 Nonce    a call may put "~" and hex digits before ARGV[1]: it is taken out
          first (the ARGV below are what is left) and given back first in a
-         table reply (README, When things fail: a reply the filter can tell
+         table reply (docs/src/running/failures.md: a reply the filter can tell
          is its own).
 ARGV[1]  the whole batch, packed (src/batch.rs writes it; big-endian, every
          figure an 8-byte double, exact below 2^53; u16 counts and indexes,

@@ -6,7 +6,7 @@ KEYS[1]  the bucket's string (the same key and state as lua/ratelimit.lua's
          token bucket, so leased and strict requests share one budget)
 Nonce    a call may put "~" and hex digits before ARGV[1]: it is taken out
          first (the ARGV below are what is left) and given back first in a
-         table reply (README, When things fail: a reply the filter can tell
+         table reply (docs/src/running/failures.md: a reply the filter can tell
          is its own).
 ARGV[1]  capacity (tokens)
 ARGV[2]  refill (tokens per period)

@@ -9,7 +9,7 @@ those scripts starts with "~"): it is taken out here, so the script reads
 its ARGV as documented, and echo() puts it back first in the script's table
 reply. The filter takes a reply as its call's own only if it starts with its
 nonce: Webdis 0.1.9 may write another connection's late reply to this one's
-socket (README, When things fail). An error reply carries none.
+socket (docs/src/running/failures.md). An error reply carries none.
 ]]
 
 local nonce = ARGV[1]

@@ -7,7 +7,7 @@ KEYS[N+1]  the idempotency record, when ARGV[2+6N] is "1"
            tag, so the whole call runs on one slot.
 Nonce    a call may put "~" and hex digits before ARGV[1]: it is taken out
          first (the ARGV below are what is left) and given back first in a
-         table reply (README, When things fail: a reply the filter can tell
+         table reply (docs/src/running/failures.md: a reply the filter can tell
          is its own).
 ARGV[1]  N, the number of limits
 ARGV per limit i, six values starting at 2 + (i-1)*6:

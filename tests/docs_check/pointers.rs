@@ -1,8 +1,9 @@
 //! The checks of what points into the docs from outside them, and of what
 //! user pages and the schema must hold:
 //!
-//! * every pointer in a shipped file under `envoy/` or `src/` (a comment in
-//!   a config a user copies, a log line, a schema description) resolves: a
+//! * every pointer in a shipped file under `envoy/`, `src/` or `lua/` (a
+//!   comment in a config a user copies or a script, a log line, a schema
+//!   description) resolves: a
 //!   path `docs/src/<page>.md` (with its `#anchor`), a `README.md` path (with
 //!   its anchor), or `the book, <part>: <page title>` as SUMMARY.md names
 //!   them; any other mention of a README (`README "Stats"`) is a pointer to
@@ -18,11 +19,11 @@
 
 use super::*;
 
-/// The files of `envoy/` and `src/` a pointer can sit in (text files; the
-/// schema included).
+/// The files of `envoy/`, `src/` and `lua/` a pointer can sit in (text
+/// files; the schema included).
 fn shipped_files() -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let mut dirs = vec![root().join("envoy"), root().join("src")];
+    let mut dirs = vec![root().join("envoy"), root().join("src"), root().join("lua")];
     while let Some(dir) = dirs.pop() {
         for entry in fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -32,7 +33,7 @@ fn shipped_files() -> Vec<PathBuf> {
                     dirs.push(path);
                 }
             } else if [
-                ".rs", ".py", ".sh", ".yaml", ".yml", ".json", ".md", ".toml", ".wat", ".acl",
+                ".rs", ".py", ".sh", ".yaml", ".yml", ".json", ".md", ".toml", ".wat", ".acl", ".lua",
             ]
             .iter()
             .any(|x| name.ends_with(x))
@@ -160,7 +161,7 @@ fn pointer_problems(
 }
 
 #[test]
-fn every_pointer_in_envoy_and_src_resolves() {
+fn every_pointer_in_envoy_src_and_lua_resolves() {
     let pages: BTreeMap<PathBuf, String> = documents().into_iter().collect();
     let parts = summary_titles();
     let mut problems = Vec::new();
