@@ -25,8 +25,9 @@ Kinds    "tb" token_bucket.lua, "sw" sliding_window.lua, "gcra" gcra.lua,
 local known_kinds = { tb = true, sw = true, gcra = true, fw = true, swc = true,
                       cc = true, cq = true }
 -- The kinds that take overrides: their state means the same under another
--- capacity or limit (GCRA's is in units of its rate; cc's are slots).
-local overridable = { tb = true, sw = true, fw = true, swc = true, cq = true }
+-- capacity, limit or maximum (GCRA's is in units of its rate).
+local overridable = { tb = true, sw = true, fw = true, swc = true, cq = true,
+                      cc = true }
 
 -- A limit's kind, and whether it takes overrides (its algorithm suffixed
 -- `+o`), or nil for an algorithm that is neither.
@@ -48,40 +49,6 @@ end
 -- "inf").
 local function whole(x, lo, hi)
   return x == math.floor(x) and x >= lo and x <= hi
-end
-
--- An override's figures for a limit of kind `kind` (a token bucket's period
--- `c`, a quota's edges), or nil when `text` is not one within the kind's
--- bounds: "tb <capacity> <refill>", "fw <limit>", "swc <limit>", "sw
--- <limit>", "cq <amount>", "cq <amount> <anchorDay>" (decimal, as
--- `redis-guard override set` writes them). A quota's anchor day counts only
--- for edges sent for that day (cq_anchor_wanted() sent the others back).
-local function override_figures(text, kind, c)
-  if kind == 'cq' then
-    local x, d = string.match(text, '^cq (%d+) (%d+)$')
-    if x then
-      if cq_anchoring(c) ~= tonumber(d) then
-        return nil
-      end
-      text = 'cq ' .. x
-    end
-  end
-  if kind == 'tb' then
-    local x, y = string.match(text, '^tb (%d+) (%d+)$')
-    x, y = tonumber(x), tonumber(y)
-    local p = tonumber(c)
-    if x and y and whole(x, 1, 2^50) and whole(y, 1, 2^50)
-        and x * p < 2^53 and y * p < 2^53 then
-      return x, y
-    end
-    return nil
-  end
-  local k, x = string.match(text, '^(%l+) (%d+)$')
-  x = tonumber(x)
-  if k == kind and x and whole(x, 1, kind == 'sw' and 1000000 or 2^50) then
-    return x
-  end
-  return nil
 end
 
 -- Why a GCRA, fixed-window or sliding-window-counter limit's numbers would
@@ -260,6 +227,7 @@ local function decide_checked(keys, ko, argv, ao, na)
     -- cost, is ignored and reported (4). Read before the block, so a
     -- blocked key's verdict says whether an override decides the key.
     local used = 0
+    local plan_b
     if ov then
       -- pcall: a key of another type written by hand is an ignored
       -- override, never an error that fails the request.
@@ -274,6 +242,7 @@ local function decide_checked(keys, ko, argv, ao, na)
         local x, y = override_figures(text, alg, c)
         if x and x >= cost then
           a, b, used = x, y or b, 2
+          plan_b = y or 0
         else
           used = 4
         end
@@ -312,6 +281,9 @@ local function decide_checked(keys, ko, argv, ao, na)
     end
     r.alg = alg
     r.used = used
+    if used == 2 then
+      r.plan_a, r.plan_b = a, plan_b
+    end
     r.block, r.bkey, r.starts = block, bkey, e > 1
     if enforce and r.allowed == 0 then
       admit = 0
@@ -354,6 +326,17 @@ local function decide_checked(keys, ko, argv, ao, na)
     out[#out + 1] = wire(r.remaining)
     out[#out + 1] = wire(r.retry)
     out[#out + 1] = wire(r.reset)
+  end
+  -- The plan that decided each overridden limit, after every verdict: its
+  -- figures a and b (a token bucket's capacity and refill; another kind's
+  -- limit, amount or maximum, and 0), so the filter states the customer's
+  -- own quota in its headers without another call.
+  for i = 1, n do
+    local r = results[i]
+    if r.used == 2 then
+      out[#out + 1] = wire(r.plan_a)
+      out[#out + 1] = wire(r.plan_b)
+    end
   end
   return out
 end

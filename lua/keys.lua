@@ -11,6 +11,10 @@ bucket's give-back record `<state key>:ret` (lua/lease.lua,
 lua/lease_return.lua, which are not joined with this file; src/keys.rs
 give_back_key() names it for the CLI, whose reset deletes it, and checks
 that both scripts spell that suffix).
+
+It also reads what is stored at an override key (override_figures), for the
+decision (lua/decide.lua) and the settlement (lua/settle.lua) alike, so both
+judge a customer by the same plan.
 ]]
 
 -- The key of a blocking limit's block: its state key with `:bl:` for `:rl:`
@@ -40,4 +44,48 @@ local function override_key(key)
   if g == nil then return nil end
   return string.sub(key, 1, s - 1) .. ':ov:{' .. string.sub(key, e + 1, n)
       .. string.sub(key, g + 1)
+end
+
+-- A whole number lo <= x <= hi (tonumber() also takes fractions, "nan" and
+-- "inf").
+local function ov_whole(x, lo, hi)
+  return x == math.floor(x) and x >= lo and x <= hi
+end
+
+-- An override's figures for a limit of kind `kind` (a token bucket's period
+-- `c`, a quota's edges), or nil when `text` is not one within the kind's
+-- bounds: "tb <capacity> <refill>", "fw <limit>", "swc <limit>", "sw
+-- <limit>", "cc <max>", "cq <amount>", "cq <amount> <anchorDay>" (decimal,
+-- as `redis-guard override set` writes them). A quota's anchor day counts
+-- only for edges sent for that day (cq_anchor_wanted() sent the others
+-- back); `any_day`: the amount counts whatever the day (a settlement lands
+-- in the window its decision was made in, whichever day that was on).
+local function override_figures(text, kind, c, any_day)
+  if kind == 'cq' then
+    local x, d = string.match(text, '^cq (%d+) (%d+)$')
+    if x then
+      if not any_day and cq_anchoring(c) ~= tonumber(d) then
+        return nil
+      end
+      text = 'cq ' .. x
+    end
+  end
+  if kind == 'tb' then
+    local x, y = string.match(text, '^tb (%d+) (%d+)$')
+    x, y = tonumber(x), tonumber(y)
+    local p = tonumber(c)
+    if x and y and ov_whole(x, 1, 2^50) and ov_whole(y, 1, 2^50)
+        and x * p < 2^53 and y * p < 2^53 then
+      return x, y
+    end
+    return nil
+  end
+  local k, x = string.match(text, '^(%l+) (%d+)$')
+  x = tonumber(x)
+  local top = 2^50
+  if kind == 'sw' then top = 1000000 elseif kind == 'cc' then top = 2^20 end
+  if k == kind and x and ov_whole(x, 1, top) then
+    return x
+  end
+  return nil
 end

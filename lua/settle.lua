@@ -8,7 +8,12 @@ KEYS[i]  the state key of limit i (as in lua/ratelimit.lua); a key may come
 ARGV per limit i, seven values starting at 1 + (i-1)*7:
   algorithm  "tb", "gcra", "fw", "swc" or "cq" (the sliding-window log keeps a
              member per unit, and a concurrency limit counts requests, not
-             units: neither settles)
+             units: neither settles); "tb", "fw", "swc" and "cq" may carry
+             `+o` as in lua/ratelimit.lua: the key's stored override (the
+             customer's plan, lua/keys.lua override_figures) replaces a, b
+             as it did in the decision, read in this same call. A quota's
+             plan counts whatever its anchor day: the edges are the
+             decision's, and it was judged on the plan's day
   a, b, c    as in lua/ratelimit.lua (tb: capacity, refill, period; gcra:
              burst, rate, period; fw, swc: limit, window, 0; cq: amount,
              0, the window edges of the decision, lua/quota.lua)
@@ -81,10 +86,22 @@ end
 -- Every limit is checked before any is written: a member that fails is
 -- marked in `failed` (its reply entry) and skipped below, having written
 -- nothing.
+-- A limit's kind, and whether it reads its key's override (`+o`).
+local function settle_kind(alg)
+  if type(alg) == 'string' and string.sub(alg, -2) == '+o' then
+    local kind = string.sub(alg, 1, -3)
+    if kind == 'tb' or kind == 'fw' or kind == 'swc' or kind == 'cq' then
+      return kind, true
+    end
+    return nil, false
+  end
+  return alg, false
+end
+
 local failed = {}
 for i = 1, n do
   local base = 1 + (i - 1) * 7
-  local alg = ARGV[base]
+  local alg = settle_kind(ARGV[base])
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local block = tonumber(ARGV[base + 6])
   -- The bounds config validation keeps each kind within (src/config/limit.rs).
@@ -147,8 +164,21 @@ end
 local out = {}
 local function settle(i)
   local base = 1 + (i - 1) * 7
-  local key, alg = KEYS[i], ARGV[base]
+  local key = KEYS[i]
+  local alg, ov = settle_kind(ARGV[base])
   local a, b, c = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  if ov then
+    -- pcall: a key of another type written by hand is no plan, as in the
+    -- decision.
+    local okey = override_key(key)
+    local text = okey and redis.pcall('GET', okey)
+    if type(text) == 'string' then
+      local x, y = override_figures(text, alg, ARGV[base + 3], true)
+      if x then
+        a, b = x, y or b
+      end
+    end
+  end
   local delta = tonumber(ARGV[base + 4])
   local age = tonumber(ARGV[base + 5])
   if (alg == 'fw' or alg == 'swc') and delta < 0

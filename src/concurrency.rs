@@ -170,6 +170,7 @@ mod tests {
             retry_ms: 0,
             reset_ms: 0,
             overridden: crate::ratelimit::OverrideUse::None,
+            plan: None,
         }
     }
 

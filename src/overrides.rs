@@ -5,7 +5,9 @@
 //! `tb <capacity> <refill>` for a token bucket (its period stays the
 //! configured one, so its stored level keeps its meaning), `<kind> <limit>`
 //! for a fixed window (`fw`), a sliding-window counter (`swc`), a sliding
-//! window (`sw`) or a calendar quota (`cq`); decimal, one space apart. A
+//! window (`sw`), a calendar quota (`cq`) or a concurrency limit's maximum
+//! (`cc`: its state is the slots in flight, which a maximum only bounds);
+//! decimal, one space apart. A
 //! quota's override, stored or carried by the request, may add the
 //! customer's anchor day, `cq <amount> <anchorDay>`. The filter computes the
 //! windows before the script reads a stored one: the script checks the
@@ -18,6 +20,8 @@ use crate::config::Algorithm;
 const MAX_FIGURE: u64 = 1 << 50;
 /// Largest sliding-window limit (one sorted-set member per unit).
 const MAX_LOG: u64 = 1_000_000;
+/// Largest concurrency maximum (lua/decide.lua's bound on `cc`).
+const MAX_SLOTS: u64 = 1 << 20;
 /// A bucket's capacity and refill times its period stay below this (doubles).
 const EXACT: u64 = 1 << 53;
 
@@ -27,7 +31,8 @@ pub enum Override {
         capacity: u64,
         refill: u64,
     },
-    /// A window kind's limit (a quota's amount).
+    /// A window kind's limit (a quota's amount, a concurrency limit's
+    /// maximum).
     Limit(u64),
     /// A quota's amount and anchor day.
     Quota {
@@ -55,11 +60,15 @@ impl Override {
                 Algorithm::FixedWindow { .. }
                 | Algorithm::SlidingWindowCounter { .. }
                 | Algorithm::SlidingWindow { .. }
-                | Algorithm::Quota { .. },
+                | Algorithm::Quota { .. }
+                | Algorithm::Concurrency { .. },
                 None,
                 None,
                 Some(limit),
             ) => Override::Limit(limit),
+            (Algorithm::Concurrency { .. }, _, _, _) => {
+                return Err("a concurrency limit's override is a maximum".to_string())
+            }
             (
                 Algorithm::FixedWindow { .. }
                 | Algorithm::SlidingWindowCounter { .. }
@@ -103,6 +112,7 @@ impl Override {
                     && exact(refill)
             }
             (Override::Limit(n), Algorithm::SlidingWindow { .. }) => (1..=MAX_LOG).contains(&n),
+            (Override::Limit(n), Algorithm::Concurrency { .. }) => (1..=MAX_SLOTS).contains(&n),
             (
                 Override::Limit(n),
                 Algorithm::FixedWindow { .. }
@@ -119,7 +129,7 @@ impl Override {
             Ok(())
         } else {
             Err(format!(
-                "out of bounds: from 1 to 2^50 (a sliding window's limit at most {MAX_LOG}; a bucket's capacity and refill times its period below 2^53; a quota's anchor day within its month or week, none for a day or an hour)"
+                "out of bounds: from 1 to 2^50 (a sliding window's limit at most {MAX_LOG}; a concurrency limit's maximum at most {MAX_SLOTS}; a bucket's capacity and refill times its period below 2^53; a quota's anchor day within its month or week, none for a day or an hour)"
             ))
         }
     }
@@ -146,6 +156,9 @@ impl Override {
             }
             (Override::Limit(amount), Algorithm::Quota { calendar, .. }) => {
                 Algorithm::Quota { amount, calendar }
+            }
+            (Override::Limit(max), Algorithm::Concurrency { lease_ms, .. }) => {
+                Algorithm::Concurrency { max, lease_ms }
             }
             (Override::Quota { amount, anchor }, Algorithm::Quota { calendar, .. }) => {
                 Algorithm::Quota {
@@ -378,6 +391,37 @@ mod tests {
         assert!(Override::parse(b"cq 5 1", &day).is_err());
         assert!(Override::Limit(5).with_anchor(&day, 1).is_err());
         assert_eq!(Override::parse(b"cq 5", &day), Ok(Override::Limit(5)));
+    }
+
+    #[test]
+    fn a_concurrency_limits_override_is_its_maximum() {
+        let cc = Algorithm::Concurrency {
+            max: 1,
+            lease_ms: 30_000,
+        };
+        let o = Override::new(&cc, None, None, Some(3)).unwrap();
+        assert_eq!(o.text(&cc), "cc 3");
+        assert_eq!(Override::parse(b"cc 3", &cc), Ok(o));
+        assert_eq!(Override::carried(b"3", &cc), Ok(o));
+        assert_eq!(
+            o.apply(&cc),
+            Algorithm::Concurrency {
+                max: 3,
+                lease_ms: 30_000
+            }
+        );
+        for bad in [&b"cc 0"[..], b"cc 1048577", b"fw 3", b"cc 3 3"] {
+            assert!(
+                Override::parse(bad, &cc).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert!(Override::new(&cc, Some(3), Some(3), None).is_err());
+        assert_eq!(
+            Override::parse(b"cc 1048576", &cc),
+            Ok(Override::Limit(1 << 20))
+        );
     }
 
     #[test]

@@ -486,6 +486,36 @@ pub struct LimitResult {
     pub reset_ms: u64,
     /// Whether an override stored in Redis decided it.
     pub overridden: OverrideUse,
+    /// The stored plan's figures when one decided it (`Applied`), as the
+    /// same reply states them: a token bucket's capacity and refill,
+    /// another kind's limit, amount or maximum and 0. None where the reply
+    /// does not say (the over-limit cache's).
+    pub plan: Option<[u64; 2]>,
+}
+
+impl LimitResult {
+    /// The numbers this limit decided the request under, for its headers:
+    /// the stored plan's when one decided it, else the one the request
+    /// carried, else the configured ones. None when a plan decided it whose
+    /// figures are unknown here (a limit is better left out than misstated).
+    pub fn decided_under(
+        &self,
+        configured: &Algorithm,
+        carried: Option<Override>,
+    ) -> Option<Algorithm> {
+        if self.overridden != OverrideUse::Applied {
+            return Some(carried.map_or(*configured, |o| o.apply(configured)));
+        }
+        let [a, b] = self.plan?;
+        let plan = match configured {
+            Algorithm::TokenBucket { .. } => Override::TokenBucket {
+                capacity: a,
+                refill: b,
+            },
+            _ => Override::Limit(a),
+        };
+        Some(plan.apply(configured))
+    }
 }
 
 /// What became of a limit's override in its decision.
@@ -507,15 +537,18 @@ pub struct Outcome {
     pub results: Vec<LimitResult>,
 }
 
-/// Reads the script's flat reply: `[admitted, (allowed, remaining, retry_ms, reset_ms) × n]`.
+/// Reads the script's flat reply: `[admitted, (allowed, remaining, retry_ms,
+/// reset_ms) × n]`, then `(a, b)` of the stored plan of each limit one
+/// decided, in order (lua/ratelimit.lua).
 pub fn parse_outcome(reply: &Reply, n: usize) -> Result<Outcome, String> {
     let Reply::Array(Some(items)) = reply else {
         return Err(format!("expected an array, got {}", Shown(reply)));
     };
-    if items.len() != 1 + 4 * n {
+    let verdicts = n.checked_mul(4).and_then(|v| v.checked_add(1));
+    if verdicts.is_none_or(|v| items.len() < v || (items.len() - v) % 2 != 0) {
         return Err(format!(
-            "expected {} integers for {n} limits, got {}",
-            1 + 4 * n,
+            "expected {} integers for {n} limits and two per plan, got {}",
+            4 * n + 1,
             items.len()
         ));
     }
@@ -545,15 +578,28 @@ pub fn parse_outcome(reply: &Reply, n: usize) -> Result<Outcome, String> {
     let nonneg = |v: i64| u64::try_from(v).map_err(|_| format!("expected a count, got {v}"));
     let admitted = flag(ints[0])?;
     let mut results = Vec::with_capacity(n);
-    for chunk in ints[1..].chunks_exact(4) {
+    let (verdicts, plans) = ints[1..].split_at(4 * n);
+    let mut plans = plans.chunks_exact(2);
+    for chunk in verdicts.chunks_exact(4) {
         let (allowed, overridden) = allowed(chunk[0])?;
+        let plan = match overridden {
+            OverrideUse::Applied => {
+                let ab = plans.next().ok_or("a plan's figures missing")?;
+                Some([nonneg(ab[0])?, nonneg(ab[1])?])
+            }
+            _ => None,
+        };
         results.push(LimitResult {
             allowed,
             overridden,
+            plan,
             remaining: nonneg(chunk[1])?,
             retry_ms: nonneg(chunk[2])?,
             reset_ms: nonneg(chunk[3])?,
         });
+    }
+    if plans.next().is_some() {
+        return Err("more plans' figures than limits a plan decided".to_string());
     }
     Ok(Outcome { admitted, results })
 }
@@ -859,6 +905,7 @@ mod tests {
                 retry_ms: 1500,
                 reset_ms: 1500,
                 overridden: OverrideUse::None,
+                plan: None,
             }
         );
         assert!(parse_outcome(&reply, 1).is_err());

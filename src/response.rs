@@ -11,7 +11,7 @@ use serde_json::json;
 use crate::codec::push_decimal;
 use crate::config::Config;
 use crate::grpc;
-use crate::ratelimit::{Outcome, OverrideUse, Plan};
+use crate::ratelimit::{Outcome, Plan};
 
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -286,7 +286,11 @@ fn headline(config: &Config, plan: &Plan, outcome: &Outcome) -> Option<usize> {
         .iter()
         .enumerate()
         .filter(|(i, c)| {
-            !config.limits[c.limit].shadow && outcome.results[*i].overridden != OverrideUse::Applied
+            let limit = &config.limits[c.limit];
+            !limit.shadow
+                && outcome.results[*i]
+                    .decided_under(&limit.algorithm, c.carried)
+                    .is_some()
         })
         .map(|(i, _)| i);
     if outcome.admitted {
@@ -320,15 +324,16 @@ pub fn rate_limit_headers(
         let mut state = String::new();
         for (check, result) in plan.checks.iter().zip(&outcome.results) {
             let limit = &config.limits[check.limit];
-            // An override's quota is Redis' alone: the configured one would
-            // be wrong, so the limit is left out rather than misstated.
-            if limit.shadow || result.overridden == OverrideUse::Applied {
+            // The numbers the request was decided under: the customer's
+            // stored plan, as the decision's reply states it, or the one it
+            // carried. A plan whose figures are unknown here (the over-limit
+            // cache keeps none) leaves the limit out rather than misstated.
+            if limit.shadow {
                 continue;
             }
-            // The numbers the request was decided under: its own override's.
-            let algorithm = check
-                .carried
-                .map_or(limit.algorithm, |o| o.apply(&limit.algorithm));
+            let Some(algorithm) = result.decided_under(&limit.algorithm, check.carried) else {
+                continue;
+            };
             if !policy.is_empty() {
                 policy.push_str(", ");
                 state.push_str(", ");
@@ -370,11 +375,10 @@ pub fn rate_limit_headers(
         if let Some(i) = headline(config, plan, outcome) {
             let check = &plan.checks[i];
             let limit = &config.limits[check.limit];
-            let quota = check
-                .carried
-                .map_or(limit.algorithm, |o| o.apply(&limit.algorithm))
-                .quota();
             let r = &outcome.results[i];
+            let quota = r
+                .decided_under(&limit.algorithm, check.carried)
+                .map_or(0, |a| a.quota());
             headers.push(("x-ratelimit-limit".to_string(), number(quota)));
             headers.push(("x-ratelimit-remaining".to_string(), number(r.remaining)));
             headers.push((
@@ -587,6 +591,7 @@ mod tests {
             retry_ms,
             reset_ms,
             overridden: crate::ratelimit::OverrideUse::None,
+            plan: None,
         }
     }
 

@@ -54,11 +54,6 @@ const REJECTED: &[(&str, &str, &str)] = &[
         "cannot go with `lease`",
     ),
     (
-        "overrides_with_usage.json",
-        "limits[0].overrides.redis",
-        "cannot go with `usage`",
-    ),
-    (
         "overrides_without_source.json",
         "limits[0].overrides",
         "set `redis`, `request` or both",

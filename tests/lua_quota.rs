@@ -191,6 +191,9 @@ fn an_override_changes_the_amount_mid_window_and_keeps_the_use() {
             redis::Value::Int(1),
             redis::Value::Int(0),
             redis::Value::BulkString(left.into_bytes()),
+            // The plan that decided it: its amount, and 0.
+            redis::Value::Int(5),
+            redis::Value::Int(0),
         ])
     );
     assert_eq!(get(&mut con, &format!("{key}:{start}")), Some("4".into()));
@@ -359,9 +362,10 @@ fn edges_for_another_day_than_a_stored_anchor_are_named_and_nothing_is_written()
     let on15 = moved(key, 100, &c, now, 15, 1);
     let from = utc(2027, 6, 15, 0);
     let to = utc(2027, 7, 15, 0);
+    // After the verdict, the plan that decided it: its amount, and 0.
     assert_eq!(
         raw(&mut con, now, std::slice::from_ref(&on15)),
-        ints(&[1, 3, 49, 0, to - now])
+        ints(&[1, 3, 49, 0, to - now, 50, 0])
     );
     assert_eq!(get(&mut con, &format!("{key}:{from}")), Some("1".into()));
     // 1 ms before the 15th's renewal it is still June's window; at it, a
@@ -369,11 +373,11 @@ fn edges_for_another_day_than_a_stored_anchor_are_named_and_nothing_is_written()
     let late = moved(key, 100, &c, to - DAY, 15, 1);
     assert_eq!(
         raw(&mut con, to - 1, std::slice::from_ref(&late)),
-        ints(&[1, 3, 48, 0, 1])
+        ints(&[1, 3, 48, 0, 1, 50, 0])
     );
     assert_eq!(
         raw(&mut con, to, std::slice::from_ref(&late)),
-        ints(&[1, 3, 49, 0, utc(2027, 8, 15, 0) - to])
+        ints(&[1, 3, 49, 0, utc(2027, 8, 15, 0) - to, 50, 0])
     );
     assert_eq!(get(&mut con, &format!("{key}:{to}")), Some("1".into()));
     // The override deleted: edges for the 15th are sent back for the 1st.
@@ -411,7 +415,7 @@ fn a_stored_anchor_comes_before_the_requests_and_a_stored_amount_alone_keeps_it(
     );
     assert_eq!(
         raw(&mut con, now, &[moved(key, 100, &c, now, 10, 10)]),
-        ints(&[1, 3, 49, 0, utc(2027, 7, 10, 0) - now])
+        ints(&[1, 3, 49, 0, utc(2027, 7, 10, 0) - now, 50, 0])
     );
     assert!(exists(&mut con, &format!("{key}:{}", utc(2027, 6, 10, 0))));
     // A stored override the script ignores (a day past the unit's) sets no

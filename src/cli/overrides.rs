@@ -21,7 +21,7 @@ const DAY_MS: u64 = 86_400_000;
 
 #[derive(Subcommand)]
 pub enum OverrideCommand {
-    /// Store an override for one value: a token bucket's --capacity and --refill, a window's --quota.
+    /// Store an override for one value: a token bucket's --capacity and --refill, a window's --quota, a concurrency limit's --max.
     Set {
         #[command(flatten)]
         limit: LimitArgs,
@@ -57,8 +57,9 @@ pub struct Figures {
     /// A token bucket's refill (tokens per configured period).
     #[arg(long)]
     refill: Option<u64>,
-    /// A window's limit (units per configured window).
-    #[arg(long)]
+    /// A window's limit (units per configured window), a calendar quota's
+    /// amount, or (as --max) a concurrency limit's maximum in flight.
+    #[arg(long, visible_alias = "max")]
     quota: Option<u64>,
     /// A calendar quota's anchor day for this value (with --quota): a
     /// month's day (1-31) or a week's ISO weekday (1-7); its windows renew
@@ -84,8 +85,19 @@ fn target<'a>(
 }
 
 /// What an override says, for text and JSON.
-fn described(o: &Override) -> (String, serde_json::Value) {
+fn described(
+    o: &Override,
+    algorithm: &redis_guard::config::Algorithm,
+) -> (String, serde_json::Value) {
     match *o {
+        Override::Limit(n)
+            if matches!(
+                algorithm,
+                redis_guard::config::Algorithm::Concurrency { .. }
+            ) =>
+        {
+            (format!("at most {n} in flight"), json!({"quota": n}))
+        }
         Override::TokenBucket { capacity, refill } => (
             format!("capacity {capacity}, refill {refill} per period"),
             json!({"capacity": capacity, "refill": refill}),
@@ -141,7 +153,7 @@ pub fn run(command: OverrideCommand) -> Result<Report, Failure> {
                 set.arg("PX").arg(ms);
             }
             redis.query::<()>(&set)?;
-            let (text, figures) = described(&o);
+            let (text, figures) = described(&o, algorithm);
             let lasts = match expires {
                 Some(days) => format!("expires in {days} days"),
                 None => "until unset".to_string(),
@@ -274,7 +286,7 @@ fn show(target: &LimitTarget, key: &[u8], stored: Option<&[u8]>, pttl: i64) -> R
     };
     match Override::parse(stored, &target.limit.algorithm) {
         Ok(o) => {
-            let (text, figures) = described(&o);
+            let (text, figures) = described(&o, &target.limit.algorithm);
             Report {
                 text: format!(
                     "override `{name}` at {}: {text} ({})\n",

@@ -467,13 +467,7 @@ pub(super) fn compile_limit(
     };
     let overrides = match raw.overrides {
         None => Overrides::default(),
-        Some(o) => compile_overrides(
-            o,
-            &format!("{at}.overrides"),
-            &algorithm,
-            lease.is_some(),
-            usage.is_some(),
-        )?,
+        Some(o) => compile_overrides(o, &format!("{at}.overrides"), &algorithm, lease.is_some())?,
     };
     let key_infix = format!(":{}:{}:", raw.name, algorithm.signature());
     Ok(Limit {

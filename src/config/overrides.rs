@@ -17,7 +17,9 @@ pub(super) struct RawOverrides {
     /// Look up an override for the request's descriptor values in Redis
     /// (one key per value, beside the limit's state, same hash tag), in the
     /// same call that decides the request: a token bucket's capacity and
-    /// refill, a window's limit. Set with `redis-guard override set`.
+    /// refill, a window's limit, a quota's amount, a concurrency limit's
+    /// maximum; for a usage-based limit, its settlement after the response
+    /// reads it too. Set with `redis-guard override set`.
     #[serde(default)]
     redis: bool,
     /// A part whose value overrides the limit for this request (a claim, a
@@ -42,7 +44,6 @@ pub(super) fn compile_overrides(
     at: &str,
     algorithm: &Algorithm,
     leased: bool,
-    usage: bool,
 ) -> Result<Overrides, ConfigError> {
     let request = match raw.request {
         Some(p) => Some(compile_part(p, &format!("{at}.request"))?),
@@ -58,14 +59,8 @@ pub(super) fn compile_overrides(
         Algorithm::Gcra { .. } => Some(
             "a GCRA limit's state is kept in units of its rate, which an override would change: use a token bucket",
         ),
-        Algorithm::Concurrency { .. } => {
-            Some("a concurrency limit takes no overrides (its state is the slots in flight)")
-        }
         _ if leased => Some(
             "cannot go with `lease`: leased tokens are spent without Redis, where the override lives",
-        ),
-        _ if usage => Some(
-            "cannot go with `usage`: the settlement after the response uses the configured numbers",
         ),
         _ => None,
     };

@@ -33,6 +33,7 @@ pub fn cached<H: Host>(host: &mut H, config: &Config, plan: &Plan) -> Option<Loc
                 } else {
                     crate::ratelimit::OverrideUse::None
                 },
+                plan: None,
             });
             rejecting.checks.push(check.clone());
         }

@@ -36,6 +36,9 @@ struct Owed {
     /// A quota's window edges at the decision (the settlement lands in the
     /// window that holds Redis' clock then: lua/settle.lua).
     edges: Option<[i64; 4]>,
+    /// The plan the request carried: the settlement is judged under it, as
+    /// the decision was (a plan stored in Redis wins over it there too).
+    carried: Option<crate::overrides::Override>,
     /// Its terms' place in `UsageStage::terms`.
     terms: std::ops::Range<usize>,
     /// Its header's value, once the response's headers are read (for a
@@ -189,6 +192,7 @@ impl UsageStage {
                 key: check.key.clone(),
                 reserved: check.cost,
                 edges: check.edges,
+                carried: check.carried,
                 terms: start..self.terms.len(),
                 header: None,
                 provisional: None,
@@ -354,9 +358,18 @@ impl UsageStage {
                 _ if block > 0 => {}
                 _ => continue,
             }
-            let (alg, a, b, c) = kind_args(&limit.algorithm);
+            let algorithm = owed
+                .carried
+                .map_or(limit.algorithm, |o| o.apply(&limit.algorithm));
+            let (alg, a, b, c) = kind_args(&algorithm);
             keys.push(owed.key.clone());
-            argv.push(alg.as_bytes().to_vec());
+            // `+o`: the settlement reads the customer's stored plan in its
+            // own call, as the decision did (lua/settle.lua).
+            let mut alg = alg.as_bytes().to_vec();
+            if limit.overrides.redis {
+                alg.extend_from_slice(b"+o");
+            }
+            argv.push(alg);
             argv.push(a.to_string().into_bytes());
             argv.push(b.to_string().into_bytes());
             argv.push(match limit.algorithm {
