@@ -11,7 +11,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::probe::poll;
+use support::probe::{poll, poll_eq};
 use support::*;
 
 /// Free tier: 5 per hour per API key (the period far above the test's run,
@@ -180,4 +180,242 @@ fn an_override_the_request_carries_applies_and_one_in_redis_wins_over_it() {
         stack.counter("redis_guard.ratelimit.per-key.override_invalid"),
         invalid + 6
     );
+}
+
+/// A day's zone far from its midnight now (a test that crosses a day's
+/// edge would see its quota renew): UTC, or Tokyo near UTC's midnight.
+fn zone_far_from_midnight() -> &'static str {
+    let hour = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        / 3600
+        % 24;
+    if (2..22).contains(&hour) {
+        "UTC"
+    } else {
+        "Asia/Tokyo"
+    }
+}
+
+/// An LLM gateway's plans: 100 tokens a day per API key configured (the
+/// free tier), each request reserving 1 and settled from its OpenAI or
+/// Anthropic usage after the response; one request in flight per user
+/// configured. Both take stored plans.
+fn plans_config() -> String {
+    filter_config(1000)
+        .limits(&format!(
+            r#"[{{"name": "tokens", "match": {{"pathPrefix": "/v1/"}},
+                 "descriptor": [{{"header": "x-api-key"}}],
+                 "quota": {{"amount": 100, "per": "day", "timeZone": "{}"}},
+                 "usage": {{"json": [{{"pointer": "/usage/prompt_tokens"}},
+                                     {{"pointer": "/usage/completion_tokens"}},
+                                     {{"pointer": "/message/usage/input_tokens"}},
+                                     {{"pointer": "/usage/output_tokens"}}]}},
+                 "overrides": {{"redis": true}}}},
+                {{"name": "inflight", "match": {{"pathPrefix": "/slow"}},
+                 "descriptor": [{{"header": "x-user"}}],
+                 "concurrency": {{"max": 1, "leaseMs": 30000}},
+                 "overrides": {{"redis": true}}}}]"#,
+            zone_far_from_midnight()
+        ))
+        .build()
+}
+
+/// The tokens counted in `key`'s daily windows.
+fn tokens_spent(con: &mut redis::Connection, key: &str) -> i64 {
+    let windows: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("*:tokens:*:{key}:*"))
+        .query(con)
+        .unwrap();
+    windows
+        .iter()
+        .map(|w| {
+            let v: Option<String> = redis::cmd("GET").arg(w).query(con).unwrap();
+            v.map_or(0, |v| v.parse::<i64>().unwrap())
+        })
+        .sum()
+}
+
+/// A streamed completion for `key` on Envoy `i`: OpenAI's chunks or
+/// Anthropic's events, `prompt` and `completion` tokens in its usage.
+fn streamed(stack: &Stack, i: usize, key: &str, prompt: u64, completion: u64) -> Resp {
+    let (path, kind) = if i % 2 == 0 {
+        ("/v1/chat/completions", "openai-sse")
+    } else {
+        ("/v1/messages", "anthropic-sse")
+    };
+    let tokens = format!("{prompt},{completion}");
+    http(
+        "POST",
+        &stack.envoys[i % 2].url(path),
+        &[
+            ("x-api-key", key),
+            ("x-upstream-llm", kind),
+            ("x-upstream-tokens", &tokens),
+        ],
+        Some(b"{}"),
+    )
+}
+
+#[test]
+fn a_stored_daily_token_plan_is_spent_exactly_from_streamed_usage_and_its_headers_state_it() {
+    let stack = Stack::start(&plans_config(), 2);
+    let dir = Scratch::new("plans");
+    let config_path = dir.0.join("filter.json");
+    std::fs::write(&config_path, plans_config()).unwrap();
+    let mut con = stack.redis.conn();
+    // acme's plan: 1,000 tokens a day; initech has none (the configured 100).
+    let set = cli_json(
+        env!("CARGO_BIN_EXE_redis-guard"),
+        &stack,
+        &config_path,
+        &[
+            "override",
+            "set",
+            "--limit",
+            "tokens",
+            "--value",
+            "x-api-key=acme",
+            "--quota",
+            "1000",
+        ],
+    );
+    assert_eq!(set["override"]["quota"], 1000);
+    let day = |q: u64| format!("\"tokens\";q={q};w=86400");
+    // Ten streamed completions of 100 tokens each, alternating Envoys and
+    // APIs: each reserves 1 at admission and settles its 99 more as its
+    // stream ends, under acme's plan.
+    for n in 1..=10 {
+        let r = streamed(&stack, n, "acme", 30, 70);
+        assert_eq!(r.status, 200, "request {n}");
+        // The headers state acme's own plan and what is left of it after
+        // the reserve.
+        let left = 1000 - 100 * (n as u64 - 1) - 1;
+        assert_eq!(r.header("ratelimit-policy"), Some(day(1000).as_str()));
+        assert_eq!(r.header("x-ratelimit-limit"), Some("1000"));
+        assert_eq!(
+            r.header("x-ratelimit-remaining"),
+            Some(left.to_string().as_str())
+        );
+        let state = r.header("ratelimit").unwrap();
+        assert!(
+            state.starts_with(&format!("\"tokens\";r={left};t=")),
+            "{state}"
+        );
+        poll_eq(
+            "acme's settlement",
+            100 * n as i64,
+            Duration::from_secs(5),
+            || tokens_spent(&mut con, "acme"),
+        );
+    }
+    // Exactly 1,000 tokens, to the token: the plan is spent.
+    let r = streamed(&stack, 0, "acme", 1, 1);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("1000"));
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    assert_eq!(tokens_spent(&mut con, "acme"), 1000);
+
+    // initech: the configured 100, settled the same way.
+    let r = streamed(&stack, 1, "initech", 40, 60);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("ratelimit-policy"), Some(day(100).as_str()));
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("99"));
+    poll_eq("initech's settlement", 100, Duration::from_secs(5), || {
+        tokens_spent(&mut con, "initech")
+    });
+    let r = streamed(&stack, 0, "initech", 1, 1);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("100"));
+    assert_eq!(tokens_spent(&mut con, "initech"), 100);
+    assert_eq!(tokens_spent(&mut con, "acme"), 1000);
+    assert_eq!(stack.counter("redis_guard.usage.fallback"), 0);
+    assert_eq!(
+        stack.counter("redis_guard.ratelimit.tokens.override_applied"),
+        11
+    );
+}
+
+/// A request to `path` as `user` that the upstream holds `delay_ms`.
+fn held_open(port: u16, path: &str, user: &str, delay_ms: u64) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let delay = delay_ms.to_string();
+    let req = raw_request_bytes(
+        "GET",
+        path,
+        "",
+        &[
+            ("x-user", user.as_bytes()),
+            ("x-upstream-delay-ms", delay.as_bytes()),
+        ],
+        b"",
+    );
+    s.write_all(&req).unwrap();
+    s
+}
+
+#[test]
+fn a_customer_with_a_concurrency_plan_of_3_holds_exactly_3_in_flight_and_others_1() {
+    let stack = Stack::start(&plans_config(), 2);
+    let dir = Scratch::new("plans");
+    let config_path = dir.0.join("filter.json");
+    std::fs::write(&config_path, plans_config()).unwrap();
+    let set = cli_json(
+        env!("CARGO_BIN_EXE_redis-guard"),
+        &stack,
+        &config_path,
+        &[
+            "override",
+            "set",
+            "--limit",
+            "inflight",
+            "--value",
+            "x-user=acme",
+            "--max",
+            "3",
+        ],
+    );
+    assert_eq!(set["override"]["quota"], 3);
+    // Three held at the upstream, over both Envoys.
+    let _held: Vec<_> = (0..3)
+        .map(|i| {
+            let path = format!("/slow?acme={i}");
+            let s = held_open(stack.envoys[i % 2].port, &path, "acme", 10_000);
+            poll_eq(
+                "acme's request at the upstream",
+                1,
+                Duration::from_secs(10),
+                || stack.upstream.in_flight(&path),
+            );
+            s
+        })
+        .collect();
+    // The 4th is refused, on either Envoy, and says acme's own maximum.
+    for e in &stack.envoys {
+        let r = http("GET", &e.url("/slow"), &[("x-user", "acme")], None);
+        assert_eq!(r.status, 429);
+        assert_eq!(r.header("x-ratelimit-limit"), Some("3"));
+        assert_eq!(r.header("ratelimit-policy"), Some("\"inflight\";q=3"));
+    }
+    // bob has no plan: the configured 1.
+    let _bob = held_open(stack.envoys[0].port, "/slow?bob", "bob", 10_000);
+    poll_eq("bob's request", 1, Duration::from_secs(10), || {
+        stack.upstream.in_flight("/slow?bob")
+    });
+    let r = http(
+        "GET",
+        &stack.envoys[1].url("/slow"),
+        &[("x-user", "bob")],
+        None,
+    );
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("ratelimit-policy"), Some("\"inflight\";q=1"));
+    // Exactly three of acme's and one of bob's ever reached the upstream.
+    let reached: u64 = (0..3)
+        .map(|i| stack.upstream.executions_of(&format!("/slow?acme={i}")))
+        .sum();
+    assert_eq!(reached, 3);
+    assert_eq!(stack.upstream.executions_of("/slow"), 0);
 }
