@@ -49,8 +49,31 @@ fn text(out: &Output) -> (String, String) {
     )
 }
 
+/// Every hot path, each a scenario: the bench's (x), (b), (f), (e), (c) and
+/// the paths issue 56 named, each checked to decide as it should (its
+/// verdict, its local reply, the stats it moves) before it is measured.
+const SCENARIOS: [&str; 17] = [
+    "x",
+    "b",
+    "b.nolog",
+    "f",
+    "f.nolog",
+    "e",
+    "e.nolog",
+    "c",
+    "y",
+    "t",
+    "t.carried",
+    "p",
+    "d",
+    "d.cached",
+    "e.watch",
+    "e.return",
+    "c.replay",
+];
+
 #[test]
-fn every_bench_scenario_stays_within_its_host_call_and_fuel_budget() {
+fn every_hot_path_stays_within_its_host_call_and_fuel_budget() {
     let out = gate(&["--report"]);
     let (stdout, stderr) = text(&out);
     println!("{stdout}");
@@ -59,10 +82,41 @@ fn every_bench_scenario_stays_within_its_host_call_and_fuel_budget() {
         "the cost gate failed (exit {:?}):\n{stderr}\n{stdout}",
         out.status.code()
     );
+    for id in SCENARIOS {
+        assert!(
+            stdout.contains(&format!("\n({id}) ")) || stdout.starts_with(&format!("({id}) ")),
+            "({id}) ran: {stdout}"
+        );
+    }
     assert!(
-        stdout.contains("8 scenarios within budget"),
+        stdout.contains(&format!("{} scenarios within budget", SCENARIOS.len())),
         "every scenario ran: {stdout}"
     );
+}
+
+/// A scenario cannot pass on another path than its own: without the plan
+/// it stores in Redis first, (t)'s decisions are made under the configured
+/// bucket, and the gate fails saying so instead of measuring them.
+#[test]
+fn a_scenario_that_no_longer_takes_its_path_fails_the_gate() {
+    for (id, stat) in [
+        (
+            "t",
+            "ratelimit.bench-ov.override_applied rose by 0 in a round, expected 1",
+        ),
+        (
+            "y",
+            "ratelimit.bench-quota.override_applied rose by 0 in a round, expected 8",
+        ),
+    ] {
+        let out = gate(&["--scenarios", id, "--drop-stored"]);
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "({id}):\n{stderr}\n{stdout}");
+        assert!(
+            stderr.contains(&format!("({id}) stat {stat}")),
+            "({id}): {stderr}"
+        );
+    }
 }
 
 /// The gate itself can fail: (b) measured against budgets that allow it

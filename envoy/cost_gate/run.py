@@ -9,6 +9,8 @@ budget, saying which calls grew and by how much; 2 when it cannot run.
   run.py --write             write the current figures as the budgets
                              (or REDIS_GUARD_WRITE_BUDGETS=1)
   run.py --scenarios b,f     only these
+  run.py --drop-stored       the scenarios without what they store in Redis
+                             first (a plan): their decision checks must fail
 
 A budget holds each scenario's ABI calls by name per round (exact: one more
 call fails) and its fuel, with a ceiling `headroom` above it: fuel is
@@ -38,7 +40,7 @@ def fail_to_run(why):
     sys.exit(2)
 
 
-def run(wasm, only):
+def run(wasm, only, drop_stored=False):
     try:
         import wasmtime  # noqa: F401 (its version names the budgets' fuel)
         from importlib.metadata import version
@@ -46,13 +48,22 @@ def run(wasm, only):
         fail_to_run("the wasmtime package is not in this Python: run `make wasi-dep` (it "
                     "installs the pinned wasmtime into .venv) and use .venv/bin/python")
     from cost_gate.host import compile_module
+    from cost_gate.host import GateError
     from cost_gate.scenarios import SCENARIOS, Driver
     compiled = compile_module(wasm)
     results = {}
     for sc in SCENARIOS:
         if only and sc["id"] not in only:
             continue
-        results[sc["id"]] = Driver(compiled, sc).measure()
+        if drop_stored:
+            sc = dict(sc, stored=[])
+        try:
+            results[sc["id"]] = Driver(compiled, sc).measure()
+        except GateError as e:
+            # A scenario that no longer decides as it should measures
+            # another path: its figures would gate nothing.
+            print(f"COST GATE FAILED: {e}", file=sys.stderr)
+            sys.exit(1)
     unknown = set(only or ()) - set(results)
     if unknown:
         fail_to_run(f"no scenario {sorted(unknown)}; there are "
@@ -146,14 +157,17 @@ def main():
     ap.add_argument("--scenarios", default="", help="comma-separated ids (default: all)")
     ap.add_argument("--report", action="store_true", help="where the calls and fuel go")
     ap.add_argument("--write", action="store_true", help="write the figures as the budgets")
+    ap.add_argument("--drop-stored", action="store_true",
+                    help="run the scenarios without what they store in Redis first")
     args = ap.parse_args()
     if not args.wasm.is_file():
         fail_to_run(f"{args.wasm} not found: run `make build`")
     only = [s for s in args.scenarios.split(",") if s]
-    results, version = run(args.wasm, only)
+    results, version = run(args.wasm, only, args.drop_stored)
     if args.write or os.environ.get("REDIS_GUARD_WRITE_BUDGETS") == "1":
-        if only:
-            fail_to_run("--write writes every scenario's budget: run it without --scenarios")
+        if only or args.drop_stored:
+            fail_to_run("--write writes every scenario's budget: run it without --scenarios "
+                        "or --drop-stored")
         args.budgets.write_text(json.dumps(budgets_of(results, version), indent=2) + "\n")
         print(f"cost gate: wrote {args.budgets.relative_to(ROOT)}")
     try:

@@ -1,9 +1,13 @@
-"""The bench scenarios the gate measures, and the driver that plays Envoy and
-Webdis around the filter for them.
+"""The scenarios the gate measures, one per hot path, and the driver that
+plays Envoy and Webdis around the filter for them.
 
-Each scenario's filter configuration is make bench's (envoy/bench_scenarios.py,
-by id), with fixed Webdis credentials in place of the bench's per-run ones, so
-the configuration, and with it every figure, is the same on every run.
+A scenario's filter configuration is make bench's (envoy/bench_scenarios.py,
+by id) or, for a path the bench does not isolate, one of its own built the
+same way, with fixed Webdis credentials in place of the bench's per-run
+ones, so the configuration, and with it every figure, is the same on every
+run. Each scenario also says how its requests must be decided (verdict,
+local reply, the stats they move): a scenario that drifted onto another
+path fails rather than measure it.
 
 A scenario runs in rounds: `round` requests arrive, Webdis answers every
 call beyond the `in_flight` the scenario keeps out (oldest first), the
@@ -15,7 +19,8 @@ for call (steady state), and the gate reports one of them.
 import copy
 import json
 
-from bench_scenarios import SCENARIOS as BENCH
+from bench_abuse import OVERRIDE, OVERRIDE_KEY
+from bench_scenarios import BIG, SCENARIOS as BENCH, SINGLE, filter_config, tb
 from bench_stack import PATH
 from cost_gate.host import RESPONSE_BODY, RESPONSE_HEADERS, GateError, Host
 from cost_gate.webdis import Redis, response_headers
@@ -39,17 +44,39 @@ POST_BODY = b'{"amount":1}'
 def bench_filter(sid, access_log=True):
     """make bench's filter configuration of scenario `sid`."""
     sc = next(s for s in BENCH if s["id"] == sid)
-    cfg = copy.deepcopy(sc["filter"])
+    return with_fixed(copy.deepcopy(sc["filter"]), access_log), sc["request"]
+
+
+def with_fixed(cfg, access_log=True):
     cfg["redis"]["credentials"]["password"] = PASSWORD
     if not access_log:
         cfg["accessLog"] = {"enabled": False}
-    return cfg, sc["request"]
+    return cfg
 
 
-def scenario(gid, sid, what, round_=1, in_flight=0, access_log=True, warmup=4, rounds=6):
-    cfg, request = bench_filter(sid, access_log)
-    return {"id": gid, "bench": sid, "what": what, "filter": cfg, "request": request,
-            "round": round_, "in_flight": in_flight, "warmup": warmup, "rounds": rounds}
+def scenario(gid, sid, what, round_=1, in_flight=0, access_log=True, warmup=4, rounds=6,
+             **more):
+    """Scenario `gid`: bench scenario `sid`'s configuration, or `more`'s
+    "filter". `more`: "request" (the request's kind), "headers" (added to
+    each request), "idem_key" (one Idempotency-Key for every request),
+    "stored" ((key, value) pairs in Redis before the first request),
+    "upstream" ((headers, body) the upstream answers), "idle" (what passes
+    after each round: "watch" fires the root's slow tick `watch` times,
+    "idle_ms" lets that much time pass, ticking as the root asks),
+    "expect" (the record's verdict of every request; default admitted or
+    leased), "status" (a local reply's status every request gets),
+    "response_header" ((name, a part its value holds) in every response)
+    and "stats" (stat name: its increase per round, exact). Only the
+    measured rounds are checked: a warm-up request may be decided otherwise
+    (a bucket's first request admitted, a key's first run)."""
+    if sid is None:
+        cfg, request = with_fixed(more.pop("filter"), access_log), more.pop("request", "get")
+    else:
+        cfg, request = bench_filter(sid, access_log)
+        request = more.pop("request", request)
+    return dict({"id": gid, "bench": sid or "-", "what": what, "filter": cfg,
+                 "request": request, "round": round_, "in_flight": in_flight,
+                 "warmup": warmup, "rounds": rounds}, **more)
 
 
 # (f) keeps the default batch's two calls out, and each reply sends the 8
@@ -63,6 +90,30 @@ LEASE_CYCLE = 51
 # The root's tick while only watched lease slots wait (src/filter/stage/
 # lease.rs CHECK_MS); the millisecond tick is the one calls wait on.
 LEASE_TICK_MS = 20
+# The over-limit cache answers for Redis at most this long (src/overlimit.rs
+# HOLD_MAX_MS): a round idle longer meets Redis' own rejection again.
+HOLD_MAX_MS = 1000
+
+# A stored plan with the customer's billing day: y's quota moved to the
+# 15th (its windows computed for day 1 are sent back once, then the filter
+# sends the 15th's). The key is bench_abuse's, for y's quota limit.
+ANCHORED_KEY = OVERRIDE_KEY.replace(":bench-ov:", ":bench-quota:")
+ANCHORED = "cq 1000000000000 15"
+# A plan the request carries (a header a trusted layer sets): twice b's.
+CARRIED = b"tb 2000000000 2000000000"
+# An LLM's answer with its usage (src/usage.rs reads a JSON body whole):
+# 7 + 4 x 5 = 27 tokens against the reserve of 10, 17 charged after it.
+USAGE_BODY = b'{"id":"x","usage":{"prompt_tokens":7,"completion_tokens":5}}'
+USAGE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/json"),
+                 (b"content-length", str(len(USAGE_BODY)).encode())]
+# (e.return)'s bucket: the lease's 100 tokens come back whole (a refill of one
+# token a second leaves room for them).
+SLOW = {"capacity": 1_000_000, "refill": 1, "periodMs": 1000}
+
+
+def custom(limits, idempotency=None, batch=SINGLE):
+    return filter_config(limits, idempotency, batch)
+
 
 SCENARIOS = [
     scenario("x", "x", "no limit applies (no x-user): the filter's fixed cost"),
@@ -78,12 +129,46 @@ SCENARIOS = [
              access_log=False, warmup=2, rounds=3),
     scenario("c", "c", "two limits and an idempotency key: acquire with the decision, "
              "complete after the response"),
+    scenario("y", "y", f"calendar quota with a stored plan and billing day (15th) + burst "
+             f"bucket, batched: {BATCH} requests a call", round_=BATCH, in_flight=2, warmup=8,
+             rounds=8, stored=[(ANCHORED_KEY, ANCHORED)],
+             stats={"ratelimit.bench-quota.override_applied": BATCH}),
+    scenario("t", "t", "stored override: the customer's plan read from Redis in the "
+             "decision's call", stored=[(OVERRIDE_KEY, OVERRIDE)],
+             stats={"ratelimit.bench-ov.override_applied": 1}),
+    scenario("t.carried", None, "carried override: the plan from a request header",
+             filter=custom([tb("bench-carried", BIG, BIG, 1000,
+                               overrides={"request": {"header": "x-plan"}})]),
+             headers=[(b"x-plan", CARRIED)],
+             response_header=(b"ratelimit-policy", b"2000000000"),
+             stats={"ratelimit.bench-carried.override_applied": 1}),
+    scenario("p", "p", "usage: a reserve of 10 in the decision, the JSON answer's 27 "
+             "tokens settled after it (17 charged, batched per tick)",
+             upstream=(USAGE_HEADERS, USAGE_BODY), stats={"usage.charged_units": 17}),
+    scenario("d", "d", "rejected by Redis (429): the bucket is spent, the over-limit "
+             f"cache's hold ({HOLD_MAX_MS} ms) is over", idle_ms=HOLD_MAX_MS + 1,
+             expect="rejected", status=429, stats={"ratelimit.bench-over.rejected": 1}),
+    scenario("d.cached", "d", "over-limit cache: 429 without a call to Redis",
+             expect="cached_rejection", status=429, stats={"overlimit_cache.rejected": 1}),
+    scenario("e.watch", "e", f"(e) and the root's watch tick ({LEASE_TICK_MS} ms) over the "
+             "worker's lease slot once a cycle, nothing yet due back", round_=LEASE_CYCLE,
+             warmup=2, rounds=3, watch=1),
+    scenario("e.return", None, "give-back: a lease's 100 tokens, unspent, return to Redis "
+             f"(watch ticks every {LEASE_TICK_MS} ms until the lease ends)",
+             filter=custom([tb("bench-slow", SLOW["capacity"], SLOW["refill"],
+                               SLOW["periodMs"], lease={"tokens": 100, "ttlMs": 1000})],
+                           batch=None),
+             watch=200, stats={"lease.returned": 100}),
+    scenario("c.replay", "c", "a keyed retry answered from its completed record (replay)",
+             idem_key=b"run-1-replay", expect="replayed", status=200,
+             stats={"idempotency.replayed": 1}),
 ]
 
 
-def request_headers(kind, n):
+def request_headers(kind, n, idem_key=None):
     """What Envoy hands the filter for request `n` of wrk's script `kind`
-    (envoy/bench_wrk.py's WRK_*)."""
+    (envoy/bench_wrk.py's WRK_*; "get-llm" as "get")."""
+    kind = "get" if kind == "get-llm" else kind
     method = b"POST" if kind == "post-idem" else b"GET"
     headers = [(b":authority", b"127.0.0.1:10000"), (b":path", PATH.encode()),
                (b":method", method), (b":scheme", b"http")]
@@ -92,7 +177,7 @@ def request_headers(kind, n):
     if kind == "post-idem":
         headers += [(b"content-length", str(len(POST_BODY)).encode()),
                     (b"content-type", b"application/json"),
-                    (b"idempotency-key", b"run-1-%08d" % n)]
+                    (b"idempotency-key", idem_key or b"run-1-%08d" % n)]
     elif kind not in ("get", "get-anon"):
         raise GateError(f"no request of kind {kind!r} in the gate")
     headers += [(b"x-forwarded-proto", b"http"),
@@ -109,11 +194,14 @@ class Driver:
             ("source", "address"): b"127.0.0.1:40000",
             ("plugin_root_id",): b"redis-guard",
         })
-        self.redis = Redis()
+        self.redis = Redis(clock_ms=lambda: self.host.now_ns // 1_000_000)
+        for key, value in sc.get("stored", ()):
+            self.redis.set(key.encode(), value.encode())
         self.open = []  # streams whose decision is not in yet
         self.sent = 0
         self.finished = 0
         self.scripts = []  # the scripts the calls ran, in order
+        self.measuring = False  # warm-up rounds are not checked
         self.host.start(json.dumps(sc["filter"]).encode())
 
     def answer_calls(self, keep=0, since=0):
@@ -149,11 +237,37 @@ class Driver:
             self.answer_calls(0, mark)
         raise GateError("the root's tick stayed on for 20 ticks")
 
+    def idle(self):
+        """What passes after a round: `watch` of the root's slow ticks (the
+        watch over lease slots; fewer when it stops), or `idle_ms` of time
+        with the root's ticks as it asks for them."""
+        h = self.host
+        for _ in range(self.sc.get("watch", 0)):
+            if h.tick_ms < LEASE_TICK_MS:
+                break
+            mark = h.next_token
+            h.tick()
+            h.drain_queues()
+            self.settle(0, mark)
+        until = h.now_ns + self.sc.get("idle_ms", 0) * 1_000_000
+        for _ in range(10_000):
+            if h.now_ns >= until:
+                return
+            if not h.tick_ms or h.now_ns + h.tick_ms * 1_000_000 > until:
+                h.advance(until - h.now_ns)
+                return
+            mark = h.next_token
+            h.tick()
+            h.drain_queues()
+            self.settle(0, mark)
+        raise GateError("10,000 ticks in one idle time")
+
     def arrive(self):
         n = self.sent
         self.sent += 1
         post = self.sc["request"] == "post-idem"
-        headers = request_headers(self.sc["request"], n)
+        headers = request_headers(self.sc["request"], n, self.sc.get("idem_key"))
+        headers += self.sc.get("headers", [])
         stream = self.host.open_stream(headers, POST_BODY if post else b"")
         self.host.advance(GAP_NS)
         paused = self.host.callback("proxy_on_request_headers", stream.ctx, len(headers),
@@ -166,32 +280,53 @@ class Driver:
         self.open.append(stream)
 
     def finish(self, stream):
-        """The upstream answers a request the filter let through, and the
-        stream ends."""
+        """The response goes through the filter, the upstream's for a
+        request the filter let through, its own local reply for one it
+        answered (as Envoy encodes a local reply), and the stream ends."""
+        # Warm-up requests may be decided otherwise (a bucket's first
+        # request admitted, a key's first run): measured ones are checked.
+        sc = self.sc if self.measuring else {"id": self.sc["id"], "filter": {}}
         if stream.local_reply is not None:
-            raise GateError(f"request {stream.ctx} answered locally: {stream.local_reply}")
-        stream.maps[RESPONSE_HEADERS] = list(UPSTREAM_HEADERS)
-        stream.buffers[RESPONSE_BODY] = UPSTREAM_BODY
+            status, _details, body, headers, _grpc = stream.local_reply
+            if status != sc.get("status", status if not self.measuring else None):
+                raise GateError(f"({sc['id']}) request {stream.ctx} answered locally: "
+                                f"{stream.local_reply}")
+            headers = [(b":status", b"%d" % status)] + list(headers)
+        elif "status" in sc:
+            raise GateError(f"({sc['id']}) request {stream.ctx} went upstream, expected a "
+                            f"local {sc['status']}")
+        else:
+            headers, body = self.sc.get("upstream", (UPSTREAM_HEADERS, UPSTREAM_BODY))
+        stream.maps[RESPONSE_HEADERS] = list(headers)
+        stream.buffers[RESPONSE_BODY] = body
         self.host.advance(GAP_NS)
         mark = self.host.next_token
-        held = self.host.callback("proxy_on_response_headers", stream.ctx,
-                                  len(UPSTREAM_HEADERS), 0)
-        held = self.host.callback("proxy_on_response_body", stream.ctx, len(UPSTREAM_BODY),
-                                  1) or held
+        held = self.host.callback("proxy_on_response_headers", stream.ctx, len(headers),
+                                  0 if body else 1)
+        if body:
+            held = self.host.callback("proxy_on_response_body", stream.ctx, len(body),
+                                      1) or held
         self.settle(0, mark)
         if held and not stream.response_resumed:
             raise GateError(f"request {stream.ctx}: its response was held and never resumed")
+        want = sc.get("response_header")
+        if want:
+            value = dict(stream.maps[RESPONSE_HEADERS]).get(want[0], b"")
+            if want[1] not in value:
+                raise GateError(f"({sc['id']}) response header {want[0]!r}: {value!r}, "
+                                f"not naming {want[1]!r}")
         mark = self.host.next_token
         self.host.close_stream(stream)
         self.host.drain_queues()
         self.settle(0, mark)
-        # The record, when on, says how the request went: every reply the
-        # gate gives must read as an admission.
+        # The record says how the request was decided: the scenario's
+        # verdict, every request.
         record = stream.filter_state.get(("redis_guard",))
-        if record is not None:
+        if record is not None and self.measuring:
             verdict = json.loads(record).get("verdict")
-            if verdict not in ("admitted", "leased"):
-                raise GateError(f"request {stream.ctx} was not admitted: {record!r}")
+            if verdict not in ((sc["expect"],) if "expect" in sc else ("admitted", "leased")):
+                raise GateError(f"({sc['id']}) request {stream.ctx}: {record!r}, expected "
+                                f"verdict {sc.get('expect', 'admitted')!r}")
         self.finished += 1
 
     def round(self):
@@ -208,6 +343,10 @@ class Driver:
             else:
                 self.finish(stream)
         self.open = still
+        self.idle()
+
+    def stats(self):
+        return {m[1]: m[2] for m in self.host.metrics.values()}
 
     def measure(self):
         """The scenario's figures per round in steady state: import calls
@@ -219,10 +358,19 @@ class Driver:
         for _ in range(sc["warmup"]):
             self.round()
         rounds = []
+        self.measuring = True
         for _ in range(sc["rounds"]):
             h.reset_counts()
             self.scripts, self.finished = [], 0
+            before = self.stats()
             self.round()
+            after = self.stats()
+            for name, want in sc.get("stats", {}).items():
+                full = next((k for k in after if k.endswith("redis_guard." + name)), None)
+                got = None if full is None else after[full] - before.get(full, 0)
+                if got != want:
+                    raise GateError(f"({sc['id']}) stat {name} rose by {got} in a round, "
+                                    f"expected {want}: not the scenario's decision")
             warnings = [m for level, m in h.logs if level not in ("trace", "debug", "info")]
             if warnings:
                 raise GateError(f"({sc['id']}) the filter warned in steady state: {warnings}")
