@@ -910,6 +910,23 @@ mod tests {
         );
         assert!(parse_outcome(&reply, 1).is_err());
         assert!(parse_outcome(&Reply::Int(1), 0).is_err());
+        // A plan decided the second limit (3: allowed + 2): its figures
+        // follow every verdict; one pair per such limit, no more, no less.
+        let planned = |extra: &[&str]| {
+            let mut v: Vec<Reply> = ["1", "1", "5", "0", "900", "3", "40", "0", "1500"]
+                .iter()
+                .map(|s| bulk(s))
+                .collect();
+            v.extend(extra.iter().map(|s| bulk(s)));
+            Reply::Array(Some(v))
+        };
+        let o = parse_outcome(&planned(&["50", "25"]), 2).unwrap();
+        assert_eq!(o.results[0].plan, None);
+        assert_eq!(o.results[1].plan, Some([50, 25]));
+        assert_eq!(o.results[1].overridden, OverrideUse::Applied);
+        assert!(parse_outcome(&planned(&[]), 2).is_err());
+        assert!(parse_outcome(&planned(&["50"]), 2).is_err());
+        assert!(parse_outcome(&planned(&["50", "25", "1", "1"]), 2).is_err());
         let bad = Reply::Array(Some(vec![bulk("2")]));
         assert!(parse_outcome(&bad, 0).is_err());
         let neg = Reply::Array(Some(vec![

@@ -600,6 +600,47 @@ mod tests {
     }
 
     #[test]
+    fn headers_state_the_plan_that_decided_a_limit_and_leave_out_one_whose_plan_is_unknown() {
+        use crate::ratelimit::OverrideUse;
+        let (cfg, plan) = setup("");
+        let under = |r: LimitResult, plan: Option<[u64; 2]>| LimitResult {
+            overridden: OverrideUse::Applied,
+            plan,
+            ..r
+        };
+        let outcome = Outcome {
+            admitted: true,
+            results: vec![
+                under(res(true, 40, 0, 2000), Some([50, 25])),
+                under(res(true, 900, 0, 59_001), Some([1000, 0])),
+                res(true, 0, 0, 0),
+            ],
+        };
+        let h = rate_limit_headers(&cfg, &plan, &outcome);
+        // The bucket's plan: capacity 50, refill 25 a second (w: 2 s to
+        // fill); the window's: 1,000 a minute.
+        assert_eq!(
+            get(&h, "ratelimit-policy"),
+            Some("\"burst\";q=50;w=2, \"minute\";q=1000;w=60")
+        );
+        assert_eq!(get(&h, "x-ratelimit-limit"), Some("50"));
+        assert_eq!(get(&h, "x-ratelimit-remaining"), Some("40"));
+        // A plan decided it but its figures are unknown (the over-limit
+        // cache's answer): left out, never the configured quota.
+        let outcome = Outcome {
+            admitted: true,
+            results: vec![
+                under(res(true, 40, 0, 2000), None),
+                res(true, 90, 0, 60_000),
+                res(true, 0, 0, 0),
+            ],
+        };
+        let h = rate_limit_headers(&cfg, &plan, &outcome);
+        assert_eq!(get(&h, "ratelimit-policy"), Some("\"minute\";q=100;w=60"));
+        assert_eq!(get(&h, "x-ratelimit-limit"), Some("100"));
+    }
+
+    #[test]
     fn admitted_headers_describe_the_tightest_enforced_limit() {
         let (cfg, plan) = setup("");
         let outcome = Outcome {

@@ -57,10 +57,10 @@ pub(super) fn compile_overrides(
     }
     let why = match algorithm {
         Algorithm::Gcra { .. } => Some(
-            "a GCRA limit's state is kept in units of its rate, which an override would change: use a token bucket",
+            "a GCRA limit's state is kept in units of its rate, which an override would change: its stored arrival time would mean another backlog under another customer's rate, and the key does not say which rate wrote it; use a token bucket",
         ),
         _ if leased => Some(
-            "cannot go with `lease`: leased tokens are spent without Redis, where the override lives",
+            "cannot go with `lease`: a give-back returns only what the bucket would hold had its tokens never left (lua/lease_return.lua), proven for one capacity and refill, and a plan changed between a grant and its give-back is not covered: use a strict token bucket",
         ),
         _ => None,
     };
