@@ -40,7 +40,7 @@ ARGV per limit i, six values starting at 2 + (i-1)*6:
              reading its state. Its negative (a usage-based limit): the
              block is honoured the same way, but only lua/settle.lua starts
              it (a rejection may be due to reserves of running requests)
-  algorithm  may carry `+o` (tb, sw, fw, swc, cq): the limit takes overrides;
+  algorithm  may carry `+o` (tb, sw, fw, swc, cq, cc): the limit takes overrides;
              the script reads the key's override (lua/keys.lua
              override_key) and, when it parses within the kind's bounds and
              leaves room for the cost, decides with its figures: the
@@ -82,6 +82,12 @@ Returns a flat array (Webdis' raw output cannot carry nested arrays):
                same for the state as it stands, 0 if already restored;
                rejected: equal to retry_ms, so Retry-After and the reset agree
                (cc: reset 0, retry_ms 1000)
+
+  then, for 0 and 1, after every limit's four: two integers per limit a
+  stored plan decided (its `allowed` holds the +2), in KEYS order: the
+  plan's a and b as it applied them (tb: capacity, refill; fw, swc, sw:
+  limit, 0; cq: amount, 0; cc: max, 0), so the filter states the
+  customer's own quota in its headers without another call
 
 All-or-nothing: nothing is written unless every enforced limit admits the
 request, so a rejected request costs nothing. Then every limit that admits it
