@@ -4,6 +4,8 @@ tests/sim/kinds.rs), which check.py holds every client's admissions to."""
 
 import json
 
+ENVOYS = 3
+
 # Every limit counts per x-user on its own path; failureMode deny, so every
 # 200 on a limited path was admitted by Redis (or by a lease Redis granted),
 # and an outage answers 503 (counted apart).
@@ -14,8 +16,11 @@ LIMITS = {
     "fw": {"fixedWindow": {"limit": 6, "windowMs": 3000}},
     "swc": {"slidingWindowCounter": {"limit": 6, "windowMs": 3000}},
     "conc": {"concurrency": {"max": 2, "leaseMs": 60000}},
-    "lease": {"tokenBucket": {"capacity": 8, "refill": 2, "periodMs": 1000},
-              "lease": {"tokens": 3, "ttlMs": 2000}},
+    # Big enough that grants are not 0 (under 4 tokens left they are), so
+    # requests spend leased tokens, and drained by the traffic (about 3 a
+    # second per user), so the strict path decides too.
+    "lease": {"tokenBucket": {"capacity": 30, "refill": 2, "periodMs": 1000},
+              "lease": {"tokens": 5, "ttlMs": 2000}},
     "quota": {"quota": {"amount": 60, "per": "hour", "timeZone": "UTC"}},
     # gRPC calls (demo.Orders/Create, envoy/grpc_peer.py), x-user metadata.
     "grpc": {"tokenBucket": {"capacity": 4, "refill": 1, "periodMs": 1000}},
@@ -37,6 +42,7 @@ USAGE = USAGE_PROMPT + USAGE_COMPLETION
 
 # Keyed POSTs: the lock outlives the route's 10 s timeout, as the book asks.
 LOCK_TTL_MS = 12000
+RECORD_TTL_MS = 300_000
 OFFLOAD_ABOVE = 16384
 BUCKET = "redis-guard"
 
@@ -74,6 +80,9 @@ def filter_config(timeout_ms=1000):
             "name": "pay", "match": {"pathPrefix": "/pay", "methods": ["POST"]},
             "tenant": [{"header": "x-tenant"}], "lockTtlMs": LOCK_TTL_MS,
             "maxStoredBodyBytes": 65536, "offloadAboveBytes": OFFLOAD_ABOVE,
+            # Five minutes, not a day: Redis' memory then levels off within
+            # a run, which the memory bound is checked against.
+            "recordTtlMs": RECORD_TTL_MS,
             "failureMode": "deny",
         }],
     }

@@ -186,6 +186,17 @@ class Redis:
         self.sock.sendall(b"".join(out))
         return self._reply(raw)
 
+    def pipeline(self, cmds):
+        """Every command sent at once, the replies read in order."""
+        out = []
+        for args in cmds:
+            out.append(b"*%d\r\n" % len(args))
+            for a in args:
+                a = a if isinstance(a, bytes) else str(a).encode()
+                out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+        self.sock.sendall(b"".join(out))
+        return [self._reply() for _ in cmds]
+
     def info(self, section):
         d = {}
         for line in self.cmd("INFO", section).splitlines():

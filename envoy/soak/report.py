@@ -31,10 +31,10 @@ def outages(rec, faults):
     the last fault that began before it, if it began before that fault's
     end + 5 s; 'none' otherwise."""
     longest, count, nones = {}, {}, []
-    for loop, since, until in rec.failures:
+    for loop, since, failed, until in rec.failures:
         kind = "none"
         for f in faults:
-            if f["start"] <= since <= f["end"] + 5:
+            if f["start"] <= failed <= f["end"] + 5:
                 kind = f["kind"]
         longest[kind] = max(longest.get(kind, 0), until - since)
         if kind == "none" and until - since > 1:
@@ -66,7 +66,14 @@ def table(a, elapsed, rec, injector, stats, violations, keys, usage, nkeys, mem,
         lines.append(f"| usage settlements {k} | {v} |")
     adm = sum(len(v) for v in rec.admitted.values())
     lines.append(f"| limited requests admitted (bounds checked) | {adm} |")
-    lines.append(f"| idempotency.store_failed | {stats.total('idempotency.store_failed')} |")
+    # What the filter did, from its counters (every Envoy incarnation's
+    # last reading): the paths the traffic meant to exercise.
+    for name in ("batch.calls", "lease.fetches", "lease.spent", "overlimit_cache.rejected",
+                 "idempotency.stored", "idempotency.replayed", "idempotency.offloaded",
+                 "idempotency.object_fetched", "idempotency.conflicted",
+                 "idempotency.abandoned", "idempotency.store_failed", "usage.charged_units",
+                 "concurrency.released", "failure_mode.denied", "redis.retries"):
+        lines.append(f"| {name} (Envoy counter) | {stats.total(name)} |")
     lines.append(f"| Redis keys at the end, used_memory | {nkeys}, {mem / 1048576:.1f} MiB |")
     if nones:
         lines += ["", "outages over 1 s with no fault in the 5 s before: " + ", ".join(nones)]

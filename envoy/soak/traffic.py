@@ -115,13 +115,15 @@ class Outage:
         self.rec, self.loop, self.since = rec, loop, None
 
     def saw(self, a, good):
+        """`a` answered, good or not. The outage is put on the fault during
+        which its first failed answer came (it may have been sent before)."""
         if good:
             if self.since is not None:
                 with self.rec.lock:
-                    self.rec.failures.append((self.loop, self.since, a.done))
+                    self.rec.failures.append((self.loop, *self.since, a.done))
                 self.since = None
         elif self.since is None:
-            self.since = a.sent
+            self.since = (a.sent, a.done)
 
 
 FAILED = {"503 failure mode", "no answer (connection)", "503 stored response unavailable"}
@@ -192,7 +194,7 @@ def pay_loop(stack, rec, rng, deadline, stop, n):
         key = f"p{n}-{i}"
         path = f"/pay/{key}"
         k = {"path": path, "answers": [], "no_answer": 0, "completed": False,
-             "replayed": False, "big": rng.random() < 0.2}
+             "replayed": False, "big": rng.random() < 0.2, "attempts": []}
         with rec.lock:
             rec.keys[key] = k
         headers = {"idempotency-key": key, "x-tenant": f"t{n % 3}",
@@ -212,6 +214,11 @@ def pay_loop(stack, rec, rng, deadline, stop, n):
             kind = a.kind()
             rec.count(kind)
             out.saw(a, kind not in FAILED)
+            # For a violation's message: what each attempt met, where, when.
+            k["attempts"].append(f"{time.strftime('%H:%M:%S', time.gmtime(a.wsent))}"
+                                 f".{int(a.wsent * 1000) % 1000:03d}/envoy{a.envoy}/"
+                                 f"{kind.split(' ')[0]}{'r' if 'replayed' in kind else ''}"
+                                 f"{'#' + str(a.doc().get('execution')) if kind == '200' else ''}")
             if kind == "no answer (connection)":
                 k["no_answer"] += 1
             if kind in ("200", "200 replayed"):
