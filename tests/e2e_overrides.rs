@@ -172,7 +172,21 @@ fn an_override_the_request_carries_applies_and_one_in_redis_wins_over_it() {
         &config_path,
         &["set", "--capacity", "12", "--refill", "12"],
     );
-    assert_eq!(admitted_carrying(&stack, "acme", Some("8"), 30), 12);
+    // The headers state the plan that decided: Redis' 12, not the carried 8.
+    let r = http_with(
+        &agent,
+        "GET",
+        &stack.envoy().url("/api/x"),
+        &[("x-api-key", "acme"), ("x-quota", "8")],
+        None,
+    );
+    assert_eq!(r.header("x-ratelimit-limit"), Some("12"));
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("11"));
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"per-key\";q=12;w=3600")
+    );
+    assert_eq!(admitted_carrying(&stack, "acme", Some("8"), 30), 11);
     // A carried value that is no quota: ignored, counted, the configured 5.
     let invalid = stack.counter("redis_guard.ratelimit.per-key.override_invalid");
     assert_eq!(admitted_carrying(&stack, "umbrella", Some("-3"), 20), 5);
