@@ -55,6 +55,9 @@ pub struct Flow {
     /// reply to its context until it deletes it, but the decision was given
     /// up and nothing may touch the stream any more.
     ended: bool,
+    /// Nothing applies to the request (no limit, no idempotency key, no
+    /// deny rule): nothing on the response side or at its end can act.
+    inert: bool,
 }
 
 impl Flow {
@@ -73,12 +76,21 @@ impl Flow {
             log: AccessLogStage::default(),
             response: Completion::default(),
             ended: false,
+            inert: false,
         }
     }
 
     /// The stream is over: the host drops whatever would change it.
     pub fn ended(&self) -> bool {
         self.ended
+    }
+
+    /// The request went on with nothing applied to it: no later callback
+    /// of the stream has anything to do, so the context may let the flow
+    /// go (a request no limit applies to then costs the callbacks' dispatch
+    /// alone).
+    pub fn inert(&self) -> bool {
+        self.inert
     }
 
     pub fn on_request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
@@ -112,6 +124,7 @@ impl Flow {
             }
         }
         if self.limits.plan().is_empty() && self.intake.keyed().is_none() {
+            self.inert = true;
             return Action::Continue;
         }
         self.decide(host)

@@ -96,9 +96,16 @@ impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         #[cfg(feature = "panic-trigger")]
         panic_if_asked();
-        self.with_flow(Action::Continue, |flow, host| {
-            action(flow.on_request_headers(host, end_of_stream))
-        })
+        let (act, inert) = self.with_flow((Action::Continue, false), |flow, host| {
+            (
+                action(flow.on_request_headers(host, end_of_stream)),
+                flow.inert(),
+            )
+        });
+        if inert {
+            self.flow = None;
+        }
+        act
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {

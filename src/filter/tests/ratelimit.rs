@@ -700,3 +700,33 @@ fn bad_cost_header_is_a_400_before_any_redis_call() {
     assert_eq!(h.sent[0].status, 400);
     assert!(h.dispatched.is_empty());
 }
+
+/// A request nothing applies to (no limit, no idempotency key) leaves its
+/// flow inert, which its context then lets go: the response's callbacks and
+/// the stream's end, run on it anyway, ask the host nothing. A request a
+/// limit or a key applies to is not inert.
+#[test]
+fn a_request_nothing_applies_to_leaves_an_inert_flow_whose_response_asks_nothing() {
+    let mut f = flow("allow");
+    let mut h = FakeHost::get("/public");
+    assert_eq!(f.on_request_headers(&mut h, true), Action::Continue);
+    assert!(f.inert());
+    h.respond(&[(":status", "200"), ("content-length", "2")]);
+    h.response_chunks = vec![b"ok".to_vec()];
+    assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+    assert_eq!(f.on_response_body(&mut h, 2, true), Action::Continue);
+    f.on_stream_end(&mut h);
+    assert!(h.dispatched.is_empty() && h.sent.is_empty() && h.added.is_empty());
+    assert!(h.counters.is_empty() && h.counted_n.is_empty() && h.filter_state.is_empty());
+    assert!(h.slot_releases.is_empty() && h.batched.is_empty() && h.shared.is_empty());
+
+    let mut f = flow("allow");
+    let mut h = FakeHost::get("/api/x");
+    f.on_request_headers(&mut h, true);
+    assert!(!f.inert(), "a limit applies");
+
+    let mut f = idem_flow("allow");
+    let mut h = FakeHost::post("/pay", b"k1");
+    f.on_request_headers(&mut h, false);
+    assert!(!f.inert(), "a key applies");
+}
