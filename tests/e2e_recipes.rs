@@ -17,7 +17,7 @@ use support::*;
 #[test]
 fn every_recipe_parses_and_the_book_quotes_each_verbatim() {
     let readme = std::fs::read_to_string(root().join("docs/src/using/recipes.md")).unwrap();
-    for name in ["login", "payments", "webhooks", "tiers", "quota"] {
+    for name in ["login", "payments", "webhooks", "tiers", "quota", "llm"] {
         let config = filter_config(1000).recipe(name).build();
         redis_guard::config::Config::parse(config.as_bytes())
             .unwrap_or_else(|e| panic!("{name}: {e}"));
