@@ -15,7 +15,7 @@ from .faults import KINDS, Injector, Stats
 from .procs import SoakError, log, stop_all
 from .stack import ROOT, Stack
 from .traffic import Record, grpc_loop, hangup_loop, limited_loop, pay_loop, usage_loop
-from .report import table
+from .report import commit, table
 
 MEM_LIMIT = 256 << 20
 LOOPS = {"limits": (limited_loop, 4), "usage": (usage_loop, 2), "pay": (pay_loop, 3),
@@ -77,7 +77,9 @@ def main():
     ap.add_argument("--faults", default=",".join(KINDS))
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, on_signal)
-    log(f"seed {a.seed}, {a.minutes} minutes")
+    # The commit the run started from: HEAD may move while it runs.
+    a.commit = commit()
+    log(f"seed {a.seed}, {a.minutes} minutes, commit {a.commit}")
     broken = selftest.run()
     if broken:
         log("the checkers' self-test failed: " + "; ".join(broken))

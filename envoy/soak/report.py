@@ -45,7 +45,7 @@ def outages(rec, faults):
 
 
 def table(a, elapsed, rec, injector, stats, violations, keys, usage, nkeys, mem, wasm):
-    lines = [f"soak: seed {a.seed}, {elapsed / 60:.1f} min, commit {commit()}, filter {wasm}, "
+    lines = [f"soak: seed {a.seed}, {elapsed / 60:.1f} min, commit {a.commit}, filter {wasm}, "
              f"{os.cpu_count()} CPUs ({cpu_model()})", "", "| fault | injected | failed | "
              "longest outage a client saw (s) | outages |", "|---|---|---|---|---|"]
     longest, count, nones = outages(rec, injector.faults)
