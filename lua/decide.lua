@@ -312,7 +312,10 @@ local function decide_checked(keys, ko, argv, ao, na)
     local r = results[i]
     local alg = r.alg
     if admit == 1 and r.allowed == 1 then
-      if alg == 'tb' then tb_charge(r)
+      if alg == 'tb' then
+        tb_charge(r)
+        -- A leased bucket's give-backs assume its configured numbers.
+        if r.used == 2 then plan_restarts_give_back(r.key) end
       elseif alg == 'sw' then sw_charge(r)
       elseif alg == 'gcra' then gcra_charge(r)
       elseif alg == 'fw' then fw_charge(r)

@@ -13,8 +13,10 @@ give_back_key() names it for the CLI, whose reset deletes it, and checks
 that both scripts spell that suffix).
 
 It also reads what is stored at an override key (override_figures), for the
-decision (lua/decide.lua) and the settlement (lua/settle.lua) alike, so both
-judge a customer by the same plan.
+decision (lua/decide.lua), the settlement (lua/settle.lua) and a leased
+bucket's grant (lua/lease.lua) alike, so all judge a customer by one plan;
+and restarts a leased bucket's give-back record once a plan charged the
+bucket (plan_restarts_give_back).
 ]]
 
 -- The key of a blocking limit's block: its state key with `:bl:` for `:rl:`
@@ -88,4 +90,24 @@ local function override_figures(text, kind, c, any_day)
     return x
   end
   return nil
+end
+
+-- A stored plan charged the bucket at `key`: its give-back record (lua/
+-- lease.lua, lua/lease_return.lua) starts again after this ms, marked -3, so
+-- no tuple handed out before comes back. lease_return.lua's bound assumes
+-- the bucket rose by the configured refill alone since the grant; under a
+-- plan it may have risen faster, and once the plan is gone nothing would
+-- say so. A -3 record refuses every give-back until lease.lua's next grant
+-- (never while a plan is stored: it grants nothing then) turns it back into
+-- a record starting at the same instant. A -2 record only (a record of
+-- another layout refuses every tuple already): a planned key pays one GET.
+local function plan_restarts_give_back(key)
+  local ck = key .. ':ret'
+  local rec = redis.call('GET', ck)
+  if rec and #rec >= 24 and (#rec - 24) % 48 == 0 then
+    local _, mark = struct.unpack('<dd', rec)
+    if mark == -2 then
+      redis.call('SET', ck, struct.pack('<ddd', 0, -3, now + 1), 'KEEPTTL')
+    end
+  end
 end

@@ -12,8 +12,19 @@ Returns  one integer per key: the tokens given back (0 to `tokens`); the
          rest are dropped (under-admission, never over-admission). The
          same give-back sent again answers the same and writes nothing.
 
-Composition: src/scripts.rs joins lua/wire.lua and lua/token_bucket.lua at
-the marker below. Clock: Redis TIME, read once.
+Composition: src/scripts.rs joins lua/wire.lua, lua/token_bucket.lua and
+lua/keys.lua at the marker below. Clock: Redis TIME, read once.
+
+Plans. The proof below is for one capacity and refill. A key with anything
+stored at its override key (a plan, lua/keys.lua override_key) takes
+nothing back: the tokens are dropped (under-admission only), whether or not
+the limit takes plans. And a plan that charged the bucket restarted its
+record (lua/keys.lua plan_restarts_give_back, marked -3, which read_record
+refuses), so a tuple handed out before the plan's charge never comes back
+once the plan is gone: from that tuple's instant the bucket may have risen
+by the plan's refill, which the bound below does not see. lua/lease.lua
+grants nothing while a plan is stored, so every tuple that may come back
+after a plan's charge was handed out under the configured numbers.
 
 Why giving back can never over-admit. Naively adding the unspent g tokens
 back (capped at the capacity C) can: the bucket refills to C while they are
@@ -193,7 +204,8 @@ for i, g in ipairs(back) do
   local given = 0
   local rec = redis.call('GET', ck)
   local count, since, entries
-  if rec then
+  local okey = override_key(key)
+  if rec and not (okey and redis.call('EXISTS', okey) == 1) then
     count, since, entries = read_record(rec)
   end
   if count and g.t0 >= since and now >= g.t0 and now - g.t0 < OLDEST

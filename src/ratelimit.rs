@@ -197,10 +197,14 @@ impl Plan {
             return None;
         };
         let cost = if prefetch { 0 } else { check.cost };
-        let argv = [capacity, refill, period_ms, cost, tokens]
+        let mut argv: Vec<Vec<u8>> = [capacity, refill, period_ms, cost, tokens]
             .iter()
             .map(|v| decimal(*v))
             .collect();
+        // A key with a stored plan is decided under it, and granted nothing.
+        if config.limits.get(check.limit)?.overrides.redis {
+            argv.push(b"o".to_vec());
+        }
         Some((vec![check.key.clone()], argv))
     }
 
@@ -455,10 +459,12 @@ pub fn parse_lease(reply: &Reply) -> Result<(Outcome, u64, crate::lease::Tuple),
     let Reply::Array(Some(items)) = reply else {
         return Err(format!("expected an array, got {}", Shown(reply)));
     };
-    if items.len() != 9 {
-        return Err(format!("expected 9 items, got {}", items.len()));
+    // 11: a stored plan decided it, its two figures last.
+    if items.len() != 9 && items.len() != 11 {
+        return Err(format!("expected 9 or 11 items, got {}", items.len()));
     }
-    let outcome = parse_outcome(&Reply::Array(Some(items[..5].to_vec())), 1)?;
+    let verdict = [&items[..5], &items[9..]].concat();
+    let outcome = parse_outcome(&Reply::Array(Some(verdict)), 1)?;
     let [granted, at_ms, level, returned] = [5, 6, 7, 8].map(|i| {
         items[i]
             .as_int()

@@ -205,7 +205,8 @@ pub static BATCH: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// One request admitted against a token bucket plus a batch of tokens leased
-/// to the calling Envoy (lua/lease.lua with the token bucket joined in).
+/// to the calling Envoy (lua/lease.lua with the token bucket and the key
+/// helpers, for a stored plan, joined in).
 pub static LEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/lease.lua"),
@@ -213,18 +214,21 @@ pub static LEASE: LazyLock<Script> = LazyLock::new(|| {
             include_str!("../lua/nonce.lua"),
             include_str!("../lua/wire.lua"),
             include_str!("../lua/token_bucket.lua"),
+            include_str!("../lua/keys.lua"),
         ],
     ))
 });
 
 /// Leased tokens an Envoy gives back, every bucket of one hash tag in one
-/// call (lua/lease_return.lua with the token bucket joined in).
+/// call (lua/lease_return.lua with the token bucket and the key helpers
+/// joined in).
 pub static LEASE_RETURN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(compose(
         include_str!("../lua/lease_return.lua"),
         &[
             include_str!("../lua/wire.lua"),
             include_str!("../lua/token_bucket.lua"),
+            include_str!("../lua/keys.lua"),
         ],
     ))
 });

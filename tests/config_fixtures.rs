@@ -50,7 +50,7 @@ const REJECTED: &[(&str, &str, &str)] = &[
     ),
     (
         "overrides_with_lease.json",
-        "limits[0].overrides.redis",
+        "limits[0].overrides.request",
         "cannot go with `lease`",
     ),
     (

@@ -59,12 +59,19 @@ pub(super) fn compile_overrides(
         Algorithm::Gcra { .. } => Some(
             "a GCRA limit's state is kept in units of its rate, which an override would change: its stored arrival time would mean another backlog under another customer's rate, and the key does not say which rate wrote it; use a token bucket",
         ),
-        _ if leased => Some(
-            "cannot go with `lease`: a give-back returns only what the bucket would hold had its tokens never left (lua/lease_return.lua), proven for one capacity and refill, and a plan changed between a grant and its give-back is not covered: use a strict token bucket",
+        // A plan stored in Redis is read by the grant itself (lua/lease.lua
+        // grants nothing to a key that has one); a carried one never
+        // reaches Redis, so leased tokens would be spent under it.
+        _ if leased && request.is_some() => Some(
+            "cannot go with `lease`: leased tokens are spent without Redis under the numbers of the grant, which a carried override would change per request; store the plans in Redis (`redis`), whose keys lua/lease.lua decides strictly under their plan",
         ),
         _ => None,
     };
-    let field = if raw.redis { "redis" } else { "request" };
+    let field = if raw.redis && !(leased && request.is_some()) {
+        "redis"
+    } else {
+        "request"
+    };
     match why {
         Some(why) => Err(ConfigError::new(format!("{at}.{field}"), why)),
         None => Ok(Overrides {
