@@ -34,8 +34,9 @@ pub enum Answer {
     Ran(Reply),
     /// Redis had lost the script: it went again as EVAL, under this token.
     Resent(u32),
-    /// Refused before the script ran (Webdis' own 503, a cluster's TRYAGAIN,
-    /// CLUSTERDOWN or LOADING): nothing was charged, it may be sent again.
+    /// Refused before the script wrote (Webdis' own 503, a cluster's
+    /// TRYAGAIN, CLUSTERDOWN or LOADING, a replica's READONLY or
+    /// MASTERDOWN): nothing was charged, it may be sent again.
     Refused(Failure),
     /// Failed; the script may or may not have run.
     Failed(Failure),
@@ -292,7 +293,14 @@ impl ScriptCall {
             // Redis Cluster refuses these before the script runs (keys split
             // while a slot migrates, no quorum, a node still loading):
             // nothing was charged, and the condition passes in milliseconds.
-            Some("TRYAGAIN" | "CLUSTERDOWN" | "LOADING") => Answer::Refused((
+            // A replica (a primary demoted by a failover, still holding
+            // Webdis' connection) answers READONLY at the script's first
+            // write, which aborts it before any write: nothing was charged
+            // either, and the call may land once Webdis reaches the new
+            // primary (found by make soak: a completed key's store given up
+            // at a failover, the key then run again). MASTERDOWN: a replica
+            // that serves no stale data refuses before running.
+            Some("TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "READONLY" | "MASTERDOWN") => Answer::Refused((
                 ErrorKind::Redis,
                 format!("redis refused the call until the timeout: {msg}"),
             )),

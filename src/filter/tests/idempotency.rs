@@ -371,33 +371,39 @@ fn a_store_redis_answers_with_an_error_releases_the_key_before_the_response_ends
 }
 
 #[test]
-fn a_store_whose_outcome_is_unknown_is_the_roots_to_deliver_and_the_key_stays_locked() {
+fn a_store_whose_outcome_is_unknown_or_refused_is_the_roots_to_deliver_and_the_key_stays_locked() {
     // No answer (a timeout, Redis stopped, Webdis gone): the store may not
     // have run. Released, a retry would run the request again; so the
     // worker's root sends the same completion until it lands (owner-checked:
-    // twice changes nothing) and the response goes out at once.
-    let cfg = idem_config("deny");
-    let mut f = Flow::new(cfg.clone(), test_breaker());
-    let mut h = FakeHost::post("/pay", b"abc-123");
-    let key = admitted(&mut f, &mut h, &cfg);
-    h.respond(&[(":status", "201")]);
-    assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
-    h.response_chunks = vec![b"done".to_vec()];
-    assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
-    f.on_callout_reply(&mut h, 2, no_answer());
-    assert_eq!(h.dispatched.len(), 2, "no release");
-    assert_eq!(
-        h.deferred_scripts,
-        std::slice::from_ref(&IDEM_COMPLETE.sha1)
-    );
-    let (_, keys, argv) = &h.slot_releases[0];
-    assert_eq!(keys, &[String::from_utf8_lossy(&key).into_owned()]);
-    assert_eq!((argv[1].as_str(), argv[3].as_str()), ("201", "done"));
-    assert_eq!(h.response_resumed, 1);
-    assert!(!h.counters.contains(&Counter::IdemReleased));
-    assert!(!h.counters.contains(&Counter::IdemStoreFailed));
-    f.on_stream_end(&mut h);
-    assert!(h.detached.is_empty());
+    // twice changes nothing) and the response goes out at once. The same
+    // for a refusal before the script wrote: a primary a failover demoted
+    // answers READONLY until Webdis reaches the new one (make soak found
+    // such a store given up and its key run again).
+    let readonly = ok(b"-READONLY You can't write against a read only replica.\r\n");
+    for reply in [no_answer(), readonly] {
+        let cfg = idem_config("deny");
+        let mut f = Flow::new(cfg.clone(), test_breaker());
+        let mut h = FakeHost::post("/pay", b"abc-123");
+        let key = admitted(&mut f, &mut h, &cfg);
+        h.respond(&[(":status", "201")]);
+        assert_eq!(f.on_response_headers(&mut h, false), Action::Continue);
+        h.response_chunks = vec![b"done".to_vec()];
+        assert_eq!(f.on_response_body(&mut h, 4, true), Action::Pause);
+        f.on_callout_reply(&mut h, 2, reply);
+        assert_eq!(h.dispatched.len(), 2, "no release");
+        assert_eq!(
+            h.deferred_scripts,
+            std::slice::from_ref(&IDEM_COMPLETE.sha1)
+        );
+        let (_, keys, argv) = &h.slot_releases[0];
+        assert_eq!(keys, &[String::from_utf8_lossy(&key).into_owned()]);
+        assert_eq!((argv[1].as_str(), argv[3].as_str()), ("201", "done"));
+        assert_eq!(h.response_resumed, 1);
+        assert!(!h.counters.contains(&Counter::IdemReleased));
+        assert!(!h.counters.contains(&Counter::IdemStoreFailed));
+        f.on_stream_end(&mut h);
+        assert!(h.detached.is_empty());
+    }
 }
 
 #[test]

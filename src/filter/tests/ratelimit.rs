@@ -604,11 +604,14 @@ fn a_failed_lease_fetch_frees_the_claim() {
 }
 
 #[test]
-fn a_cluster_refusal_before_the_script_ran_is_retried_not_no_answer() {
+fn a_refusal_before_the_script_wrote_is_retried_not_no_answer() {
     for refusal in [
         &b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n"[..],
         b"-CLUSTERDOWN The cluster is down\r\n",
         b"-LOADING Redis is loading the dataset in memory\r\n",
+        // Redis 7.0.15's words when a script's first write meets a replica.
+        b"-READONLY You can't write against a read only replica. script: 54ae29159bacdf93a25462d644f00c822e89b44b, on @user_script:1.\r\n",
+        b"-MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.\r\n",
     ] {
         let mut f = flow("deny");
         let mut h = FakeHost::get("/api/x");
