@@ -10,7 +10,8 @@ ARGV     seven whole numbers per key, in KEYS' order:
          Anything else is an error reply and nothing is written.
 Returns  one integer per key: the tokens given back (0 to `tokens`); the
          rest are dropped (under-admission, never over-admission). The
-         same give-back sent again answers the same and writes nothing.
+         same give-back sent again answers the same and writes nothing (or
+         0 while a plan is stored; see Plans).
 
 Composition: src/scripts.rs joins lua/wire.lua, lua/token_bucket.lua and
 lua/keys.lua at the marker below. Clock: Redis TIME, read once.
@@ -24,7 +25,10 @@ refuses), so a tuple handed out before the plan's charge never comes back
 once the plan is gone: from that tuple's instant the bucket may have risen
 by the plan's refill, which the bound below does not see. lua/lease.lua
 grants nothing while a plan is stored, so every tuple that may come back
-after a plan's charge was handed out under the configured numbers.
+after a plan's charge was handed out under the configured numbers. A
+give-back answered 0 while a plan was stored, sent again once the plan is
+gone without having charged the bucket, is judged as a first one, by the
+bound below.
 
 Why giving back can never over-admit. Naively adding the unspent g tokens
 back (capped at the capacity C) can: the bucket refills to C while they are

@@ -4,14 +4,22 @@
 //! the real lua/lease.lua, lua/lease_return.lua and the strict
 //! lua/ratelimit.lua, at the test clock. Envoys spend, fetch, give back and
 //! send a give-back twice (a reply lost after the call ran); a strict
-//! client charges; an operator resets the limit.
+//! client charges; an operator resets the limit, and stores or removes the
+//! key's plan (the limit takes plans: lua/lease.lua decides a key that has
+//! one under it and grants nothing, the strict script decides it as
+//! `tb+o`).
 //!
 //! Reference, from the book's promise (Fast paths: a leased bucket never
 //! holds more than a bucket that never leased once tokens are given back):
 //! a token bucket of the same shape that sees the same strict charges, the
 //! same admitted costs, and of every grant only the tokens that never came
-//! back, at the grant's instant. After every step the real bucket's level
-//! must be at or below the reference's. And a give-back made at the instant
+//! back, at the grant's instant, each under the figures (configured or the
+//! plan's) the real call used, written at the instants the real bucket is
+//! (a token bucket refills lazily, from its last write, under the figures
+//! of the call that reads it: a plan's refill counts from the last write
+//! before it, for a bucket that never leased too). After every step the
+//! real bucket's level, under the configured figures and the plan's, must
+//! be at or below the reference's. And a give-back made at the instant
 //! of its slot's grant, nothing between, returns tokens (the grant took them
 //! from the level it replied: they fit).
 
@@ -33,7 +41,11 @@ static RETURN_AT: LazyLock<Script> =
 static STRICT_AT: LazyLock<Script> =
     LazyLock::new(|| script::without_expiry(&script::RATELIMIT_AT));
 
-const KEY: &str = "t:{sim}:lease";
+/// A state key in the filter's layout, so that it has an override key.
+const KEY: &str = "t:rl:{sim}:lease:s1:d";
+/// Plans the operator stores (capacity, refill per period): below the
+/// configured capacity, above it, and with ten to forty times its refill.
+const PLANS: [(i64, i64); 3] = [(5, 10), (40, 3), (300, 40)];
 /// The most tokens an Envoy holds (the limit's `lease.batch`).
 const BATCH: u64 = 12;
 /// A lease's life (ms): the longest the config allows.
@@ -68,6 +80,8 @@ pub enum Op {
     /// Every Envoy decides a request in the same ms (a burst reaching the
     /// whole fleet: their fetches land together).
     Everyone { cost: u64 },
+    /// `redis-guard override set` of PLANS[i], or unset (None).
+    Plan(Option<usize>),
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +113,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(|e| Op::LostFetch { e }),
         1 => (0..8usize).prop_map(|e| Op::Reload { e }),
         3 => (0..2u64).prop_map(|cost| Op::Everyone { cost }),
+        w("plan", 2) => (0..=PLANS.len()).prop_map(|i| Op::Plan((i < PLANS.len()).then_some(i))),
     ]
 }
 
@@ -115,18 +130,39 @@ pub fn schedules() -> impl Strategy<Value = Schedule> {
         })
 }
 
+/// A bucket's capacity and refill (per period), as a call used them.
+type Figures = (i64, i64);
+
 /// What happened to the real bucket, for the reference to replay.
 #[derive(Debug, Clone, Copy)]
 enum Event {
-    Step(i64),
+    Step,
     /// A lease call admitted `cost` and granted grant `id`.
     Take {
         cost: i64,
         id: usize,
+        under: Figures,
     },
-    Charge(i64),
-    Back,
+    Charge(i64, Figures),
+    /// A give-back; whether it wrote the bucket (took tokens back).
+    Back(bool),
     Reset,
+    Plan,
+}
+
+/// What one logged step saw: the event, the real bucket's stored (credits,
+/// ms) after it, the clock and the plan stored then.
+type Logged = (Event, Option<(i64, i64)>, i64, Option<Figures>);
+
+/// A token bucket's level at `now` from its stored state, under `f`, as
+/// lua/token_bucket.lua reads it.
+fn lazy(state: Option<(i64, i64)>, now: i64, f: Figures, period: i64) -> i64 {
+    let full = f.0 * period;
+    match state {
+        None => full,
+        Some((c, t)) if now > t => full.min(c + (now - t) * f.1),
+        Some((c, _)) => full.min(c),
+    }
 }
 
 /// One virtual Envoy: its slot's shared data, which grants its tokens came
@@ -136,6 +172,11 @@ struct Envoy {
     stored: Option<Vec<u8>>,
     from: Vec<(usize, u64)>,
     last_back: Option<Vec<String>>,
+    /// What each part of that call took back, and the tokens (by grant,
+    /// oldest first) it left out: a part answered 0 while a plan was stored
+    /// may take them back when sent again once the plan is gone.
+    last_got: Vec<i64>,
+    unreturned: Vec<(usize, u64)>,
     /// Tokens of a grant that landed with nothing after it yet.
     fresh: u64,
 }
@@ -147,18 +188,28 @@ struct World<'a> {
     slot: Slot,
     envoys: Vec<Envoy>,
     kept: Vec<i64>,
-    log: Vec<(Event, i64)>,
+    log: Vec<Logged>,
     /// The instant of the last reset.
     reset_at: i64,
+    /// The plan stored now, and the instant a plan last charged the bucket
+    /// (which restarts its give-back record after that ms).
+    plan: Option<Figures>,
+    plan_charged_at: i64,
 }
 
 impl World<'_> {
-    fn level(&mut self) -> i64 {
-        let full = self.b.capacity * self.b.period;
-        match crate::support::read_bucket(self.con, KEY) {
-            None => full,
-            Some((c, t)) if self.now > t => full.min(c + (self.now - t) * self.b.refill),
-            Some((c, _)) => full.min(c),
+    fn configured(&self) -> Figures {
+        (self.b.capacity, self.b.refill)
+    }
+
+    /// The figures a call decided under, from its verdict (+2: the plan's).
+    fn under(&mut self, verdict: i64) -> Figures {
+        match self.plan {
+            Some(plan) if verdict & 2 != 0 => {
+                self.plan_charged_at = self.now;
+                plan
+            }
+            _ => self.configured(),
         }
     }
 
@@ -188,20 +239,22 @@ impl World<'_> {
         }
     }
 
-    fn strict(&mut self, cost: i64) -> bool {
-        let raw: Vec<i64> = script::with_limits(
-            script::evalsha(&STRICT_AT),
-            &[self.b.limit(KEY, cost)],
-            None,
-        )
-        .query(self.con)
-        .unwrap_or_else(|e| panic!("strict call: {e}"));
-        raw[0] == 1
+    /// A strict decision (`tb+o`): charged, logged.
+    fn strict(&mut self, cost: i64) {
+        let mut limit = self.b.limit(KEY, cost);
+        limit.alg = "tb+o";
+        let raw: Vec<i64> = script::with_limits(script::evalsha(&STRICT_AT), &[limit], None)
+            .query(self.con)
+            .unwrap_or_else(|e| panic!("strict call: {e}"));
+        if raw[0] == 1 {
+            let under = self.under(raw[1]);
+            self.push(Event::Charge(cost, under));
+        }
     }
 
-    /// lua/lease.lua for `cost` and `want`: the grant and its tuple, if
-    /// admitted.
-    fn lease(&mut self, cost: u64, want: u64) -> Option<(u64, Tuple)> {
+    /// lua/lease.lua for `cost` and `want`, reading plans: the grant, its
+    /// tuple and the figures it decided under, if admitted.
+    fn lease(&mut self, cost: u64, want: u64) -> Option<(u64, Tuple, Figures)> {
         let raw: Vec<i64> = script::with_lease(
             script::evalsha(&LEASE_AT),
             KEY,
@@ -209,18 +262,22 @@ impl World<'_> {
             cost as i64,
             want as i64,
         )
+        .arg("o")
         .query(self.con)
         .unwrap_or_else(|e| panic!("lease call: {e}"));
-        (raw[0] == 1).then(|| {
-            (
-                raw[5] as u64,
-                Tuple {
-                    at_ms: raw[6] as u64,
-                    level: raw[7] as u64,
-                    returned: raw[8] as u64,
-                },
-            )
-        })
+        if raw[0] != 1 {
+            return None;
+        }
+        let under = self.under(raw[1]);
+        if self.plan.is_some() && raw[5] != 0 {
+            panic!("a grant of {} to a key with a plan: {raw:?}", raw[5]);
+        }
+        let tuple = Tuple {
+            at_ms: raw[6] as u64,
+            level: raw[7] as u64,
+            returned: raw[8] as u64,
+        };
+        Some((raw[5] as u64, tuple, under))
     }
 
     /// One call giving back to the bucket once per part (seven values each),
@@ -236,8 +293,8 @@ impl World<'_> {
     }
 
     fn push(&mut self, event: Event) {
-        let level = self.level();
-        self.log.push((event, level));
+        let state = crate::support::read_bucket(self.con, KEY);
+        self.log.push((event, state, self.now, self.plan));
         for env in &mut self.envoys {
             env.fresh = 0;
         }
@@ -245,7 +302,7 @@ impl World<'_> {
 
     /// Envoy `e` fetched with a request of `cost` (0: a prefetch).
     fn fetch(&mut self, e: usize, cost: u64, want: u64) {
-        let Some((granted, tuple)) = self.lease(cost, want) else {
+        let Some((granted, tuple, under)) = self.lease(cost, want) else {
             let stored = self.envoys[e].stored.clone();
             if let Some(bytes) = self.slot.fetch_failed(stored.as_deref()) {
                 self.envoys[e].stored = Some(bytes);
@@ -257,6 +314,7 @@ impl World<'_> {
         self.push(Event::Take {
             cost: cost as i64,
             id,
+            under,
         });
         let now = self.ms();
         self.lapse(e);
@@ -278,9 +336,11 @@ impl World<'_> {
         if added > 0 {
             self.envoys[e].from.push((id, added));
         }
-        // A grant in the ms of a reset is refused at give-back (the record
-        // starts after that ms: under-admission by design).
-        self.envoys[e].fresh = if self.now > self.reset_at { added } else { 0 };
+        // A grant in the ms of a reset, or of a plan's charge, is refused at
+        // give-back (the record starts after that ms: under-admission by
+        // design).
+        let restarted = self.reset_at.max(self.plan_charged_at);
+        self.envoys[e].fresh = if self.now > restarted { added } else { 0 };
     }
 
     fn request(&mut self, e: usize, cost: u64) {
@@ -311,11 +371,7 @@ impl World<'_> {
                 self.envoys[e].stored = Some(bytes);
                 self.fetch(e, cost, want);
             }
-            Step::Strict => {
-                if self.strict(cost as i64) {
-                    self.push(Event::Charge(cost as i64));
-                }
-            }
+            Step::Strict => self.strict(cost as i64),
         }
     }
 
@@ -352,18 +408,24 @@ impl World<'_> {
                  nothing between, and Redis took none back"
             ));
         }
-        // The tokens given back are the newest grants'.
-        let mut left: i64 = got.iter().sum();
         let env = &mut self.envoys[e];
-        for (id, n) in env.from.iter().rev() {
-            let m = (*n as i64).min(left);
-            self.kept[*id] -= m;
-            left -= m;
-        }
-        env.from.clear();
+        env.unreturned = std::mem::take(&mut env.from);
         env.last_back = Some(args);
-        self.push(Event::Back);
+        self.took_back(e, got.iter().sum());
+        self.envoys[e].last_got = got.clone();
+        self.push(Event::Back(got.iter().any(|x| *x > 0)));
         Ok(())
+    }
+
+    /// `n` tokens of Envoy `e`'s last give-back taken back: the newest
+    /// grants' first.
+    fn took_back(&mut self, e: usize, mut n: i64) {
+        for (id, held) in self.envoys[e].unreturned.iter_mut().rev() {
+            let m = (*held as i64).min(n);
+            self.kept[*id] -= m;
+            *held -= m as u64;
+            n -= m;
+        }
     }
 
     fn resend(&mut self, e: usize) -> Result<(), String> {
@@ -371,8 +433,28 @@ impl World<'_> {
             return Ok(());
         };
         // The Envoy sees only this reply; the first's tokens were counted.
-        self.give_back_call(&args)?;
-        self.push(Event::Back);
+        // A part the first call took back answers the same and writes
+        // nothing; one it answered 0 is a first give-back now.
+        let got = self.give_back_call(&args)?;
+        let first = std::mem::take(&mut self.envoys[e].last_got);
+        let mut new = 0;
+        let mut now_got = first.clone();
+        for (k, x) in got.iter().enumerate() {
+            match first.get(k) {
+                Some(0) => {
+                    new += x;
+                    now_got[k] = *x;
+                }
+                // Or 0 (a plan stored, a reset between): nothing written.
+                Some(y) if *x != 0 && y != x => {
+                    return Err(format!("a give-back of {y} sent again answered {x}"));
+                }
+                _ => {}
+            }
+        }
+        self.took_back(e, new);
+        self.envoys[e].last_got = now_got;
+        self.push(Event::Back(new > 0));
         Ok(())
     }
 
@@ -394,26 +476,47 @@ impl World<'_> {
         self.push(Event::Reset);
     }
 
+    /// What `redis-guard override set` (or unset) does: one SET (DEL) of
+    /// the key's override key.
+    fn set_plan(&mut self, i: Option<usize>) {
+        let over = redis_guard::keys::override_key(KEY.as_bytes()).unwrap_or_default();
+        self.plan = i.map(|i| PLANS[i]);
+        let mut cmd = redis::cmd(if self.plan.is_some() { "SET" } else { "DEL" });
+        cmd.arg(over);
+        if let Some((c, r)) = self.plan {
+            cmd.arg(format!("tb {c} {r}"));
+        }
+        cmd.query::<()>(self.con).unwrap();
+        self.push(Event::Plan);
+    }
+
     /// The reference replayed with what is known now; the first step whose
     /// real level exceeds it.
     fn check(&self) -> Result<(), String> {
-        let full = self.b.capacity * self.b.period;
-        let mut reference = full;
-        for (i, (event, real)) in self.log.iter().enumerate() {
-            match *event {
-                Event::Step(dt) => reference = full.min(reference + dt * self.b.refill),
-                Event::Take { cost, id } => reference -= (cost + self.kept[id]) * self.b.period,
-                Event::Charge(y) => reference -= y * self.b.period,
-                Event::Back => {}
-                Event::Reset => reference = full,
+        let period = self.b.period;
+        let configured = self.configured();
+        let mut reference: Option<(i64, i64)> = None;
+        for (i, &(event, real, now, plan)) in self.log.iter().enumerate() {
+            // A write at `now` under `f`, `take` credits less.
+            let write = |r, f, take: i64| Some((lazy(r, now, f, period) - take, now));
+            match event {
+                Event::Take { cost, id, under } => {
+                    reference = write(reference, under, (cost + self.kept[id]) * period);
+                }
+                Event::Charge(y, under) => reference = write(reference, under, y * period),
+                Event::Back(true) => reference = write(reference, configured, 0),
+                Event::Reset => reference = None,
+                Event::Step | Event::Back(false) | Event::Plan => {}
             }
-            if *real > reference {
-                return Err(format!(
-                    "after step {i} ({event:?}) the bucket holds {real} credits, more than the \
-                     {reference} of a bucket that never leased the tokens given back \
-                     (capacity {} tokens of {} credits)",
-                    self.b.capacity, self.b.period
-                ));
+            for f in [Some(configured), plan].into_iter().flatten() {
+                let (r, f_ref) = (lazy(real, now, f, period), lazy(reference, now, f, period));
+                if r > f_ref {
+                    return Err(format!(
+                        "after step {i} ({event:?}) the bucket holds {r} credits under {f:?}, \
+                         more than the {f_ref} of a bucket that never leased the tokens given \
+                         back (configured {configured:?}, tokens of {period} credits)"
+                    ));
+                }
             }
         }
         Ok(())
@@ -435,6 +538,8 @@ pub fn run(con: &mut Connection, s: &Schedule) -> Result<(), String> {
         kept: Vec::new(),
         log: Vec::new(),
         reset_at: i64::MIN,
+        plan: None,
+        plan_charged_at: i64::MIN,
     };
     script::set_clock(w.con, w.now);
     for op in &s.ops {
@@ -450,26 +555,21 @@ pub fn run(con: &mut Connection, s: &Schedule) -> Result<(), String> {
                 w.now += TICKS[i];
                 script::set_clock(w.con, w.now);
                 if TICKS[i] > 0 {
-                    w.push(Event::Step(TICKS[i]));
+                    w.push(Event::Step);
                 }
             }
             Op::Request { e, cost } => w.request(e % s.envoys, cost),
             Op::GiveBack { e } => w.give_back(e % s.envoys)?,
             Op::Resend { e } => w.resend(e % s.envoys)?,
-            Op::Strict { cost } => {
-                let cost = (cost as i64).min(s.capacity);
-                if w.strict(cost) {
-                    w.push(Event::Charge(cost));
-                }
-            }
+            Op::Strict { cost } => w.strict((cost as i64).min(s.capacity)),
             Op::Reset => w.reset(),
             Op::LostFetch { e } => {
                 let e = e % s.envoys;
-                if let Some((granted, _)) = w.lease(1, BATCH) {
+                if let Some((granted, _, under)) = w.lease(1, BATCH) {
                     // Redis charged and granted; the Envoy saw nothing.
                     let id = w.kept.len();
                     w.kept.push(granted as i64);
-                    w.push(Event::Take { cost: 1, id });
+                    w.push(Event::Take { cost: 1, id, under });
                     let stored = w.envoys[e].stored.clone();
                     if let Some(bytes) = w.slot.fetch_failed(stored.as_deref()) {
                         w.envoys[e].stored = Some(bytes);
@@ -481,6 +581,7 @@ pub fn run(con: &mut Connection, s: &Schedule) -> Result<(), String> {
                     w.request(e, cost);
                 }
             }
+            Op::Plan(i) => w.set_plan(i),
             Op::Reload { e } => {
                 let env = &mut w.envoys[e % s.envoys];
                 env.stored = None;
