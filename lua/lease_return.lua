@@ -208,8 +208,10 @@ for i, g in ipairs(back) do
   local given = 0
   local rec = redis.call('GET', ck)
   local count, since, entries
+  -- GET, not EXISTS: the filter's Redis user may run only the commands
+  -- envoy/redis.acl grants. pcall: a key of another type is stored too.
   local okey = override_key(key)
-  if rec and not (okey and redis.call('EXISTS', okey) == 1) then
+  if rec and not (okey and redis.pcall('GET', okey)) then
     count, since, entries = read_record(rec)
   end
   if count and g.t0 >= since and now >= g.t0 and now - g.t0 < OLDEST

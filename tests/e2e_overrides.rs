@@ -433,3 +433,83 @@ fn a_customer_with_a_concurrency_plan_of_3_holds_exactly_3_in_flight_and_others_
     assert_eq!(reached, 3);
     assert_eq!(stack.upstream.executions_of("/slow"), 0);
 }
+
+/// A leased bucket of 20 an hour per API key, batches of 4, that takes
+/// stored plans.
+fn leased_config() -> String {
+    filter_config(1000)
+        .limits(
+            r#"[{"name": "leased", "match": {"pathPrefix": "/api/"},
+                 "descriptor": [{"header": "x-api-key"}],
+                 "tokenBucket": {"capacity": 20, "refill": 20, "periodMs": 3600000},
+                 "lease": {"tokens": 4, "ttlMs": 600000},
+                 "overrides": {"redis": true}}]"#,
+        )
+        .build()
+}
+
+#[test]
+fn a_customer_with_a_plan_on_a_leased_limit_gets_exactly_its_plan_while_others_keep_leasing() {
+    let stack = Stack::start(&leased_config(), 2);
+    let dir = Scratch::new("leased-plans");
+    let config_path = dir.0.join("filter.json");
+    std::fs::write(&config_path, leased_config()).unwrap();
+    let which = ["--limit", "leased", "--value", "x-api-key=acme"];
+    let set = ["override", "set", "--capacity", "12", "--refill", "12"];
+    let bin = env!("CARGO_BIN_EXE_redis-guard");
+    cli_json(bin, &stack, &config_path, &[&set[..], &which[..]].concat());
+    let agent = agent();
+    let spent = || stack.counter("redis_guard.lease.spent");
+    let fetches = || stack.counter("redis_guard.lease.fetches");
+
+    // acme, over both Envoys: every request decided in Redis under its plan
+    // of 12 (each a lease call granting nothing), its headers stating 12.
+    let mut admitted = 0;
+    for i in 0..30 {
+        let e = &stack.envoys[i % 2];
+        let r = http_with(
+            &agent,
+            "GET",
+            &e.url("/api/x"),
+            &[("x-api-key", "acme")],
+            None,
+        );
+        if r.status != 200 {
+            assert_eq!(r.status, 429, "request {i}");
+            assert_eq!(r.header("x-ratelimit-limit"), Some("12"), "the 429 too");
+            break;
+        }
+        admitted += 1;
+        let left = (12 - admitted).to_string();
+        assert_eq!(r.header("x-ratelimit-limit"), Some("12"), "request {i}");
+        assert_eq!(r.header("x-ratelimit-remaining"), Some(left.as_str()));
+        assert_eq!(
+            r.header("ratelimit-policy"),
+            Some("\"leased\";q=12;w=3600"),
+            "request {i}"
+        );
+    }
+    assert_eq!(admitted, 12);
+    assert_eq!(stack.upstream.executed(), 12);
+    assert_eq!(spent(), 0, "nothing leased to acme");
+    assert_eq!(fetches(), 13, "each of acme's 13 requests one lease call");
+    let records: Vec<String> = redis::cmd("KEYS")
+        .arg("*:ret")
+        .query(&mut stack.redis.conn())
+        .unwrap();
+    assert!(
+        records.is_empty(),
+        "no grant, no give-back record: {records:?}"
+    );
+
+    // bob, without a plan, on one Envoy: leased batches, the configured 20
+    // exactly (one Envoy spends every token it holds).
+    let e1 = std::slice::from_ref(&stack.envoys[0]);
+    assert_eq!(
+        admitted_until_429(e1, "/api/x", &[("x-api-key", "bob")], 40),
+        20
+    );
+    assert!(spent() > 0, "bob's requests spent leased tokens");
+    assert!(fetches() < 13 + 20, "fewer lease calls than bob's requests");
+    assert_eq!(stack.upstream.executed(), 32);
+}
