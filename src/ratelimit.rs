@@ -944,4 +944,38 @@ mod tests {
         ]));
         assert!(parse_outcome(&neg, 1).is_err());
     }
+
+    #[test]
+    fn a_lease_reply_decided_by_a_plan_states_it_after_the_tuple() {
+        let bulk = |s: &str| Reply::Bulk(Some(s.as_bytes().to_vec()));
+        let reply = |v: &[&str]| Reply::Array(Some(v.iter().map(|s| bulk(s)).collect()));
+        // lua/lease.lua under a stored plan of 12, 12: verdict 1 + 2, no
+        // grant, no tuple, then the plan's capacity and refill.
+        let planned = [
+            "1", "3", "7", "0", "1500000", "0", "0", "0", "0", "12", "12",
+        ];
+        let (o, granted, tuple) = parse_lease(&reply(&planned)).unwrap();
+        assert!(o.admitted && o.results[0].allowed);
+        assert_eq!(o.results[0].overridden, OverrideUse::Applied);
+        assert_eq!(o.results[0].plan, Some([12, 12]));
+        assert_eq!(o.results[0].remaining, 7);
+        assert_eq!((granted, tuple), (0, crate::lease::Tuple::default()));
+        // Refused under it: 0 + 2, the plan stated too.
+        let refused = [
+            "0", "2", "0", "300000", "300000", "0", "0", "0", "0", "12", "12",
+        ];
+        let (o, _, _) = parse_lease(&reply(&refused)).unwrap();
+        assert!(!o.admitted && !o.results[0].allowed);
+        assert_eq!(o.results[0].plan, Some([12, 12]));
+        // Without a plan, nine items as before; a flag without its figures,
+        // or figures without the flag, is no reply.
+        let plain = ["1", "1", "91", "0", "9", "8", "1000", "91", "0"];
+        let (o, granted, _) = parse_lease(&reply(&plain)).unwrap();
+        assert_eq!((o.results[0].plan, granted), (None, 8));
+        assert!(parse_lease(&reply(&planned[..9])).is_err());
+        let mut stray = plain.to_vec();
+        stray.extend(["12", "12"]);
+        assert!(parse_lease(&reply(&stray)).is_err());
+        assert!(parse_lease(&reply(&planned[..10])).is_err());
+    }
 }
