@@ -239,7 +239,7 @@ fuzz: wasi-dep build
 # loops while faults are injected at moments drawn from SOAK_SEED (the
 # clock's seconds unless given): Redis SIGKILLed and restarted, SIGSTOPped,
 # failed over to its replica, a Webdis or an Envoy SIGKILLed, a config
-# reloaded by ECDS. The invariants are checked as it runs and at the end; it
+# reloaded by ECDS, the object store SIGSTOPped. The invariants are checked as it runs and at the end; it
 # prints its table and exits non-zero on any violation. Stops by itself
 # after SOAK_MINUTES and stops every process it started.
 .PHONY: soak

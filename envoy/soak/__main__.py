@@ -144,7 +144,8 @@ def final(stack, rec, stats, injector, violations, a, elapsed):
             stats.scrape(e)
         up = check.upstream_stats(stack)
         check.check_limits(rec, up, out)
-        keys = check.check_keys(rec, up, stats.total("idempotency.store_failed"), out)
+        keys = check.check_keys(rec, up, stats.total("idempotency.store_failed")
+                                + stats.total("idempotency.offload_failed"), out)
         usage = check.check_usage(rec, admin, stats, injector.kills, out)
         nkeys, mem = check.check_redis(admin, out, MEM_LIMIT)
     finally:

@@ -110,11 +110,12 @@ def check_limits(rec, upstream_stats, out):
 
 def check_keys(rec, upstream_stats, store_failed, out):
     """Every key ran upstream at most once, every answer of a key the same
-    bytes, each its own. The book's two exceptions are allowed and shown
+    bytes, each its own. The book's exceptions are allowed and shown
     apart: an attempt that met an Envoy dying under it (its lock expires
     unstored, then a retry runs), and a store that failed
-    (`idempotency.store_failed`: the key is freed, a retry runs again);
-    the runs past those must number at most what store_failed counts."""
+    (`idempotency.store_failed`, or `idempotency.offload_failed` for a body
+    the object store did not take: the key is freed, a retry runs again);
+    the runs past the SIGKILLs' must number at most what those count."""
     by_path = upstream_stats.get("byPath", {})
     summary = {"keys": 0, "completed and replayed": 0, "ran again after an Envoy's SIGKILL": 0,
                "ran again after a failed store": 0}
@@ -151,7 +152,7 @@ def check_keys(rec, upstream_stats, store_failed, out):
     if n_again > store_failed:
         shown = "; ".join(f"{key} (attempts: {' '.join(a)})" for key, _, a in again[:3])
         out.append(f"{n_again} runs again past the SIGKILLs' but idempotency.store_failed "
-                   f"counts {store_failed}: {shown}")
+                   f"and offload_failed count {store_failed}: {shown}")
     return summary
 
 

@@ -9,7 +9,8 @@ import time
 
 from .procs import SoakError, log, wait_for
 
-KINDS = ["redis-kill", "redis-stop", "failover", "webdis-kill", "envoy-kill", "ecds-reload"]
+KINDS = ["redis-kill", "redis-stop", "failover", "webdis-kill", "envoy-kill", "ecds-reload",
+         "store-stop"]
 
 
 class Injector:
@@ -94,6 +95,19 @@ class Injector:
         s.primary = new
         wait_for("the old primary replicating", s.in_sync, 30, 0.1)
         return f"{old} -> {new}"
+
+    def store_stop(self):
+        """The object store SIGSTOPped 0.5 to 7 s: slower than the filter's
+        5 s timeout at times (moto keeps its objects in memory, so it is
+        stopped, not killed)."""
+        ms = self.rng.randint(500, 7000)
+        p = self.stack.s3
+        p.signal(signal.SIGSTOP)
+        try:
+            time.sleep(ms / 1000)
+        finally:
+            p.signal(signal.SIGCONT)
+        return f"object store SIGSTOPped {ms} ms"
 
     def webdis_kill(self):
         s = self.stack

@@ -70,7 +70,8 @@ def table(a, elapsed, rec, injector, stats, violations, keys, usage, nkeys, mem,
     # last reading): the paths the traffic meant to exercise.
     for name in ("batch.calls", "lease.fetches", "lease.spent", "overlimit_cache.rejected",
                  "idempotency.stored", "idempotency.replayed", "idempotency.offloaded",
-                 "idempotency.object_fetched", "idempotency.conflicted",
+                 "idempotency.object_fetched", "idempotency.object_fetch_failed",
+                 "idempotency.offload_failed", "idempotency.conflicted",
                  "idempotency.abandoned", "idempotency.store_failed", "usage.charged_units",
                  "concurrency.released", "failure_mode.denied", "redis.retries"):
         lines.append(f"| {name} (Envoy counter) | {stats.total(name)} |")
