@@ -106,7 +106,7 @@ fn a_finding_fails_the_run_and_says_how_to_replay_it() {
     assert_eq!(lines.len(), 3, "{text}");
     assert!(
         lines[0].starts_with(
-            "FINDING case 1:1: proxy_on_context_create(1) burnt 1,220 fuel on 0 bytes \
+            "FINDING case 1:1: proxy_on_context_create(1) burnt 1,212 fuel on 0 bytes \
              (bound 1,000 + 120 a byte)"
         ),
         "{text}"
