@@ -102,12 +102,12 @@ def without_writes(src):
 def variants(batch_src):
     pre, _ = batch_src.split("local out = { m }")
     head = batch_src.split("local kinds = {")[0]
-    raw = ("for j = 1, m do local k = K[ko[j] + 1]; local v = redis.call('GET', k); "
+    raw = ("for j = 1, m do local k = alone_key[j]; local v = redis.call('GET', k); "
            "if v then struct.unpack('<dd', v) end; "
            "redis.call('SET', k, struct.pack('<dd', 100, 200), 'PX', 1000) end\n")
     # Each variant runs on an empty Redis (per_call_us), so the hashes meet
     # no string the other variants wrote.
-    hashed = ("for j = 1, m do local k = K[ko[j] + 1]; redis.call('HMGET', k, 'c', 't'); "
+    hashed = ("for j = 1, m do local k = alone_key[j]; redis.call('HMGET', k, 'c', 't'); "
               "redis.call('HSET', k, 'c', '100', 't', '200'); redis.call('PEXPIRE', k, 1000) end\n")
     return [
         ("empty script", "return 1\n"),

@@ -364,11 +364,8 @@ end
 -- retry, reset }.
 local function lone_bucket(key, a, b, c, cost)
   need('tb')
-  local r = tb_check(key, a, b, c, cost)
-  if r.allowed == 1 then
-    tb_charge(r)
-  end
-  return r.allowed, wire(r.remaining), wire(r.retry), wire(r.reset)
+  local allowed, remaining, retry, reset = tb_take(key, a, b, c, cost)
+  return allowed, wire(remaining), wire(retry), wire(reset)
 end
 
 -- A lone call in lone_bucket()'s shape: one key, ARGV exactly "1", "tb",

@@ -48,8 +48,9 @@ local function tb_hash_key(key)
   return string.sub(key, 1, n) .. 'tb.' .. string.sub(key, n + 5)
 end
 
-local function tb_check(key, capacity, refill, period, cost)
-  local full = capacity * period
+-- A bucket's state as this run knows it: read (and remembered) at its
+-- first use.
+local function tb_read(key)
   local seen = tb_seen[key]
   if seen == nil then
     local state = redis.call('GET', key)
@@ -74,6 +75,12 @@ local function tb_check(key, capacity, refill, period, cost)
     end
     tb_seen[key] = seen
   end
+  return seen
+end
+
+local function tb_check(key, capacity, refill, period, cost)
+  local full = capacity * period
+  local seen = tb_read(key)
   local credits = seen.c
   local last = seen.t
   if credits == nil or last == nil then
@@ -110,6 +117,35 @@ local function tb_charge(r)
   -- Once full again the state equals a missing key, so it may vanish then.
   tb_seen[r.key] = { c = left, t = now, charged = true,
                      ttl = math.max(1, math.ceil((r.full - left) / r.refill)) }
+end
+
+-- tb_check() and, when it admits, tb_charge() in one, without the verdict
+-- table (lua/decide.lua lone_bucket()): the same arithmetic and state.
+-- Returns allowed, remaining, retry, reset.
+local function tb_take(key, capacity, refill, period, cost)
+  local full = capacity * period
+  local seen = tb_read(key)
+  local credits = seen.c
+  local last = seen.t
+  if credits == nil or last == nil then
+    credits = full
+  elseif now > last then
+    credits = math.min(full, credits + (now - last) * refill)
+  else
+    credits = math.min(full, credits)
+  end
+  local need = cost * period
+  if credits >= need then
+    local left = credits - need
+    if seen.charged == nil then
+      tb_charged[#tb_charged + 1] = key
+    end
+    local reset = math.ceil((full - left) / refill)
+    tb_seen[key] = { c = left, t = now, charged = true, ttl = math.max(1, reset) }
+    return 1, math.floor(left / period), 0, reset
+  end
+  local retry = math.ceil((need - credits) / refill)
+  return 0, math.max(0, math.floor(credits / period)), retry, retry
 end
 
 local function tb_flush()
