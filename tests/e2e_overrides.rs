@@ -513,3 +513,55 @@ fn a_customer_with_a_plan_on_a_leased_limit_gets_exactly_its_plan_while_others_k
     assert!(fetches() < 13 + 20, "fewer lease calls than bob's requests");
     assert_eq!(stack.upstream.executed(), 32);
 }
+
+#[test]
+fn a_plan_set_while_an_envoy_holds_leased_tokens_applies_once_they_are_spent() {
+    let stack = Stack::start(&leased_config(), 1);
+    let dir = Scratch::new("leased-plan-change");
+    let config_path = dir.0.join("filter.json");
+    std::fs::write(&config_path, leased_config()).unwrap();
+    let e = stack.envoy();
+    let agent = agent();
+    let carol = || {
+        http_with(
+            &agent,
+            "GET",
+            &e.url("/api/x"),
+            &[("x-api-key", "carol")],
+            None,
+        )
+    };
+    let spent = || e.counter("redis_guard.lease.spent");
+    let returned = || e.counter("redis_guard.lease.returned");
+
+    // Without a plan: the request and a batch of 4 leave the bucket (15
+    // left in Redis), the 4 held by this Envoy.
+    assert_eq!(carol().status, 200);
+    assert_eq!(e.counter("redis_guard.lease.fetches"), 1);
+    // Downgraded to 2 while the Envoy holds them.
+    let which = ["--limit", "leased", "--value", "x-api-key=carol"];
+    let set = ["override", "set", "--capacity", "2", "--refill", "2"];
+    let bin = env!("CARGO_BIN_EXE_redis-guard");
+    cli_json(bin, &stack, &config_path, &[&set[..], &which[..]].concat());
+    let (spent0, returned0) = (spent(), returned());
+    let mut admitted = 0;
+    let mut refused = None;
+    for _ in 0..20 {
+        let r = carol();
+        if r.status != 200 {
+            refused = Some(r);
+            break;
+        }
+        admitted += 1;
+    }
+    let refused = refused.expect("refused within 20");
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("x-ratelimit-limit"), Some("2"));
+    // The held tokens, spent under the numbers they were granted under (or
+    // given back, to nothing: a key with a plan takes none back), then
+    // exactly the plan's 2, decided in Redis.
+    let (held_spent, held_back) = (spent() - spent0, returned() - returned0);
+    assert_eq!(held_spent + held_back, 4, "the 4 held");
+    assert_eq!(admitted, held_spent + 2);
+    assert_eq!(stack.upstream.executed(), 1 + admitted);
+}
