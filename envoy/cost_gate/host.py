@@ -119,6 +119,10 @@ class Host:
         self.fuel = Counter()
         self.callbacks = Counter()
         self._caller = None
+        # run.py --segments: fuel between consecutive imports within a
+        # callback, by (callback, import before, import after); None: off.
+        self.segments = None
+        self._segment = None  # (callback, import before, fuel then)
         linker = Linker(self.engine)
         for imp in self.module.imports:
             impl = getattr(self, "_" + imp.name, None)
@@ -140,6 +144,18 @@ class Host:
         self.calls, self.calls_by_role = Counter(), Counter()
         self.fuel, self.callbacks = Counter(), Counter()
         self.logs = []
+        if self.segments is not None:
+            self.segments = Counter()
+
+    def _mark(self, what):
+        """Ends the segment open in this callback at `what` (an import's
+        name, or "end"), and opens the next: fuel the host's own work inside
+        an import burns (its allocation in the module) is left out."""
+        if self.segments is None or self._segment is None:
+            return
+        callback, before, fuel = self._segment
+        key = (callback, before, what)
+        self.segments[key] = self.segments.get(key, 0) + fuel - self.store.get_fuel()
 
     def _recorded(self, name, impl, unsigned):
         def call(caller, *args):
@@ -147,7 +163,12 @@ class Host:
             self.calls[name] += 1
             role = "root" if self.effective == ROOT_ID else "stream"
             self.calls_by_role[(name, role)] += 1
-            return impl(*(a & 0xFFFFFFFF if u else a for a, u in zip(args, unsigned)))
+            self._mark(name)
+            try:
+                return impl(*(a & 0xFFFFFFFF if u else a for a, u in zip(args, unsigned)))
+            finally:
+                if self._segment is not None:
+                    self._segment = (self._segment[0], name, self.store.get_fuel())
         return call
 
     def _unsupported(self, name):
@@ -159,6 +180,8 @@ class Host:
         """Envoy calls the filter: `name` (an export) as context `ctx`."""
         self.effective = ctx
         before = self.store.get_fuel()
+        if self.segments is not None:
+            self._segment = (name, "start", before)
         try:
             result = self.exports[name](self.store, ctx, *args)
         except GateError:
@@ -166,6 +189,8 @@ class Host:
         except Exception as e:
             raise GateError(f"{name}({ctx}, {args}) trapped: {e}; stdout: {self.stdout!r}; "
                             f"logs: {self.logs[-3:]}") from e
+        self._mark("end")
+        self._segment = None
         burnt = before - self.store.get_fuel()
         self.fuel[name] += burnt
         self.callbacks[name] += 1

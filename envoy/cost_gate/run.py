@@ -11,6 +11,9 @@ budget, saying which calls grew and by how much; 2 when it cannot run.
   run.py --scenarios b,f     only these
   run.py --drop-stored       the scenarios without what they store in Redis
                              first (a plan): their decision checks must fail
+  run.py --segments f        also the fuel between consecutive host calls
+                             within each callback (one measured round), per
+                             request: where in a callback the fuel goes
 
 A budget holds each scenario's ABI calls by name per round (exact: one more
 call fails) and its fuel, with a ceiling `headroom` above it: fuel is
@@ -40,7 +43,7 @@ def fail_to_run(why):
     sys.exit(2)
 
 
-def run(wasm, only, drop_stored=False):
+def run(wasm, only, drop_stored=False, segments=False):
     try:
         import wasmtime  # noqa: F401 (its version names the budgets' fuel)
         from importlib.metadata import version
@@ -58,7 +61,10 @@ def run(wasm, only, drop_stored=False):
         if drop_stored:
             sc = dict(sc, stored=[])
         try:
-            results[sc["id"]] = Driver(compiled, sc).measure()
+            driver = Driver(compiled, sc)
+            if segments:
+                driver.host.segments = {}
+            results[sc["id"]] = driver.measure()
         except GateError as e:
             # A scenario that no longer decides as it should measures
             # another path: its figures would gate nothing.
@@ -150,6 +156,13 @@ def show(sid, r, budget, full):
         print(f"      {fuel:>10,} {name} ({r['callbacks'].get(name, 0)})")
 
 
+def show_segments(sid, r):
+    rq = r["requests"]
+    print(f"({sid}) fuel per request between host calls, by callback (one round):")
+    for (callback, before, after), fuel in sorted(r["segments"].items(), key=lambda kv: -kv[1]):
+        print(f"    {fuel / rq:>9,.0f}  {callback}: {before} -> {after}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--wasm", type=Path, default=WASM)
@@ -159,11 +172,13 @@ def main():
     ap.add_argument("--write", action="store_true", help="write the figures as the budgets")
     ap.add_argument("--drop-stored", action="store_true",
                     help="run the scenarios without what they store in Redis first")
+    ap.add_argument("--segments", action="store_true",
+                    help="the fuel between consecutive host calls in each callback")
     args = ap.parse_args()
     if not args.wasm.is_file():
         fail_to_run(f"{args.wasm} not found: run `make build`")
     only = [s for s in args.scenarios.split(",") if s]
-    results, version = run(args.wasm, only, args.drop_stored)
+    results, version = run(args.wasm, only, args.drop_stored, args.segments)
     if args.write or os.environ.get("REDIS_GUARD_WRITE_BUDGETS") == "1":
         if only or args.drop_stored:
             fail_to_run("--write writes every scenario's budget: run it without --scenarios "
@@ -178,6 +193,8 @@ def main():
     for sid, r in results.items():
         budget = budgets["scenarios"].get(sid)
         show(sid, r, budget, args.report)
+        if args.segments:
+            show_segments(sid, r)
         f, n = compare(sid, r, budget)
         fails += f
         notes += n

@@ -382,7 +382,8 @@ class Driver:
                                        sorted(h.calls_by_role.items())},
                            "callbacks": dict(sorted(h.callbacks.items())),
                            "scripts": list(self.scripts),
-                           "fuel": dict(h.fuel)})
+                           "fuel": dict(h.fuel),
+                           "segments": dict(h.segments or {})})
         first = rounds[0]
         for other in rounds[1:]:
             for what in ("calls", "by_role", "callbacks", "scripts"):
@@ -397,4 +398,5 @@ class Driver:
                 "calls": first["calls"], "by_role": first["by_role"],
                 "callbacks": first["callbacks"], "scripts": first["scripts"],
                 "fuel": round(sum(totals) / len(totals)), "fuel_min": min(totals),
-                "fuel_max": max(totals), "fuel_by_callback": by_callback}
+                "fuel_max": max(totals), "fuel_by_callback": by_callback,
+                "segments": rounds[-1]["segments"]}
