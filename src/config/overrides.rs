@@ -19,7 +19,9 @@ pub(super) struct RawOverrides {
     /// same call that decides the request: a token bucket's capacity and
     /// refill, a window's limit, a quota's amount, a concurrency limit's
     /// maximum; for a usage-based limit, its settlement after the response
-    /// reads it too. Set with `redis-guard override set`.
+    /// reads it too; a leased bucket's key with a stored plan is decided
+    /// strictly under it, with no tokens leased. Set with `redis-guard
+    /// override set`.
     #[serde(default)]
     redis: bool,
     /// A part whose value overrides the limit for this request (a claim, a
