@@ -144,7 +144,8 @@ def check_keys(rec, upstream_stats, store_failed, out):
                 out.append(f"key {key}: an answer that is not the upstream's JSON")
                 continue
             if doc.get("path") != k["path"]:
-                out.append(f"key {key}: answered with {doc.get('path')}'s response")
+                out.append(f"key {key}: answered with {doc.get('path')}'s response "
+                           f"(attempts: {' '.join(k.get('attempts', []))})")
         if k["answers"] and runs == 0:
             out.append(f"key {key}: answered 200 but never ran upstream")
     n_again = sum(n for _, n, _ in again)
