@@ -63,11 +63,11 @@ impl Command {
 }
 
 /// Where `cmd`'s script ARGV starts (a byte offset into its PUT path, or
-/// its POST body), if it is an `EVALSHA` of one of `echoing`: the SHA-1s of
-/// the scripts that give a nonce put there back first in their reply
-/// (the book, Running it: When things fail, says why). `None` for any other command.
-/// Reads the command in place: nothing is allocated for the commands that
-/// carry no nonce.
+/// its POST body), if it runs one of `echoing`: the SHA-1s of the scripts
+/// that give a nonce put there back first in their reply (the book, Running
+/// it: When things fail, says why), by `EVALSHA` or by `EVAL` with the
+/// script's source. `None` for any other command. Reads an `EVALSHA` in
+/// place: nothing is allocated for the commands that carry no nonce.
 pub fn nonce_at(cmd: &Command, echoing: &[&str]) -> Option<usize> {
     let text: &[u8] = match &cmd.put {
         Some(path) => path.as_bytes(),
@@ -76,11 +76,26 @@ pub fn nonce_at(cmd: &Command, echoing: &[&str]) -> Option<usize> {
     let skip = usize::from(cmd.put.is_some());
     let encoded = text.get(skip..)?.strip_suffix(b".raw")?;
     let mut parts = encoded.split(|b| *b == b'/');
-    if parts.next()? != b"EVALSHA" {
-        return None;
-    }
-    let sha = parts.next()?;
-    if !echoing.iter().any(|e| e.as_bytes() == sha) {
+    let name = parts.next()?;
+    let script = parts.next()?;
+    let echoes = match name {
+        b"EVALSHA" => echoing.iter().any(|e| e.as_bytes() == script),
+        // A call goes as EVAL after a NOSCRIPT: every call does while a
+        // restarted Redis has no scripts, which is when Webdis reconnects
+        // and may hand a late reply to the wrong socket. The same script
+        // echoes the nonce, so it carries one too (make soak once saw a
+        // keyed request answered with another tenant's stored response at
+        // such a restart, when EVAL carried none). Its SHA-1 is that of
+        // the decoded source: EVAL is rare, so the hash is paid rarely.
+        b"EVAL" => {
+            use sha1::{Digest, Sha1};
+            let source: Vec<u8> = percent_encoding::percent_decode(script).collect();
+            let sha = crate::codec::hex(&Sha1::digest(&source));
+            echoing.iter().any(|e| *e == sha)
+        }
+        _ => false,
+    };
+    if !echoes {
         return None;
     }
     let nkeys: usize = std::str::from_utf8(parts.next()?).ok()?.parse().ok()?;
@@ -575,7 +590,27 @@ mod tests {
         );
         assert_eq!(nonce_at(&post, &["cd"]), None, "another script");
         let eval = Command::post("EVAL", &[b"return 1", b"0"]);
-        assert_eq!(nonce_at(&eval, &["ab"]), None);
+        assert_eq!(nonce_at(&eval, &["ab"]), None, "another script's source");
+        // EVAL of an echoing script (its source's SHA-1): the nonce goes
+        // first in ARGV as for its EVALSHA.
+        let source = b"return {ARGV[1]} -- 100% / +";
+        use sha1::{Digest, Sha1};
+        let sha = crate::codec::hex(&Sha1::digest(source));
+        let eval = Command::post("EVAL", &[source, b"1", b"k1", b"x"]);
+        let at = nonce_at(&eval, &[&sha]).unwrap();
+        assert_eq!(
+            insert_nonce(&eval, at, "00ff").body,
+            [
+                &eval.body[..eval.body.len() - b"/x.raw".len()],
+                b"/%7E00ff/x.raw"
+            ]
+            .concat()
+        );
+        let none = Command::post("EVAL", &[source, b"0"]);
+        assert_eq!(
+            insert_nonce(&none, nonce_at(&none, &[&sha]).unwrap(), "00ff").body,
+            [&none.body[..none.body.len() - 4], b"/%7E00ff.raw"].concat()
+        );
         let short = Command::post("EVALSHA", &[b"ab", b"3", b"k"]);
         assert_eq!(nonce_at(&short, &["ab"]), None, "fewer keys than it says");
     }

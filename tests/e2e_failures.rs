@@ -314,3 +314,53 @@ fn a_reply_webdis_hands_to_the_wrong_call_is_taken_as_no_answer_not_as_a_verdict
     // for any call whose answer was lost.
     assert_eq!(status("bob"), 429);
 }
+
+#[test]
+fn a_reply_webdis_hands_to_the_wrong_eval_is_not_its_verdict_either() {
+    // After a NOSCRIPT (a restarted Redis has no scripts) a call goes again
+    // as EVAL with its script's source: it carries a nonce too. make soak
+    // once saw a keyed request answered with another tenant's stored
+    // response during a Redis restart, when EVAL carried none.
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    webdis.wait_until_redis_answers();
+    let relay = WebdisReplaying::start(webdis.port);
+    let upstream = Upstream::start();
+    let cfg = filter_config(2000)
+        .failure_mode("deny")
+        .limits(
+            r#"[{"name":"u","descriptor":[{"header":"x-user"}],
+                 "tokenBucket":{"capacity":1,"refill":1,"periodMs":3600000}}]"#,
+        )
+        .build();
+    let envoy = Envoy::start(&cfg, relay.port, upstream.port);
+    let url = envoy.url("/");
+    let status = |user: &str| get(&url, &[("x-user", user)]).status;
+    let flush = || {
+        redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query::<()>(&mut redis.conn())
+            .unwrap()
+    };
+    let reloads = || envoy.counter("redis_guard.redis.script_reloads");
+    assert_eq!(status("ann"), 200);
+    let before = reloads();
+    // Ann's rejection comes back to an EVAL: Redis had lost the script.
+    flush();
+    assert_eq!(status("ann"), 429, "ann's one token is spent");
+    assert_eq!(reloads(), before + 1);
+    // Bob's EVAL now gets the reply Webdis gave ann's: it is not his.
+    flush();
+    relay.arm_eval();
+    assert_eq!(
+        status("bob"),
+        503,
+        "ann's verdict must not decide bob's request"
+    );
+    assert_eq!(relay.replayed(), 1);
+    assert_eq!(reloads(), before + 2);
+    assert_eq!(envoy.counter("redis_guard.failure_mode.denied"), 1);
+    assert!(envoy.log().contains("not this call's"), "{}", envoy.log());
+    // His EVAL did run: his one token is spent.
+    assert_eq!(status("bob"), 429);
+}

@@ -33,7 +33,8 @@ fn shipped_files() -> Vec<PathBuf> {
                     dirs.push(path);
                 }
             } else if [
-                ".rs", ".py", ".sh", ".yaml", ".yml", ".json", ".md", ".toml", ".wat", ".acl", ".lua",
+                ".rs", ".py", ".sh", ".yaml", ".yml", ".json", ".md", ".toml", ".wat", ".acl",
+                ".lua",
             ]
             .iter()
             .any(|x| name.ends_with(x))

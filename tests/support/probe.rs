@@ -502,37 +502,51 @@ impl WebdisRefusingFirst {
 pub struct WebdisReplaying {
     pub port: u16,
     armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    armed_eval: std::sync::Arc<std::sync::atomic::AtomicBool>,
     replayed: std::sync::Arc<AtomicUsize>,
 }
 
 impl WebdisReplaying {
     pub fn start(webdis_port: u16) -> WebdisReplaying {
         let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let armed_eval = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let replayed = std::sync::Arc::new(AtomicUsize::new(0));
-        let last: std::sync::Mutex<Option<Vec<u8>>> = std::sync::Mutex::new(None);
-        let (a, r) = (
+        // The last reply, and the last reply to an EVAL.
+        type Replies = (Option<Vec<u8>>, Option<Vec<u8>>);
+        let last: std::sync::Mutex<Replies> = std::sync::Mutex::new((None, None));
+        let (a, e, r) = (
             std::sync::Arc::clone(&armed),
+            std::sync::Arc::clone(&armed_eval),
             std::sync::Arc::clone(&replayed),
         );
         let port = relay(
             webdis_port,
             std::sync::Arc::new(move |request, webdis| {
+                let eval = request.windows(9).any(|w| w == b"\r\n\r\nEVAL/");
                 let reply = webdis(request);
                 let mut last = last.lock().unwrap();
-                let answer = match last.as_ref() {
-                    Some(old) if a.swap(false, Ordering::SeqCst) => {
-                        r.fetch_add(1, Ordering::SeqCst);
-                        old.clone()
-                    }
-                    _ => reply.clone(),
+                let old = if eval && e.load(Ordering::SeqCst) {
+                    last.1.clone().filter(|_| e.swap(false, Ordering::SeqCst))
+                } else {
+                    last.0.clone().filter(|_| a.swap(false, Ordering::SeqCst))
                 };
-                *last = Some(reply);
-                answer
+                if eval {
+                    last.1 = Some(reply.clone());
+                }
+                last.0 = Some(reply.clone());
+                match old {
+                    Some(old) => {
+                        r.fetch_add(1, Ordering::SeqCst);
+                        old
+                    }
+                    None => reply,
+                }
             }),
         );
         WebdisReplaying {
             port,
             armed,
+            armed_eval,
             replayed,
         }
     }
@@ -540,6 +554,12 @@ impl WebdisReplaying {
     /// The next call gets the previous call's reply.
     pub fn arm(&self) {
         self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// The next EVAL (a call sent again with its script's source after a
+    /// NOSCRIPT) gets the reply the previous EVAL got.
+    pub fn arm_eval(&self) {
+        self.armed_eval.store(true, Ordering::SeqCst);
     }
 
     /// Calls answered with another's reply so far.
