@@ -16,6 +16,7 @@ mod offload;
 mod overrides;
 mod quota;
 mod ratelimit;
+mod refusals;
 mod usage;
 
 pub(super) use std::rc::Rc;
