@@ -278,8 +278,10 @@ fn under_load_a_killed_redis_changes_only_who_decides() {
     assert_eq!(local, [(200, 10), (429, 30)].into());
 }
 
-#[test]
-fn a_reply_webdis_hands_to_the_wrong_call_is_taken_as_no_answer_not_as_a_verdict() {
+/// One Envoy reaching Webdis through a relay that can hand a call another
+/// call's reply (what Webdis 0.1.9 does), failing closed; one token an hour
+/// per x-user. The servers are returned so they live as long as the test.
+fn behind_a_replaying_relay() -> (Redis, Webdis, Upstream, WebdisReplaying, Envoy) {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     webdis.wait_until_redis_answers();
@@ -293,6 +295,12 @@ fn a_reply_webdis_hands_to_the_wrong_call_is_taken_as_no_answer_not_as_a_verdict
         )
         .build();
     let envoy = Envoy::start(&cfg, relay.port, upstream.port);
+    (redis, webdis, upstream, relay, envoy)
+}
+
+#[test]
+fn a_reply_webdis_hands_to_the_wrong_call_is_taken_as_no_answer_not_as_a_verdict() {
+    let (_redis, _webdis, _upstream, relay, envoy) = behind_a_replaying_relay();
     let url = envoy.url("/");
     let status = |user: &str| get(&url, &[("x-user", user)]).status;
     assert_eq!(status("ann"), 200);
@@ -321,19 +329,7 @@ fn a_reply_webdis_hands_to_the_wrong_eval_is_not_its_verdict_either() {
     // as EVAL with its script's source: it carries a nonce too. make soak
     // once saw a keyed request answered with another tenant's stored
     // response during a Redis restart, when EVAL carried none.
-    let redis = Redis::start();
-    let webdis = Webdis::start(redis.port);
-    webdis.wait_until_redis_answers();
-    let relay = WebdisReplaying::start(webdis.port);
-    let upstream = Upstream::start();
-    let cfg = filter_config(2000)
-        .failure_mode("deny")
-        .limits(
-            r#"[{"name":"u","descriptor":[{"header":"x-user"}],
-                 "tokenBucket":{"capacity":1,"refill":1,"periodMs":3600000}}]"#,
-        )
-        .build();
-    let envoy = Envoy::start(&cfg, relay.port, upstream.port);
+    let (redis, _webdis, _upstream, relay, envoy) = behind_a_replaying_relay();
     let url = envoy.url("/");
     let status = |user: &str| get(&url, &[("x-user", user)]).status;
     let flush = || {
