@@ -238,38 +238,7 @@ fn plans_config() -> String {
 
 /// The tokens counted in `key`'s daily windows.
 fn tokens_spent(con: &mut redis::Connection, key: &str) -> i64 {
-    let windows: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("*:tokens:*:{key}:*"))
-        .query(con)
-        .unwrap();
-    windows
-        .iter()
-        .map(|w| {
-            let v: Option<String> = redis::cmd("GET").arg(w).query(con).unwrap();
-            v.map_or(0, |v| v.parse::<i64>().unwrap())
-        })
-        .sum()
-}
-
-/// A streamed completion for `key` on Envoy `i`: OpenAI's chunks or
-/// Anthropic's events, `prompt` and `completion` tokens in its usage.
-fn streamed(stack: &Stack, i: usize, key: &str, prompt: u64, completion: u64) -> Resp {
-    let (path, kind) = if i % 2 == 0 {
-        ("/v1/chat/completions", "openai-sse")
-    } else {
-        ("/v1/messages", "anthropic-sse")
-    };
-    let tokens = format!("{prompt},{completion}");
-    http(
-        "POST",
-        &stack.envoys[i % 2].url(path),
-        &[
-            ("x-api-key", key),
-            ("x-upstream-llm", kind),
-            ("x-upstream-tokens", &tokens),
-        ],
-        Some(b"{}"),
-    )
+    llm::tokens_in_windows(con, "tokens", key)
 }
 
 #[test]
@@ -301,7 +270,7 @@ fn a_stored_daily_token_plan_is_spent_exactly_from_streamed_usage_and_its_header
     // APIs: each reserves 1 at admission and settles its 99 more as its
     // stream ends, under acme's plan.
     for n in 1..=10 {
-        let r = streamed(&stack, n, "acme", 30, 70);
+        let r = llm::streamed(&stack, n, "acme", 30, 70);
         assert_eq!(r.status, 200, "request {n}");
         // The headers state acme's own plan and what is left of it after
         // the reserve.
@@ -325,21 +294,21 @@ fn a_stored_daily_token_plan_is_spent_exactly_from_streamed_usage_and_its_header
         );
     }
     // Exactly 1,000 tokens, to the token: the plan is spent.
-    let r = streamed(&stack, 0, "acme", 1, 1);
+    let r = llm::streamed(&stack, 0, "acme", 1, 1);
     assert_eq!(r.status, 429);
     assert_eq!(r.header("x-ratelimit-limit"), Some("1000"));
     assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
     assert_eq!(tokens_spent(&mut con, "acme"), 1000);
 
     // initech: the configured 100, settled the same way.
-    let r = streamed(&stack, 1, "initech", 40, 60);
+    let r = llm::streamed(&stack, 1, "initech", 40, 60);
     assert_eq!(r.status, 200);
     assert_eq!(r.header("ratelimit-policy"), Some(day(100).as_str()));
     assert_eq!(r.header("x-ratelimit-remaining"), Some("99"));
     poll_eq("initech's settlement", 100, Duration::from_secs(5), || {
         tokens_spent(&mut con, "initech")
     });
-    let r = streamed(&stack, 0, "initech", 1, 1);
+    let r = llm::streamed(&stack, 0, "initech", 1, 1);
     assert_eq!(r.status, 429);
     assert_eq!(r.header("x-ratelimit-limit"), Some("100"));
     assert_eq!(tokens_spent(&mut con, "initech"), 100);
@@ -351,23 +320,10 @@ fn a_stored_daily_token_plan_is_spent_exactly_from_streamed_usage_and_its_header
     );
 }
 
-/// A request to `path` as `user` that the upstream holds `delay_ms`.
-fn held_open(port: u16, path: &str, user: &str, delay_ms: u64) -> std::net::TcpStream {
-    use std::io::Write;
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let delay = delay_ms.to_string();
-    let req = raw_request_bytes(
-        "GET",
-        path,
-        "",
-        &[
-            ("x-user", user.as_bytes()),
-            ("x-upstream-delay-ms", delay.as_bytes()),
-        ],
-        b"",
-    );
-    s.write_all(&req).unwrap();
-    s
+/// A request to `path` as `user` that its client holds in flight.
+fn held(stack: &Stack, n: usize, path: &str, user: &str) -> std::net::TcpStream {
+    let admitted = "redis_guard.ratelimit.inflight.allowed";
+    llm::held_by_client(stack, n, path, &[("x-user", user.as_bytes())], admitted)
 }
 
 #[test]
@@ -392,19 +348,9 @@ fn a_customer_with_a_concurrency_plan_of_3_holds_exactly_3_in_flight_and_others_
         ],
     );
     assert_eq!(set["override"]["quota"], 3);
-    // Three held at the upstream, over both Envoys.
-    let _held: Vec<_> = (0..3)
-        .map(|i| {
-            let path = format!("/slow?acme={i}");
-            let s = held_open(stack.envoys[i % 2].port, &path, "acme", 10_000);
-            poll_eq(
-                "acme's request at the upstream",
-                1,
-                Duration::from_secs(10),
-                || stack.upstream.in_flight(&path),
-            );
-            s
-        })
+    // Three held in flight by their clients, over both Envoys.
+    let held_acme: Vec<_> = (0..3)
+        .map(|i| held(&stack, i, &format!("/slow?acme={i}"), "acme"))
         .collect();
     // The 4th is refused, on either Envoy, and says acme's own maximum.
     for e in &stack.envoys {
@@ -414,10 +360,7 @@ fn a_customer_with_a_concurrency_plan_of_3_holds_exactly_3_in_flight_and_others_
         assert_eq!(r.header("ratelimit-policy"), Some("\"inflight\";q=3"));
     }
     // bob has no plan: the configured 1.
-    let _bob = held_open(stack.envoys[0].port, "/slow?bob", "bob", 10_000);
-    poll_eq("bob's request", 1, Duration::from_secs(10), || {
-        stack.upstream.in_flight("/slow?bob")
-    });
+    let bob = held(&stack, 0, "/slow?bob", "bob");
     let r = http(
         "GET",
         &stack.envoys[1].url("/slow"),
@@ -426,11 +369,16 @@ fn a_customer_with_a_concurrency_plan_of_3_holds_exactly_3_in_flight_and_others_
     );
     assert_eq!(r.status, 429);
     assert_eq!(r.header("ratelimit-policy"), Some("\"inflight\";q=1"));
-    // Exactly three of acme's and one of bob's ever reached the upstream.
+    // Exactly three of acme's and one of bob's ever reached the upstream,
+    // once each was let go.
+    for s in held_acme.into_iter().chain([bob]) {
+        llm::finish(s);
+    }
     let reached: u64 = (0..3)
         .map(|i| stack.upstream.executions_of(&format!("/slow?acme={i}")))
         .sum();
     assert_eq!(reached, 3);
+    assert_eq!(stack.upstream.executions_of("/slow?bob"), 1);
     assert_eq!(stack.upstream.executions_of("/slow"), 0);
 }
 

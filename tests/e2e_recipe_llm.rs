@@ -11,7 +11,6 @@
 
 mod support;
 
-use std::io::Write;
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::Command;
@@ -64,82 +63,24 @@ fn plans(stack: &Stack, config: &Path, args: &[&str]) -> (i32, serde_json::Value
 
 /// The tokens counted in `key`'s daily windows.
 fn spent(con: &mut redis::Connection, key: &str) -> i64 {
-    let windows: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("*:daily-tokens:*:{key}:*"))
-        .query(con)
-        .unwrap();
-    windows
-        .iter()
-        .map(|w| {
-            let v: Option<String> = redis::cmd("GET").arg(w).query(con).unwrap();
-            v.map_or(0, |v| v.parse::<i64>().unwrap())
-        })
-        .sum()
+    llm::tokens_in_windows(con, "daily-tokens", key)
 }
 
-/// A completion streamed for `key` through Envoy `n % 2`: OpenAI's chunks
-/// on even `n`, Anthropic's events on odd, `prompt` and `completion` tokens
-/// in its usage.
-fn complete(stack: &Stack, n: usize, key: &str, prompt: u64, completion: u64) -> Resp {
-    let (path, kind) = if n % 2 == 0 {
-        ("/v1/chat/completions", "openai-sse")
-    } else {
-        ("/v1/messages", "anthropic-sse")
-    };
-    let tokens = format!("{prompt},{completion}");
-    let r = http(
-        "POST",
-        &stack.envoys[n % 2].url(path),
-        &[
-            ("x-api-key", key),
-            ("x-upstream-llm", kind),
-            ("x-upstream-tokens", &tokens),
-        ],
-        Some(b"{}"),
-    );
-    if r.status == 200 {
-        assert_eq!(r.header("content-type"), Some("text/event-stream"));
-    }
-    r
-}
-
-/// A completion for `key` held open by its client: its headers and the
-/// first byte of its 2-byte body sent, so it is admitted (the decision is
-/// made at the headers) and in flight until [`finish`] sends the last byte
-/// (Envoy's route timeout starts only then). 7 + 3 tokens when it runs.
+/// A completion for `key` held in flight by its client, 7 + 3 tokens when
+/// it runs.
 fn held(stack: &Stack, n: usize, key: &str) -> TcpStream {
-    let admitted = || stack.counter("redis_guard.ratelimit.in-flight.allowed");
-    let before = admitted();
-    let mut s = TcpStream::connect(("127.0.0.1", stack.envoys[n % 2].port)).unwrap();
-    let req = raw_request_bytes(
-        "POST",
-        "/v1/messages",
-        "content-length: 2\r\nconnection: close\r\n",
-        &[
-            ("x-api-key", key.as_bytes()),
-            ("x-upstream-llm", b"anthropic-sse"),
-            ("x-upstream-tokens", b"7,3"),
-        ],
-        b"{",
-    );
-    s.write_all(&req).unwrap();
-    poll_eq(
-        "the held completion's admission",
-        before + 1,
-        Duration::from_secs(10),
-        admitted,
-    );
-    s
+    let headers: [(&str, &[u8]); 3] = [
+        ("x-api-key", key.as_bytes()),
+        ("x-upstream-llm", b"anthropic-sse"),
+        ("x-upstream-tokens", b"7,3"),
+    ];
+    let admitted = "redis_guard.ratelimit.in-flight.allowed";
+    llm::held_by_client(stack, n, "/v1/messages", &headers, admitted)
 }
 
 /// The held completion's last byte: it runs upstream, and its stream ends.
-fn finish(mut s: TcpStream) {
-    s.write_all(b"}").unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    let mut out = Vec::new();
-    let _ = std::io::Read::read_to_end(&mut s, &mut out);
-    let text = String::from_utf8_lossy(&out);
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+fn finish(s: TcpStream) {
+    let text = llm::finish(s);
     assert!(text.contains("event: message_stop"), "{text}");
 }
 
@@ -175,7 +116,7 @@ fn each_key_spends_its_own_tiers_daily_tokens_exactly_and_an_upgrade_mid_day_app
     // (prompt + completion, both APIs, both Envoys) spend it to the token.
     let policy = |q: u64, m: u64| format!("\"daily-tokens\";q={q};w=86400, \"in-flight\";q={m}");
     for n in 0..4 {
-        let r = complete(&stack, n, "key-free-1", 1000, 1500);
+        let r = llm::streamed(&stack, n, "key-free-1", 1000, 1500);
         assert_eq!(r.status, 200, "completion {n}");
         assert_eq!(
             r.header("ratelimit-policy"),
@@ -188,13 +129,13 @@ fn each_key_spends_its_own_tiers_daily_tokens_exactly_and_an_upgrade_mid_day_app
             || spent(&mut con, "key-free-1"),
         );
     }
-    let r = complete(&stack, 0, "key-free-1", 1, 1);
+    let r = llm::streamed(&stack, 0, "key-free-1", 1, 1);
     assert_eq!(r.status, 429);
     assert_eq!(r.header("x-ratelimit-limit"), Some("10000"));
     assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
 
     // The pro key: its plan of 200,000, stated in its headers.
-    let r = complete(&stack, 1, "key-pro-1", 40_000, 60_000);
+    let r = llm::streamed(&stack, 1, "key-pro-1", 40_000, 60_000);
     assert_eq!(r.status, 200);
     assert_eq!(
         r.header("ratelimit-policy"),
@@ -233,7 +174,7 @@ fn each_key_spends_its_own_tiers_daily_tokens_exactly_and_an_upgrade_mid_day_app
         (&report["added"], &report["unchanged"]),
         (&2.into(), &4.into())
     );
-    let r = complete(&stack, 0, "key-free-1", 1000, 1500);
+    let r = llm::streamed(&stack, 0, "key-free-1", 1000, 1500);
     assert_eq!(r.status, 200);
     assert_eq!(
         r.header("ratelimit-policy"),
@@ -252,7 +193,7 @@ fn each_key_spends_its_own_tiers_daily_tokens_exactly_and_an_upgrade_mid_day_app
     // token.
     let free = held(&stack, 0, "key-free-2");
     for e in 0..2 {
-        let r = complete(&stack, e, "key-free-2", 1, 1);
+        let r = llm::streamed(&stack, e, "key-free-2", 1, 1);
         assert_eq!(r.status, 429);
         assert_eq!(
             r.header("ratelimit-policy"),
@@ -262,7 +203,7 @@ fn each_key_spends_its_own_tiers_daily_tokens_exactly_and_an_upgrade_mid_day_app
     }
     let upgraded: Vec<TcpStream> = (0..4).map(|i| held(&stack, i, "key-free-1")).collect();
     for e in 0..2 {
-        let r = complete(&stack, e, "key-free-1", 1, 1);
+        let r = llm::streamed(&stack, e, "key-free-1", 1, 1);
         assert_eq!(r.status, 429);
         assert_eq!(
             r.header("ratelimit-policy"),

@@ -16,6 +16,7 @@ pub mod cluster;
 pub mod config;
 pub mod fixed_seed;
 pub mod identity;
+pub mod llm;
 pub mod probe;
 pub mod s3;
 pub mod script;
